@@ -1,0 +1,54 @@
+"""The multi-rank harness itself: results come back by rank, failures carry the rank's traceback."""
+
+import pytest
+
+from zeroio.errors import RankFailedError
+from zeroio.testing import run_ranks
+
+
+def _all_reduce_body(offset):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank()) + offset])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    return "ok"
+
+
+def _hang_on_rank_zero():
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(60)
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_all_reduce_result_checked(world):
+    results = run_ranks(_all_reduce_body, world, 10.0)
+    # hand computation: sum over ranks r of (r + 10)
+    expected = sum(r + 10.0 for r in range(world))
+    assert results == [(r, world, expected) for r in range(world)]
+
+
+def test_rank_failure_reraises_with_traceback():
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_fail_on_rank_one, 2)
+    assert info.value.rank == 1
+    assert "boom on rank one" in str(info.value)
+    assert "ValueError" in info.value.traceback_text
+
+
+def test_timeout_kills_ranks():
+    with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
+        run_ranks(_hang_on_rank_zero, 2, timeout=10)

@@ -1,0 +1,1 @@
+"""The ``zeroio`` command: train, launch, bench, tune, estimate, consolidate, inspect."""

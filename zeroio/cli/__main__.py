@@ -1,0 +1,5 @@
+import sys
+
+from zeroio.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,12 @@
+"""`zeroio launch` (placeholder until its issue lands: registers the name only)."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("launch", help="(not implemented yet)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    raise SystemExit("zeroio launch: not implemented yet")

@@ -1,0 +1,52 @@
+"""Entry point of the ``zeroio`` command.
+
+Each subcommand lives in its own module of this package and exposes
+``add_parser(subparsers)``, which registers its parser and sets
+``func=run`` through ``set_defaults``. Modules are imported only when the
+command line is parsed, so ``zeroio --help`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (subcommand module, one-line help); order is the order shown by --help.
+COMMANDS = [
+    ("train", "train a decoder-only language model end to end"),
+    ("launch", "run a script on N processes (torch.distributed.run)"),
+    ("bench", "benchmarks: `zeroio bench io`"),
+    ("tune", "tuning sweeps: `zeroio tune io`"),
+    ("estimate", "memory per GPU, CPU and NVMe for a model and config"),
+    ("consolidate", "write a checkpoint as a safetensors folder"),
+    ("inspect", "list what a checkpoint holds"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeroio", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, _help in COMMANDS:
+        module = importlib.import_module(f"zeroio.cli.{name}_cmd")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from zeroio.errors import ZeroIOError
+
+    try:
+        return int(args.func(args) or 0)
+    except ZeroIOError as e:
+        print(f"zeroio {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

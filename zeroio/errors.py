@@ -1,0 +1,67 @@
+"""The zeroio error hierarchy.
+
+Every error zeroio raises on purpose derives from ``ZeroIOError``; each leaf
+also subclasses the builtin a caller would naturally catch (a bad config is a
+``ValueError``, a failed swap an ``OSError``, an over-budget request a
+``MemoryError``). Messages carry the names and values needed to fix the cause:
+a config key path, a file path, bytes needed vs bytes free.
+"""
+
+from __future__ import annotations
+
+
+class ZeroIOError(Exception):
+    """Root of every error zeroio raises on purpose."""
+
+
+class ConfigError(ZeroIOError, ValueError):
+    """A config key is unknown, mistyped, of the wrong type or inconsistent.
+
+    ``key`` is the dotted key path (``zero_optimization.offload_param.device``)
+    when one is known.
+    """
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class SwapIOError(ZeroIOError, OSError):
+    """Reading or writing swapped state failed (short read, crc mismatch, ENOSPC...)."""
+
+
+class IntegrityError(SwapIOError):
+    """Data read back does not match the checksum recorded when it was written."""
+
+
+class CapacityError(ZeroIOError, MemoryError):
+    """A budget (GPU, pinned CPU, NVMe, buffer pool) cannot hold what is asked of it."""
+
+
+class CheckpointError(ZeroIOError, ValueError):
+    """A checkpoint is missing, incomplete, corrupt, of a newer format or of another model."""
+
+
+class DistributedError(ZeroIOError, RuntimeError):
+    """A collective or the process group is not in the state an operation needs."""
+
+
+class RankFailedError(DistributedError):
+    """A rank of a multi-rank run raised; carries that rank's traceback text."""
+
+    def __init__(self, rank: int, tb: str):
+        super().__init__(f"rank {rank} failed:\n{tb}")
+        self.rank = rank
+        self.traceback_text = tb
+
+
+__all__ = [
+    "ZeroIOError",
+    "ConfigError",
+    "SwapIOError",
+    "IntegrityError",
+    "CapacityError",
+    "CheckpointError",
+    "DistributedError",
+    "RankFailedError",
+]

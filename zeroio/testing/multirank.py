@@ -1,0 +1,146 @@
+"""Run a function on N ranks as separate processes and bring back their results.
+
+    from zeroio.testing import run_ranks
+
+    def body(x):                      # module level: it is imported by each rank
+        import torch, torch.distributed as dist
+        t = torch.tensor([float(dist.get_rank() + x)])
+        dist.all_reduce(t)
+        return t.item()
+
+    assert run_ranks(body, 2, 1.0) == [3.0, 3.0]
+
+Each rank is a fresh ``spawn`` process with a gloo (or NCCL) process group
+already initialised and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set,
+so code under test that reads the environment sees a ``torchrun``-like world.
+A rank that raises has its traceback re-raised in the caller as
+``RankFailedError``; a run that exceeds ``timeout`` kills every rank and raises
+``TimeoutError`` naming the ranks still running. Results travel back through
+a multiprocessing queue (process memory, never a file).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from zeroio.errors import RankFailedError
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on localhost."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, out) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if threads:
+            torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        )
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        out.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the caller
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+    threads: int | None = 1,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result, by rank.
+
+    ``fn`` must be importable at module level (spawned processes import it).
+    ``threads`` caps torch's intra-op threads per rank (None leaves torch's
+    default), so several ranks on a small machine do not oversubscribe it.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, r, world_size, port, backend, threads, dict(env or {}), args, kwargs, out),
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(
+                    f"run_ranks({getattr(fn, '__name__', fn)}): ranks {missing} still running "
+                    f"after {timeout:.0f} s; all ranks were killed"
+                )
+            try:
+                rank, ok, payload = out.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [
+                    r for r, p in enumerate(procs)
+                    if r not in results and p.exitcode not in (None, 0)
+                ]
+                if dead:
+                    # give a rank that crashed after queueing its traceback a moment to arrive
+                    try:
+                        rank, ok, payload = out.get(timeout=2.0)
+                    except queue.Empty:
+                        r = dead[0]
+                        raise RankFailedError(
+                            r, f"process exited with code {procs[r].exitcode} and no traceback"
+                        ) from None
+                else:
+                    continue
+            if not ok:
+                raise RankFailedError(rank, payload)
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(results) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        out.close()
+    return [results[r] for r in range(world_size)]
