@@ -38,6 +38,11 @@ class CapacityError(ZeroIOError, MemoryError):
     """A budget (GPU, pinned CPU, NVMe, buffer pool) cannot hold what is asked of it."""
 
 
+class ResidencyError(ZeroIOError, RuntimeError):
+    """A tiered-store call does not fit a tensor's residency state (release
+    without acquire, mark_dirty while another tier holds it, unknown name...)."""
+
+
 class CheckpointError(ZeroIOError, ValueError):
     """A checkpoint is missing, incomplete, corrupt, of a newer format or of another model."""
 
@@ -61,6 +66,7 @@ __all__ = [
     "SwapIOError",
     "IntegrityError",
     "CapacityError",
+    "ResidencyError",
     "CheckpointError",
     "DistributedError",
     "RankFailedError",
