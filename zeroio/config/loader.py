@@ -1,0 +1,218 @@
+"""``Config`` (the whole resolved config) and ``load_config``.
+
+Loading is one pass, in this order: read JSON -> rewrite legacy shapes ->
+fill "auto" -> build every section (types, ranges, unknown keys) -> complete
+the batch triple -> cross-section checks. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from zeroio.config import legacy
+from zeroio.config.auto import BATCH_KEYS, check_auto_values, resolve_auto
+from zeroio.config.batch import complete
+from zeroio.config.fields import (
+    as_bool,
+    build,
+    did_you_mean,
+    float_coercer,
+    int_coercer,
+    optional,
+    section,
+    sub,
+    to_jsonable,
+)
+from zeroio.config.fields import (
+    field as cfg_field,
+)
+from zeroio.config.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
+from zeroio.config.sections import AioConfig, BF16Config, CheckpointConfig, FP16Config
+from zeroio.config.zero import OffloadDevice, ZeroConfig
+from zeroio.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Scalars:
+    """Top-level scalar keys and simple sections, read by the generic builder."""
+
+    train_batch_size: int | None = cfg_field(None, coerce=optional(int_coercer(gt=0)))
+    train_micro_batch_size_per_gpu: int | None = cfg_field(None, coerce=optional(int_coercer(gt=0)))
+    gradient_accumulation_steps: int | None = cfg_field(None, coerce=optional(int_coercer(gt=0)))
+    gradient_clipping: float = cfg_field(0.0, coerce=float_coercer(ge=0))
+    steps_per_print: int | None = cfg_field(None, coerce=optional(int_coercer(gt=0)))
+    wall_clock_breakdown: bool = cfg_field(False, coerce=as_bool)
+    zero_force_ds_cpu_optimizer: bool = cfg_field(True, coerce=as_bool)
+    zero_optimization: ZeroConfig = sub(ZeroConfig)
+    aio: AioConfig = sub(AioConfig)
+    fp16: FP16Config = sub(FP16Config)
+    bf16: BF16Config = sub(BF16Config)
+    checkpoint: CheckpointConfig = sub(CheckpointConfig)
+    # optimizer/scheduler have their own builders (their params depend on type).
+    optimizer: Any = cfg_field(None, coerce=lambda v, p: build_optimizer(v, p))
+    scheduler: Any = cfg_field(None, coerce=lambda v, p: build_scheduler(v, p))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A resolved zeroio / DeepSpeed config. Build it with ``load_config``.
+
+    Attribute names are DeepSpeed's JSON names after alias resolution; every
+    value is checked and complete (no "auto", no None where a value is needed
+    except the documented "derived at runtime" budgets and steps_per_print).
+    """
+
+    train_batch_size: int
+    """Samples per optimizer step over all ranks = micro x accumulation x world_size."""
+    train_micro_batch_size_per_gpu: int
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: int
+    """Micro-batches per optimizer step."""
+    gradient_clipping: float = 0.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    steps_per_print: int | None = None
+    """Log every N steps; None never logs periodically (DeepSpeed 0.19's default)."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step separately and report them."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """With optimizer offload, require zeroio's CPU optimizer (reject a client GPU optimizer)."""
+    world_size: int = 1
+    """Data-parallel ranks: load_config(world_size=...), else $WORLD_SIZE, else 1."""
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    unimplemented: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({}), metadata={"json": False})
+    """DeepSpeed keys present in the file that zeroio accepts but does not implement
+    (key path -> value as written); see docs/config.md."""
+
+    @property
+    def stage(self) -> int:
+        return self.zero_optimization.stage
+
+    @property
+    def compute_dtype(self) -> str:
+        """ "fp16", "bf16" or "fp32": the dtype of parameters and gradients."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as a JSON-able dict; load_config(d, world_size=...) rebuilds it."""
+        out = to_jsonable(self)
+        out.pop("world_size")
+        return out
+
+
+def _read(path_or_dict: Any) -> dict[str, Any]:
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    if isinstance(path_or_dict, (str, os.PathLike)):
+        path = Path(path_or_dict)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist", key=None) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}", key=None) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON: {e}", key=None) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a JSON object, not "
+                              f"{type(data).__name__}", key=None)
+        return data
+    raise ConfigError(f"config must be a path or a dict, not {type(path_or_dict).__name__}",
+                      key=None)
+
+
+def _world_size(values: dict[str, Any]) -> int:
+    if "world_size" in values:
+        return values["world_size"]
+    env = os.environ.get("WORLD_SIZE")
+    if env is None:
+        return 1
+    try:
+        ws = int(env)
+    except ValueError:
+        ws = 0
+    if ws < 1:
+        raise ConfigError(f"environment WORLD_SIZE={env!r}: expected a positive integer",
+                          key="world_size")
+    return ws
+
+
+def _check_offload(cfg: Config) -> None:
+    zero = cfg.zero_optimization
+    for name in ("offload_optimizer", "offload_param"):
+        block = getattr(zero, name)
+        key = f"zero_optimization.{name}"
+        if block.device is OffloadDevice.NVME and block.nvme_path is None:
+            raise ConfigError(f'{key}.device is "nvme" but {key}.nvme_path is not set: give '
+                              "a directory on the NVMe drive", key=f"{key}.nvme_path")
+    if zero.offload_param.device is not OffloadDevice.NONE and zero.stage != 3:
+        raise ConfigError(
+            f'zero_optimization.offload_param.device = "{zero.offload_param.device.value}" '
+            f"needs zero_optimization.stage 3 (stage is {zero.stage}): only stage 3 "
+            "partitions parameters", key="zero_optimization.offload_param.device")
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one",
+                          key="bf16.enabled")
+
+
+def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
+    """Read a DeepSpeed JSON config (path or dict) into a checked, complete ``Config``.
+
+    ``auto_values`` fill "auto" entries and the world size: world_size,
+    hidden_size and the Hugging Face TrainingArguments names
+    (per_device_train_batch_size, gradient_accumulation_steps, learning_rate,
+    adam_beta1, adam_beta2, adam_epsilon, weight_decay, max_grad_norm, fp16,
+    bf16, num_training_steps, warmup_steps). Every problem is a ConfigError
+    naming the key path.
+    """
+    values = check_auto_values(auto_values)
+    raw = legacy.rewrite(_read(path_or_dict))
+    world_size = _world_size(values)
+    raw, unfilled = resolve_auto(raw, values)
+    token = legacy._seen.set({})
+    try:
+        scalars = build(_Scalars, raw, "")
+        unimplemented = dict(legacy._seen.get() or {})
+    finally:
+        legacy._seen.reset(token)
+    batch = complete({k: getattr(scalars, k) for k in BATCH_KEYS}, world_size, unfilled)
+    zero = scalars.zero_optimization
+    if zero.overlap_comm is None:
+        zero = replace(zero, overlap_comm=zero.stage == 3)
+    cfg = Config(
+        train_batch_size=batch.train_batch_size,
+        train_micro_batch_size_per_gpu=batch.train_micro_batch_size_per_gpu,
+        gradient_accumulation_steps=batch.gradient_accumulation_steps,
+        gradient_clipping=scalars.gradient_clipping,
+        steps_per_print=scalars.steps_per_print,
+        wall_clock_breakdown=scalars.wall_clock_breakdown,
+        zero_force_ds_cpu_optimizer=scalars.zero_force_ds_cpu_optimizer,
+        world_size=world_size,
+        zero_optimization=zero,
+        aio=scalars.aio,
+        fp16=scalars.fp16,
+        bf16=scalars.bf16,
+        optimizer=scalars.optimizer,
+        scheduler=scalars.scheduler,
+        checkpoint=scalars.checkpoint,
+        unimplemented=MappingProxyType(unimplemented),
+    )
+    _check_offload(cfg)
+    return cfg
+
+
+__all__ = ["Config", "load_config", "did_you_mean", "section"]

@@ -1,0 +1,113 @@
+"""Top-level sections other than ZeRO: ``aio``, ``fp16``, ``bf16``, ``checkpoint``.
+
+Defaults are DeepSpeed 0.19's source defaults (swap_tensor/constants.py,
+precision_config.py, runtime/constants.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from zeroio.config.fields import (
+    as_bool,
+    fail,
+    field,
+    float_coercer,
+    int_coercer,
+    sub,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """``aio``: the NVMe I/O engine's request shape."""
+
+    block_size: int = field(1_048_576, coerce=int_coercer(gt=0))
+    """Bytes per I/O request (1 MiB)."""
+    queue_depth: int = field(8, coerce=int_coercer(gt=0))
+    """Requests in flight per thread."""
+    intra_op_parallelism: int = field(1, coerce=int_coercer(gt=0), aliases=("thread_count",))
+    """Threads splitting one read or write (DeepSpeed's older name: ``thread_count``)."""
+    single_submit: bool = field(False, coerce=as_bool)
+    """Submit requests one at a time instead of in batches."""
+    overlap_events: bool = field(True, coerce=as_bool)
+    """Overlap request submission with completion polling."""
+    use_gds: bool = field(False, coerce=as_bool)
+    """Use NVIDIA GPUDirect Storage (needs CUDA and a GDS-capable file system)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    """``fp16``: 16-bit float parameters with (dynamic) loss scaling."""
+
+    enabled: bool = field(False, coerce=as_bool)
+    """Train with fp16 parameters and gradients, fp32 master weights."""
+    loss_scale: float = field(0.0, coerce=float_coercer(ge=0))
+    """Static loss scale; 0 means dynamic loss scaling."""
+    initial_scale_power: int = field(16, coerce=int_coercer(ge=0))
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = field(1000, coerce=int_coercer(gt=0))
+    """Overflow-free steps before the dynamic scale is doubled."""
+    hysteresis: int = field(2, coerce=int_coercer(gt=0))
+    """Overflows tolerated before the dynamic scale is halved (delayed shift)."""
+    consecutive_hysteresis: bool = field(False, coerce=as_bool)
+    """Refill hysteresis after every overflow-free step."""
+    min_loss_scale: int = field(1, coerce=int_coercer(gt=0))
+    """Floor of the dynamic loss scale."""
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    """``bf16`` (legacy name ``bfloat16``): bfloat16 parameters, fp32 master weights."""
+
+    enabled: bool = field(False, coerce=as_bool)
+    """Train with bf16 parameters and gradients; no loss scaling."""
+
+
+class TagValidation(str, enum.Enum):
+    """What loading a checkpoint does when ranks disagree on the tag."""
+
+    IGNORE = "Ignore"
+    WARN = "Warn"
+    FAIL = "Fail"
+
+
+def _tag_validation(value, path):
+    if isinstance(value, str):
+        for member in TagValidation:
+            if member.value.lower() == value.lower():
+                return member
+    raise fail(path, value, '"Ignore", "Warn" or "Fail"')
+
+
+def _pipeline_stage(value, path):
+    if as_bool(value, path):
+        raise fail(path, value, "false (zeroio has no pipeline parallelism)")
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelWriteConfig:
+    """``checkpoint.parallel_write``."""
+
+    pipeline_stage: bool = field(False, coerce=_pipeline_stage)
+    """DeepSpeed pipeline-parallel option; zeroio has no pipeline stages (must stay false)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """``checkpoint``: DeepSpeed's checkpoint block."""
+
+    tag_validation: TagValidation = field(TagValidation.WARN, coerce=_tag_validation)
+    """Check that all ranks save/load the same tag: Ignore, Warn or Fail (case-insensitive)."""
+    load_universal: bool = field(False, coerce=as_bool)
+    """Load a universal checkpoint. zeroio checkpoints are always universal (any world
+    size reads its own range), so this only documents intent."""
+    use_node_local_storage: bool = field(False, coerce=as_bool)
+    """Each node writes to its own local storage (rank 0 of each node writes shared files)."""
+    parallel_write: ParallelWriteConfig = sub(ParallelWriteConfig)

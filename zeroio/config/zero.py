@@ -1,0 +1,158 @@
+"""The ``zero_optimization`` section: stage, buckets, offload and tiering.
+
+Defaults are DeepSpeed 0.19's source defaults (deepspeed/runtime/zero/config.py
+and offload_config.py); docs/config.md lists where DeepSpeed's documentation
+says otherwise. Attribute names are DeepSpeed's JSON names: where DeepSpeed's
+pydantic field is ``prefetch_bucket_size`` with JSON alias
+``stage3_prefetch_bucket_size``, the attribute is the JSON name and the field
+name is accepted as an alias.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from zeroio.config.fields import (
+    as_bool,
+    as_str,
+    enum_coercer,
+    fail,
+    field,
+    int_coercer,
+    optional,
+    sub,
+)
+
+_NONNEG = int_coercer(ge=0)
+
+
+class OffloadDevice(str, enum.Enum):
+    """Where a kind of state lives when it is not on the GPU."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class EvictionPolicy(str, enum.Enum):
+    """Which resident tensor the tiered store evicts when a tier is full."""
+
+    LRU = "lru"
+    FIFO = "fifo"
+    TRACE = "trace"
+
+
+def _path(value, path):
+    return as_str(value, path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: optimizer state and step off the GPU."""
+
+    device: OffloadDevice = field(OffloadDevice.NONE, coerce=enum_coercer(OffloadDevice))
+    """none: optimizer state on GPU; cpu: pinned host memory, CPU Adam; nvme: zarr store
+    under ``nvme_path``, streamed through host buffers in sub-groups."""
+    nvme_path: str | None = field(None, coerce=optional(_path))
+    """Directory for NVMe-resident optimizer state (required with device nvme).
+    A relative path is relative to the working directory of the training process."""
+    buffer_count: int = field(4, coerce=_NONNEG)
+    """Host buffers in the NVMe swap pool (>= states per parameter: Adam has 4)."""
+    pin_memory: bool = field(False, coerce=as_bool)
+    """Keep offloaded state in page-locked host memory (faster copies, less pageable RAM)."""
+    pipeline_read: bool = field(False, coerce=as_bool)
+    """NVMe: read sub-group i+1 while sub-group i is updated."""
+    pipeline_write: bool = field(False, coerce=as_bool)
+    """NVMe: write sub-group i-1 while sub-group i is updated."""
+
+    @property
+    def pipeline(self) -> bool:
+        return self.pipeline_read or self.pipeline_write
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param``: 16-bit parameters off the GPU (stage 3 only)."""
+
+    device: OffloadDevice = field(OffloadDevice.NONE, coerce=enum_coercer(OffloadDevice))
+    """none: parameter shards on GPU; cpu: pinned host memory; nvme: zarr store."""
+    nvme_path: str | None = field(None, coerce=optional(_path))
+    """Directory for NVMe-resident parameters (required with device nvme)."""
+    buffer_count: int = field(5, coerce=_NONNEG)
+    """Host buffers in the parameter swap pool."""
+    buffer_size: int = field(100_000_000, coerce=_NONNEG)
+    """Elements per parameter swap buffer (1e8)."""
+    max_in_cpu: int = field(1_000_000_000, coerce=_NONNEG)
+    """With NVMe offload, parameter elements that may stay in host memory (1e9)."""
+    pin_memory: bool = field(False, coerce=as_bool)
+    """Keep offloaded parameters in page-locked host memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TieringConfig:
+    """``zero_optimization.tiering``: zeroio's own tiered-store policy (not a DeepSpeed key).
+
+    A budget of None is derived by the tiered store when it starts: GPU from
+    the device's free memory, CPU from available host memory, NVMe from the
+    free space of the file system under ``nvme_path``. An explicit budget is a
+    hard cap; exceeding it is a CapacityError, never a silent overflow.
+    """
+
+    policy: EvictionPolicy = field(EvictionPolicy.LRU, coerce=enum_coercer(EvictionPolicy))
+    """Eviction order: lru (least recently used), fifo (first in), trace (farthest next use
+    in the access trace recorded during the first step; lru until a trace exists)."""
+    prefetch_depth: int = field(2, coerce=_NONNEG)
+    """How many upcoming tensors the prefetch queue moves toward the GPU ahead of use
+    (0 disables prefetch; 2 double-buffers)."""
+    gpu_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
+    """Bytes of GPU memory the tiered store may hold; None = derived at start."""
+    cpu_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
+    """Bytes of (pinned) host memory the tiered store may hold; None = derived at start."""
+    nvme_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
+    """Bytes the NVMe store may write; None = derived at start."""
+
+
+def _stage(value, path):
+    stage = int_coercer(ge=0)(value, path)
+    if stage > 3:
+        raise fail(path, value, "0, 1, 2 or 3")
+    return stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """``zero_optimization``: which training state is partitioned, and how it moves."""
+
+    stage: int = field(0, coerce=_stage)
+    """0: replicated (DDP); 1: optimizer state partitioned; 2: + gradients; 3: + parameters."""
+    overlap_comm: bool | None = field(None, coerce=optional(as_bool))
+    """Overlap gradient reduction with backward. None (unset) resolves to True for stage 3
+    and False otherwise, as DeepSpeed does; after load_config it is always a bool."""
+    contiguous_gradients: bool = field(True, coerce=as_bool)
+    """Copy gradients into one contiguous buffer as they are produced."""
+    reduce_bucket_size: int = field(500_000_000, coerce=_NONNEG)
+    """Elements reduced per collective (5e8)."""
+    allgather_bucket_size: int = field(500_000_000, coerce=_NONNEG)
+    """Elements all-gathered per collective in stage 1/2 (5e8)."""
+    sub_group_size: int = field(1_000_000_000, coerce=_NONNEG)
+    """Elements per optimizer sub-group: the unit of the pipelined NVMe optimizer step (1e9)."""
+    stage3_prefetch_bucket_size: int = field(50_000_000, coerce=_NONNEG,
+                                             aliases=("prefetch_bucket_size",))
+    """Stage 3: parameter elements fetched ahead of use (5e7)."""
+    stage3_param_persistence_threshold: int = field(
+        100_000, coerce=_NONNEG, aliases=("param_persistence_threshold",))
+    """Stage 3: parameters with fewer elements stay unpartitioned (1e5)."""
+    stage3_max_live_parameters: int = field(1_000_000_000, coerce=_NONNEG,
+                                            aliases=("max_live_parameters",))
+    """Stage 3: most gathered parameter elements resident per GPU before release (1e9)."""
+    stage3_max_reuse_distance: int = field(1_000_000_000, coerce=_NONNEG,
+                                           aliases=("max_reuse_distance",))
+    """Stage 3: keep a parameter gathered if it is reused within this many elements (1e9)."""
+    stage3_gather_16bit_weights_on_model_save: bool = field(
+        False, coerce=as_bool,
+        aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
+    """Stage 3: save_16bit_model gathers the full 16-bit weights."""
+    offload_optimizer: OffloadOptimizerConfig = sub(OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = sub(OffloadParamConfig)
+    tiering: TieringConfig = sub(TieringConfig)
