@@ -1,0 +1,254 @@
+"""Stage 0/1/2 partitioner: flat buffers, bucketed reductions from backward hooks.
+
+Stage 0 = plain data parallel (every rank owns every element, buckets
+all-reduced). Stage 1 = buckets all-reduced at the accumulation boundary,
+each rank keeps only its slices (see flat.[Note: bucket-wise sharding]).
+Stage 2 = buckets reduce-scattered every micro step as soon as their last
+gradient is accumulated, each rank summing its slice into its fp32 gradient
+shard; the full 16-bit gradient buffer is only a landing zone for autograd.
+
+[Note: gradient flow]
+Autograd accumulates into ``grads`` (every ``param.grad`` is a view of it).
+A post-accumulate-grad hook counts the bucket's ready parameters; the last one
+launches the bucket's collective. Consuming a bucket (its slice, divided by
+the world, copied or added into ``ShardGroup.grad``) happens on a side CUDA
+stream right after the collective when CUDA is present — so with CPU offload
+gradients travel to pinned host memory while backward continues — and at
+``finalize_gradients`` otherwise. Consuming zeroes the bucket's landing zone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeroio.errors import DistributedError
+from zeroio.partition import collectives as comm
+from zeroio.partition.base import ParamIndex, Phase, ShardGroup
+from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardHome:
+    """Where this rank's fp32 master and gradient shards live (policy, not a flag)."""
+
+    device: torch.device
+    pin_memory: bool = False
+
+    def empty(self, numel: int) -> torch.Tensor:
+        t = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        return t.pin_memory() if self.pin_memory else t
+
+
+def host_home(pin_memory: bool) -> ShardHome:
+    return ShardHome(device=torch.device("cpu"), pin_memory=pin_memory and torch.cuda.is_available())
+
+
+class Stage12Partitioner:
+    """Stages 0, 1 and 2 behind the ``Partitioner`` protocol (partition/base.py)."""
+
+    def __init__(
+        self,
+        *,
+        module: torch.nn.Module,
+        param_groups: list[list[torch.nn.Parameter]],
+        stage: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        home: ShardHome,
+        reduce_bucket_numel: int,
+        group=None,
+    ):
+        self.stage = stage
+        self.group = group
+        self.device = device
+        self.home = home
+        self.index = ParamIndex.from_module(module)
+        self.comm_world = comm.world_size(group)
+        self.world = 1 if stage == 0 else self.comm_world
+        self.rank = 0 if stage == 0 else comm.rank(group)
+        self.layout: FlatLayout = build_layout(
+            module, param_groups, self.index, reduce_bucket_numel, self.world)
+        self.groups = self._build_shards(len(param_groups))
+        self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device)
+        self._staging16: dict[int, torch.Tensor] = {}
+        self._accum_staging: dict[int, torch.Tensor] = {}
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.phase = Phase.IDLE
+        self._boundary = True
+        self._first_micro = True
+        self._ready = [0] * len(self.layout.buckets)
+        self._inflight: dict[int, comm.CommHandle] = {}
+        self._pending_host_add: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._publish_done: torch.cuda.Event | None = None
+        self._bucket_of = {id(s.param): b for b in self.layout.buckets for s in b.slots}
+        self._hooks = [
+            s.param.register_post_accumulate_grad_hook(self._on_grad)
+            for b in self.layout.buckets for s in b.slots
+        ]
+
+    # ---- construction ---------------------------------------------------------------------
+
+    def _build_shards(self, n_groups: int) -> list[ShardGroup]:
+        groups = []
+        self._local_base: dict[int, int] = {}
+        for gi in range(n_groups):
+            buckets = self.layout.group_buckets(gi)
+            segments, base = [], 0
+            for b in buckets:
+                self._local_base[b.index] = base
+                segments += b.my_segments(self.rank, self.world, base)
+                base += b.slice_numel(self.world)
+            master = self.home.empty(base)
+            for b in buckets:
+                for s in b.slots:  # original (full precision) values, before the 16-bit cast
+                    flat = s.param.detach().reshape(-1)
+                    for seg in b.my_segments(self.rank, self.world, self._local_base[b.index]):
+                        if s.global_offset <= seg.global_offset < s.global_offset + s.numel:
+                            src = flat.narrow(0, seg.global_offset - s.global_offset, seg.numel)
+                            master.narrow(0, seg.local_offset, seg.numel).copy_(src)
+            names = tuple(dict.fromkeys(s.name for b in buckets for s in b.slots))
+            groups.append(ShardGroup(
+                group_index=gi, master=master, grad=self.home.empty(base),
+                numel=sum(s.numel for s in segments), segments=tuple(segments), params=names))
+        return groups
+
+    # ---- backward --------------------------------------------------------------------------
+
+    def begin_micro_step(self, boundary: bool) -> None:
+        self._boundary = boundary
+        self.phase = Phase.ACCUMULATING
+        self._ready = [0] * len(self.layout.buckets)
+        self._pending_host_add = []
+        for b in self.layout.buckets:
+            for s in b.slots:
+                view = grad_view(self.grads, s)
+                if s.param.grad is None or s.param.grad.data_ptr() != view.data_ptr():
+                    if s.param.grad is not None:  # a user replaced .grad: keep its value
+                        view.add_(s.param.grad)
+                    s.param.grad = view
+
+    def _reduces_now(self) -> bool:
+        return self.stage == 2 or self._boundary
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if self.phase is not Phase.ACCUMULATING or not self._reduces_now():
+            return
+        b = self._bucket_of[id(param)]
+        s = next(s for s in b.slots if s.param is param)
+        view = grad_view(self.grads, s)
+        if param.grad.data_ptr() != view.data_ptr():  # autograd allocated a fresh .grad
+            view.copy_(param.grad)
+            param.grad = view
+        self._ready[b.index] += 1
+        if self._ready[b.index] == len(b.slots):
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        with torch.profiler.record_function("zeroio::reduce_bucket"):
+            region = self.grads.narrow(0, b.start, b.numel)
+            if self.stage == 2:
+                handle = comm.reduce_scatter_inplace(region, self.group)
+            else:
+                handle = comm.all_reduce(region, self.group)
+            self._inflight[b.index] = handle
+            if self._side is not None:
+                self._side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._side):
+                    handle.wait()
+                    self._consume(b)
+                self._inflight[b.index] = comm.CommHandle(None)
+
+    def _consume(self, b: Bucket) -> None:
+        """Move this rank's reduced slice of ``b`` into its ShardGroup.grad (see [Note: gradient flow])."""
+        size = b.slice_numel(self.world)
+        src = self.grads.narrow(0, b.start + self.rank * size, size)
+        dst = self.groups[b.group_index].grad.narrow(0, self._local_base[b.index], size)
+        scaled = src.float().mul_(1.0 / self.comm_world)
+        if self._first_micro or self.stage != 2:
+            dst.copy_(scaled, non_blocking=True)
+        elif dst.device == scaled.device:
+            dst.add_(scaled)
+        else:
+            stage = self._accum_staging.get(b.index)
+            if stage is None:
+                stage = self._accum_staging[b.index] = self.home.empty(size)
+            stage.copy_(scaled, non_blocking=True)
+            self._pending_host_add.append((dst, stage))
+        self.grads.narrow(0, b.start, b.numel).zero_()
+
+    def finalize_gradients(self, boundary: bool) -> None:
+        with torch.profiler.record_function("zeroio::finalize_gradients"):
+            if self._reduces_now():
+                for b in self.layout.buckets:  # buckets whose params got no gradient this pass
+                    if b.index not in self._inflight:
+                        self._launch(b)
+                if self._side is None:
+                    for b in self.layout.buckets:
+                        self._inflight[b.index].wait()
+                        self._consume(b)
+                else:
+                    torch.cuda.current_stream(self.device).wait_stream(self._side)
+                    if self.home.device.type == "cpu":
+                        torch.cuda.current_stream(self.device).synchronize()
+                for dst, stage in self._pending_host_add:
+                    dst.add_(stage)
+                self._inflight.clear()
+                self._first_micro = False
+            self.phase = Phase.REDUCED if boundary else Phase.ACCUMULATING
+            if boundary and len(self._ready) and any(
+                    r > len(b.slots) for r, b in zip(self._ready, self.layout.buckets)):
+                raise DistributedError("a parameter's gradient hook fired twice in one backward; "
+                                       "call engine.backward once per micro step")
+
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for g in self.groups:
+            total += g.grad.double().pow(2).sum().float().cpu() if g.grad.numel() else 0.0
+        return total
+
+    def local_overflow(self) -> bool:
+        return any(not bool(torch.isfinite(g.grad).all()) for g in self.groups)
+
+    # ---- step ------------------------------------------------------------------------------
+
+    def publish_params(self) -> None:
+        """Masters -> this rank's slice of the 16-bit buffer -> all-gather of every bucket."""
+        with torch.profiler.record_function("zeroio::publish_params"):
+            handles = []
+            if self._publish_done is not None:  # the pinned 16-bit staging is free again
+                self._publish_done.synchronize()
+            for b in self.layout.buckets:
+                size = b.slice_numel(self.world)
+                src = self.groups[b.group_index].master.narrow(0, self._local_base[b.index], size)
+                dst = self.params.narrow(0, b.start + self.rank * size, size)
+                if src.device != dst.device and src.dtype != dst.dtype:
+                    stage = self._staging16.get(b.index)
+                    if stage is None:
+                        stage = torch.empty(size, dtype=dst.dtype, pin_memory=self.home.pin_memory)
+                        self._staging16[b.index] = stage
+                    stage.copy_(src)
+                    src = stage
+                dst.copy_(src, non_blocking=True)
+                if self.world > 1:
+                    handles.append(comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel),
+                                                           self.group))
+            for h in handles:
+                h.wait()
+            if self._staging16 and self.device.type == "cuda":
+                self._publish_done = torch.cuda.Event()
+                self._publish_done.record()
+            self.phase = Phase.IDLE
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grad.zero_()
+        self.grads.zero_()
+        self._first_micro = True
+        self.phase = Phase.IDLE
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
