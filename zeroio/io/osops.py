@@ -1,0 +1,34 @@
+"""The OS calls the I/O engine makes, behind one object so tests can inject faults.
+
+Production code uses ``OsOps()``; a test subclasses it and overrides, say,
+``pwritev`` to raise ``OSError(ENOSPC)`` or ``preadv`` to return short.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+
+class OsOps:
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def preadv(self, fd: int, buffers: list, offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def pwritev(self, fd: int, buffers: list, offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def posix_fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+    def fadvise_dontneed(self, fd: int) -> None:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def disk_free(self, path: str) -> int:
+        return shutil.disk_usage(path).free

@@ -1,0 +1,404 @@
+"""TensorStore: flat 1-D tensors in a zarr v3 group, read and written through the IOEngine.
+
+Layout: see [Note: chunk files] in ``zeroio.io.layout``.
+
+[Note: concurrent range writes] Any process may write any element range of
+an array at any time; writes to disjoint ranges never lose each other's
+bytes and every chunk's crc always matches its data. The rule that makes
+this true: the chunk is the unit of locking and checksumming. A writer
+takes an exclusive ``flock`` on each chunk file it touches, for the whole
+update of that chunk (data, then crc). A chunk the write covers entirely is
+written without reading; a chunk it covers partly is read, verified,
+merged and rewritten under the same lock (read-modify-write). Readers take
+a shared lock per chunk, so they never see a chunk between its data and its
+crc. ``flock`` works between processes and between threads (each operation
+opens its own file description). Writers that align their ranges to chunk
+boundaries (``chunk_elems`` chosen at ``create``) never pay the
+read-modify-write. Metadata (``zarr.json``) is written atomically (temp
+file, rename), and ``create`` is idempotent for identical arguments, so N
+ranks may all call it.
+
+[Note: integrity] A chunk file whose size is not ``chunk_bytes + 4`` is
+truncated; a chunk whose crc32c does not match is corrupt. Either fails the
+future with ``IntegrityError`` naming the array, the chunk and the file;
+partial chunks are verified in a staging buffer before any byte reaches
+the caller, whole chunks land in the caller's buffer and the future fails,
+so the data is never used. Preallocated chunk files start as valid zero
+chunks (fallocate + crc of zeros), so ENOSPC is raised at ``create``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import threading
+from concurrent.futures import Future
+
+import google_crc32c
+import numpy as np
+import torch
+
+from zeroio.errors import IntegrityError, SwapIOError
+from zeroio.io.buffers import AlignedBuffer
+from zeroio.io.engine import IOArgumentError, IOEngine, _Files, _Gather, no_space_error, tensor_bytes
+from zeroio.io.layout import (
+    CRC_BYTES,
+    ArrayInfo,
+    array_metadata,
+    check_name,
+    default_chunk_elems,
+    dtype_name,
+    group_metadata,
+    parse_array,
+    read_json,
+    write_json_atomic,
+)
+
+_ZERO_BLOCK = np.zeros(1 << 20, dtype=np.uint8)
+_ZERO_BLOCK.flags.writeable = False
+
+
+class ArrayNotFoundError(SwapIOError, FileNotFoundError):
+    """No array of that name in the store."""
+
+
+class ArrayExistsError(SwapIOError, FileExistsError):
+    """``create`` found an array of that name with a different shape, dtype or chunking."""
+
+
+def crc32c(mem: np.ndarray, crc: int = 0) -> int:
+    view = mem.view()
+    view.flags.writeable = False  # google_crc32c wants a read-only buffer; this is not a copy
+    return google_crc32c.extend(crc, view) if crc else google_crc32c.value(view)
+
+
+def crc_of_zeros(nbytes: int, crc: int = 0) -> int:
+    for start in range(0, nbytes, _ZERO_BLOCK.nbytes):
+        part = _ZERO_BLOCK[: min(_ZERO_BLOCK.nbytes, nbytes - start)]
+        crc = google_crc32c.extend(crc, part)
+    return crc
+
+
+class TensorStore:
+    """A zarr v3 group of flat 1-D arrays; see the notes at the top of the module."""
+
+    def __init__(self, root: str | os.PathLike, engine: IOEngine | None = None):
+        self.root = os.path.abspath(os.fspath(root))
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise SwapIOError(e.errno or errno.EIO, f"TensorStore: cannot create {self.root}: {e.strerror}") from e
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise SwapIOError(errno.EACCES, f"TensorStore: {self.root} is not writable by this process")
+        self._owns_engine = engine is None
+        self.engine = engine or IOEngine()
+        self._infos: dict[str, ArrayInfo] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._zero_crc: dict[int, int] = {}
+        self._ensure_group(self.root)
+
+    # -- arrays ----------------------------------------------------------------
+
+    def create(
+        self,
+        name: str,
+        numel: int,
+        dtype: torch.dtype,
+        chunk_elems: int | None = None,
+        *,
+        preallocate: bool = True,
+        attributes: dict | None = None,
+    ) -> ArrayInfo:
+        """Create (or find, if identical) a flat array; preallocate its chunk files."""
+        check_name(name)
+        dtype_name(dtype)
+        if numel < 0:
+            raise IOArgumentError(f"TensorStore.create({name!r}): numel must be >= 0, got {numel}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if chunk_elems is None:
+            chunk_elems = default_chunk_elems(numel, itemsize)
+        if chunk_elems < 1:
+            raise IOArgumentError(f"TensorStore.create({name!r}): chunk_elems must be >= 1, got {chunk_elems}")
+        info = ArrayInfo(name, int(numel), dtype, int(chunk_elems))
+        directory = self._dir(name)
+        meta_path = os.path.join(directory, "zarr.json")
+        if os.path.exists(meta_path):
+            have = parse_array(name, read_json(meta_path))
+            if have != info:
+                raise ArrayExistsError(
+                    errno.EEXIST,
+                    f"TensorStore: array {name!r} exists as {have.numel} x {have.dtype} chunked by "
+                    f"{have.chunk_elems}; asked for {info.numel} x {info.dtype} chunked by "
+                    f"{info.chunk_elems}. delete() it first to change it",
+                )
+        else:
+            self._ensure_parents(name)
+            os.makedirs(os.path.join(directory, "c"), exist_ok=True)
+            attrs = dict(attributes or {})
+            meta = array_metadata(info, attrs)
+            meta["attributes"]["zeroio"]["preallocated"] = bool(preallocate)
+            write_json_atomic(meta_path, meta)
+        with self._lock:
+            self._infos[name] = info
+        if preallocate:
+            self._preallocate(info)
+        return info
+
+    def info(self, name: str) -> ArrayInfo:
+        with self._lock:
+            info = self._infos.get(name)
+        if info is not None:
+            return info
+        check_name(name)
+        meta_path = os.path.join(self._dir(name), "zarr.json")
+        try:
+            meta = read_json(meta_path)
+        except FileNotFoundError:
+            raise ArrayNotFoundError(
+                errno.ENOENT, f"TensorStore: no array {name!r} in {self.root} (create() it first)"
+            ) from None
+        info = parse_array(name, meta)
+        with self._lock:
+            self._infos[name] = info
+        return info
+
+    def has(self, name: str) -> bool:
+        check_name(name)
+        return os.path.exists(os.path.join(self._dir(name), "zarr.json"))
+
+    def delete(self, name: str) -> None:
+        check_name(name)
+        with self._lock:
+            self._infos.pop(name, None)
+        shutil.rmtree(self._dir(name), ignore_errors=True)
+
+    def sync(self, name: str) -> None:
+        """fsync every chunk file of ``name`` (durability, e.g. before a checkpoint manifest)."""
+        info = self.info(name)
+        for k in range(info.nchunks):
+            path = self._chunk_path(name, k)
+            if os.path.exists(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+    def close(self) -> None:
+        if self._owns_engine:
+            self.engine.close()
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- data ------------------------------------------------------------------
+
+    def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> Future:
+        """Write ``tensor`` (flattened) at element ``offset``; result: bytes written."""
+        info = self.info(name)
+        mem = self._check_range(info, tensor, offset, "write")
+        return self._per_chunk(info, mem, offset, self._write_chunk, mem.nbytes)
+
+    def read_into(self, name: str, out: torch.Tensor, offset: int = 0) -> Future:
+        """Fill ``out`` (flattened) from element ``offset``; result: ``out``.
+
+        On error the future raises and ``out``'s contents are undefined.
+        """
+        info = self.info(name)
+        mem = self._check_range(info, out, offset, "read_into")
+        return self._per_chunk(info, mem, offset, self._read_chunk, out)
+
+    def read(self, name: str, offset: int = 0, numel: int | None = None) -> Future:
+        """Read into a new (aligned when possible) tensor; result: that tensor."""
+        info = self.info(name)
+        numel = info.numel - offset if numel is None else numel
+        out = AlignedBuffer(numel * info.itemsize, pin=False).view(info.dtype, numel)
+        return self.read_into(name, out, offset)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _dir(self, name: str) -> str:
+        return os.path.join(self.root, *name.split("/"))
+
+    def _chunk_path(self, name: str, k: int) -> str:
+        return os.path.join(self._dir(name), "c", str(k))
+
+    def _ensure_group(self, directory: str) -> None:
+        meta = os.path.join(directory, "zarr.json")
+        if not os.path.exists(meta):
+            write_json_atomic(meta, group_metadata())
+
+    def _ensure_parents(self, name: str) -> None:
+        parts = name.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            d = os.path.join(self.root, *parts[:i])
+            os.makedirs(d, exist_ok=True)
+            self._ensure_group(d)
+
+    def _check_range(self, info: ArrayInfo, t: torch.Tensor, offset: int, op: str) -> np.ndarray:
+        if t.dtype != info.dtype:
+            raise IOArgumentError(
+                f"TensorStore.{op}({info.name!r}): tensor dtype {t.dtype} != array dtype {info.dtype}"
+            )
+        n = t.numel()
+        if offset < 0 or offset + n > info.numel:
+            raise IOArgumentError(
+                f"TensorStore.{op}({info.name!r}): range [{offset}, {offset + n}) is outside the "
+                f"array's {info.numel} elements"
+            )
+        return tensor_bytes(t)
+
+    def _per_chunk(self, info: ArrayInfo, mem: np.ndarray, offset: int, fn, result: object) -> Future:
+        """Run ``fn(info, k, first, last, mem_part)`` for each chunk the range touches."""
+        out: Future = Future()
+        out.set_running_or_notify_cancel()
+        n = mem.nbytes // info.itemsize
+        if n == 0:
+            out.set_result(result)
+            return out
+        first_chunk = offset // info.chunk_elems
+        last_chunk = (offset + n - 1) // info.chunk_elems
+        gather = _Gather(out, last_chunk - first_chunk + 1, result, lambda: None)
+        for k in range(first_chunk, last_chunk + 1):
+            base = k * info.chunk_elems
+            a = max(offset, base) - base
+            b = min(offset + n, base + info.chunk_elems) - base
+            part = mem[(base + a - offset) * info.itemsize : (base + b - offset) * info.itemsize]
+            fut = self.engine.submit(fn, info, k, a, b, part)
+            fut.add_done_callback(gather.part_done)
+        return out
+
+    def _stage(self, nbytes: int) -> np.ndarray:
+        buf: AlignedBuffer | None = getattr(self._local, "stage", None)
+        if buf is None or buf.capacity < nbytes:
+            buf = AlignedBuffer(nbytes, pin=False)
+            self._local.stage = buf
+        return buf.full.numpy()[:nbytes]
+
+    def _integrity(self, info: ArrayInfo, k: int, what: str) -> IntegrityError:
+        return IntegrityError(
+            errno.EIO,
+            f"TensorStore: array {info.name!r} chunk {k} ({self._chunk_path(info.name, k)}): {what}; "
+            "the data was not used",
+        )
+
+    def _load_chunk(self, info: ArrayInfo, k: int, files: _Files, fd: int, stage: np.ndarray) -> None:
+        """Read and verify chunk ``k`` into ``stage`` (chunk_bytes); zeros if never written."""
+        size = os.fstat(fd).st_size
+        if size == 0:
+            stage[:] = 0
+            return
+        if size != info.file_bytes:
+            raise self._integrity(info, k, f"file is {size} bytes, expected {info.file_bytes} (truncated)")
+        self._pread(info, k, files, stage, 0)
+        self._verify(info, k, files, crc32c(stage))
+
+    def _pread(self, info: ArrayInfo, k: int, files: _Files, mem: np.ndarray, offset: int) -> None:
+        try:
+            self.engine.pread_into(files, mem, offset)
+        except IntegrityError as e:
+            raise self._integrity(info, k, f"short read ({e.strerror})") from e
+
+    def _verify(self, info: ArrayInfo, k: int, files: _Files, crc: int) -> None:
+        stored = np.empty(CRC_BYTES, dtype=np.uint8)
+        self._pread(info, k, files, stored, info.chunk_bytes)
+        want = int.from_bytes(stored.tobytes(), "little")
+        if want != crc:
+            raise self._integrity(info, k, f"crc32c mismatch (stored {want:#010x}, computed {crc:#010x})")
+
+    def _write_crc(self, files: _Files, info: ArrayInfo, crc: int) -> None:
+        tail = np.frombuffer(crc.to_bytes(CRC_BYTES, "little"), dtype=np.uint8).copy()
+        self.engine.pwrite_from(files, tail, info.chunk_bytes)
+
+    def _write_chunk(self, info: ArrayInfo, k: int, a: int, b: int, src: np.ndarray) -> None:
+        files = self.engine.open_files(self._chunk_path(info.name, k), "rw")
+        try:
+            fd = files.direct if files.direct is not None else files.buffered
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            valid = info.valid_elems(k)
+            if a == 0 and b >= valid:  # whole chunk: no read needed
+                self.engine.pwrite_from(files, src, 0)
+                crc = crc32c(src)
+                pad = info.chunk_bytes - src.nbytes
+                if pad:
+                    self.engine.pwrite_from(files, np.zeros(pad, dtype=np.uint8), src.nbytes)
+                    crc = crc_of_zeros(pad, crc)
+            else:  # read-modify-write, see [Note: concurrent range writes]
+                stage = self._stage(info.chunk_bytes)
+                self._load_chunk(info, k, files, fd, stage)
+                stage[a * info.itemsize : b * info.itemsize] = src
+                self.engine.pwrite_from(files, stage, 0)
+                crc = crc32c(stage)
+            self._write_crc(files, info, crc)
+        finally:
+            self.engine.close_files(files)
+
+    def _read_chunk(self, info: ArrayInfo, k: int, a: int, b: int, dst: np.ndarray) -> None:
+        path = self._chunk_path(info.name, k)
+        if not os.path.exists(path):
+            if self._preallocated(info):
+                raise self._integrity(info, k, "chunk file is missing")
+            dst[:] = 0  # never written: zarr's fill value
+            return
+        files = self.engine.open_files(path, "r")
+        try:
+            fd = files.direct if files.direct is not None else files.buffered
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            size = os.fstat(fd).st_size
+            if size == 0:
+                dst[:] = 0
+                return
+            if size != info.file_bytes:
+                raise self._integrity(info, k, f"file is {size} bytes, expected {info.file_bytes} (truncated)")
+            valid = info.valid_elems(k)
+            if a == 0 and b >= valid:  # whole chunk: straight into the caller's buffer
+                self._pread(info, k, files, dst, 0)
+                crc = crc32c(dst)
+                pad = info.chunk_bytes - dst.nbytes
+                if pad:
+                    padding = np.empty(pad, dtype=np.uint8)
+                    self._pread(info, k, files, padding, dst.nbytes)
+                    crc = crc32c(padding, crc)
+                self._verify(info, k, files, crc)
+            else:
+                stage = self._stage(info.chunk_bytes)
+                self._load_chunk(info, k, files, fd, stage)
+                dst[:] = stage[a * info.itemsize : b * info.itemsize]
+        finally:
+            self.engine.close_files(files)
+
+    def _preallocated(self, info: ArrayInfo) -> bool:
+        meta = read_json(os.path.join(self._dir(info.name), "zarr.json"))
+        return bool(meta.get("attributes", {}).get("zeroio", {}).get("preallocated", False))
+
+    def _preallocate(self, info: ArrayInfo) -> None:
+        """Reserve every chunk file now; each starts as a valid chunk of zeros."""
+        paths = [self._chunk_path(info.name, k) for k in range(info.nchunks)]
+        missing = [p for p in paths if not os.path.exists(p) or os.path.getsize(p) == 0]
+        needed = len(missing) * info.file_bytes
+        ops = self.engine.ops
+        if needed and needed > ops.disk_free(self._dir(info.name)):
+            raise no_space_error(ops, self._dir(info.name), needed)
+        if info.chunk_bytes not in self._zero_crc:
+            self._zero_crc[info.chunk_bytes] = crc_of_zeros(info.chunk_bytes)
+        for path in missing:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.fstat(fd).st_size == 0:  # a concurrent writer may have got here first
+                    try:
+                        ops.posix_fallocate(fd, 0, info.file_bytes)
+                    except OSError as e:
+                        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                            os.ftruncate(fd, 0)
+                            raise no_space_error(ops, path, needed) from e
+                        raise SwapIOError(e.errno or errno.EIO, f"preallocate {path}: {e.strerror}") from e
+                    os.pwrite(fd, self._zero_crc[info.chunk_bytes].to_bytes(CRC_BYTES, "little"), info.chunk_bytes)
+            finally:
+                os.close(fd)
