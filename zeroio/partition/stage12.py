@@ -204,6 +204,8 @@ class Stage12Partitioner:
 
     def local_grad_sq_norm(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32)
+        if self.stage == 0 and comm.rank(self.group) != 0:
+            return total  # stage 0 shards are replicas: only rank 0 contributes to the sum
         for g in self.groups:
             total += g.grad.double().pow(2).sum().float().cpu() if g.grad.numel() else 0.0
         return total

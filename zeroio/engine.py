@@ -1,0 +1,294 @@
+"""``zeroio.initialize`` and the ``Engine``: config -> partitioner -> optimizer -> schedule.
+
+The engine owns the step protocol (partition/base.py ``Partitioner``):
+``backward`` scales the loss and lets the partitioner's hooks reduce
+gradients; ``step`` — only at the accumulation boundary — checks overflow and
+the global norm with one all-reduce, steps the optimizer over the
+partitioner's ``ShardGroup``s, steps the LR schedule and publishes the
+updated parameters. Which partitioner runs is decided in one place,
+``build_partitioner``.
+
+[Note: one all-reduce for norm and overflow]
+Each rank's squared gradient norm is summed over ranks (``local_grad_sq_norm``
+is defined so the sum is the global value). An inf/nan on any rank makes the
+sum non-finite on every rank, so the same scalar decides clipping and — with
+fp16 — skipping the step, identically everywhere, without a second collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroio.errors import ConfigError
+from zeroio.optim.adam import ShardedAdam
+from zeroio.optim.factory import OptimizerSpec, from_client, from_config
+from zeroio.optim.loss_scaler import build_loss_scaler
+from zeroio.optim.lr_schedules import build_scheduler
+from zeroio.partition import collectives as comm
+from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def init_distributed() -> None:
+    """Join the torchrun world if not joined yet; a bare process becomes a world of 1."""
+    if dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if cuda else "gloo"
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device):
+    """The one place that maps ``zero_optimization.stage`` to a partitioner."""
+    zc = cfg.zero_optimization
+    dtype = _DTYPES[cfg.compute_dtype]
+    off = zc.offload_optimizer
+    if off.device == "none":
+        home = ShardHome(device=device)
+    else:  # cpu, and nvme (whose masters and moments are swapped by the optimizer)
+        home = host_home(pin_memory=off.pin_memory or device.type == "cuda")
+    if zc.stage in (0, 1, 2):
+        return Stage12Partitioner(
+            module=module, param_groups=spec.param_groups, stage=zc.stage, compute_dtype=dtype,
+            device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size))
+    if zc.stage == 3:
+        from zeroio.partition.stage3 import build_stage3_partitioner
+
+        return build_stage3_partitioner(cfg=cfg, module=module, spec=spec, device=device,
+                                        compute_dtype=dtype, home=home)
+    raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
+                      key="zero_optimization.stage")
+
+
+def build_optimizer(cfg, partitioner, spec: OptimizerSpec):
+    off = cfg.zero_optimization.offload_optimizer
+    if off.device == "nvme":
+        from zeroio.optim.swap import SwappedAdam
+
+        return SwappedAdam(partitioner.groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg)
+    return ShardedAdam(partitioner.groups, spec.hyper, decoupled=spec.decoupled)
+
+
+class Engine:
+    """DeepSpeed-style engine (DESIGN.md). Attributes other layers use are documented in
+    docs/engine.md: ``config``, ``module``, ``partitioner``, ``optimizer``, ``lr_scheduler``,
+    ``loss_scaler``, ``global_steps``, ``micro_steps``, ``global_samples``, ``skipped_steps``."""
+
+    def __init__(self, *, model, config, model_parameters=None, optimizer=None,
+                 lr_scheduler=None):
+        init_distributed()
+        self.world_size = comm.world_size()
+        self.global_rank = comm.rank()
+        self.config = config if not isinstance(config, (str, os.PathLike, dict)) else (
+            __import__("zeroio").load_config(config, world_size=self.world_size))
+        if self.config.world_size != self.world_size:
+            raise ConfigError(f"config was resolved for world_size {self.config.world_size} but "
+                              f"{self.world_size} ranks are running", key="train_batch_size")
+        self.device = pick_device()
+        self.module = model.to(self.device)
+        spec = from_client(optimizer) if optimizer is not None else from_config(
+            self.config.optimizer, model, model_parameters)
+        self.client_optimizer = optimizer
+        self.partitioner = build_partitioner(self.config, self.module, spec, self.device)
+        self.optimizer = build_optimizer(self.config, self.partitioner, spec)
+        self.loss_scaler = build_loss_scaler(self.config.fp16)
+        self.lr_scheduler = self._scheduler(lr_scheduler)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._step_applied = False
+        self._timings: dict[str, float] = defaultdict(float)
+        self._t0 = time.perf_counter()
+
+    def _scheduler(self, client):
+        if client is None:
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        if callable(client) and not hasattr(client, "step"):
+            return client(self.optimizer)  # DeepSpeed accepts a factory taking the optimizer
+        return client
+
+    # ---- DeepSpeed surface -----------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        t = time.perf_counter()
+        with torch.profiler.record_function("zeroio::forward"):
+            out = self.module(*args, **kwargs)
+        self._timings["forward_s"] += time.perf_counter() - t
+        return out
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        self.module.eval()
+        return self
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def zero_grad(self) -> None:
+        """Gradients are cleared after every optimizer step; kept for DeepSpeed-style loops."""
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Scale (fp16 loss scale, 1/accumulation) and backpropagate; hooks reduce gradients."""
+        t = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        with torch.profiler.record_function("zeroio::backward"):
+            self.partitioner.begin_micro_step(boundary)
+            scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
+            (loss.float() * scale).backward()
+            self.partitioner.finalize_gradients(boundary)
+        self._timings["backward_s"] += time.perf_counter() - t
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Optimizer step at the accumulation boundary; counts the micro step always."""
+        if self.is_gradient_accumulation_boundary():
+            t = time.perf_counter()
+            with torch.profiler.record_function("zeroio::step"):
+                self._take_step(lr_kwargs or {})
+            self._timings["step_s"] += time.perf_counter() - t
+            self._maybe_print()
+        self.micro_steps += 1
+
+    def _take_step(self, lr_kwargs: dict) -> None:
+        sq = self.partitioner.local_grad_sq_norm().to(torch.float64)
+        sq = comm.all_reduce_scalar(sq.to(self._comm_device()))
+        scale = self.loss_scaler.scale
+        norm = math.sqrt(sq.item()) / scale if math.isfinite(sq.item()) else math.inf
+        overflow = not math.isfinite(norm)  # see [Note: one all-reduce for norm and overflow]
+        self._step_applied = not overflow
+        if overflow:
+            if not self.config.fp16.enabled:
+                raise FloatingPointError(
+                    f"gradient norm is {norm} at step {self.global_steps} (no fp16 loss scaling "
+                    "to skip it): check the loss and learning rate")
+            self.skipped_steps += 1
+            self.loss_scaler.update(True)
+        else:
+            clip = self.config.gradient_clipping
+            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            self.last_grad_norm = norm
+            self.optimizer.step(grad_scale=scale / coef)
+            self.partitioner.publish_params()
+            self.loss_scaler.update(False)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        self.partitioner.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    # ---- reporting -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Tier traffic (from the tiered store when NVMe offload runs) and phase timings."""
+        store = getattr(self.optimizer, "store", None)
+        out: dict[str, Any] = (store.stats() if store is not None else
+                               {"bytes_moved": {}, "stall_seconds": 0.0, "tiers": {}})
+        out["timings"] = dict(self._timings)
+        out["global_steps"] = self.global_steps
+        out["skipped_steps"] = self.skipped_steps
+        out["loss_scale"] = self.loss_scaler.scale
+        return out
+
+    def _maybe_print(self) -> None:
+        every = self.config.steps_per_print
+        if (self.config.wall_clock_breakdown and every and self.global_rank == 0
+                and self.global_steps % every == 0):
+            t = {k: round(v, 4) for k, v in self._timings.items()}
+            print(f"[zeroio] step {self.global_steps} lr {self.get_lr()} timings {t}", flush=True)
+
+    # ---- checkpoints (zeroio/checkpoint owns the format) -----------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None):
+        from zeroio.checkpoint import engine_io
+
+        return engine_io.save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
+                        load_lr_scheduler_states=True):
+        from zeroio.checkpoint import engine_io
+
+        return engine_io.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                         load_lr_scheduler_states)
+
+    def save_16bit_model(self, save_dir, save_filename=None):
+        from zeroio.checkpoint import engine_io
+
+        return engine_io.save_16bit_model(self, save_dir)
+
+    def close(self) -> None:
+        self.partitioner.close()
+        closer = getattr(self.optimizer, "close", None)
+        if closer is not None:
+            closer()
+
+
+def _dataloader(engine: Engine, training_data, collate_fn):
+    if training_data is None:
+        return None
+    sampler = None
+    if engine.world_size > 1:
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            training_data, num_replicas=engine.world_size, rank=engine.global_rank)
+    return torch.utils.data.DataLoader(
+        training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+        collate_fn=collate_fn, shuffle=False, drop_last=True)
+
+
+def initialize(model=None, config=None, model_parameters=None, optimizer=None,
+               lr_scheduler=None, training_data=None, collate_fn=None, config_params=None,
+               **_unused):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    if model is None:
+        raise ConfigError("initialize(model=...) is required", key="model")
+    config = config if config is not None else config_params
+    if config is None:
+        raise ConfigError("initialize(config=...) is required: a path or a dict", key="config")
+    engine = Engine(model=model, config=config, model_parameters=model_parameters,
+                    optimizer=optimizer, lr_scheduler=lr_scheduler)
+    return engine, engine.optimizer, _dataloader(engine, training_data, collate_fn), \
+        engine.lr_scheduler
