@@ -69,11 +69,13 @@ def complete(raw: dict, world_size: int, unfilled_auto: set[str]) -> BatchSizes:
         micro, gas = 1, 1
         train = world_size
     if micro < 1 or gas < 1 or train != micro * gas * world_size:
+        shown = {k: raw.get(k) if raw.get(k) is not None else "?" for k in _NEEDS}
         raise ConfigError(
-            f"inconsistent batch sizes: train_batch_size ({raw.get('train_batch_size')}) must "
-            f"equal train_micro_batch_size_per_gpu ({raw.get('train_micro_batch_size_per_gpu')})"
-            f" x gradient_accumulation_steps ({raw.get('gradient_accumulation_steps')}) x "
-            f"world_size ({world_size})", key="train_batch_size")
+            "inconsistent batch sizes: train_batch_size must equal "
+            "train_micro_batch_size_per_gpu x gradient_accumulation_steps x world_size, but "
+            f"{shown['train_batch_size']} != {shown['train_micro_batch_size_per_gpu']} x "
+            f"{shown['gradient_accumulation_steps']} x {world_size} (? = not given; no positive "
+            "integer fits)", key="train_batch_size")
     return BatchSizes(train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                       gradient_accumulation_steps=gas)
 

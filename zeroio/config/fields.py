@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -39,7 +40,11 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    """A value as the user wrote it in JSON (true, null, "cpu"), shortened."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
