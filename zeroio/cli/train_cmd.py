@@ -1,12 +1,107 @@
-"""`zeroio train` (placeholder until its issue lands: registers the name only)."""
+"""`zeroio train`: train a decoder-only language model end to end (the main job).
+
+With no arguments: the tiny Llama preset on the built-in corpus, 2 ranks,
+ZeRO stage 3 with parameters and optimizer state on NVMe under
+./zeroio_run/nvme, checkpoints under ./zeroio_run/checkpoints and a
+from_pretrained model in ./zeroio_run/model.
+
+When not already under a launcher (no RANK in the environment) and --nproc
+is above 1, the command re-runs itself on --nproc processes through
+``torch.distributed.run`` (the same path as ``zeroio launch``); each process
+then runs the job in ``zeroio/cli/train/loop.py``.
+"""
 
 from __future__ import annotations
 
+import os
+
+# option name -> (argparse kwargs); the TrainOptions field is the dest
+_OPTIONS: dict[str, dict] = {
+    "--config": dict(default=None, metavar="FILE",
+                     help="DeepSpeed-schema JSON config (default: built-in stage 3 + NVMe offload)"),
+    "--preset": dict(default=None, metavar="NAME",
+                     help="model preset: tiny (default), small, 125m, 350m, 1b, 7b, 13b"),
+    "--model-config": dict(default=None, metavar="config.json",
+                           help="a transformers config.json (or its folder) instead of a preset"),
+    "--data": dict(default=None, metavar="PATH",
+                   help="text file or folder of .txt/.md files (default: built-in corpus)"),
+    "--steps": dict(type=int, default=60, help="optimizer steps (default 60)"),
+    "--seq-len": dict(type=int, default=128, help="tokens per sequence (default 128)"),
+    "--micro-batch": dict(type=int, default=None,
+                          help="sequences per rank per micro-step (default: config, or 4)"),
+    "--lr": dict(type=float, default=None,
+                 help="peak learning rate (default: config, or 3e-3 tiny/small, 3e-4 larger)"),
+    "--warmup": dict(type=int, default=None, help="warmup steps (default 10%% of --steps)"),
+    "--save-every": dict(type=int, default=0, metavar="N",
+                         help="checkpoint every N steps (default: only at the end)"),
+    "--output": dict(default="zeroio_run", metavar="DIR",
+                     help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run)"),
+    "--seed": dict(type=int, default=1234, help="model init and data order seed"),
+}
+_FLAGS = {
+    "--resume": "continue from the newest checkpoint under DIR/checkpoints",
+    "--quiet": "no progress bar, only the final summary",
+    "--json": "print one JSON summary on stdout and nothing else",
+}
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="(not implemented yet)")
+    p = sub.add_parser("train", help="train a decoder-only language model end to end",
+                       description=__doc__.split("\n\n")[1])
+    for name, kw in _OPTIONS.items():
+        p.add_argument(name, **kw)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (default 2; ignored under a launcher)")
+    for name, help_ in _FLAGS.items():
+        p.add_argument(name, action="store_true", help=help_)
     p.set_defaults(func=run)
 
 
+def _dest(name: str) -> str:
+    return name[2:].replace("-", "_")
+
+
+def _given(args) -> frozenset[str]:
+    """Options set to something other than their default (taken as typed by the user)."""
+    return frozenset(_dest(n) for n, kw in _OPTIONS.items() if getattr(args, _dest(n)) != kw["default"])
+
+
+def child_argv(args) -> list[str]:
+    """The `zeroio train` arguments each launched rank gets (the user's, minus --nproc)."""
+    argv = ["train"]
+    for name, kw in _OPTIONS.items():
+        value = getattr(args, _dest(name))
+        if value != kw["default"]:
+            argv += [name, str(value)]
+    return argv + [name for name in _FLAGS if getattr(args, _dest(name))]
+
+
 def run(args) -> int:
-    raise SystemExit("zeroio train: not implemented yet")
+    from zeroio.errors import ConfigError
+
+    nproc = args.nproc if args.nproc is not None else 2
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
+    if "RANK" not in os.environ and nproc > 1:
+        from zeroio.cli.launch_cmd import launch, torchrun_argv
+
+        # one intra-op thread per rank per core share: ranks on a small machine must not fight
+        threads = max(1, (os.cpu_count() or 1) // nproc)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True))
+
+    from zeroio.cli.train.loop import TrainOptions, train
+
+    opts = TrainOptions(
+        **{_dest(n): getattr(args, _dest(n)) for n in _OPTIONS},
+        **{_dest(n): getattr(args, _dest(n)) for n in _FLAGS},
+        given=_given(args),
+    )
+    try:
+        train(opts)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

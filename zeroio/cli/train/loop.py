@@ -1,0 +1,315 @@
+"""The training job of `zeroio train`, run once per rank (the launcher made the ranks).
+
+Reads straight down: options -> distributed world -> config (built-in or the
+user's, "auto" filled from the options) -> model (inside ``zero.Init`` for
+stage 3) -> engine -> resume -> steps (progress bar on rank 0) -> checkpoints
+-> consolidated ``from_pretrained`` folder -> summary.
+
+[Note: fresh runs start clean] Without ``--resume`` the run's checkpoint and
+NVMe folders are emptied first: a stale checkpoint with a higher step than
+the new run reaches would otherwise be the one a later ``--resume`` picks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
+from zeroio.cli.train.defaults import default_config
+from zeroio.cli.train.presets import llama_config, num_parameters
+from zeroio.errors import CheckpointError, ConfigError
+
+SMALL_PRESETS = ("tiny", "small")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """What the command line asked for; None = the default (or the config's own value)."""
+
+    config: str | None = None
+    """DeepSpeed-schema config file; None = the built-in stage-3 NVMe config."""
+    preset: str | None = None
+    """Model preset name (presets.PRESETS); None with no model_config = tiny."""
+    model_config: str | None = None
+    """A transformers config.json (or its folder) instead of a preset."""
+    data: str | None = None
+    """Text file or folder; None = the built-in corpus."""
+    steps: int = 60
+    """Optimizer steps in total (a resumed run continues up to this number)."""
+    seq_len: int = 128
+    micro_batch: int | None = None
+    """Sequences per rank per micro-step; None = the config's value, or 4."""
+    lr: float | None = None
+    """Peak learning rate; None = the config's value, or 3e-3 (tiny/small) / 3e-4."""
+    warmup: int | None = None
+    """Warmup steps; None = 10% of --steps."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    output: str = "zeroio_run"
+    resume: bool = False
+    quiet: bool = False
+    json: bool = False
+    seed: int = 1234
+    given: frozenset[str] = frozenset()
+    """Names of the options the user typed (only these can contradict a config)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def setup_world() -> World:
+    """Join the process group the launcher described (or a 1-rank one), gloo on CPU, NCCL on GPU."""
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # run directly with --nproc 1
+            from zeroio.testing.multirank import free_port
+
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                 device=device)
+
+
+def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
+    """(raw dict, Config): the built-in or user config with "auto" filled from the options."""
+    from zeroio.config import load_config
+    from zeroio.integrations.autofill import check_no_contradictions
+
+    cuda = world.device.type == "cuda"
+    if opts.config is None:
+        raw = default_config(out / "nvme", cuda=cuda)
+    else:
+        path = Path(opts.config)
+        if not path.is_file():
+            raise ConfigError(f"--config {path} does not exist", key="config")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config {path} is not valid JSON: {e}", key="config") from e
+    lr = opts.lr if opts.lr is not None else (3e-3 if (opts.preset or "tiny") in SMALL_PRESETS
+                                              and opts.model_config is None else 3e-4)
+    values = dict(
+        per_device_train_batch_size=opts.micro_batch or 4, gradient_accumulation_steps=1,
+        learning_rate=lr, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0,
+        max_grad_norm=1.0, bf16=cuda, fp16=False, num_training_steps=opts.steps,
+        warmup_steps=opts.warmup if opts.warmup is not None else max(1, opts.steps // 10),
+    )
+    # only what the user typed can contradict the config; our defaults yield to it
+    typed = {"micro_batch": "per_device_train_batch_size", "lr": "learning_rate",
+             "steps": "num_training_steps", "warmup": "warmup_steps"}
+    check_no_contradictions(raw, "the command line",
+                            **{v: values[v] for k, v in typed.items() if k in opts.given})
+    cfg = load_config(raw, world_size=world.world_size, hidden_size=mcfg.hidden_size, **values)
+    return cfg.to_dict(), cfg
+
+
+def build_model(mcfg, raw: dict[str, Any], cfg, seed: int):
+    """The Llama model, partitioned as it is created for stage 3 (same seed on every rank)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if cfg.zero_optimization.stage == 3:
+        import zeroio
+
+        with zeroio.zero.Init(config=raw):
+            return LlamaForCausalLM(mcfg)
+    return LlamaForCausalLM(mcfg)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}TB"
+
+
+def swap_summary(stats: dict[str, Any]) -> str:
+    """'nvme->cpu 1.2MB cpu->nvme 1.1MB' for the directions that moved anything."""
+    moved = stats.get("bytes_moved", {}) if stats else {}
+    return " ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(moved.items()) if v) or "none"
+
+
+def _prepare_dirs(opts: TrainOptions, world: World, out: Path) -> Path:
+    ckpt = out / "checkpoints"
+    if world.local_rank == 0 and not opts.resume:  # see [Note: fresh runs start clean]
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.rmtree(out / "nvme", ignore_errors=True)
+    if world.local_rank == 0:
+        (out / "nvme").mkdir(parents=True, exist_ok=True)
+        ckpt.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    return ckpt
+
+
+def write_model(ckpt: Path, tag: str, mcfg, model_dir: Path) -> None:
+    """Consolidate checkpoint ``tag`` into a from_pretrained folder (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    import zeroio.checkpoint
+
+    state = zeroio.checkpoint.consolidate(ckpt, tag=tag)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    mcfg.save_pretrained(model_dir)
+
+
+def train(opts: TrainOptions) -> dict[str, Any]:
+    """Run the job on this rank; rank 0 returns (and prints) the summary, others return {}."""
+    import zeroio
+
+    world = setup_world()
+    out = Path(opts.output)
+    rank0 = world.rank == 0
+    show = rank0 and not opts.json and not opts.quiet
+
+    def say(msg: str) -> None:
+        if show:
+            print(msg, file=sys.stderr, flush=True)
+
+    mcfg = llama_config(opts.preset, opts.model_config)
+    raw, cfg = resolve_config(opts, mcfg, world, out)
+    ckpt = _prepare_dirs(opts, world, out)
+
+    tokens = ByteTokenizer().encode(read_text(opts.data))
+    blocks = TokenBlocks(tokens, opts.seq_len)
+    micro_batch, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    order = ShardedOrder(num_blocks=len(blocks), world_size=world.world_size, rank=world.rank,
+                         micro_batch=micro_batch, seed=opts.seed)
+    if opts.seq_len > mcfg.max_position_embeddings:
+        raise ConfigError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
+                          f"{mcfg.max_position_embeddings}", key="seq_len")
+
+    zo = cfg.zero_optimization
+    offload = f"param {zo.offload_param.device}, optimizer {zo.offload_optimizer.device}"
+    say(f"zeroio train: {opts.preset or opts.model_config or 'tiny'} "
+        f"({num_parameters(mcfg) / 1e6:.2f}M params), {world.world_size} rank(s) on "
+        f"{world.device.type}, ZeRO stage {zo.stage}, offload {offload}; "
+        f"{len(blocks)} sequences of {opts.seq_len} tokens")
+
+    model = build_model(mcfg, raw, cfg, opts.seed)
+    engine, _optimizer, _loader, _sched = zeroio.initialize(model=model, config=raw)
+
+    losses: list[float] = []
+    start = 0
+    if opts.resume:
+        path, client = engine.load_checkpoint(ckpt)
+        if path is None:
+            say(f"--resume: no checkpoint under {ckpt}; starting from step 0")
+        else:
+            start = int(engine.global_steps)
+            losses = list((client or {}).get("losses", []))[:start]
+            say(f"--resume: continuing from {path} at step {start}")
+    if start >= opts.steps:
+        say(f"already at step {start} of --steps {opts.steps}; nothing to train")
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=not show,
+               dynamic_ncols=True, file=sys.stderr)
+    tokens_per_step = world.world_size * micro_batch * gas * opts.seq_len
+    t_start = time.perf_counter()
+    last_tag = None
+    steps_run = 0
+    for step in range(start, opts.steps):
+        t0 = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in range(gas):
+            batch = blocks.batch(order.indices(step * gas + micro))
+            batch = {k: v.to(world.device, non_blocking=True) for k, v in batch.items()}
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().double().cpu()
+        mean = (total / gas)
+        dist.all_reduce(mean)
+        step_loss = mean.item() / world.world_size
+        if not math.isfinite(step_loss):
+            raise FloatingPointError(f"loss became {step_loss} at step {step + 1}; "
+                                     "lower --lr or check the data")
+        losses.append(step_loss)
+        steps_run += 1
+        dt = time.perf_counter() - t0
+        done = step + 1
+        if opts.save_every and done % opts.save_every == 0 and done != opts.steps:
+            last_tag = f"step{done}"
+            engine.save_checkpoint(ckpt, tag=last_tag, client_state={"losses": losses})
+        bar.set_postfix_str(f"loss {step_loss:.3f}  tok/s {tokens_per_step / dt:,.0f}  "
+                            f"swap {swap_summary(engine.stats())}", refresh=False)
+        bar.update(1)
+    bar.close()
+    wall = time.perf_counter() - t_start
+
+    final_tag = f"step{max(opts.steps, start)}"
+    if last_tag != final_tag and steps_run:
+        engine.save_checkpoint(ckpt, tag=final_tag, client_state={"losses": losses})
+    dist.barrier()
+    model_dir = out / "model"
+    if rank0:
+        try:
+            write_model(ckpt, None if not steps_run and not opts.resume else final_tag, mcfg,
+                        model_dir)
+        except CheckpointError:
+            if steps_run:
+                raise
+            model_dir = None  # nothing trained and nothing to resume from
+    dist.barrier()
+    stats = engine.stats()
+    summary = {
+        "model": opts.preset or opts.model_config or "tiny",
+        "params": num_parameters(mcfg),
+        "world_size": world.world_size,
+        "device": world.device.type,
+        "stage": zo.stage,
+        "offload_param": zo.offload_param.device,
+        "offload_optimizer": zo.offload_optimizer.device,
+        "start_step": start,
+        "steps": opts.steps,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "losses": losses,
+        "tokens_per_s": tokens_per_step * steps_run / wall if steps_run and wall > 0 else None,
+        "wall_s": wall,
+        "bytes_moved": dict(stats.get("bytes_moved", {})) if stats else {},
+        "checkpoint": str(ckpt / final_tag),
+        "model_dir": str(model_dir) if model_dir else None,
+    }
+    if rank0:
+        if opts.json:
+            print(json.dumps(summary), flush=True)
+        else:
+            first = f"{losses[0]:.3f}" if losses else "-"
+            last = f"{losses[-1]:.3f}" if losses else "-"
+            tps = summary["tokens_per_s"]
+            print(f"loss {first} -> {last} (step 1 -> {len(losses)}), {steps_run} steps in "
+                  f"{wall:.1f} s" + (f", {tps:,.0f} tokens/s" if tps else ""), flush=True)
+            if not opts.quiet:
+                print(f"swap (rank 0): {swap_summary(stats)}", flush=True)
+                print(f"checkpoint: {summary['checkpoint']}", flush=True)
+                if model_dir:
+                    print(f"model: {model_dir} (AutoModelForCausalLM.from_pretrained)", flush=True)
+    dist.barrier()
+    return summary if rank0 else {}
