@@ -1,0 +1,28 @@
+"""Tiered storage manager: GPU / pinned CPU / NVMe tiers, prefetch, eviction policies, stats.
+
+``TieredStore`` is the one class the partitioner and optimizer use; see
+docs/tiering.md for the config keys and docs/internals.md for the contract.
+"""
+
+from zeroio.tiering.backend import MemoryBackend, NvmeBackend
+from zeroio.tiering.config import Budgets, TieringPolicyConfig, home_for
+from zeroio.tiering.policy import EvictionPolicy, FIFOPolicy, LRUPolicy, PolicyKind, TracePolicy, make_policy
+from zeroio.tiering.store import TieredStore
+from zeroio.tiering.tier import Residency, Tier
+
+__all__ = [
+    "TieredStore",
+    "Tier",
+    "Residency",
+    "TieringPolicyConfig",
+    "Budgets",
+    "home_for",
+    "PolicyKind",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "FIFOPolicy",
+    "TracePolicy",
+    "make_policy",
+    "NvmeBackend",
+    "MemoryBackend",
+]

@@ -1,0 +1,336 @@
+"""Moves bytes between tiers: loads, write-backs, eviction, settling.
+
+Every method here is called with the store's lock held. A method that must
+wait for a transfer releases the lock while it waits (``wait``), so callers
+re-read state after any call that can wait: another thread may have acted.
+
+[Note: sources] A new cache copy is filled from the freshest copy: a DIRTY (or
+being written back) copy if one exists, else a memory copy (GPU and CPU are
+faster sources than NVMe), else the home. A GPU copy of an NVMe-homed tensor
+is staged through a CPU copy, which stays as a clean cache copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from zeroio.errors import CapacityError, SwapIOError
+from zeroio.tiering.backend import NvmeBackend
+from zeroio.tiering.state import Copy, Entry, Move, MoveKind, Space
+from zeroio.tiering.stats import TierStats
+from zeroio.tiering.tier import Event, Residency, Tier, pair
+from zeroio.tiering.transfer import Transfer, device_copy
+
+
+class Mover:
+    def __init__(self, lock: threading.Lock, spaces: dict[Tier, Space], backend: NvmeBackend | None,
+                 stats: TierStats, streams: dict[str, object], entries: dict[str, Entry]):
+        self.lock = lock
+        self.entries = entries
+        self.spaces = spaces
+        self.backend = backend
+        self.stats = stats
+        # Host-to-device copies overlap compute on one stream, device-to-host
+        # write-backs on another, so a load never queues behind a write-back.
+        self.streams = streams
+        self.inflight: set[Move] = set()
+        self.local = threading.local()  # per-thread seconds spent waiting (stall accounting)
+
+    # -- waiting and settling ---------------------------------------------------
+
+    def wait(self, move: Move) -> BaseException | None:
+        """Wait for ``move`` with the lock released, then settle it; returns its error."""
+        if not move.settled:
+            t0 = time.perf_counter()
+            self.lock.release()
+            try:
+                move.transfer.wait()
+            finally:
+                self.lock.acquire()
+                self.local.waited = getattr(self.local, "waited", 0.0) + time.perf_counter() - t0
+            self.settle(move)
+        return move.error
+
+    def settle(self, move: Move) -> None:
+        if move.settled:
+            return
+        exc = move.transfer.wait()  # done already: returns at once
+        move.settled = True
+        self.inflight.discard(move)
+        entry, src, dst = move.entry, move.src, move.dst
+        src.readers -= 1
+        if move.kind is MoveKind.LOAD:
+            dst.move = None
+            if exc is None:
+                dst.fire(Event.LOAD_DONE)
+                self.stats.moved(pair(src.tier, dst.tier), entry.nbytes)
+            else:
+                move.error = entry.error = SwapIOError(
+                    f"tiered store: loading {entry.name!r} {pair(src.tier, dst.tier)} failed: {exc}"
+                )
+                dst.fire(Event.LOAD_FAILED)
+                self.drop(entry, dst)
+        else:
+            src.move = None
+            if exc is None:
+                src.fire(Event.WRITEBACK_DONE)
+                self.stats.moved(pair(src.tier, dst.tier), entry.nbytes)
+                self.stats.wrote_back()
+                if move.kind is MoveKind.HANDDOWN:
+                    dst.move = None
+                    dst.fire(Event.LOAD_DONE)
+                    dst.fire(Event.WRITE)
+                if src.evict_after and src.evictable:
+                    self.drop(entry, src)
+            else:
+                move.error = entry.error = SwapIOError(
+                    f"tiered store: writing back {entry.name!r} {pair(src.tier, dst.tier)} failed: {exc}"
+                )
+                src.fire(Event.WRITEBACK_FAILED)
+                if move.kind is MoveKind.HANDDOWN:
+                    dst.move = None
+                    dst.fire(Event.LOAD_FAILED)
+                    self.drop(entry, dst)
+            src.evict_after = False
+            if dst.is_home and dst.tier is not Tier.NVME:
+                dst.readers -= 1  # the home was held while being written into
+
+    def settle_done(self) -> None:
+        """Settle every move that has finished (cheap poll)."""
+        for move in [m for m in self.inflight if m.transfer.done()]:
+            self.settle(move)
+
+    def quiesce(self, entry: Entry | None = None) -> None:
+        """Wait until no move (of ``entry``, or of any entry) is in flight."""
+        while True:
+            moves = [m for m in self.inflight if entry is None or m.entry is entry]
+            if not moves:
+                return
+            self.wait(moves[0])
+
+    # -- copies -------------------------------------------------------------
+
+    def new_copy(self, entry: Entry, tier: Tier, state: Residency, *, home: bool) -> Copy:
+        space = self.spaces[tier]
+        cost = space.cost(entry.nbytes)
+        if space.used + cost > space.budget:  # callers make room first; this is a bug guard
+            raise CapacityError(
+                f"tiered store: {tier.value} tier would hold {space.used + cost} bytes, "
+                f"over its budget of {space.budget} (placing {entry.name!r})"
+            )
+        block = None
+        if tier is not Tier.NVME:
+            block = space.memory.allocate(entry.shape, entry.dtype, entry.nbytes)  # type: ignore[union-attr]
+        copy = Copy(tier=tier, is_home=home, state=state, block=block)
+        space.used += cost
+        if home:
+            space.home_used += cost
+        else:
+            space.cache[entry.name] = copy
+            space.policy.admit(entry.name)  # type: ignore[union-attr]
+        entry.copies[tier] = copy
+        return copy
+
+    def drop(self, entry: Entry, copy: Copy) -> None:
+        """Free a copy's space (its data must be elsewhere or be worthless)."""
+        space = self.spaces[copy.tier]
+        if entry.copies.get(copy.tier) is copy:
+            del entry.copies[copy.tier]
+        if copy.state is Residency.CLEAN:
+            copy.fire(Event.EVICT)
+        elif copy.state is Residency.DIRTY:
+            copy.fire(Event.DISCARD)  # superseded by a newer write elsewhere
+        elif copy.state is not Residency.ABSENT:
+            copy.fire(Event.EVICT)  # in flight: a bug; raises ResidencyError
+        space.used -= copy.cost
+        if copy.is_home:
+            space.home_used -= copy.cost
+        elif space.cache.get(entry.name) is copy:
+            del space.cache[entry.name]
+            space.policy.forget(entry.name)  # type: ignore[union-attr]
+        if copy.block is not None and space.memory is not None:
+            space.memory.free(copy.block)
+        copy.block = None
+
+    # -- transfers -----------------------------------------------------------
+
+    def _transfer(self, entry: Entry, src: Copy, dst: Copy) -> Transfer:
+        if src.tier is Tier.NVME:
+            return Transfer(future=self.backend.read_into(entry.name, dst.tensor))  # type: ignore[union-attr]
+        if dst.tier is Tier.NVME:
+            return Transfer(future=self.backend.write(entry.name, src.tensor))  # type: ignore[union-attr]
+        stream = self.streams["h2d" if dst.tier is Tier.GPU else "d2h"]
+        return device_copy(src.tensor, dst.tensor, stream)  # type: ignore[arg-type]
+
+    def _start(self, kind: MoveKind, entry: Entry, src: Copy, dst: Copy) -> Move:
+        src.readers += 1
+        try:
+            transfer = self._transfer(entry, src, dst)
+        except BaseException as exc:
+            # A transfer that cannot even start is a failed transfer.
+            fut_err = exc
+
+            class _Failed(Transfer):
+                def done(self) -> bool:
+                    return True
+
+                def wait(self) -> BaseException | None:
+                    return fut_err
+
+            transfer = _Failed()
+        move = Move(kind, entry, src, dst, transfer)
+        self.inflight.add(move)
+        if kind is MoveKind.LOAD:
+            dst.move = move
+        else:
+            src.move = move
+            if kind is MoveKind.HANDDOWN:
+                dst.move = move
+            if dst.is_home and dst.tier is not Tier.NVME:
+                dst.readers += 1
+        return move
+
+    # -- loading ---------------------------------------------------------------
+
+    def source(self, entry: Entry, target: Tier) -> Copy | None:
+        """Where a new copy in ``target`` is filled from; see [Note: sources].
+        None: a GPU target of an NVMe-homed tensor needs a CPU copy first."""
+        fresh = entry.freshest()
+        if fresh is not None:
+            return fresh
+        for tier in (Tier.GPU, Tier.CPU):
+            c = entry.copies.get(tier)
+            if tier is not target and c is not None and c.state is not Residency.ABSENT:
+                return c  # may be LOADING: the caller waits for it
+        if target is Tier.GPU and entry.home is Tier.NVME:
+            return None
+        return entry.home_copy
+
+    def load(self, entry: Entry, tier: Tier, *, prefetch: bool) -> Copy | None:
+        """Start filling a cache copy of ``entry`` in ``tier``; returns it (maybe still
+        LOADING), or None when a prefetch declines (no room worth making)."""
+        while True:
+            existing = entry.copies.get(tier)
+            if existing is not None:
+                return existing
+            src = self.source(entry, tier)
+            if src is None:
+                staged = self.load(entry, Tier.CPU, prefetch=prefetch)
+                if staged is None:
+                    return None
+                if staged.move is not None and staged.state is Residency.LOADING:
+                    self.wait(staged.move)
+                continue
+            if src.state is Residency.LOADING:
+                self.wait(src.move)  # type: ignore[arg-type]
+                continue
+            space = self.spaces[tier]
+            if not self.make_room(space, space.cost(entry.nbytes), entry.name, prefetch=prefetch):
+                return None
+            if entry.copies.get(tier) is not None or self.source(entry, tier) is not src:
+                continue  # another thread acted while make_room waited
+            if space.used + space.cost(entry.nbytes) > space.budget:
+                continue
+            dst = self.new_copy(entry, tier, Residency.ABSENT, home=False)
+            dst.fire(Event.START_LOAD)
+            self._start(MoveKind.LOAD, entry, src, dst)
+            return dst
+
+    # -- write-back and eviction -------------------------------------------
+
+    def writeback(self, entry: Entry, copy: Copy, *, evict_after: bool) -> Move | None:
+        """Start writing a DIRTY copy down (None: it finished at once)."""
+        if copy.tier is Tier.GPU and entry.home is Tier.NVME:
+            return self._hand_down(entry, copy, evict_after)
+        copy.fire(Event.START_WRITEBACK)
+        copy.evict_after = evict_after
+        return self._start(MoveKind.WRITEBACK, entry, copy, entry.home_copy)
+
+    def _hand_down(self, entry: Entry, copy: Copy, evict_after: bool) -> Move | None:
+        """A GPU copy of an NVMe-homed tensor is written back by passing its dirt to a
+        CPU copy (the disk is reached from pinned host memory only)."""
+        space = self.spaces[Tier.CPU]
+        cost = space.cost(entry.nbytes)
+        while True:
+            cpu = entry.copies.get(Tier.CPU)
+            if cpu is not None and cpu.state is Residency.LOADING:
+                self.wait(cpu.move)  # type: ignore[arg-type]
+            elif cpu is not None:
+                # By [Note: copies] it already holds the latest bytes: hand over the dirt.
+                cpu.fire(Event.WRITE)
+                copy.fire(Event.START_WRITEBACK)
+                copy.fire(Event.WRITEBACK_DONE)
+                self.stats.wrote_back()
+                if evict_after and copy.evictable:
+                    self.drop(entry, copy)
+                return None
+            else:
+                self.make_room(space, cost, entry.name, prefetch=False)
+                if entry.copies.get(Tier.CPU) is None and space.used + cost <= space.budget:
+                    break
+            if entry.copies.get(Tier.GPU) is not copy or copy.state is not Residency.DIRTY:
+                return None  # another thread acted while we waited
+        dst = self.new_copy(entry, Tier.CPU, Residency.ABSENT, home=False)
+        dst.fire(Event.START_LOAD)
+        copy.fire(Event.START_WRITEBACK)
+        copy.evict_after = evict_after
+        return self._start(MoveKind.HANDDOWN, entry, copy, dst)
+
+    def make_room(self, space: Space, cost: int, for_name: str, *, prefetch: bool) -> bool:
+        """Evict until ``cost`` bytes fit in ``space``. A prefetch gives up (False)
+        rather than wait or evict against the policy; a demand raises CapacityError
+        when pinned copies and homes leave no room, SwapIOError when a write-back
+        it needed failed."""
+        if cost > space.budget - space.home_used:
+            if prefetch:
+                return False
+            raise CapacityError(
+                f"tiered store: {for_name!r} needs {cost} bytes in the {space.tier.value} tier; "
+                f"its budget is {space.budget} bytes of which homes hold {space.home_used}; "
+                f"raise zero_optimization.tiering.{space.tier.value}_budget_bytes"
+            )
+        while space.used + cost > space.budget:
+            self.settle_done()
+            if space.used + cost <= space.budget:
+                break
+            leaving = [c for c in space.cache.values() if c.evict_after and c.move is not None]
+            if leaving and space.used - sum(c.cost for c in leaving) + cost <= space.budget:
+                self._wait_eviction(leaving[0], prefetch=prefetch)
+                continue
+            # A copy whose entry holds an unreported I/O error is kept (it may be the
+            # only good copy) until its owner has seen the error.
+            cands = [n for n, c in space.cache.items()
+                     if n != for_name and c.evictable and self.entries[n].error is None]
+            victim = space.policy.victim(cands, for_name if prefetch else None) if cands else None  # type: ignore[union-attr]
+            if victim is not None:
+                copy = space.cache[victim]
+                entry = self.entries[victim]
+                if copy.state is Residency.CLEAN:
+                    self.drop(entry, copy)
+                else:
+                    self.writeback(entry, copy, evict_after=True)
+                continue
+            if leaving:
+                self._wait_eviction(leaving[0], prefetch=prefetch)
+                continue
+            if prefetch:
+                return False
+            moving = [c.move for c in space.cache.values() if c.move is not None]
+            if moving:
+                self.wait(moving[0])
+                continue
+            raise CapacityError(
+                f"tiered store: no room for {for_name!r} ({cost} bytes) in the {space.tier.value} "
+                f"tier: budget {space.budget} bytes, homes {space.home_used}, acquired or in use "
+                f"{space.pinned_bytes()}, free {space.free}; release tensors first or raise "
+                f"zero_optimization.tiering.{space.tier.value}_budget_bytes"
+            )
+        return True
+
+    def _wait_eviction(self, copy: Copy, *, prefetch: bool) -> None:
+        move = copy.move
+        err = self.wait(move)  # type: ignore[arg-type]
+        if err is not None and not prefetch:
+            move.entry.error = None  # reported here, to the caller that needed the space
+            raise SwapIOError(f"{err} (while making room in the {copy.tier.value} tier)") from err

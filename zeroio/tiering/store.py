@@ -1,0 +1,446 @@
+"""TieredStore: where every named tensor of training state lives, and moving it.
+
+The partitioner and optimizer register named tensors, then ``acquire`` them in
+the tier they compute in (GPU or CPU), ``mark_dirty`` what they changed and
+``release`` them. The store keeps each tensor's home copy (GPU, CPU or NVMe)
+and cache copies in the other memory tiers, evicts by policy, writes dirty
+data back before its space is reused, and moves upcoming tensors ahead of use
+on a prefetch thread whose transfers run on the I/O engine's threads and on
+CUDA copy streams. Invariants: [Note: copies] in tier.py; sources and waiting
+rules: mover.py.
+
+[Note: placement] ``register(home=T)`` places the home in T if T's budget has
+room, else in the next slower tier (GPU -> CPU -> NVMe), so free GPU memory
+holds state that does not fit in CPU and the whole machine is usable. The CPU
+tier always keeps room for the largest NVMe-homed tensor, since every disk
+transfer passes through pinned host memory; a registration that would break
+that, or that no tier can hold, is a CapacityError naming budgets and bytes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from zeroio.errors import CapacityError, ResidencyError, SwapIOError, ZeroIOError
+from zeroio.tiering.backend import NvmeBackend
+from zeroio.tiering.config import Budgets, TieringPolicyConfig
+from zeroio.tiering.mover import Mover
+from zeroio.tiering.policy import PolicyKind, make_policy
+from zeroio.tiering.state import Copy, Entry, Space
+from zeroio.tiering.stats import TierStats
+from zeroio.tiering.tier import Event, Residency, Tier
+from zeroio.tiering.transfer import TierMemory
+
+_ORDER = (Tier.GPU, Tier.CPU, Tier.NVME)
+
+
+class TieredStore:
+    """Named tensors over GPU / pinned CPU / NVMe tiers; see the module docstring."""
+
+    def __init__(
+        self,
+        tiering_cfg: object = None,
+        aio_cfg: object = None,
+        nvme_path: str | None = None,
+        device: torch.device | str | None = None,
+        *,
+        backend: NvmeBackend | None = None,
+        **overrides: object,
+    ):
+        if nvme_path is not None:
+            overrides.setdefault("nvme_path", str(nvme_path))
+        self.cfg = TieringPolicyConfig.from_config(tiering_cfg, **overrides)
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if cuda else None)
+        if backend is None and self.cfg.nvme_path is not None:
+            from zeroio.tiering.nvme import TensorStoreBackend
+
+            backend = TensorStoreBackend(self.cfg.nvme_path, aio_cfg)
+        self._backend = backend
+        self.budgets = Budgets.resolve(self.cfg, device=self.device, has_nvme=backend is not None)
+        self._entries: dict[str, Entry] = {}
+        self._spaces: dict[Tier, Space] = {}
+        for tier in _ORDER:
+            budget = self.budgets.of(tier)
+            memory = TierMemory(tier, budget, pin=self.cfg.pin_memory, device=self.device) \
+                if tier.is_memory else None
+            policy = make_policy(self.cfg.policy) if tier.is_memory else None
+            self._spaces[tier] = Space(tier, budget, memory, policy)
+        # All CUDA streams of the store, made here: "h2d" carries loads to the GPU
+        # so they overlap compute; "d2h" carries write-backs, so a load never waits
+        # behind one. Completion is tracked per copy with events.
+        streams = {} if not (cuda and self.budgets.gpu > 0) else {
+            "h2d": torch.cuda.Stream(self.device), "d2h": torch.cuda.Stream(self.device)}
+        self._lock = threading.Lock()
+        self._stats = TierStats()
+        self._mover = Mover(self._lock, self._spaces, backend, self._stats, streams, self._entries)
+        self._queue: queue.Queue = queue.Queue()
+        self._queued: set[tuple[str, Tier]] = set()
+        self._worker: threading.Thread | None = None
+        self._waiter: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # -- registration ---------------------------------------------------------
+
+    def register(self, name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
+                 home: Tier | str = Tier.CPU, init: torch.Tensor | None = None) -> Tier:
+        """Add a tensor (zeros, or a copy of ``init``); returns the tier its home is in
+        ([Note: placement])."""
+        shape = tuple(int(s) for s in shape)
+        if not isinstance(name, str) or not name:
+            raise ResidencyError(f"register: name must be a non-empty string, got {name!r}")
+        if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
+            raise ResidencyError(f"register({name!r}): bad shape {shape} or dtype {dtype!r}")
+        if init is not None and init.numel() != _numel(shape):
+            raise ResidencyError(
+                f"register({name!r}): init has {init.numel()} elements, shape {shape} needs {_numel(shape)}")
+        want = Tier.parse(home)
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            self._check_open()
+            if name in self._entries:
+                raise ResidencyError(f"register: {name!r} is already registered")
+            tier = self._place(name, nbytes, want)
+            entry = Entry(name, shape, dtype, nbytes, tier)
+            space = self._spaces[tier]
+            if tier is not Tier.NVME:
+                self._mover.make_room(space, space.cost(nbytes), name, prefetch=False)
+            copy = self._mover.new_copy(entry, tier, Residency.CLEAN, home=True)
+            self._entries[name] = entry
+        try:
+            self._fill_home(entry, copy, init)
+        except BaseException:
+            with self._lock:
+                self._mover.drop(entry, copy)
+                del self._entries[name]
+            raise
+        return tier
+
+    def _fill_home(self, entry: Entry, copy: Copy, init: torch.Tensor | None) -> None:
+        if copy.tier is not Tier.NVME:
+            if init is None:
+                copy.tensor.zero_()
+            else:
+                copy.tensor.copy_(init.detach().reshape(entry.shape))
+            return
+        self._backend.create(entry.name, _numel(entry.shape), entry.dtype)  # type: ignore[union-attr]
+        if init is not None:
+            flat = init.detach().to("cpu", entry.dtype).contiguous().reshape(-1)
+            try:
+                self._backend.write(entry.name, flat).result()  # type: ignore[union-attr]
+            except BaseException as exc:
+                self._backend.delete(entry.name)  # type: ignore[union-attr]
+                raise SwapIOError(f"register({entry.name!r}): writing init to NVMe failed: {exc}") from exc
+
+    def _place(self, name: str, nbytes: int, want: Tier) -> Tier:
+        cpu = self._spaces[Tier.CPU]
+        largest_nvme = max((cpu.cost(e.nbytes) for e in self._entries.values()
+                            if e.home is Tier.NVME), default=0)
+        for tier in _ORDER[_ORDER.index(want):]:
+            space = self._spaces[tier]
+            cost = space.cost(nbytes)
+            if space.budget == 0 or space.home_used + cost > space.budget:
+                continue
+            if tier is Tier.NVME and self._backend is None:
+                continue
+            cpu_homes = cpu.home_used + (cost if tier is Tier.CPU else 0)
+            staging = max(largest_nvme, cpu.cost(nbytes) if tier is Tier.NVME else 0)
+            if staging and cpu_homes + staging > cpu.budget:
+                continue
+            return tier
+        total = sum(e.nbytes for e in self._entries.values())
+        lines = ", ".join(
+            f"{t.value} {self._spaces[t].budget} (homes {self._spaces[t].home_used})" for t in _ORDER)
+        hint = ""
+        if cpu.cost(nbytes) > cpu.budget and want is not Tier.GPU:
+            hint = (f"; the CPU budget ({cpu.budget}) must hold the largest tensor ({cpu.cost(nbytes)} "
+                    f"bytes as pages), since NVMe data passes through pinned host memory")
+        raise CapacityError(
+            f"register({name!r}): {nbytes} bytes fit in no tier from {want.value} down. Budgets "
+            f"in bytes: {lines}; registered so far {total} + {nbytes} needed{hint}. Raise "
+            f"zero_optimization.tiering.{{gpu,cpu,nvme}}_budget_bytes or set an nvme_path"
+        )
+
+    # -- acquire / release ----------------------------------------------------
+
+    def acquire(self, name: str, tier: Tier | str) -> torch.Tensor:
+        """The tensor resident in ``tier`` (GPU or CPU), stable until ``release``."""
+        t0 = time.perf_counter()
+        self._mover.local.waited = 0.0
+        with self._lock:
+            entry, copy = self._begin_acquire(name, tier)
+            try:
+                self._finish_acquire(entry, copy)
+            finally:
+                waited = self._mover.local.waited
+                if waited:
+                    self._stats.stalled(time.perf_counter() - t0)
+            names = self._spaces[copy.tier].policy.upcoming(self.cfg.prefetch_depth)  # type: ignore[union-attr]
+            self._enqueue([n for n in names if n != name], copy.tier)
+            return copy.tensor
+
+    def acquire_async(self, name: str, tier: Tier | str) -> Future:
+        """Like ``acquire`` but returns at once; the future's result is the tensor."""
+        with self._lock:
+            entry, copy = self._begin_acquire(name, tier)
+            if self._waiter is None:
+                self._waiter = ThreadPoolExecutor(1, thread_name_prefix="zeroio-tiering-acquire")
+        return self._waiter.submit(self._finish_async, entry, copy)
+
+    def _finish_async(self, entry: Entry, copy: Copy) -> torch.Tensor:
+        with self._lock:
+            self._finish_acquire(entry, copy)
+            return copy.tensor
+
+    def _begin_acquire(self, name: str, tier: Tier | str) -> tuple[Entry, Copy]:
+        self._check_open()
+        tier = Tier.parse(tier)
+        entry = self._entry(name)
+        if not tier.is_memory:
+            raise ResidencyError(f"acquire({name!r}, nvme): tensors are used from gpu or cpu")
+        if self._spaces[tier].budget == 0:
+            raise CapacityError(
+                f"acquire({name!r}, {tier.value}): the {tier.value} tier has a budget of 0 bytes"
+                + (" (no CUDA device)" if tier is Tier.GPU and not torch.cuda.is_available() else ""))
+        if entry.error is not None:
+            err, entry.error = entry.error, None
+            raise err
+        self._spaces[tier].policy.touch(name)  # type: ignore[union-attr]
+        copy = entry.copies.get(tier)
+        if copy is not None:
+            self._stats.hit()
+        else:
+            self._stats.miss()
+            copy = self._mover.load(entry, tier, prefetch=False)
+        copy.pins += 1  # type: ignore[union-attr]
+        copy.evict_after = False  # type: ignore[union-attr]
+        return entry, copy  # type: ignore[return-value]
+
+    def _finish_acquire(self, entry: Entry, copy: Copy) -> None:
+        """Wait until ``copy`` holds the latest bytes (lock held)."""
+        try:
+            while True:
+                if copy.state is Residency.LOADING:
+                    self._mover.wait(copy.move)  # type: ignore[arg-type]
+                    if entry.copies.get(copy.tier) is not copy:
+                        err, entry.error = entry.error, None
+                        raise err or SwapIOError(f"acquire({entry.name!r}): load failed")
+                    continue
+                fresh = entry.freshest()
+                if copy.is_home and fresh is not None and fresh is not copy:
+                    # The home is stale: bring the newer bytes back before handing it out.
+                    if fresh.state is Residency.DIRTY:
+                        self._mover.writeback(entry, fresh, evict_after=False)
+                    move = fresh.move
+                    if move is not None:
+                        err = self._mover.wait(move)
+                        if err is not None:
+                            entry.error = None
+                            raise err
+                    continue
+                return
+        except BaseException:
+            if entry.copies.get(copy.tier) is copy:
+                copy.pins -= 1
+            raise
+
+    def mark_dirty(self, name: str, tier: Tier | str | None = None) -> None:
+        """Record that the acquired tensor was written: other copies are dropped and
+        this one is written back before its space is reused."""
+        with self._lock:
+            entry = self._entry(name)
+            copy = self._held(entry, tier, "mark_dirty")
+            self._mover.quiesce(entry)
+            for other in list(entry.copies.values()):
+                if other is copy or other.is_home:
+                    continue
+                if other.pins:
+                    raise ResidencyError(
+                        f"mark_dirty({name!r}, {copy.tier.value}): it is also acquired in "
+                        f"{other.tier.value}; release that first")
+                self._mover.drop(entry, other)
+            if not copy.is_home:
+                copy.fire(Event.WRITE)
+
+    def release(self, name: str, tier: Tier | str | None = None) -> None:
+        with self._lock:
+            entry = self._entry(name)
+            copy = self._held(entry, tier, "release")
+            copy.pins -= 1
+
+    def _held(self, entry: Entry, tier: Tier | str | None, what: str) -> Copy:
+        self._check_open()
+        if tier is None:
+            tiers = entry.pinned_tiers()
+            if len(tiers) != 1:
+                raise ResidencyError(
+                    f"{what}({entry.name!r}): acquired in {[t.value for t in tiers] or 'no tier'}; "
+                    f"pass the tier")
+            tier = tiers[0]
+        tier = Tier.parse(tier)
+        copy = entry.copies.get(tier)
+        if copy is None or copy.pins == 0:
+            raise ResidencyError(f"{what}({entry.name!r}, {tier.value}): it is not acquired there")
+        return copy
+
+    # -- prefetch -------------------------------------------------------------
+
+    def prefetch(self, names: list[str], tier: Tier | str) -> None:
+        """Start moving ``names`` into ``tier`` in the background (a hint: a tier with
+        no room worth making skips it)."""
+        tier = Tier.parse(tier)
+        with self._lock:
+            self._check_open()
+            for name in names:
+                self._entry(name)
+            if not tier.is_memory or self._spaces[tier].budget == 0:
+                return
+            self._enqueue(list(names), tier)
+
+    def _enqueue(self, names: list[str], tier: Tier) -> None:
+        for name in names:
+            if (name, tier) in self._queued or tier in self._entries[name].copies:
+                continue
+            self._queued.add((name, tier))
+            self._queue.put((name, tier))
+        if self._worker is None and self._queued:
+            self._worker = threading.Thread(target=self._serve, name="zeroio-tiering-prefetch", daemon=True)
+            self._worker.start()
+
+    def _serve(self) -> None:
+        """The prefetch queue: issues loads (which run on the I/O engine's threads and
+        the copy stream) and goes on to the next without waiting for them."""
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                name, tier = item
+                with self._lock:
+                    self._queued.discard(item)
+                    entry = self._entries.get(name)
+                    if self._closed or entry is None:
+                        continue
+                    try:
+                        self._mover.load(entry, tier, prefetch=True)
+                    except CapacityError:
+                        pass  # a hint that does not fit is dropped
+                    except ZeroIOError as exc:
+                        entry.error = entry.error or exc  # surfaces at the next acquire
+            finally:
+                self._queue.task_done()
+
+    # -- steps, flush, stats, close ---------------------------------------------
+
+    def step_boundary(self) -> None:
+        with self._lock:
+            self._check_open()
+            for space in self._spaces.values():
+                if space.policy is not None:
+                    space.policy.step_boundary()
+            self._stats.step_boundary()
+
+    def flush(self) -> None:
+        """Write every dirty copy back to its home and wait (homes then hold the
+        latest value: what a checkpoint reads)."""
+        self._queue.join()
+        with self._lock:
+            self._check_open()
+            self._mover.quiesce()
+            errors = []
+            for entry in self._entries.values():
+                while (fresh := entry.freshest()) is not None:
+                    if fresh.state is Residency.DIRTY:
+                        self._mover.writeback(entry, fresh, evict_after=False)
+                    if fresh.move is None:
+                        continue
+                    if self._mover.wait(fresh.move) is not None:
+                        errors.append(entry.error)
+                        entry.error = None
+                        break
+            if errors:
+                raise errors[0]
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._mover.settle_done()
+            out = self._stats.as_dict()
+            out["tiers"] = {
+                t.value: {"budget_bytes": s.budget, "used_bytes": s.used, "home_bytes": s.home_used,
+                          "cached": len(s.cache)}
+                for t, s in self._spaces.items()
+            }
+            out["policy"] = PolicyKind.parse(self.cfg.policy).value
+            return out
+
+    def residency(self, name: str) -> dict[str, str]:
+        """{tier: state} of ``name``'s copies, e.g. {"nvme": "clean", "cpu": "dirty"}."""
+        with self._lock:
+            return {t.value: c.state.value for t, c in self._entry(name).copies.items()}
+
+    def home_of(self, name: str) -> Tier:
+        with self._lock:
+            return self._entry(name).home
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def close(self) -> None:
+        """Free every copy, delete the NVMe arrays and stop the threads; data not
+        flushed is gone (the store holds swap, checkpoints are written elsewhere)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
+        with self._lock:
+            self._mover.quiesce()
+            for entry in self._entries.values():
+                for copy in list(entry.copies.values()):
+                    self._mover.drop(entry, copy)
+                if entry.home is Tier.NVME:
+                    self._backend.delete(entry.name)  # type: ignore[union-attr]
+            self._entries.clear()
+            for space in self._spaces.values():
+                if space.memory is not None:
+                    space.memory.close()
+        if self._backend is not None:
+            self._backend.close()
+
+    def held_host_bytes(self) -> int:
+        """Bytes the CPU tier's buffer pool has handed out (0 after close)."""
+        return self._spaces[Tier.CPU].memory.held_bytes  # type: ignore[union-attr]
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _entry(self, name: str) -> Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ResidencyError(f"tiered store: no tensor named {name!r} is registered") from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResidencyError("tiered store: it is closed")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
