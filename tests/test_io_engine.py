@@ -1,0 +1,262 @@
+"""IOEngine: round trips against the raw file bytes, O_DIRECT and fallback, errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zeroio.errors import IntegrityError, SwapIOError
+from zeroio.io import AlignedBuffer, IOEngine, OsOps
+from zeroio.io.engine import O_DIRECT, IOArgumentError
+
+
+def _odirect_supported(directory) -> bool:
+    path = os.path.join(directory, ".odirect_probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return O_DIRECT != 0
+
+
+class RecordingOps(OsOps):
+    """Records the flags of every open and the (fd, offset, length) of every transfer."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.opens: dict[int, int] = {}
+        self.calls: list[tuple[int, int, int, int]] = []  # fd, offset, nbytes, address
+
+    def open(self, path, flags, mode=0o644):
+        fd = super().open(path, flags, mode)
+        with self.lock:
+            self.opens[fd] = flags
+        return fd
+
+    def _record(self, fd, buffers, offset):
+        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        addr = np.asarray(buffers[0]).ctypes.data
+        with self.lock:
+            self.calls.append((self.opens.get(fd, 0), offset, nbytes, addr))
+
+    def preadv(self, fd, buffers, offset):
+        self._record(fd, buffers, offset)
+        return super().preadv(fd, buffers, offset)
+
+    def pwritev(self, fd, buffers, offset):
+        self._record(fd, buffers, offset)
+        return super().pwritev(fd, buffers, offset)
+
+
+def _rand_bytes(n: int, seed: int) -> torch.Tensor:
+    g = np.random.default_rng(seed)
+    return torch.from_numpy(g.integers(0, 256, size=n, dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = IOEngine(block_size=64 * 1024, queue_depth=4, thread_count=3)
+    yield e
+    e.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.one_of(st.integers(1, 5000), st.integers(4096, 3 << 20)),
+    offset=st.one_of(st.just(0), st.integers(0, 20000), st.integers(0, 8).map(lambda k: k * 4096)),
+    unaligned_mem=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_round_trip_random_sizes(engine, tmp_path, n, offset, unaligned_mem, seed):
+    path = tmp_path / f"rt_{n}_{offset}"
+    data = _rand_bytes(n, seed)
+    src = data
+    if not unaligned_mem:  # also exercise the zero-copy aligned path
+        buf = AlignedBuffer(n, pin=False)
+        buf.tensor.copy_(data)
+        src = buf.tensor
+    assert engine.write(path, src, offset).result() == n
+    raw = path.read_bytes()
+    assert len(raw) == offset + n
+    assert raw[offset:] == data.numpy().tobytes()  # independent reference: the file itself
+    out = torch.full((n + 1,), 7, dtype=torch.uint8)[1:]  # unaligned destination
+    engine.read(path, out, offset).result()
+    assert torch.equal(out, data)
+
+
+def test_round_trip_100mb_typed(tmp_path):
+    n = 100 * 1000 * 1000 + 3  # 100 MB, not a multiple of 4096
+    x = torch.randn(n // 4 + 1)
+    with IOEngine(block_size=1 << 20, queue_depth=8, thread_count=2) as e:
+        e.write(tmp_path / "big", x, 4096).result()
+        y = torch.empty_like(x)
+        e.read(tmp_path / "big", y, 4096).result()
+    assert torch.equal(x, y)
+    with open(tmp_path / "big", "rb") as f:
+        f.seek(4096 + 4 * 12345)
+        assert f.read(4) == x[12345].numpy().tobytes()
+
+
+def test_bf16_and_dtypes_written_as_raw_bytes(engine, tmp_path):
+    x = torch.randn(1001).bfloat16()
+    engine.write(tmp_path / "b", x).result()
+    assert (tmp_path / "b").read_bytes() == x.view(torch.int16).numpy().tobytes()
+    y = torch.empty_like(x)
+    engine.read(tmp_path / "b", y).result()
+    assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+def test_many_concurrent_requests(engine, tmp_path):
+    sizes = [1 + (i * 7919) % 300_000 for i in range(64)]
+    datas = [_rand_bytes(s, i) for i, s in enumerate(sizes)]
+    shared = tmp_path / "shared"
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
+    futs = [engine.write(shared, d, o) for d, o in zip(datas, offsets)]
+    futs += [engine.write(tmp_path / f"own{i}", d) for i, d in enumerate(datas)]
+    for f in futs:
+        f.result(timeout=60)
+    outs = [torch.empty_like(d) for d in datas]
+    reads = [engine.read(shared, o_, off) for o_, off in zip(outs, offsets)]
+    outs2 = [torch.empty_like(d) for d in datas]
+    reads += [engine.read(tmp_path / f"own{i}", o_) for i, o_ in enumerate(outs2)]
+    for f in reads:
+        f.result(timeout=60)
+    assert shared.read_bytes() == b"".join(d.numpy().tobytes() for d in datas)
+    for d, a, b in zip(datas, outs, outs2):
+        assert torch.equal(d, a) and torch.equal(d, b)
+
+
+def test_odirect_path_used_with_aligned_requests(tmp_path):
+    if not _odirect_supported(tmp_path):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
+    ops = RecordingOps()
+    n = 3 * 65536 + 100  # aligned body + unaligned tail
+    buf = AlignedBuffer(n, pin=False)
+    buf.tensor.copy_(_rand_bytes(n, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning on a filesystem that supports it
+        with IOEngine(block_size=65536, queue_depth=2, thread_count=2, os_ops=ops) as e:
+            e.write(tmp_path / "d", buf.tensor, 8192).result()
+            out = AlignedBuffer(n, pin=False)
+            e.read(tmp_path / "d", out.tensor, 8192).result()
+    assert torch.equal(out.tensor, buf.tensor)
+    direct = [c for c in ops.calls if c[0] & O_DIRECT]
+    buffered = [c for c in ops.calls if not c[0] & O_DIRECT]
+    assert sum(c[2] for c in direct) == 2 * (n - 100)  # body both ways went direct
+    assert all(off % 4096 == 0 and ln % 4096 == 0 and addr % 4096 == 0 for _, off, ln, addr in direct)
+    assert sum(c[2] for c in buffered) == 2 * 100  # only the tail was buffered
+    # queue_depth=2 blocks of 64 KiB per syscall at most
+    assert max(c[2] for c in direct) == 2 * 65536
+
+
+def test_fallback_forced_and_warns_once(tmp_path):
+    class NoDirect(RecordingOps):
+        def open(self, path, flags, mode=0o644):
+            if flags & O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().open(path, flags, mode)
+
+    ops = NoDirect()
+    with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported") as rec:
+        with IOEngine(block_size=4096, queue_depth=4, thread_count=2, os_ops=ops) as e:
+            for i in range(5):
+                x = _rand_bytes(10_000 + i, i)
+                e.write(tmp_path / "f", x, 4096 * i).result()
+                y = torch.empty_like(x)
+                e.read(tmp_path / "f", y, 4096 * i).result()
+                assert torch.equal(x, y)
+    assert len([w for w in rec if "O_DIRECT" in str(w.message)]) == 1
+    assert ops.calls and not any(c[0] & O_DIRECT for c in ops.calls)
+
+
+def test_direct_false_never_opens_odirect(tmp_path):
+    ops = RecordingOps()
+    with IOEngine(direct=False, os_ops=ops) as e:
+        x = _rand_bytes(50_000, 3)
+        e.write(tmp_path / "f", x).result()
+        y = torch.empty_like(x)
+        e.read(tmp_path / "f", y).result()
+    assert torch.equal(x, y)
+    assert not any(flags & O_DIRECT for flags in ops.opens.values())
+
+
+def test_short_read_is_integrity_error(engine, tmp_path):
+    (tmp_path / "short").write_bytes(b"x" * 10_000)
+    out = torch.empty(20_000, dtype=torch.uint8)
+    with pytest.raises(IntegrityError, match="short read"):
+        engine.read(tmp_path / "short", out).result()
+
+
+def test_enospc_during_write_names_path_and_bytes(tmp_path):
+    class Full(OsOps):
+        def pwritev(self, fd, buffers, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def disk_free(self, path):
+            return 1234
+
+    with IOEngine(os_ops=Full()) as e:
+        with pytest.raises(SwapIOError) as info:
+            e.write(tmp_path / "f", torch.zeros(50_000, dtype=torch.uint8)).result()
+    assert info.value.errno == errno.ENOSPC
+    msg = str(info.value)
+    assert str(tmp_path / "f") in msg and "1234 bytes free" in msg and "needs" in msg
+
+
+def test_preallocate_checks_free_space_up_front(tmp_path):
+    class Small(OsOps):
+        def disk_free(self, path):
+            return 10_000
+
+    with IOEngine(os_ops=Small()) as e:
+        with pytest.raises(SwapIOError, match="needs 1000000 bytes, 10000 bytes free"):
+            e.preallocate(tmp_path / "swap", 1_000_000)
+        e.preallocate(tmp_path / "ok", 8192)
+    assert os.path.getsize(tmp_path / "ok") == 8192
+
+
+def test_missing_directory_and_bad_tensor(engine, tmp_path):
+    with pytest.raises(SwapIOError, match="does not exist"):
+        engine.write(tmp_path / "nope" / "f", torch.zeros(10)).result()
+    with pytest.raises(IOArgumentError, match="contiguous"):
+        engine.write(tmp_path / "f", torch.zeros(10, 10).t())
+
+
+def test_config_object_and_keywords():
+    class Aio:  # what the config layer's cfg.aio looks like
+        block_size = 2 << 20
+        queue_depth = 16
+        intra_op_parallelism = 3
+        single_submit = True
+        overlap_events = True
+        use_gds = False
+
+    with IOEngine(Aio()) as e:
+        assert (e.settings.block_size, e.settings.queue_depth, e.settings.thread_count) == (2 << 20, 16, 3)
+        assert e.piece_bytes == 2 << 20  # single_submit: one block per syscall
+    with IOEngine(Aio(), queue_depth=4, thread_count=2) as e:
+        assert (e.settings.queue_depth, e.settings.thread_count) == (4, 2)
+
+
+def test_asyncio_api(engine, tmp_path):
+    import asyncio
+
+    x = _rand_bytes(123_457, 9)
+    y = torch.empty_like(x)
+
+    async def main():
+        await engine.awrite(tmp_path / "a", x, 4096)
+        await engine.aread(tmp_path / "a", y, 4096)
+
+    asyncio.run(main())
+    assert torch.equal(x, y)
