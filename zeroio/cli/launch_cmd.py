@@ -93,9 +93,10 @@ def launch(argv: list[str]) -> int:
         torch_run(get_args_parser().parse_args(argv))
     except ChildFailedError as e:
         # torchrun has already printed each failed rank's error; only the summary line here
-        failures = e.failures
-        first = failures[min(failures)]
-        print(f"zeroio launch: {len(failures)} process(es) failed; rank {first.global_rank} "
+        failures = e.failures  # global rank -> ProcessFailure
+        rank = min(failures)
+        first = failures[rank]
+        print(f"zeroio launch: {len(failures)} process(es) failed; rank {rank} "
               f"exited with code {first.exitcode}", file=sys.stderr)
         return first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1
     return 0

@@ -204,14 +204,15 @@ def train(opts: TrainOptions) -> dict[str, Any]:
                           f"{mcfg.max_position_embeddings}", key="seq_len")
 
     zo = cfg.zero_optimization
-    offload = f"param {zo.offload_param.device}, optimizer {zo.offload_optimizer.device}"
+    offload = (f"param {zo.offload_param.device.value}, "
+               f"optimizer {zo.offload_optimizer.device.value}")
     say(f"zeroio train: {opts.preset or opts.model_config or 'tiny'} "
         f"({num_parameters(mcfg) / 1e6:.2f}M params), {world.world_size} rank(s) on "
         f"{world.device.type}, ZeRO stage {zo.stage}, offload {offload}; "
         f"{len(blocks)} sequences of {opts.seq_len} tokens")
 
     model = build_model(mcfg, raw, cfg, opts.seed)
-    engine, _optimizer, _loader, _sched = zeroio.initialize(model=model, config=raw)
+    engine, _optimizer, _loader, _sched = zeroio.initialize(model=model, config=cfg)
 
     losses: list[float] = []
     start = 0
@@ -284,8 +285,8 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         "world_size": world.world_size,
         "device": world.device.type,
         "stage": zo.stage,
-        "offload_param": zo.offload_param.device,
-        "offload_optimizer": zo.offload_optimizer.device,
+        "offload_param": zo.offload_param.device.value,
+        "offload_optimizer": zo.offload_optimizer.device.value,
         "start_step": start,
         "steps": opts.steps,
         "first_loss": losses[0] if losses else None,
