@@ -1,0 +1,39 @@
+"""Sharded checkpoints: zarr v3 flat arrays in global order, atomic tags, any-world-size resume.
+
+    save_sharded(state, dir, tag)         collective: each rank writes its segments
+    load_sharded(dir, tag, template)      each rank fills its own ranges
+    consolidate(dir, tag=None)            {name: full tensor}, for safetensors export
+    engine_io.save_checkpoint / load_checkpoint / save_16bit_model   (used by Engine)
+
+See docs/checkpoint.md for the on-disk layout.
+"""
+
+from __future__ import annotations
+
+from zeroio.checkpoint.comm import Comm
+from zeroio.checkpoint.consolidate import consolidate, write_safetensors
+from zeroio.checkpoint.layout import FORMAT_VERSION, Manifest, read_manifest, scan_tags
+from zeroio.checkpoint.reader import ArrayReader, CheckpointWarning, LoadResult, load_sharded, resolve_tag
+from zeroio.checkpoint.state import ParamEntry, Segment, ShardedState, build_index
+from zeroio.checkpoint.writer import SaveOptions, save_sharded
+
+__all__ = [
+    "ArrayReader",
+    "CheckpointWarning",
+    "Comm",
+    "FORMAT_VERSION",
+    "LoadResult",
+    "Manifest",
+    "ParamEntry",
+    "SaveOptions",
+    "Segment",
+    "ShardedState",
+    "build_index",
+    "consolidate",
+    "load_sharded",
+    "read_manifest",
+    "resolve_tag",
+    "save_sharded",
+    "scan_tags",
+    "write_safetensors",
+]

@@ -1,0 +1,157 @@
+"""The only module of the checkpoint layer that touches files.
+
+`FileIO` has the shape of the io layer's `IOEngine` (`write(path, tensor,
+offset)` / `read(path, tensor, offset)` returning futures, `close()`), so the
+checkpoint code can switch to the direct-I/O engine by constructing that
+instead. It is a small thread pool over `os.pwrite` / `os.preadv` (both
+release the GIL), which is what checkpoint pieces need: their byte ranges are
+wherever rank boundaries fall, not aligned to the 4 KiB that O_DIRECT wants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zeroio.errors import CheckpointError, SwapIOError
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def pwrite_all(path: str | os.PathLike, data: np.ndarray, offset: int) -> None:
+    """Write every byte of ``data`` at ``offset`` of ``path`` (created if missing, never truncated)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            try:
+                n = os.pwrite(fd, view[done:], offset + done)
+            except OSError as e:
+                raise SwapIOError(
+                    f"writing {len(view) - done} bytes at offset {offset + done} of {path} "
+                    f"failed: {e.strerror}"
+                ) from e
+            done += n
+    finally:
+        os.close(fd)
+
+
+def pread_exact(path: str | os.PathLike, out: np.ndarray, offset: int) -> None:
+    """Fill ``out`` (uint8) from ``offset`` of ``path``; a short file is a CheckpointError."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    try:
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise CheckpointError(
+                    f"checkpoint file {path} is truncated: needed {len(view)} bytes at offset "
+                    f"{offset}, the file ends after {offset + done}"
+                )
+            done += n
+    finally:
+        os.close(fd)
+
+
+class FileIO:
+    """Concurrent positional reads and writes of tensor bytes; futures carry completion."""
+
+    def __init__(self, threads: int = 4):
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="zeroio-ckpt")
+
+    def write(self, path: str | os.PathLike, tensor: torch.Tensor, offset: int) -> Future:
+        """Write a contiguous CPU tensor's bytes at byte ``offset`` of ``path``."""
+        return self._pool.submit(pwrite_all, path, _as_bytes(tensor), offset)
+
+    def read(self, path: str | os.PathLike, tensor: torch.Tensor, offset: int) -> Future:
+        """Fill a contiguous CPU tensor with the bytes at byte ``offset`` of ``path``."""
+        return self._pool.submit(pread_exact, path, _as_bytes(tensor), offset)
+
+    def submit(self, fn, *args) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "FileIO":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or file creation in ``path`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to a temp file beside ``path``, fsync it, rename it into place."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """Parse a JSON file; missing or malformed is a CheckpointError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def set_size(path: str | os.PathLike, nbytes: int) -> None:
+    """Create ``path`` if needed and set its length (the zero-padded tail of a last chunk)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
