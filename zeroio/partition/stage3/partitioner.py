@@ -1,0 +1,285 @@
+"""Stage 3 behind the ``Partitioner`` protocol: parameters, gradients and optimizer state sharded.
+
+Construction flattens each group (layout.py), keeps this rank's slice as the
+16-bit shard (store.py: device, pinned CPU or NVMe) and its fp32 copy as the
+optimizer's master, points every parameter at an empty placeholder, and
+installs the hooks (hooks.py). One ``ShardGroup`` per optimizer param group
+collects that group's runs of every flat group's shard (layout.ShardPiece), so
+the optimizer of stages 1/2 steps stage 3 unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroio.errors import DistributedError
+from zeroio.partition import collectives as comm
+from zeroio.partition.base import Phase, ShardGroup
+from zeroio.partition.stage3 import registry
+from zeroio.partition.stage3.group import ParamGroup, PendingReduce
+from zeroio.partition.stage3.hooks import HookSet
+from zeroio.partition.stage3.layout import ShardPiece, index_of, plan_groups, shard_pieces
+from zeroio.partition.stage3.prefetch import Trace
+from zeroio.partition.stage3.settings import Stage3Settings
+from zeroio.partition.stage3.state import GroupState, PassState
+from zeroio.partition.stage3.store import make_store
+
+_MAX_INFLIGHT_REDUCES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class _PieceRef:
+    group: int
+    piece: ShardPiece
+    base: int
+    """Start of this piece inside its ShardGroup's master/grad."""
+
+
+class Stage3Partitioner:
+    """See the module docstring; the protocol is ``zeroio.partition.base.Partitioner``."""
+
+    stage = 3
+
+    def __init__(self, *, module: nn.Module, param_groups: list[list[nn.Parameter]],
+                 compute_dtype: torch.dtype, device: torch.device, home,
+                 settings: Stage3Settings, group=None):
+        self.module, self.dtype, self.device, self.home = module, compute_dtype, device, home
+        self.settings, self.pg = settings, group
+        self.rank, self.world = comm.rank(group), comm.world_size(group)
+        self.index = index_of(module, registry.true_shape)
+        opt_group_of = {id(p): gi for gi, ps in enumerate(param_groups) for p in ps}
+        self.plan = plan_groups(module, world=self.world,
+                                persistence_threshold=settings.persistence_threshold,
+                                opt_group_of=opt_group_of, index=self.index,
+                                shape_of=registry.true_shape)
+        self.store = make_store(settings, device, rank=self.rank)
+        by_id = {id(p): p for p in module.parameters()}
+        self.pgroups: list[ParamGroup] = []
+        for gp in self.plan.groups:
+            params = [by_id[pid] for pid, _ in sorted(
+                ((pid, loc) for pid, loc in self.plan.slot_of.items() if loc[0] == gp.index),
+                key=lambda x: x[1][1])]
+            self.pgroups.append(ParamGroup(gp, params, rank=self.rank, world=self.world,
+                                           device=device, dtype=compute_dtype,
+                                           store=self.store, pg=group))
+        self.groups, self._pieces = self._build_shards(len(param_groups))
+        for p in by_id.values():
+            registry.OWNERS[p] = self
+        self.trace = Trace(settings, [g.numel for g in self.pgroups])
+        self.pass_state = PassState.IDLE
+        self.phase = Phase.IDLE
+        self._boundary = True
+        self._pending: list[PendingReduce] = []
+        for g in self.pgroups:
+            if g.plan.persistent:
+                g.finish_gather()
+        self.hooks = HookSet(self, module, self.plan.users)
+
+    # -- construction -----------------------------------------------------------------------
+    def _full_flat(self, g: ParamGroup) -> torch.Tensor:
+        """The group's full padded flat in the original precision (one group at a time)."""
+        dtype = next((p.dtype for p in g.params if p not in registry.INIT_SHARDS),
+                     None) or registry.INIT_SHARDS[g.params[0]].dtype
+        flat = torch.zeros(g.plan.padded_numel, dtype=dtype, device=self.device)
+        for slot, p in zip(g.plan.slots, g.params):
+            rec = registry.INIT_SHARDS.get(p)
+            dst = flat.narrow(0, slot.offset, slot.numel)
+            if rec is None:
+                dst.copy_(p.detach().reshape(-1))
+                continue
+            full = torch.empty(rec.shard.numel() * rec.world, dtype=rec.dtype, device=self.device)
+            full.narrow(0, self.rank * rec.shard.numel(), rec.shard.numel()).copy_(rec.shard)
+            comm.all_gather_inplace(full, self.pg).wait()
+            dst.copy_(full.narrow(0, 0, slot.numel))
+        return flat
+
+    def _build_shards(self, n_opt_groups: int):
+        pieces: list[list[_PieceRef]] = [[] for _ in range(n_opt_groups)]
+        sizes = [0] * n_opt_groups
+        for g in self.pgroups:
+            for pc in shard_pieces(g.plan, self.rank):
+                pieces[pc.opt_group].append(_PieceRef(group=g.plan.index, piece=pc,
+                                                      base=sizes[pc.opt_group]))
+                sizes[pc.opt_group] += pc.hi - pc.lo
+        masters = [self.home.empty(n) for n in sizes]
+        by_group: dict[int, list[_PieceRef]] = {}
+        for og in pieces:
+            for ref in og:
+                by_group.setdefault(ref.group, []).append(ref)
+        for g in self.pgroups:
+            flat = self._full_flat(g)
+            for ref in by_group.get(g.plan.index, []):
+                src = flat.narrow(0, g.shard_lo + ref.piece.lo, ref.piece.hi - ref.piece.lo)
+                masters[ref.piece.opt_group].narrow(0, ref.base, src.numel()).copy_(src)
+            g.load_full(flat)
+            del flat
+        for p in {id(p): p for g in self.pgroups for p in g.params}.values():
+            registry.INIT_SHARDS.pop(p, None)
+        groups = []
+        for og in range(n_opt_groups):
+            segs = []
+            for ref in pieces[og]:
+                segs += [type(s)(local_offset=s.local_offset + ref.base,
+                                 global_offset=s.global_offset, numel=s.numel)
+                         for s in ref.piece.segments]
+            names = tuple(dict.fromkeys(n for ref in pieces[og] for n in ref.piece.names))
+            groups.append(ShardGroup(group_index=og, master=masters[og],
+                                     grad=self.home.empty(sizes[og]),
+                                     numel=sum(s.numel for s in segs), segments=tuple(segs),
+                                     params=names))
+        return groups, by_group
+
+    # -- gathering (called by hooks and GatheredParameters) --------------------------------
+    def live_numel(self) -> int:
+        return sum(g.numel for g in self.pgroups
+                   if not g.plan.persistent and g.state is not GroupState.SHARDED)
+
+    def use(self, gi: int) -> None:
+        """Group ``gi`` is needed now: gather it (and the next ones, per the trace)."""
+        g = self.pgroups[gi]
+        self.trace.record(gi)
+        if g.state is GroupState.SHARDED:
+            g.start_gather()
+        for nxt in self.trace.upcoming():
+            ng = self.pgroups[nxt]
+            if ng.state is GroupState.SHARDED and not ng.plan.persistent and \
+                    self.live_numel() + ng.numel <= self.settings.max_live_parameters:
+                ng.start_gather()
+        g.finish_gather()
+
+    def maybe_release(self, gi: int) -> None:
+        g = self.pgroups[gi]
+        if g.held or g.plan.persistent:
+            return
+        if self.trace.reused_soon(gi) and self.live_numel() <= self.settings.max_live_parameters:
+            return
+        g.release()
+
+    def release_all(self) -> None:
+        for g in self.pgroups:
+            g.bwd_hold = False
+            g.fwd_holds = 0
+            g.release()
+
+    def begin_forward(self) -> None:
+        self.pass_state = PassState.FORWARD
+        if self.trace.frozen:
+            self.trace.cursor, self.trace.lost = 0, False
+
+    def end_inference(self) -> None:
+        self.release_all()
+        self.pass_state = PassState.IDLE
+
+    # -- gradients --------------------------------------------------------------------------
+    def on_grad(self, param: nn.Parameter) -> None:
+        gi, si = self.plan.slot_of[id(param)]
+        grad, param.grad = param.grad, None
+        if grad is None:
+            return
+        g = self.pgroups[gi]
+        self.phase = Phase.ACCUMULATING
+        if g.accept_grad(si, grad):
+            self._launch(g)
+            g.bwd_hold = False
+            self.maybe_release(gi)
+
+    def _launch(self, g: ParamGroup) -> None:
+        refs = self._pieces.get(g.plan.index, [])
+        scale = 1.0 / self.world
+
+        def consume(bucket: torch.Tensor) -> None:
+            for ref in refs:
+                src = bucket.narrow(0, g.shard_lo + ref.piece.lo, ref.piece.hi - ref.piece.lo)
+                dst = self.groups[ref.piece.opt_group].grad.narrow(0, ref.base, src.numel())
+                dst.add_(src.mul_(scale).to(dst.device))
+
+        self._pending.append(g.launch_reduce(consume))
+        while len(self._pending) > _MAX_INFLIGHT_REDUCES:
+            self._pending.pop(0).wait()
+
+    # -- Partitioner protocol ---------------------------------------------------------------
+    def begin_micro_step(self, boundary: bool) -> None:
+        self._boundary = boundary
+        self.phase = Phase.ACCUMULATING
+
+    def finalize_gradients(self, boundary: bool) -> None:
+        with torch.profiler.record_function("zeroio::stage3::finalize_gradients"):
+            for g in self.pgroups:
+                if g.has_staged_grads:
+                    self._launch(g)
+            for pr in self._pending:
+                pr.wait()
+            self._pending = []
+            self.release_all()
+            self.pass_state = PassState.IDLE
+            if not self.trace.frozen:
+                self.trace.step_boundary()
+            self.phase = Phase.REDUCED if boundary else Phase.ACCUMULATING
+
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for sg in self.groups:
+            if sg.grad.numel():
+                total += sg.grad.double().pow(2).sum().float().cpu()
+        return total
+
+    def local_overflow(self) -> bool:
+        return any(not bool(torch.isfinite(sg.grad).all()) for sg in self.groups)
+
+    def publish_params(self) -> None:
+        """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
+        with torch.profiler.record_function("zeroio::stage3::publish_params"):
+            for gi, refs in self._pieces.items():
+                for ref in refs:
+                    n = ref.piece.hi - ref.piece.lo
+                    src = self.groups[ref.piece.opt_group].master.narrow(0, ref.base, n)
+                    self.pgroups[gi].update_shard(ref.piece.lo, src)
+            for g in self.pgroups:
+                g.refresh()
+            self.phase = Phase.IDLE
+
+    def zero_grad(self) -> None:
+        for sg in self.groups:
+            sg.grad.zero_()
+        for p in self.module.parameters():
+            p.grad = None
+        self.phase = Phase.IDLE
+
+    def close(self) -> None:
+        self.hooks.remove()
+        self.store.close()
+
+    # -- GatheredParameters -----------------------------------------------------------------
+    def groups_of(self, params) -> list[int]:
+        out = []
+        for p in params:
+            loc = self.plan.slot_of.get(id(p))
+            if loc is None:
+                raise DistributedError(f"parameter of shape {tuple(p.shape)} is not managed by "
+                                       "this stage 3 partitioner")
+            if loc[0] not in out:
+                out.append(loc[0])
+        return out
+
+    def write_back(self, gi: int) -> None:
+        """After a modifier changed the gathered group: new shard and new fp32 masters."""
+        g = self.pgroups[gi]
+        g.write_back_full()
+        flat = g.full_flat()
+        for ref in self._pieces.get(gi, []):
+            n = ref.piece.hi - ref.piece.lo
+            self.groups[ref.piece.opt_group].master.narrow(0, ref.base, n).copy_(
+                flat.narrow(0, g.shard_lo + ref.piece.lo, n))
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of parameter storage this rank holds now, per place (shards + gathered)."""
+        out = dict(self.store.resident_bytes())
+        gathered = sum(g.plan.padded_numel * g._empty.element_size() for g in self.pgroups
+                       if g.state is not GroupState.SHARDED)
+        key = "device" if self.device.type != "cpu" else "cpu"
+        out["gathered"] = gathered
+        out[key] = out.get(key, 0)
+        return out

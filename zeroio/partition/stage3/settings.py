@@ -1,0 +1,57 @@
+"""The stage-3 knobs, taken once from the ``zero_optimization`` config section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroio.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage3Settings:
+    """What the stage-3 partitioner reads from the config; defaults are DeepSpeed's."""
+
+    prefetch_bucket_size: int = 50_000_000
+    """Parameter elements gathered ahead of use (``stage3_prefetch_bucket_size``); 0 = no prefetch."""
+    persistence_threshold: int = 100_000
+    """Parameters with fewer elements stay gathered on every rank
+    (``stage3_param_persistence_threshold``)."""
+    max_live_parameters: int = 1_000_000_000
+    """Most gathered (non-persistent) elements kept live at once (``stage3_max_live_parameters``)."""
+    max_reuse_distance: int = 1_000_000_000
+    """Keep a group gathered after use when its next use, in the recorded order, is within this
+    many gathered elements (``stage3_max_reuse_distance``)."""
+    offload_device: str = "none"
+    """Home of this rank's parameter shard: none (compute device), cpu, nvme."""
+    nvme_path: str | None = None
+    """Directory of NVMe-resident parameter shards (offload_param.nvme_path)."""
+    pin_memory: bool = True
+    """Page-lock host shards when CUDA is present (offload_param.pin_memory)."""
+
+    def __post_init__(self) -> None:
+        if self.offload_device not in ("none", "cpu", "nvme"):
+            raise ConfigError(
+                f"offload_param.device must be none, cpu or nvme, got {self.offload_device!r}",
+                key="zero_optimization.offload_param.device",
+            )
+        if self.offload_device == "nvme" and not self.nvme_path:
+            raise ConfigError(
+                "offload_param.device is nvme but offload_param.nvme_path is not set; "
+                "set it to a directory on a fast local disk",
+                key="zero_optimization.offload_param.nvme_path",
+            )
+
+    @staticmethod
+    def from_zero_config(zero) -> Stage3Settings:
+        """From ``Config.zero_optimization`` (zeroio.config.zero.ZeroConfig)."""
+        op = zero.offload_param
+        device = getattr(op.device, "value", op.device)
+        return Stage3Settings(
+            prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            max_live_parameters=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+            offload_device=str(device),
+            nvme_path=op.nvme_path,
+            pin_memory=bool(op.pin_memory) or device == "cpu",
+        )

@@ -1,0 +1,105 @@
+"""Where this rank's parameter shards live between uses: one policy class per home.
+
+A store keeps one 1-D shard per group (compute dtype, ``shard_numel`` long)
+and hands it to the gather on the compute device. The group never knows the
+home; ``offload_param.device`` picks the class (``make_store``).
+
+- ``DeviceShards`` (none): shards stay on the compute device.
+- ``HostShards`` (cpu): shards in (pinned) host memory, copied to the device
+  on the caller's stream just before the all-gather.
+- ``TieredShards`` (nvme): shards registered in the tiered store with home
+  NVMe; ``prefetch`` asks it to bring the next groups' shards to pinned CPU
+  ahead of use (the recorded module order), ``fetch`` acquires and copies.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from zeroio.partition.stage3.settings import Stage3Settings
+
+
+class ShardStore(Protocol):
+    def put(self, key: int, shard: torch.Tensor) -> None:
+        """Take ownership of the initial shard (any device; copied to the home)."""
+
+    def fetch(self, key: int) -> torch.Tensor:
+        """The shard on the compute device, valid on the current stream until the next fetch."""
+
+    def update(self, key: int, values: torch.Tensor, lo: int) -> None:
+        """Overwrite elements ``[lo, lo+n)`` of the shard, converting dtype as needed."""
+
+    def prefetch(self, keys: list[int]) -> None:
+        """Start moving these shards toward the compute device (no-op where they already are)."""
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of shards held per place: {"device": n, "cpu": n, "nvme": n}."""
+
+    def close(self) -> None: ...
+
+
+class DeviceShards:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._shards: dict[int, torch.Tensor] = {}
+
+    def put(self, key, shard):
+        self._shards[key] = shard.to(self.device).contiguous()
+
+    def fetch(self, key):
+        return self._shards[key]
+
+    def update(self, key, values, lo):
+        self._shards[key].narrow(0, lo, values.numel()).copy_(values, non_blocking=True)
+
+    def prefetch(self, keys):
+        pass
+
+    def resident_bytes(self):
+        n = sum(t.numel() * t.element_size() for t in self._shards.values())
+        return {"device" if self.device.type != "cpu" else "cpu": n}
+
+    def close(self):
+        self._shards.clear()
+
+
+class HostShards:
+    def __init__(self, device: torch.device, pin: bool):
+        self.device = device
+        self.pin = pin and torch.cuda.is_available()
+        self._shards: dict[int, torch.Tensor] = {}
+
+    def put(self, key, shard):
+        host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
+        host.copy_(shard)
+        self._shards[key] = host
+
+    def fetch(self, key):
+        host = self._shards[key]
+        if self.device.type == "cpu":
+            return host
+        return host.to(self.device, non_blocking=self.pin)
+
+    def update(self, key, values, lo):
+        self._shards[key].narrow(0, lo, values.numel()).copy_(values)
+
+    def prefetch(self, keys):
+        pass
+
+    def resident_bytes(self):
+        return {"cpu": sum(t.numel() * t.element_size() for t in self._shards.values())}
+
+    def close(self):
+        self._shards.clear()
+
+
+def make_store(settings: Stage3Settings, device: torch.device, *, rank: int) -> ShardStore:
+    if settings.offload_device == "none":
+        return DeviceShards(device)
+    if settings.offload_device == "cpu":
+        return HostShards(device, settings.pin_memory)
+    from zeroio.partition.stage3.nvme_store import TieredShards
+
+    return TieredShards(settings, device, rank=rank)
