@@ -1,12 +1,66 @@
-"""`zeroio estimate` (placeholder until its issue lands: registers the name only)."""
+"""`zeroio estimate`: training-state memory per GPU, per node's CPU and on NVMe.
+
+    zeroio estimate --params 7.5B --gpus-per-node 8 --nodes 8 --stage 3 \
+        [--offload-optimizer none|cpu|nvme] [--offload-param none|cpu|nvme] \
+        [--dtype bf16|fp16|fp32] [--config C] [--no-buffers] [--json]
+
+With --config, stage, offload devices, dtype and the bucket/buffer sizes come
+from that file unless given on the command line. The model behind the
+numbers is documented in zeroio/estimate.py.
+"""
 
 from __future__ import annotations
 
+import json
+
+_GB = 1e9
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("estimate", help="(not implemented yet)")
+    p = sub.add_parser("estimate", help="memory per GPU, CPU and NVMe for a model and config",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--params", required=True,
+                   help="number of model parameters: 7.5e9, 1.4B, 350M, 125k")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (ranks) per node")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage (default: the config's, else 3)")
+    p.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default=None)
+    p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default=None)
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="16-bit training dtype (default: the config's, else bf16)")
+    p.add_argument("--config", default=None, help="a DeepSpeed/zeroio JSON config")
+    p.add_argument("--no-buffers", action="store_true",
+                   help="model states only, as the ZeRO paper counts them")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
+def _gb(n: int) -> str:
+    return f"{n / _GB:10.2f}"
+
+
 def run(args) -> int:
-    raise SystemExit("zeroio estimate: not implemented yet")
+    from zeroio.config import load_config
+    from zeroio.estimate import estimate_memory
+
+    config = load_config(args.config) if args.config else None
+    report = estimate_memory(
+        args.params, args.gpus_per_node, args.nodes, stage=args.stage,
+        offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+        dtype=args.dtype, config=config, zeroio_buffers=not args.no_buffers)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+        return 0
+    r = report
+    print(f"{r.num_params:,} parameters, {r.gpus_per_node} GPU(s) x {r.nodes} node(s), "
+          f"ZeRO stage {r.stage}, {r.dtype}, offload optimizer={r.offload_optimizer} "
+          f"param={r.offload_param}")
+    print(f"{'term':42s} {'tier':5s} {'GB/GPU':>10s}  formula")
+    for item in r.items:
+        print(f"{item.name:42s} {item.tier:5s} {_gb(item.bytes_per_gpu)}  {item.formula}")
+    print(f"GPU memory per GPU:   {_gb(r.gpu_bytes_per_gpu)} GB")
+    print(f"CPU memory per node:  {_gb(r.cpu_bytes_per_node)} GB")
+    print(f"NVMe space per node:  {_gb(r.nvme_bytes_per_node)} GB")
+    print("(GB = 1e9 bytes; activations and CUDA context not included)")
+    return 0

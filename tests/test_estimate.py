@@ -1,0 +1,148 @@
+"""estimate_memory against the ZeRO paper's figure 1 and hand computations; the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import zeroio
+from zeroio.config import load_config
+from zeroio.errors import ConfigError
+from zeroio.estimate import estimate_memory, parse_count
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+
+
+# ZeRO paper, figure 1: Psi = 7.5B, Nd = 64, K = 12, mixed-precision Adam.
+@pytest.mark.parametrize("stage,paper_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_reproduces_zero_paper_figure_1(stage, paper_gb):
+    r = estimate_memory(7.5e9, gpus_per_node=8, nodes=8, stage=stage, dtype="fp16",
+                        zeroio_buffers=False)
+    assert r.world_size == 64
+    assert round(r.gpu_bytes_per_gpu / GB, 1) == paper_gb
+    # and the exact formulas behind the rounded figures
+    psi, nd = 7.5e9, 64
+    exact = {0: 16 * psi, 1: 4 * psi + 12 * psi / nd, 2: 2 * psi + 14 * psi / nd,
+             3: 16 * psi / nd}[stage]
+    assert r.gpu_bytes_per_gpu == pytest.approx(exact, abs=64)
+    assert r.model_state_gpu_bytes_per_gpu == r.gpu_bytes_per_gpu
+    assert r.cpu_bytes_per_node == 0 and r.nvme_bytes_per_node == 0
+
+
+def test_top_level_export_and_parse_count():
+    assert zeroio.estimate_memory is estimate_memory
+    assert [parse_count(s) for s in ("7.5e9", "1.4B", "350M", "125k", "2T", "1000", 3e6)] == [
+        7_500_000_000, 1_400_000_000, 350_000_000, 125_000, 2_000_000_000_000, 1000, 3_000_000]
+    for bad in ("", "x", "1.4Q", "-5", "0"):
+        with pytest.raises(ConfigError):
+            parse_count(bad)
+
+
+# Hand computations, Psi = 1e9, N = 8 GPUs on one node, bf16 (b = 2), K = 12.
+# Model states only (no zeroio buffers): (gpu per GPU, cpu per node, nvme per node).
+PSI, N = 1_000_000_000, 8
+SHARD = PSI // N
+HAND = [
+    # stage 1 + cpu: GPU keeps 2Psi params + 2Psi grads; CPU gets K Psi/N + 2 Psi/N grad shard.
+    (1, "cpu", "none", (2 * PSI + 2 * PSI, N * (12 + 2) * SHARD, 0)),
+    # stage 2 + cpu: GPU keeps 2Psi params; grads shard and optimizer to CPU.
+    (2, "cpu", "none", (2 * PSI, N * (2 + 12) * SHARD, 0)),
+    # stage 2 + nvme: optimizer state to NVMe, gradient shard in CPU memory.
+    (2, "nvme", "none", (2 * PSI, N * 2 * SHARD, N * 12 * SHARD)),
+    # stage 3 + optimizer cpu: GPU keeps the 2 Psi/N parameter shard.
+    (3, "cpu", "none", (2 * SHARD, N * 14 * SHARD, 0)),
+    # stage 3 + everything on CPU.
+    (3, "cpu", "cpu", (0, N * 16 * SHARD, 0)),
+    # stage 3 + parameters on CPU only.
+    (3, "none", "cpu", ((2 + 12) * SHARD, N * 2 * SHARD, 0)),
+    # ZeRO-Infinity: both on NVMe, gradients in CPU memory.
+    (3, "nvme", "nvme", (0, N * 2 * SHARD, N * 14 * SHARD)),
+    (3, "nvme", "cpu", (0, N * 4 * SHARD, N * 12 * SHARD)),
+    (3, "cpu", "nvme", (0, N * 14 * SHARD, N * 2 * SHARD)),
+]
+
+
+@pytest.mark.parametrize("stage,opt,par,expected", HAND,
+                         ids=[f"s{h[0]}-opt_{h[1]}-param_{h[2]}" for h in HAND])
+def test_offload_modes_match_hand_computation(stage, opt, par, expected):
+    r = estimate_memory(PSI, gpus_per_node=N, stage=stage, offload_optimizer=opt,
+                        offload_param=par, zeroio_buffers=False)
+    assert (r.gpu_bytes_per_gpu, r.cpu_bytes_per_node, r.nvme_bytes_per_node) == expected
+    if stage >= 2:  # from stage 2 offloading only moves bytes between tiers
+        base = estimate_memory(PSI, gpus_per_node=N, stage=stage, zeroio_buffers=False)
+        moved = r.gpu_bytes_per_gpu + (r.cpu_bytes_per_node + r.nvme_bytes_per_node) // N
+        assert moved == base.gpu_bytes_per_gpu
+
+
+def test_zeroio_buffers_hand_computation_nvme():
+    # Psi = 1e9, 2 GPUs x 2 nodes, bf16, zero3-nvme.json (bucket 5e8, overlap on, max live 1e9,
+    # sub_group 1e9, optimizer buffer_count 4, param buffer_count 5 x buffer_size 1e8).
+    cfg = load_config(ROOT / "configs" / "zero3-nvme.json")
+    r = estimate_memory(PSI, gpus_per_node=2, nodes=2, config=cfg)
+    shard = PSI // 4
+    gpu = 2 * 2 * 500_000_000 + 2 * PSI          # reduce buckets x2 + live params (cap Psi)
+    cpu = 2 * shard + 4 * shard + 4 * shard * 4 + 5 * 100_000_000 * 2
+    #     grads16   fp32 grads  opt swap buffers   param swap buffers
+    nvme = 2 * shard + 12 * shard
+    assert (r.stage, r.offload_optimizer, r.offload_param, r.dtype) == (3, "nvme", "nvme", "bf16")
+    assert r.gpu_bytes_per_gpu == gpu
+    assert r.cpu_bytes_per_node == 2 * cpu
+    assert r.nvme_bytes_per_node == 2 * nvme
+
+
+def test_zeroio_buffers_hand_computation_stage2_small_model():
+    # A model smaller than the buckets: buckets are capped at Psi.
+    psi = 10_000_000
+    r = estimate_memory(psi, gpus_per_node=2, stage=2, dtype="fp16")
+    shard = psi // 2
+    model = 2 * psi + 2 * shard + 12 * shard
+    buffers = 4 * shard + 1 * 2 * psi + 2 * psi  # fp32 grads, 1 reduce bucket, all-gather
+    assert r.gpu_bytes_per_gpu == model + buffers
+    fp32 = estimate_memory(psi, gpus_per_node=2, stage=2, dtype="fp32")
+    assert fp32.gpu_bytes_per_gpu == 4 * psi + 4 * shard + 12 * shard + 4 * psi + 4 * psi
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    (dict(stage=2, offload_param="cpu"), "offload_param"),
+    (dict(stage=0, offload_optimizer="cpu"), "offload_optimizer"),
+    (dict(stage=5), "stage"),
+    (dict(stage=3, dtype="int8"), "dtype"),
+    (dict(stage=3, offload_optimizer="disk"), "offload_optimizer"),
+    (dict(stage=3, gpus_per_node=0), "gpus_per_node"),
+])
+def test_bad_arguments_are_config_errors(kwargs, key):
+    with pytest.raises(ConfigError) as e:
+        estimate_memory(1e9, **kwargs)
+    assert e.value.key == key
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "zeroio.cli", "estimate", *args], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+def test_cli_json_output():
+    out = _cli("--params", "7.5B", "--gpus-per-node", "8", "--nodes", "8", "--stage", "2",
+               "--offload-optimizer", "cpu", "--dtype", "fp16", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    r = estimate_memory(7.5e9, 8, 8, stage=2, offload_optimizer="cpu", dtype="fp16")
+    assert d == r.to_dict()
+    assert d["gpu_bytes_per_gpu"] == r.gpu_bytes_per_gpu
+    assert d["cpu_bytes_per_node"] == 8 * (2 + 12 + 4) * (7_500_000_000 // 64)
+    assert d["nvme_bytes_per_node"] == 0
+    paper = json.loads(_cli("--params", "7.5e9", "--gpus-per-node", "64", "--stage", "1",
+                            "--no-buffers", "--json").stdout)
+    assert round(paper["gpu_bytes_per_gpu"] / GB, 1) == 31.4
+
+
+def test_cli_table_and_error():
+    out = _cli("--params", "1.4B", "--gpus-per-node", "2", "--config", "configs/zero3-nvme.json")
+    assert out.returncode == 0 and "NVMe space per node" in out.stdout
+    bad = _cli("--params", "lots", "--gpus-per-node", "2", "--stage", "3")
+    assert bad.returncode == 1 and "parameter count" in bad.stderr

@@ -1,0 +1,262 @@
+"""Memory model: bytes of training state per GPU, per node's CPU memory and on NVMe.
+
+Two layers, reported separately in the breakdown:
+
+1. Model states, exactly as the ZeRO paper counts them (Rajbhandari et al.,
+   2020, section 3 and figure 1): Psi parameters, N = gpus_per_node x nodes
+   data-parallel ranks, b bytes per 16-bit value (2; 4 for fp32 training) and
+   K = 12 bytes of optimizer state per parameter with mixed-precision Adam
+   (fp32 master weights, momentum and variance). Per GPU:
+       stage 0: (b + b + K) Psi          stage 1: b Psi + b Psi + K Psi / N
+       stage 2: b Psi + (b + K) Psi / N  stage 3: (b + b + K) Psi / N
+   Offload moves terms between tiers as ZeRO-Offload / ZeRO-Infinity do:
+   offload_optimizer moves the K term and the partitioned gradients to the
+   CPU (optimizer state to NVMe with "nvme"; gradients stay in CPU memory,
+   where the CPU optimizer reads them); offload_param (stage 3) moves the
+   16-bit parameter shard.
+
+2. Buffers zeroio itself holds (``zeroio_buffers=True``), from the config's
+   sizes (DeepSpeed defaults when no config is given):
+   - fp32 gradient shard: gradients are accumulated in fp32 over the local
+     shard (4 Psi / N; 4 Psi at stage 0), on the CPU when the optimizer is
+     offloaded; not counted for fp32 training, where the gradients already are fp32.
+   - gradient reduce buckets: reduce_bucket_size elements of b bytes, two when
+     overlap_comm double-buffers them; capped at Psi.
+   - stage 1/2 all-gather bucket: allgather_bucket_size x b, capped at Psi.
+   - stage 3 live parameters: at most stage3_max_live_parameters gathered
+     elements (b bytes each), capped at Psi. An upper bound, not a typical value.
+   - NVMe optimizer swap buffers (pinned CPU): buffer_count x
+     min(sub_group_size, Psi / N) x 4 bytes.
+   - NVMe parameter swap buffers (pinned CPU): buffer_count x buffer_size x b.
+
+Not counted: activations, the CUDA context and allocator fragmentation, the
+dataloader, and the temporary buffers of a checkpoint save. GB in reports
+is 1e9 bytes, the paper's unit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeroio.config import Config, OffloadDevice, ZeroConfig
+from zeroio.errors import ConfigError
+
+K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
+FP32 = 4
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+TIERS = ("gpu", "cpu", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryItem:
+    """One term of the estimate, per GPU (per rank)."""
+
+    name: str
+    tier: str
+    bytes_per_gpu: int
+    kind: str  # "model_state" (ZeRO paper) or "zeroio_buffer"
+    formula: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """What ``estimate_memory`` returns. ``to_dict()`` is the CLI's --json output."""
+
+    num_params: int
+    gpus_per_node: int
+    nodes: int
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    dtype: str
+    items: tuple[MemoryItem, ...] = field(default_factory=tuple)
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def per_gpu(self, tier: str, kind: str | None = None) -> int:
+        return sum(i.bytes_per_gpu for i in self.items
+                   if i.tier == tier and (kind is None or i.kind == kind))
+
+    @property
+    def gpu_bytes_per_gpu(self) -> int:
+        return self.per_gpu("gpu")
+
+    @property
+    def cpu_bytes_per_node(self) -> int:
+        return self.per_gpu("cpu") * self.gpus_per_node
+
+    @property
+    def nvme_bytes_per_node(self) -> int:
+        return self.per_gpu("nvme") * self.gpus_per_node
+
+    @property
+    def model_state_gpu_bytes_per_gpu(self) -> int:
+        """The ZeRO paper's per-GPU model-state figure (no zeroio buffers)."""
+        return self.per_gpu("gpu", "model_state")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_params": self.num_params,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "world_size": self.world_size,
+            "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+            "offload_param": self.offload_param,
+            "dtype": self.dtype,
+            "gpu_bytes_per_gpu": self.gpu_bytes_per_gpu,
+            "cpu_bytes_per_node": self.cpu_bytes_per_node,
+            "nvme_bytes_per_node": self.nvme_bytes_per_node,
+            "model_states": {t: self.per_gpu(t, "model_state") for t in TIERS},
+            "zeroio_buffers": {t: self.per_gpu(t, "zeroio_buffer") for t in TIERS},
+            "breakdown": [
+                {"name": i.name, "tier": i.tier, "bytes_per_gpu": i.bytes_per_gpu,
+                 "kind": i.kind, "formula": i.formula} for i in self.items
+            ],
+        }
+
+
+def parse_count(text: str | int | float) -> int:
+    """'7.5e9', '1.4B', '350M', '125k', '1T' or a number -> an integer count."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*",
+                             str(text))
+        if not match:
+            raise ConfigError(f"cannot read {text!r} as a parameter count: write e.g. 7.5e9, "
+                              "1.4B, 350M or 125k", key="num_params")
+        scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[match[2].lower()]
+        value = float(match[1]) * scale
+    if not math.isfinite(value) or value < 1:
+        raise ConfigError(f"num_params = {text!r}: expected a count >= 1", key="num_params")
+    return int(round(value))
+
+
+def _device(value: Any, name: str) -> str:
+    if isinstance(value, OffloadDevice):
+        return value.value
+    if isinstance(value, str) and value.lower() in ("none", "cpu", "nvme"):
+        return value.lower()
+    raise ConfigError(f"{name} = {value!r}: expected none, cpu or nvme", key=name)
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ConfigError(f"{name} = {value!r}: expected a positive integer", key=name)
+
+
+def estimate_memory(
+    num_params: int | float | str,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    stage: int | None = None,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+    dtype: str | None = None,
+    *,
+    config: Config | None = None,
+    zeroio_buffers: bool = True,
+) -> MemoryEstimate:
+    """Estimate training-state memory for ``num_params`` parameters (see module doc).
+
+    stage, offload_optimizer, offload_param and dtype default to the config's
+    values when ``config`` is given, else to stage 3, "none", "none", "bf16".
+    Bucket and swap-buffer sizes come from ``config`` (DeepSpeed defaults without one).
+    """
+    psi = parse_count(num_params)
+    gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
+    nodes = _positive(nodes, "nodes")
+    zero = config.zero_optimization if config is not None else ZeroConfig()
+    if stage is None:
+        stage = zero.stage if config is not None else 3
+    if offload_optimizer is None:
+        offload_optimizer = zero.offload_optimizer.device if config is not None else "none"
+    if offload_param is None:
+        offload_param = zero.offload_param.device if config is not None else "none"
+    if dtype is None:
+        dtype = config.compute_dtype if config is not None else "bf16"
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(f"stage = {stage!r}: expected 0, 1, 2 or 3", key="stage")
+    opt_dev = _device(offload_optimizer, "offload_optimizer")
+    par_dev = _device(offload_param, "offload_param")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype = {dtype!r}: expected bf16, fp16 or fp32", key="dtype")
+    if par_dev != "none" and stage != 3:
+        raise ConfigError(f"offload_param = {par_dev} needs stage 3 (got stage {stage})",
+                          key="offload_param")
+    if opt_dev != "none" and stage == 0:
+        raise ConfigError(f"offload_optimizer = {opt_dev} needs stage 1, 2 or 3 (got stage 0)",
+                          key="offload_optimizer")
+
+    n = gpus_per_node * nodes
+    b = DTYPE_BYTES[dtype]
+    shard = math.ceil(psi / n)
+    items: list[MemoryItem] = []
+
+    def add(name: str, tier: str, nbytes: int, kind: str, formula: str) -> None:
+        if nbytes > 0:
+            items.append(MemoryItem(name=name, tier=tier, bytes_per_gpu=int(nbytes), kind=kind,
+                                    formula=formula))
+
+    state = "model_state"
+    # 16-bit parameters: replicated below stage 3.
+    if stage < 3:
+        add("parameters", "gpu", b * psi, state, f"{b} * Psi")
+    else:
+        add("parameters", "gpu" if par_dev == "none" else par_dev, b * shard, state,
+            f"{b} * Psi / N")
+    # Gradients: replicated at stages 0/1, the reduced shard from stage 2.
+    grad_tier = "gpu" if opt_dev == "none" else "cpu"
+    if stage < 2:
+        add("gradients", "gpu", b * psi, state, f"{b} * Psi")
+        if opt_dev != "none":
+            add("gradient shard for the CPU optimizer", "cpu", b * shard, state, f"{b} * Psi / N")
+    else:
+        add("gradients", grad_tier, b * shard, state, f"{b} * Psi / N")
+    # Optimizer state: K bytes per parameter, partitioned from stage 1.
+    if stage == 0:
+        add("optimizer states", "gpu", K_ADAM * psi, state, f"{K_ADAM} * Psi")
+    else:
+        add("optimizer states", "gpu" if opt_dev == "none" else opt_dev, K_ADAM * shard, state,
+            f"{K_ADAM} * Psi / N")
+
+    if zeroio_buffers:
+        buf = "zeroio_buffer"
+        if dtype != "fp32":
+            if stage == 0:
+                add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")
+            else:
+                add("fp32 gradient shard", grad_tier, FP32 * shard, buf, "4 * Psi / N")
+        copies = 2 if (zero.overlap_comm if zero.overlap_comm is not None else stage == 3) else 1
+        add("gradient reduce buckets", "gpu", copies * b * min(zero.reduce_bucket_size, psi), buf,
+            f"{copies} * {b} * min(reduce_bucket_size, Psi)")
+        if stage in (1, 2):
+            add("all-gather bucket", "gpu", b * min(zero.allgather_bucket_size, psi), buf,
+                f"{b} * min(allgather_bucket_size, Psi)")
+        if stage == 3:
+            add("live gathered parameters (upper bound)", "gpu",
+                b * min(zero.stage3_max_live_parameters, psi), buf,
+                f"{b} * min(stage3_max_live_parameters, Psi)")
+        if opt_dev == "nvme":
+            oo = zero.offload_optimizer
+            add("optimizer swap buffers (pinned)", "cpu",
+                oo.buffer_count * min(zero.sub_group_size, shard) * FP32, buf,
+                "buffer_count * min(sub_group_size, Psi / N) * 4")
+        if par_dev == "nvme":
+            op = zero.offload_param
+            add("parameter swap buffers (pinned)", "cpu", op.buffer_count * op.buffer_size * b,
+                buf, f"buffer_count * buffer_size * {b}")
+
+    return MemoryEstimate(num_params=psi, gpus_per_node=gpus_per_node, nodes=nodes, stage=stage,
+                          offload_optimizer=opt_dev, offload_param=par_dev, dtype=dtype,
+                          items=tuple(items))
+
+
+__all__ = ["estimate_memory", "MemoryEstimate", "MemoryItem", "parse_count"]
