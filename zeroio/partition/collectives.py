@@ -94,3 +94,10 @@ def all_reduce_scalar(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> 
     if world_size(group) > 1:
         dist.all_reduce(value, op=op, group=group)
     return value
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> CommHandle:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s (global rank), asynchronously."""
+    if world_size(group) == 1:
+        return CommHandle(None)
+    return CommHandle(dist.broadcast(tensor, src=src, group=group, async_op=True))
