@@ -57,10 +57,10 @@ def test_defaults_are_deepspeed_019_source_defaults():
     assert z.stage3_max_live_parameters == z.stage3_max_reuse_distance == 1_000_000_000
     assert z.stage3_gather_16bit_weights_on_model_save is False
     oo, op = z.offload_optimizer, z.offload_param
-    assert (oo.device, oo.nvme_path, oo.buffer_count, oo.pin_memory) == ("none", None, 4, False)
+    assert (oo.device, oo.nvme_path, oo.buffer_count, oo.pin_memory) == ("none", None, 4, True)
     assert (oo.pipeline_read, oo.pipeline_write, oo.pipeline) == (False, False, False)
     assert (op.device, op.buffer_count, op.buffer_size, op.max_in_cpu, op.pin_memory) == (
-        "none", 5, 100_000_000, 1_000_000_000, False)
+        "none", 5, 100_000_000, 1_000_000_000, True)
     t = z.tiering
     assert (t.policy, t.prefetch_depth) == ("lru", 2)
     assert t.gpu_budget_bytes is t.cpu_budget_bytes is t.nvme_budget_bytes is None

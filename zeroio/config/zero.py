@@ -59,7 +59,7 @@ class OffloadOptimizerConfig:
     A relative path is relative to the working directory of the training process."""
     buffer_count: int = field(4, coerce=_NONNEG)
     """Host buffers in the NVMe swap pool (>= states per parameter: Adam has 4)."""
-    pin_memory: bool = field(False, coerce=as_bool)
+    pin_memory: bool = field(True, coerce=as_bool)
     """Keep offloaded state in page-locked host memory (faster copies, less pageable RAM)."""
     pipeline_read: bool = field(False, coerce=as_bool)
     """NVMe: read sub-group i+1 while sub-group i is updated."""
@@ -85,7 +85,7 @@ class OffloadParamConfig:
     """Elements per parameter swap buffer (1e8)."""
     max_in_cpu: int = field(1_000_000_000, coerce=_NONNEG)
     """With NVMe offload, parameter elements that may stay in host memory (1e9)."""
-    pin_memory: bool = field(False, coerce=as_bool)
+    pin_memory: bool = field(True, coerce=as_bool)
     """Keep offloaded parameters in page-locked host memory."""
 
 
