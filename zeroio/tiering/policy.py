@@ -10,8 +10,10 @@ store prefetches (only the trace policy predicts anything).
 in the recorded trace is farthest away (Belady's rule). A *prefetch* may only
 evict a copy whose next use is after the prefetched tensor's next use; that is
 the replacement Belady's rule itself would make when the access arrives, made
-earlier, so prefetching moves the same bytes as demand fetching under Belady
-(Cao, Felten, Karlin, Li 1995, "conservative" strategy) while hiding latency.
+earlier: the victim is the copy whose next use *after that access* is farthest,
+and if that copy is still needed before the access, the prefetch waits. So
+prefetching moves the bytes demand fetching under Belady would, while hiding
+latency (Cao, Felten, Karlin, Li 1995, the "conservative" strategy).
 """
 
 from __future__ import annotations
@@ -185,20 +187,30 @@ class TracePolicy(EvictionPolicy):
             return None
         if not self._trace:
             return None if for_prefetch_of is not None else self._lru.victim(cands)
-        # Farthest next use; ties (e.g. several never-used) broken by LRU order.
         lru_rank = {n: i for i, n in enumerate(self._lru._order)}
-        best = max(cands, key=lambda n: (self._distance(n), -lru_rank.get(n, -1)))
-        if for_prefetch_of is not None and self._distance(best) <= self._distance(for_prefetch_of):
+        if for_prefetch_of is None:
+            # Farthest next use; ties (e.g. several never used again) by LRU order.
+            return max(cands, key=lambda n: (self._distance(n), -lru_rank.get(n, -1)))
+        # A prefetch makes now the replacement Belady would make when the prefetched
+        # tensor is accessed: farthest next use as seen from just after that access.
+        # If that victim is itself used before then, wait (see [Note: conservative prefetch]).
+        d_new = self._distance(for_prefetch_of)
+        if not math.isfinite(d_new):
+            return None
+        after = self._cursor + int(d_new) + 1
+        best = max(cands, key=lambda n: (self._distance(n, after), -lru_rank.get(n, -1)))
+        if self._distance(best) < d_new:
             return None
         return best
 
-    def _distance(self, name: str) -> float:
-        """Accesses from the cursor until ``name`` is next used (0 = it is next)."""
+    def _distance(self, name: str, start: int | None = None) -> float:
+        """Accesses from ``start`` (default: the cursor) until ``name`` is next used
+        (0 = it is next)."""
         pos = self._positions.get(name)
         if not pos:
             return math.inf
         period = len(self._trace)
-        offset = self._cursor % period
+        offset = (self._cursor if start is None else start) % period
         i = bisect.bisect_left(pos, offset)
         nxt = pos[i] if i < len(pos) else pos[0] + period
         return float(nxt - offset)
