@@ -11,7 +11,7 @@ See docs/checkpoint.md for the on-disk layout.
 from __future__ import annotations
 
 from zeroio.checkpoint.comm import Comm
-from zeroio.checkpoint.consolidate import consolidate, write_safetensors
+from zeroio.checkpoint.consolidate import consolidate, write_folder, write_safetensors
 from zeroio.checkpoint.layout import FORMAT_VERSION, Manifest, read_manifest, scan_tags
 from zeroio.checkpoint.reader import ArrayReader, CheckpointWarning, LoadResult, load_sharded, resolve_tag
 from zeroio.checkpoint.state import ParamEntry, Segment, ShardedState, build_index
@@ -35,5 +35,6 @@ __all__ = [
     "resolve_tag",
     "save_sharded",
     "scan_tags",
+    "write_folder",
     "write_safetensors",
 ]

@@ -64,40 +64,31 @@ def consolidate(checkpoint_dir: str | os.PathLike, tag: str | None = None, *,
     return _read_params(reader, kind, list(manifest.index), parse_dtype(dtype), f"read {manifest.tag}")
 
 
-def _shards(manifest: Manifest, itemsize: int, max_shard_bytes: int) -> list[list[str]]:
-    shards, cur, size = [], [], 0
-    for name, e in manifest.index.items():
-        nbytes = e.numel * itemsize
-        if cur and size + nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(name)
-        size += nbytes
-    if cur or not shards:
-        shards.append(cur)
-    return shards
+def _file_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None, *,
-                      dtype: str | torch.dtype | None = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> list[Path]:
-    """Write checkpoint ``tag`` as a safetensors folder (+ index when sharded, + HF config.json)."""
+def _write_config(out: Path, hf_config: dict | None, dtype: torch.dtype | None) -> list[Path]:
+    if not hf_config:
+        return []
+    cfg = dict(hf_config)
+    if dtype is not None:
+        key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
+        cfg[key] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return [out / "config.json"]
+
+
+def _write_shards(out: Path, shards: list[list[str]], load_shard, total: int, progress: bool, desc: str):
     from safetensors.torch import save_file
 
-    manifest = resolve_tag(checkpoint_dir, tag)
-    kind = weight_kind(manifest)
-    dt = parse_dtype(dtype) or manifest.arrays[kind].dtype
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    reader = ArrayReader(manifest)
-    shards = _shards(manifest, dt.itemsize, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    total = manifest.numel * dt.itemsize
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"consolidate {manifest.tag}", disable=not progress)
+    names = _file_names(len(shards))
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress)
     weight_map, written = {}, []
     for fname, shard in zip(names, shards):
-        tensors = _read_params(reader, kind, shard, dt, fname)
+        tensors = load_shard(shard, fname)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         written.append(out / fname)
         weight_map.update({n: fname for n in shard})
@@ -108,11 +99,47 @@ def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         written.append(out / "model.safetensors.index.json")
-    hf_config = manifest.meta.get("hf_config")
-    if hf_config:
-        cfg = dict(hf_config)
-        if dtype is not None:
-            cfg["torch_dtype"] = str(dt).removeprefix("torch.")
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        written.append(out / "config.json")
     return written
+
+
+def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    shards, cur, size = [], [], 0
+    for name, nbytes in sizes:
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += nbytes
+    if cur or not shards:
+        shards.append(cur)
+    return shards
+
+
+def write_folder(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, *, hf_config: dict | None = None,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> list[Path]:
+    """Write in-memory full tensors as a safetensors folder (sharded + index when large)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [(n, t.numel() * t.element_size()) for n, t in tensors.items()]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    dtype = next(iter(tensors.values())).dtype if tensors else None
+    written = _write_shards(out, shards, lambda names, _f: {n: tensors[n].contiguous() for n in names},
+                            sum(s for _, s in sizes), progress, "save 16-bit model")
+    return written + _write_config(out, hf_config, dtype)
+
+
+def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None, *,
+                      dtype: str | torch.dtype | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> list[Path]:
+    """Write checkpoint ``tag`` as a safetensors folder (+ index when sharded, + HF config.json)."""
+    manifest = resolve_tag(checkpoint_dir, tag)
+    kind = weight_kind(manifest)
+    dt = parse_dtype(dtype) or manifest.arrays[kind].dtype
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reader = ArrayReader(manifest)
+    sizes = [(n, e.numel * dt.itemsize) for n, e in manifest.index.items()]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    written = _write_shards(out, shards, lambda names, f: _read_params(reader, kind, names, dt, f),
+                            manifest.numel * dt.itemsize, progress, f"consolidate {manifest.tag}")
+    return written + _write_config(out, manifest.meta.get("hf_config"), dt)

@@ -1,0 +1,326 @@
+"""Engine <-> checkpoint: build a `ShardedState` from a live engine, apply one back.
+
+The engine methods `save_checkpoint`, `load_checkpoint` and `save_16bit_model`
+delegate here. What is read from the engine (docs/engine.md):
+`partitioner.index` (global flat order), `partitioner.groups` (ShardGroups
+with `segments` local -> global), `partitioner.publish_params()`,
+`optimizer.local_tensor(i, kind)` / `steps_taken(i)` / `set_steps(i, n)` /
+`param_groups`, `lr_scheduler.state_dict()`, `loss_scaler.state_dict()`, and
+the counters `global_steps`, `micro_steps`, `global_samples`, `skipped_steps`.
+
+[Note: what a checkpoint holds] Arrays "fp32", "exp_avg", "exp_avg_sq" over
+the global flat order, each rank writing its ShardGroup segments (stage 0:
+rank 0 only, every rank holds everything). Parameters in no ShardGroup
+(frozen) are written by rank 0 from the module, with zero moments.
+Scalars: counters, optimizer hyperparameters and step counts, scheduler,
+loss scaler, persistent module buffers. Per rank: RNG states. The fp32
+masters are the weights: 16-bit parameters are republished from them on
+load, so a resume is bit-exact in fp32 and needs no 16-bit array.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroio.checkpoint import rng
+from zeroio.checkpoint.comm import Comm
+from zeroio.checkpoint.consolidate import write_folder
+from zeroio.checkpoint.reader import load_sharded
+from zeroio.checkpoint.state import ParamEntry, Segment, ShardedState, split_by_param
+from zeroio.checkpoint.writer import SaveOptions, save_sharded
+from zeroio.errors import CheckpointError
+
+OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")
+_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_GATHER_WINDOW = 1 << 25  # elements per reduce when gathering 16-bit weights
+
+
+def _comm(engine) -> Comm:
+    part = engine.partitioner
+    return Comm.default(getattr(part, "group", None) or getattr(part, "pg", None))
+
+
+def _index(engine) -> dict[str, ParamEntry]:
+    return {e.name: ParamEntry(offset=e.offset, shape=tuple(e.shape)) for e in engine.partitioner.index.entries}
+
+
+def _owns_shards(engine, comm: Comm) -> bool:
+    """Stage 0 keeps everything on every rank: only rank 0 writes."""
+    return engine.partitioner.stage != 0 or comm.rank == 0
+
+
+def _segments(engine, kind: str, comm: Comm) -> list[Segment]:
+    return _shard_segments(engine, kind) if _owns_shards(engine, comm) else []
+
+
+def _shard_segments(engine, kind: str) -> list[Segment]:
+    """This rank's ShardGroup segments of ``kind`` as views of the optimizer's local tensors."""
+    out = []
+    for i, g in enumerate(engine.partitioner.groups):
+        local = engine.optimizer.local_tensor(i, kind)
+        for s in g.segments:
+            out.append(Segment(s.global_offset, local[s.local_offset: s.local_offset + s.numel]))
+    return out
+
+
+def _uncovered(engine, index: dict[str, ParamEntry], comm: Comm) -> list[str]:
+    """Parameters in no rank's ShardGroup (frozen ones): a coverage bitmap, max-reduced."""
+    names = list(index)
+    pos = {n: i for i, n in enumerate(names)}
+    covered = torch.zeros(len(names), dtype=torch.int32, device=comm.device)
+    for g in engine.partitioner.groups:
+        for s in g.segments:
+            for name, _lo, _hi in split_by_param(index, s.global_offset, s.global_offset + s.numel):
+                covered[pos[name]] = 1
+    if comm.world_size > 1:
+        dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=comm.group)
+    return [n for n, c in zip(names, covered.tolist()) if not c]
+
+
+def _module_params(engine) -> dict[str, torch.nn.Parameter]:
+    return dict(engine.module.named_parameters())
+
+
+def _frozen_segments(engine, index, names, kind) -> list[Segment]:
+    if engine.partitioner.stage == 3 and names:
+        raise CheckpointError(
+            f"parameters {names[:3]} belong to no optimizer group; stage 3 checkpoints need every "
+            "parameter in an optimizer param group"
+        )
+    params = _module_params(engine)
+    out = []
+    for n in names:
+        p = params[n].detach().reshape(-1)
+        data = p.float() if kind == "fp32" else torch.zeros(p.numel(), dtype=torch.float32)
+        out.append(Segment(index[n].offset, data))
+    return out
+
+
+def _buffers(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    out = {}
+    for mname, m in module.named_modules():
+        for bname, b in m._buffers.items():
+            if b is None or bname in m._non_persistent_buffers_set:
+                continue
+            host = b.detach().to("cpu").contiguous()
+            out[f"{mname}.{bname}" if mname else bname] = {
+                "dtype": str(host.dtype).removeprefix("torch."), "shape": list(host.shape),
+                "data": base64.b64encode(host.reshape(-1).view(torch.uint8).numpy().tobytes()).decode(),
+            }
+    return out
+
+
+def _restore_buffers(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> None:
+    live = dict(module.named_buffers())
+    for name, b in saved.items():
+        if name not in live:
+            continue
+        raw = bytearray(base64.b64decode(b["data"]))
+        dtype = getattr(torch, b["dtype"])
+        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(b["shape"]) if raw else \
+            torch.empty(b["shape"], dtype=dtype)
+        live[name].data.copy_(t)
+
+
+def _jsonable(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} is not JSON-serializable ({e}); zeroio checkpoints hold no pickles") from None
+
+
+def _hf_config(module: torch.nn.Module) -> dict | None:
+    cfg = getattr(module, "config", None)
+    if cfg is None or not hasattr(cfg, "to_json_string"):
+        return None
+    doc = json.loads(cfg.to_json_string(use_diff=False))
+    doc.setdefault("architectures", [type(module).__name__])
+    if not doc.get("architectures"):
+        doc["architectures"] = [type(module).__name__]
+    return doc
+
+
+def _max_steps(engine, comm: Comm) -> list[int]:
+    """Adam step count per group; a rank with an empty shard never steps, so take the max."""
+    n = len(engine.partitioner.groups)
+    steps = torch.tensor([engine.optimizer.steps_taken(i) for i in range(n)], dtype=torch.int64,
+                         device=comm.device)
+    if comm.world_size > 1:
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=comm.group)
+    return [int(s) for s in steps.tolist()]
+
+
+def _hyper(group: dict) -> dict:
+    keep = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):
+            v = v.tolist()
+        try:
+            keep[k] = json.loads(json.dumps(v))
+        except (TypeError, ValueError):
+            continue  # e.g. a client's callable; not part of the resumable state
+    return keep
+
+
+def build_state(engine, *, kinds=("fp32", *OPTIMIZER_KINDS), comm: Comm | None = None,
+                client_state: dict | None = None) -> ShardedState:
+    """This rank's `ShardedState` of ``engine`` (collective: coverage and step counts)."""
+    comm = comm or _comm(engine)
+    index = _index(engine)
+    frozen = _uncovered(engine, index, comm)
+    arrays = {}
+    for kind in kinds:
+        arrays[kind] = _segments(engine, kind, comm)
+        if comm.rank == 0 and frozen:
+            arrays[kind] += _frozen_segments(engine, index, frozen, kind)
+    cfg = engine.config
+    sched = engine.lr_scheduler
+    scalars = {
+        "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                   "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
+                   "last_grad_norm": engine.last_grad_norm},
+        "optimizer": {"param_groups": [_hyper(g) for g in engine.optimizer.param_groups],
+                      "steps": _max_steps(engine, comm)},
+        "lr_scheduler": _jsonable(sched.state_dict(), "lr_scheduler.state_dict()") if sched is not None
+        and hasattr(sched, "state_dict") else None,
+        "loss_scaler": _jsonable(engine.loss_scaler.state_dict(), "loss_scaler.state_dict()"),
+        "buffers": _buffers(engine.module) if comm.rank == 0 else {},
+        "frozen": frozen,
+    }
+    meta = {
+        "stage": engine.partitioner.stage,
+        "compute_dtype": cfg.compute_dtype,
+        "offload_optimizer": cfg.zero_optimization.offload_optimizer.device,
+        "offload_param": cfg.zero_optimization.offload_param.device,
+        "model_class": f"{type(engine.module).__module__}.{type(engine.module).__qualname__}",
+        "hf_config": _hf_config(engine.module),
+        "_dtypes": {k: torch.float32 for k in kinds},
+    }
+    return ShardedState(
+        index=index, arrays=arrays, scalars=scalars, rank_scalars={"rng": rng.capture()},
+        client_state=_jsonable(client_state or {}, "client_state"), meta=meta,
+    )
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, *, options: SaveOptions | None = None):
+    """Collective: every rank writes its shards of ``engine``'s state as ``save_dir/tag``."""
+    tag = tag or f"global_step{engine.global_steps}"
+    comm = _comm(engine)
+    state = build_state(engine, comm=comm, client_state=client_state)
+    opts = options or SaveOptions(progress=engine.global_rank == 0 and not os.environ.get("ZEROIO_QUIET"))
+    return save_sharded(state, save_dir, str(tag), comm=comm, options=opts)
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
+                    load_lr_scheduler_states=True, strict=True):
+    """Collective: every rank reads its own ranges; returns ``(tag_dir, client_state)``."""
+    comm = _comm(engine)
+    kinds = ("fp32", *OPTIMIZER_KINDS) if load_optimizer_states else ("fp32",)
+    index = _index(engine)
+    frozen = _uncovered(engine, index, comm)
+    # every rank reads its shards (stage 0: all of them) and every frozen parameter whole
+    arrays = {k: _shard_segments(engine, k) for k in kinds}
+    frozen_buf = {n: torch.empty(index[n].numel, dtype=torch.float32) for n in frozen}
+    arrays["fp32"] += [Segment(index[n].offset, frozen_buf[n]) for n in frozen]
+    template = ShardedState(index=index, arrays=arrays)
+    params = _module_params(engine)
+    res = load_sharded(load_dir, tag, template, kinds=kinds, strict=strict, comm=comm)
+    for n, buf in frozen_buf.items():
+        if n in res.loaded_names:
+            params[n].data.copy_(buf.view(params[n].shape))
+    engine.partitioner.publish_params()
+    _apply_scalars(engine, res, load_optimizer_states, load_lr_scheduler_states)
+    hook = getattr(engine.optimizer, "checkpoint_loaded", None)
+    if hook is not None:
+        hook()  # e.g. NVMe-resident optimizer state: write the loaded values back to its store
+    if not comm.all_ok(True):
+        raise CheckpointError("checkpoint load failed on another rank")
+    return str(res.path), res.client_state
+
+
+def _apply_scalars(engine, res, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
+    s = res.scalars
+    e = s["engine"]
+    engine.global_steps = int(e["global_steps"])
+    engine.micro_steps = int(e["micro_steps"])
+    engine.global_samples = int(e["global_samples"])
+    engine.skipped_steps = int(e["skipped_steps"])
+    engine.last_grad_norm = e.get("last_grad_norm")
+    if load_optimizer_states:
+        opt = s["optimizer"]
+        if len(opt["steps"]) != len(engine.partitioner.groups):
+            raise CheckpointError(
+                f"checkpoint {res.manifest.path} has {len(opt['steps'])} optimizer param groups, "
+                f"the engine {len(engine.partitioner.groups)}; load with load_optimizer_states=False"
+            )
+        for i, n in enumerate(opt["steps"]):
+            engine.optimizer.set_steps(i, n)
+        for live, saved in zip(engine.optimizer.param_groups, opt["param_groups"]):
+            for k, v in saved.items():
+                if k in live and not callable(live[k]):
+                    live[k] = tuple(v) if isinstance(live[k], tuple) else v
+    sched = engine.lr_scheduler
+    if load_lr_scheduler_states and sched is not None and s.get("lr_scheduler") is not None:
+        sched.load_state_dict(s["lr_scheduler"])
+    engine.loss_scaler.load_state_dict(s["loss_scaler"])
+    if s.get("buffers"):
+        _restore_buffers(engine.module, s["buffers"])
+    if res.rank_scalars.get("rng"):
+        rng.restore(res.rank_scalars["rng"])
+
+
+def gather_weights(engine, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Full weights on rank 0 (None elsewhere), reduced window by window from the fp32 shards."""
+    comm = _comm(engine)
+    index = _index(engine)
+    dtype = dtype or _COMPUTE[engine.config.compute_dtype]
+    segs = _segments(engine, "fp32", comm)
+    frozen = _uncovered(engine, index, comm)
+    if comm.rank == 0 and frozen:
+        segs += _frozen_segments(engine, index, frozen, "fp32")
+    total = sum(e.numel for e in index.values())
+    out = {n: torch.empty(e.shape, dtype=dtype) for n, e in index.items()} if comm.rank == 0 else None
+    for lo in range(0, total, _GATHER_WINDOW):
+        hi = min(total, lo + _GATHER_WINDOW)
+        buf = torch.zeros(hi - lo, dtype=torch.float32, device=comm.device)
+        for s in segs:
+            a, b = max(lo, s.offset), min(hi, s.end)
+            if a < b:
+                buf[a - lo: b - lo].copy_(s.tensor[a - s.offset: b - s.offset])
+        if comm.world_size > 1:
+            dist.reduce(buf, dst=0, op=dist.ReduceOp.SUM, group=comm.group)  # x + 0 is exact
+        if out is not None:
+            host = buf.cpu()
+            for name, a, b in split_by_param(index, lo, hi):
+                e = index[name]
+                out[name].view(-1)[a - e.offset: b - e.offset].copy_(host[a - lo: b - lo])
+    return out
+
+
+def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None) -> Path | None:
+    """Consolidated 16-bit (compute dtype) safetensors folder on rank 0 (+ HF config.json)."""
+    zc = engine.config.zero_optimization
+    if zc.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
+        raise CheckpointError(
+            "save_16bit_model at stage 3 gathers the full weights only when "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save is true; set it, or "
+            "save_checkpoint(...) and run `zeroio consolidate CKPT OUT --dtype bf16`"
+        )
+    weights = gather_weights(engine)
+    comm = _comm(engine)
+    path = None
+    if comm.rank == 0:
+        kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+        write_folder(weights, save_dir, hf_config=_hf_config(engine.module), **kw)
+        path = Path(save_dir)
+    comm.all_ok(True)
+    return path
