@@ -5,7 +5,7 @@ layout), store (where shards live), group (one flat group), prefetch (trace),
 hooks, partitioner (the ``Partitioner`` protocol), init (``zero.Init``).
 """
 
-from zeroio.partition.stage3.partitioner import Stage3Partitioner
+from zeroio.partition.stage3.partitioner import Stage3Partitioner, build_stage3_partitioner
 from zeroio.partition.stage3.settings import Stage3Settings
 
-__all__ = ["Stage3Partitioner", "Stage3Settings"]
+__all__ = ["Stage3Partitioner", "Stage3Settings", "build_stage3_partitioner"]

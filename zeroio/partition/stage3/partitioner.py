@@ -143,7 +143,9 @@ class Stage3Partitioner:
         self.trace.record(gi)
         if g.state is GroupState.SHARDED:
             g.start_gather()
-        for nxt in self.trace.upcoming():
+        upcoming = self.trace.upcoming()
+        self.store.prefetch(upcoming)
+        for nxt in upcoming:
             ng = self.pgroups[nxt]
             if ng.state is GroupState.SHARDED and not ng.plan.persistent and \
                     self.live_numel() + ng.numel <= self.settings.max_live_parameters:
@@ -283,3 +285,11 @@ class Stage3Partitioner:
         out["gathered"] = gathered
         out[key] = out.get(key, 0)
         return out
+
+
+def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.device,
+                             compute_dtype: torch.dtype, home) -> Stage3Partitioner:
+    """What ``engine.build_partitioner`` calls for ``zero_optimization.stage: 3``."""
+    return Stage3Partitioner(module=module, param_groups=spec.param_groups,
+                             compute_dtype=compute_dtype, device=device, home=home,
+                             settings=Stage3Settings.from_zero_config(cfg.zero_optimization))

@@ -27,6 +27,9 @@ class Stage3Settings:
     """Directory of NVMe-resident parameter shards (offload_param.nvme_path)."""
     pin_memory: bool = True
     """Page-lock host shards when CUDA is present (offload_param.pin_memory)."""
+    host_buffer_bytes: int = 5 * 100_000_000 * 2
+    """NVMe offload: host bytes for parameter swap buffers (offload_param.buffer_count *
+    buffer_size 16-bit elements); the tiered store's CPU budget for parameter shards."""
 
     def __post_init__(self) -> None:
         if self.offload_device not in ("none", "cpu", "nvme"):
@@ -54,4 +57,5 @@ class Stage3Settings:
             offload_device=str(device),
             nvme_path=op.nvme_path,
             pin_memory=bool(op.pin_memory) or device == "cpu",
+            host_buffer_bytes=int(op.buffer_count) * int(op.buffer_size) * 2,
         )

@@ -1,0 +1,114 @@
+"""``zero.Init``: parameters partitioned as modules are created, without patching ``nn.Module``.
+
+[Note: partition on registration]
+``torch.nn.modules.module.register_module_parameter_registration_hook`` (a
+public, removable hook; only installed inside the context) tells us each
+module that registers a parameter. A module's ``__init__`` keeps running after
+its parameters are registered (``nn.Linear`` calls ``reset_parameters`` last),
+so a module is partitioned only once the construction has moved on: when a
+*different* module registers a parameter, and at context exit. At that point
+each of its new parameters is broadcast from rank 0 (every rank then holds
+the same initial values, as a single-process model would), flattened, padded
+to ``S*world`` elements, and this rank keeps elements ``[rank*S, (rank+1)*S)``
+in ``registry.INIT_SHARDS``; the ``nn.Parameter`` (same object, so tying and
+optimizer references stay valid) is left holding an empty placeholder. Peak
+memory is therefore about one module's full parameters. The stage-3
+partitioner later regroups these per-parameter shards into its flat groups,
+one group at a time.
+
+Initialisation code that runs after a module was partitioned (a parent's
+``post_init``/``_init_weights`` in Hugging Face models) sees empty
+placeholders and is a no-op, so parameters keep the values their own
+constructors gave them; use ``GatheredParameters(..., modifier_rank=0)`` to
+re-initialise explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from zeroio.partition import collectives as comm
+from zeroio.partition.stage3 import registry
+
+
+def partition_param(p: nn.Parameter, *, group=None, src: int = 0,
+                    dtype: torch.dtype | None = None) -> None:
+    """Keep this rank's slice of ``p`` (broadcast from ``src`` first); leave ``p`` empty."""
+    if p in registry.INIT_SHARDS or p in registry.OWNERS:
+        return
+    world, rank = comm.world_size(group), comm.rank(group)
+    data = p.detach()
+    if dtype is not None and data.is_floating_point():
+        data = data.to(dtype)
+    data = data.contiguous()
+    comm.broadcast(data, src, group).wait()
+    numel = data.numel()
+    shard = max(1, -(-numel // world))
+    flat = data.reshape(-1)
+    piece = torch.zeros(shard, dtype=data.dtype, device=data.device)
+    lo, hi = min(numel, rank * shard), min(numel, (rank + 1) * shard)
+    piece.narrow(0, 0, hi - lo).copy_(flat.narrow(0, lo, hi - lo))
+    registry.INIT_SHARDS[p] = registry.InitShard(shape=tuple(p.shape), dtype=data.dtype,
+                                                 numel=numel, shard=piece, world=world)
+    p.data = torch.empty(0, dtype=data.dtype, device=data.device)
+
+
+def gather_param(p: nn.Parameter, group=None) -> torch.Tensor:
+    """The full value of a parameter partitioned by ``partition_param`` (collective)."""
+    rec = registry.INIT_SHARDS[p]
+    n = rec.shard.numel()
+    full = torch.empty(n * rec.world, dtype=rec.dtype, device=rec.shard.device)
+    full.narrow(0, comm.rank(group) * n, n).copy_(rec.shard)
+    comm.all_gather_inplace(full, group).wait()
+    return full.narrow(0, 0, rec.numel).view(rec.shape)
+
+
+def repartition_param(p: nn.Parameter, src: int, group=None) -> None:
+    """After a modifier rank changed ``p`` in place: broadcast it and keep the new slice."""
+    registry.INIT_SHARDS.pop(p, None)
+    partition_param(p, group=group, src=src)
+
+
+class PartitionOnCreate:
+    """The mechanism of [Note: partition on registration]; ``zero.Init`` is its public face."""
+
+    def __init__(self, *, group=None, dtype: torch.dtype | None = None, enabled: bool = True):
+        self.group, self.dtype, self.enabled = group, dtype, enabled
+        self._pending: list[nn.Module] = []
+        self._handle = None
+
+    def _on_register(self, module: nn.Module, name: str, param):
+        if param is None:
+            return None
+        if self._pending and self._pending[-1] is not module:
+            self._flush(keep=module)
+        if not self._pending or self._pending[-1] is not module:
+            self._pending.append(module)
+        return None
+
+    def _flush(self, keep: nn.Module | None = None) -> None:
+        still = []
+        for m in self._pending:
+            if m is keep:
+                still.append(m)
+                continue
+            for p in list(m._parameters.values()):
+                if p is not None:
+                    partition_param(p, group=self.group, dtype=self.dtype)
+        self._pending = still
+
+    def __enter__(self):
+        if self.enabled:
+            self._handle = register_module_parameter_registration_hook(self._on_register)
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            if exc[0] is None:
+                self._flush()
+            self._pending = []
+        return False
