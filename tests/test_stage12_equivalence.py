@@ -168,7 +168,7 @@ def _cases(world):
 
 def _nvme_available():
     try:
-        import zeroio.optim.swap  # noqa: F401
+        import zeroio.tiering.nvme  # noqa: F401  (the NVMe backend of the tiered store)
         return True
     except ImportError:
         return False

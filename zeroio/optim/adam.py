@@ -105,3 +105,7 @@ class ShardedAdam:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine; kept for client code calling optimizer.zero_grad()."""
+
+    def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
+        """Overwrite the group's local ``kind`` tensor (checkpoint load)."""
+        self.local_tensor(group_index, kind).copy_(values)
