@@ -374,3 +374,12 @@ def test_load_config_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_docs_mention_every_key_and_unimplemented_key():
+    from tests.test_config_fuzz import KNOWN_PATHS
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    missing = [p for p in KNOWN_PATHS if f"`{p.rsplit('.', 1)[-1]}" not in text
+               and p.rsplit(".", 1)[-1] not in text]
+    assert not missing, missing
