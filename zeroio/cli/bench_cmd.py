@@ -1,12 +1,60 @@
-"""`zeroio bench` (placeholder until its issue lands: registers the name only)."""
+"""`zeroio bench io`: sequential GB/s of the I/O engine beside the raw device."""
 
 from __future__ import annotations
 
+import json
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="(not implemented yet)")
+    p = sub.add_parser("bench", help="benchmarks: `zeroio bench io`")
+    what = p.add_subparsers(dest="bench_what", metavar="WHAT")
+    io = what.add_parser("io", help="engine read/write GB/s beside the raw device (dd or fio)")
+    io.add_argument("--path", required=True, help="directory on the device to test (e.g. the nvme_path)")
+    io.add_argument("--size", default="4G", help="bytes to write and read, e.g. 4G, 512M (default 4G)")
+    io.add_argument("--block-size", default=None, help="aio.block_size, e.g. 1M (default 1M)")
+    io.add_argument("--queue-depth", type=int, default=None, help="aio.queue_depth (default 8)")
+    io.add_argument("--threads", type=int, default=None, help="aio.intra_op_parallelism (default 1)")
+    io.add_argument("--config", default=None, help="take the aio block from this DeepSpeed JSON config")
+    io.add_argument("--raw", choices=["auto", "dd", "fio", "none"], default="auto",
+                    help="raw device tool (auto: fio when installed, else dd)")
+    io.add_argument("--json", action="store_true", help="print one JSON object only")
+    io.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
+def _aio_from_config(path: str | None) -> object | None:
+    if path is None:
+        return None
+    with open(path) as f:
+        return json.load(f).get("aio") or None
+
+
 def run(args) -> int:
-    raise SystemExit("zeroio bench: not implemented yet")
+    if getattr(args, "bench_what", None) != "io":
+        raise SystemExit("usage: zeroio bench io --path DIR --size S [--json]")
+    from zeroio.io.bench import bench_io, parse_size
+
+    result = bench_io(
+        args.path,
+        parse_size(args.size),
+        block_size=parse_size(args.block_size) if args.block_size else None,
+        queue_depth=args.queue_depth,
+        threads=args.threads,
+        raw=args.raw,
+        progress=not (args.json or args.quiet),
+        aio_cfg=_aio_from_config(args.config),
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    s = result["settings"]
+    print(f"path {result['path']}  size {result['size_bytes']} B  direct I/O: {result['direct']}")
+    print(f"engine (block_size {s['block_size']}, queue_depth {s['queue_depth']}, threads {s['thread_count']})")
+    print(f"{'':8}{'write GB/s':>12}{'read GB/s':>12}")
+    print(f"{'engine':8}{result['engine']['write_gbps']:12.3f}{result['engine']['read_gbps']:12.3f}")
+    if "raw" in result:
+        raw = result["raw"]
+        print(f"{raw['tool']:8}{raw['write_gbps']:12.3f}{raw['read_gbps']:12.3f}")
+        r = result["ratio"]
+        print(f"{'ratio':8}{r['write']:12.2f}{r['read']:12.2f}")
+    return 0

@@ -1,0 +1,230 @@
+"""Sequential bandwidth of the IOEngine beside the raw device, and the tuning sweep.
+
+[Note: fair comparison] Both sides move the same number of bytes through
+the same directory in the same run: the engine writes a fresh file then
+reads it back; the raw side does the same with ``fio`` (libaio, direct,
+when installed) or ``dd`` (``oflag=direct conv=fsync`` / ``iflag=direct``).
+Writes are timed up to and including ``fsync``. The page cache is kept out
+by O_DIRECT; where the engine fell back to buffered I/O, the file is evicted
+with ``posix_fadvise(DONTNEED)`` before it is read, and a size larger than
+RAM is the only sure way (the result says whether I/O was direct).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from tqdm import tqdm
+
+from zeroio.errors import SwapIOError
+from zeroio.io.buffers import AlignedBuffer
+from zeroio.io.engine import O_DIRECT, IOEngine
+
+GB = 1e9
+_WINDOW = 64 << 20  # bytes per engine request in the benchmark
+_IN_FLIGHT = 4  # engine requests outstanding at once
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """'4G' / '512MiB' / '100MB' / '1048576' -> bytes (K/M/G alone are binary)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise SwapIOError(22, f"cannot read size {text!r}; use e.g. 4G, 512M, 100MB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@dataclass
+class Bandwidth:
+    write_gbps: float
+    read_gbps: float
+
+
+def _check_dir(path: str, size: int) -> None:
+    if not os.path.isdir(path):
+        raise SwapIOError(2, f"bench: {path} is not a directory (create it first)")
+    if not os.access(path, os.W_OK):
+        raise SwapIOError(13, f"bench: {path} is not writable by this process")
+    free = shutil.disk_usage(path).free
+    if size * 1.05 > free:
+        raise SwapIOError(28, f"bench: {path} needs {size} bytes for the test file, {free} bytes free")
+
+
+def engine_bandwidth(engine: IOEngine, directory: str, size: int, *, progress: bool = True) -> Bandwidth:
+    """Sequential write then read of ``size`` bytes through ``engine``; see [Note: fair comparison]."""
+    path = os.path.join(directory, "zeroio-bench-engine.bin")
+    window = min(_WINDOW, size)
+    buf = AlignedBuffer(window)
+    buf.tensor.copy_(torch_randbytes(window))
+    offsets = list(range(0, size, window))
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        bar = tqdm(total=2 * size, unit="B", unit_scale=True, desc="engine", disable=not progress)
+
+        def run(submit: Callable) -> float:
+            t0 = time.perf_counter()
+            pending = []
+            for off in offsets:
+                n = min(window, size - off)
+                pending.append((submit(buf.tensor[:n], off), n))
+                if len(pending) >= _IN_FLIGHT:
+                    fut, done = pending.pop(0)
+                    fut.result()
+                    bar.update(done)
+            for fut, done in pending:
+                fut.result()
+                bar.update(done)
+            return time.perf_counter() - t0
+
+        t_write = run(lambda t, off: engine.write(path, t, off))
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        t_write += time.perf_counter() - t0
+        engine.drop_cache(path)
+        t_read = run(lambda t, off: engine.read(path, t, off))
+        bar.close()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return Bandwidth(size / t_write / GB, size / t_read / GB)
+
+
+def torch_randbytes(n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def raw_tool() -> str:
+    return "fio" if shutil.which("fio") else "dd"
+
+
+def raw_bandwidth(directory: str, size: int, *, tool: str = "auto", block_size: int = 64 << 20,
+                  queue_depth: int = 8) -> tuple[Bandwidth, dict]:
+    """The device through a standard tool, same directory and size; returns (bandwidth, how)."""
+    tool = raw_tool() if tool == "auto" else tool
+    path = os.path.join(directory, "zeroio-bench-raw.bin")
+    try:
+        if tool == "fio":
+            return _fio(path, size, block_size, queue_depth)
+        return _dd(path, size, block_size)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _timed(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise SwapIOError(5, f"bench: {' '.join(cmd)} failed: {res.stderr.strip()[-500:]}")
+    return dt
+
+
+def _dd(path: str, size: int, bs: int) -> tuple[Bandwidth, dict]:
+    bs = min(bs, size)
+    count = max(1, size // bs)
+    nbytes = bs * count
+    direct = _direct_ok(os.path.dirname(path))
+    oflag = ["oflag=direct"] if direct else []
+    iflag = ["iflag=direct"] if direct else []
+    write_cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "conv=fsync", *oflag]
+    t_write = _timed(write_cmd)
+    _evict(path)
+    read_cmd = ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", *iflag]
+    t_read = _timed(read_cmd)
+    how = {"tool": "dd", "write_cmd": " ".join(write_cmd), "read_cmd": " ".join(read_cmd), "direct": direct}
+    return Bandwidth(nbytes / t_write / GB, nbytes / t_read / GB), how
+
+
+def _fio(path: str, size: int, bs: int, qd: int) -> tuple[Bandwidth, dict]:
+    common = ["fio", "--name=zeroio", f"--filename={path}", f"--size={size}", f"--bs={bs}",
+              f"--iodepth={qd}", "--ioengine=libaio", "--direct=1", "--output-format=json"]
+    out = {}
+    for rw in ("write", "read"):
+        cmd = [*common, f"--rw={rw}"] + (["--end_fsync=1"] if rw == "write" else [])
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SwapIOError(5, f"bench: fio failed: {res.stderr.strip()[-500:]}")
+        job = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0][rw]
+        out[rw] = job["io_bytes"] / (job["runtime"] / 1000) / GB if job["runtime"] else 0.0
+    return Bandwidth(out["write"], out["read"]), {"tool": "fio", "cmd": " ".join(common), "direct": True}
+
+
+def _direct_ok(directory: str) -> bool:
+    probe = os.path.join(directory, ".zeroio-odirect-probe")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return O_DIRECT != 0
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def bench_io(directory: str, size: int, *, block_size: int | None = None, queue_depth: int | None = None,
+             threads: int | None = None, raw: str = "auto", progress: bool = True,
+             aio_cfg: object | None = None) -> dict:
+    """The ``zeroio bench io`` result: engine and raw bandwidth, their ratio, the settings."""
+    directory = os.path.abspath(directory)
+    _check_dir(directory, size)
+    with IOEngine(aio_cfg, block_size=block_size, queue_depth=queue_depth, thread_count=threads) as engine:
+        eng = engine_bandwidth(engine, directory, size, progress=progress)
+        settings = asdict(engine.settings)
+        direct = engine.direct_enabled and _direct_ok(directory)
+    result = {"engine": asdict(eng), "path": directory, "size_bytes": size, "direct": direct,
+              "settings": settings}
+    if raw != "none":
+        rb, how = raw_bandwidth(directory, size, tool=raw, queue_depth=settings["queue_depth"])
+        result["raw"] = {**asdict(rb), **how}
+        result["ratio"] = {
+            "write": eng.write_gbps / rb.write_gbps if rb.write_gbps else None,
+            "read": eng.read_gbps / rb.read_gbps if rb.read_gbps else None,
+        }
+    return result
+
+
+def tune_io(directory: str, size: int, block_sizes: list[int], queue_depths: list[int],
+            thread_counts: list[int], *, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Sweep block size x queue depth x threads; best by harmonic mean of read and write GB/s."""
+    directory = os.path.abspath(directory)
+    _check_dir(directory, size)
+    rows = []
+    combos = [(b, q, t) for b in block_sizes for q in queue_depths for t in thread_counts]
+    for b, q, t in tqdm(combos, desc="tune io", disable=not progress):
+        with IOEngine(block_size=b, queue_depth=q, thread_count=t) as engine:
+            bw = engine_bandwidth(engine, directory, size, progress=False)
+        score = 2 / (1 / bw.write_gbps + 1 / bw.read_gbps)
+        rows.append({"block_size": b, "queue_depth": q, "thread_count": t,
+                     "write_gbps": bw.write_gbps, "read_gbps": bw.read_gbps, "score": score})
+    best = max(rows, key=lambda r: r["score"])
+    aio = {"block_size": best["block_size"], "queue_depth": best["queue_depth"],
+           "intra_op_parallelism": best["thread_count"], "single_submit": False,
+           "overlap_events": True, "use_gds": False}
+    return aio, rows
