@@ -64,7 +64,7 @@ def _shard_segments(engine, kind: str) -> list[Segment]:
     """This rank's ShardGroup segments of ``kind`` as views of the optimizer's local tensors."""
     out = []
     for i, g in enumerate(engine.partitioner.groups):
-        local = engine.optimizer.local_tensor(i, kind)
+        local = engine.optimizer.local_tensor(g.group_index, kind)
         for s in g.segments:
             out.append(Segment(s.global_offset, local[s.local_offset: s.local_offset + s.numel]))
     return out
