@@ -11,7 +11,8 @@ in the recorded trace is farthest away (Belady's rule). A *prefetch* may only
 evict a copy whose next use is after the prefetched tensor's next use; that is
 the replacement Belady's rule itself would make when the access arrives, made
 earlier: the victim is the copy whose next use *after that access* is farthest,
-and if that copy is still needed before the access, the prefetch waits. So
+and if that copy is still needed before the access, or is acquired or in flight
+right now, the prefetch waits (it is offered again at the next acquire/release). So
 prefetching moves the bytes demand fetching under Belady would, while hiding
 latency (Cao, Felten, Karlin, Li 1995, the "conservative" strategy).
 """
@@ -65,9 +66,11 @@ class EvictionPolicy(ABC):
         return []
 
     @abstractmethod
-    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None) -> str | None:
+    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None,
+               held: Iterable[str] = ()) -> str | None:
         """The candidate to evict. For a prefetch (``for_prefetch_of`` set) a policy may
-        return None: evicting anything would cost more than the prefetch gains."""
+        return None: evicting anything would cost more than the prefetch gains.
+        ``held`` are copies in the tier that cannot be evicted now (acquired, in flight)."""
 
 
 class LRUPolicy(EvictionPolicy):
@@ -87,7 +90,8 @@ class LRUPolicy(EvictionPolicy):
     def forget(self, name: str) -> None:
         self._order.pop(name, None)
 
-    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None) -> str | None:
+    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None,
+               held: Iterable[str] = ()) -> str | None:
         cands = set(candidates)
         for name in self._order:
             if name in cands:
@@ -108,7 +112,8 @@ class FIFOPolicy(EvictionPolicy):
     def forget(self, name: str) -> None:
         self._order.pop(name, None)
 
-    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None) -> str | None:
+    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None,
+               held: Iterable[str] = ()) -> str | None:
         cands = set(candidates)
         for name in self._order:
             if name in cands:
@@ -181,7 +186,8 @@ class TracePolicy(EvictionPolicy):
                     break
         return out
 
-    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None) -> str | None:
+    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None,
+               held: Iterable[str] = ()) -> str | None:
         cands = list(candidates)
         if not cands:
             return None
@@ -198,9 +204,10 @@ class TracePolicy(EvictionPolicy):
         if not math.isfinite(d_new):
             return None
         after = self._cursor + int(d_new) + 1
-        best = max(cands, key=lambda n: (self._distance(n, after), -lru_rank.get(n, -1)))
-        if self._distance(best) < d_new:
-            return None
+        everyone = cands + [n for n in held if n != for_prefetch_of]
+        best = max(everyone, key=lambda n: (self._distance(n, after), -lru_rank.get(n, -1)))
+        if best not in cands or self._distance(best) < d_new:
+            return None  # Belady's victim is busy or still needed first: not yet
         return best
 
     def _distance(self, name: str, start: int | None = None) -> float:

@@ -181,9 +181,13 @@ class TieredStore:
                 waited = self._mover.local.waited
                 if waited:
                     self._stats.stalled(time.perf_counter() - t0)
-            names = self._spaces[copy.tier].policy.upcoming(self.cfg.prefetch_depth)  # type: ignore[union-attr]
-            self._enqueue([n for n in names if n != name], copy.tier)
+            self._prefetch_upcoming(copy.tier)
             return copy.tensor
+
+    def _prefetch_upcoming(self, tier: Tier) -> None:
+        """Queue the accesses the policy predicts (trace policy; others predict none)."""
+        names = self._spaces[tier].policy.upcoming(self.cfg.prefetch_depth)  # type: ignore[union-attr]
+        self._enqueue(names, tier)
 
     def acquire_async(self, name: str, tier: Tier | str) -> Future:
         """Like ``acquire`` but returns at once; the future's result is the tensor."""
@@ -273,6 +277,8 @@ class TieredStore:
             entry = self._entry(name)
             copy = self._held(entry, tier, "release")
             copy.pins -= 1
+            if copy.pins == 0:
+                self._prefetch_upcoming(copy.tier)  # it may be the victim a prefetch waited for
 
     def _held(self, entry: Entry, tier: Tier | str | None, what: str) -> Copy:
         self._check_open()
