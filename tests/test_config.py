@@ -383,3 +383,10 @@ def test_docs_mention_every_key_and_unimplemented_key():
     missing = [p for p in KNOWN_PATHS if f"`{p.rsplit('.', 1)[-1]}" not in text
                and p.rsplit(".", 1)[-1] not in text]
     assert not missing, missing
+
+
+def test_config_instance_passes_through():
+    cfg = load_config(ROOT / "configs" / "zero2.json", world_size=2)
+    assert load_config(cfg) is cfg
+    with pytest.raises(ConfigError, match="8 != 4 x 1 x 3"):
+        load_config(cfg, world_size=3)  # resolved batch sizes no longer multiply out

@@ -19,34 +19,34 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zeroio.config.fields import AUTO, _show, did_you_mean, join
+from zeroio.config.fields import AUTO, did_you_mean, join, show
 from zeroio.errors import ConfigError
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    raise ConfigError(f"load_config({name}={_show(value)}): expected a positive integer", key=name)
+    raise ConfigError(f"load_config({name}={show(value)}): expected a positive integer", key=name)
 
 
 def _nonneg_int(name: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    raise ConfigError(f"load_config({name}={_show(value)}): expected an integer >= 0", key=name)
+    raise ConfigError(f"load_config({name}={show(value)}): expected an integer >= 0", key=name)
 
 
 def _number(name: str, value: Any) -> float:
     if (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value) and value >= 0):
         return float(value)
-    raise ConfigError(f"load_config({name}={_show(value)}): expected a finite number >= 0",
+    raise ConfigError(f"load_config({name}={show(value)}): expected a finite number >= 0",
                       key=name)
 
 
 def _flag(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    raise ConfigError(f"load_config({name}={_show(value)}): expected True or False", key=name)
+    raise ConfigError(f"load_config({name}={show(value)}): expected True or False", key=name)
 
 
 # The keyword arguments load_config accepts, with their checks.

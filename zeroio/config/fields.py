@@ -39,7 +39,7 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f' (did you mean "{close[0]}"?)' if close else ""
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A value as the user wrote it in JSON (true, null, "cpu"), shortened."""
     try:
         text = json.dumps(value, allow_nan=True)
@@ -54,7 +54,7 @@ def fail(path: str, value: Any, expected: str) -> ConfigError:
             f'{path} is "auto", which zeroio cannot fill for this key: write {expected} instead',
             key=path,
         )
-    return ConfigError(f"{path} = {_show(value)}: expected {expected}", key=path)
+    return ConfigError(f"{path} = {show(value)}: expected {expected}", key=path)
 
 
 # ----------------------------------------------------------------- coercers
@@ -194,8 +194,8 @@ def build(cls: type, raw: Any, path: str) -> Any:
             coerced = field_specs[name].coerce(value, key_path)
             if name in kwargs and kwargs[name] != coerced:
                 raise ConfigError(
-                    f"{join(path, written_as[name])} = {_show(raw[written_as[name]])} and "
-                    f"{key_path} = {_show(value)} set the same option "
+                    f"{join(path, written_as[name])} = {show(raw[written_as[name]])} and "
+                    f"{key_path} = {show(value)} set the same option "
                     f"({join(path, name)}) to different values: keep one",
                     key=key_path,
                 )

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from zeroio.config.fields import AUTO, _show, join
+from zeroio.config.fields import AUTO, join, show
 from zeroio.errors import ConfigError
 
 
@@ -171,12 +171,12 @@ def check_unimplemented(key_path: str, value: Any) -> None:
         default = SEMANTIC[key_path]
         if not _is_default(value, default):
             expected = ('absent or {"enabled": false}' if default is OFF
-                        else f"absent or {_show(default)} (DeepSpeed's default)")
+                        else f"absent or {show(default)} (DeepSpeed's default)")
             raise ConfigError(
-                f"{key_path} = {_show(value)}: zeroio does not implement this DeepSpeed "
+                f"{key_path} = {show(value)}: zeroio does not implement this DeepSpeed "
                 f"option; expected {expected}", key=key_path)
     elif not _is_default(value, TOLERATED[key_path]):
-        warnings.warn(f"{key_path} = {_show(value)} has no effect in zeroio (DeepSpeed "
+        warnings.warn(f"{key_path} = {show(value)} has no effect in zeroio (DeepSpeed "
                       "speed/diagnostic option it does not implement)", ConfigWarning,
                       stacklevel=4)
 
@@ -205,7 +205,7 @@ def _legacy_offload(zero: dict, old: str, new: str, pin: Any) -> None:
     path = join("zero_optimization", old)
     value = zero.pop(old)
     if value == AUTO or not isinstance(value, bool):
-        raise ConfigError(f"{path} = {_show(value)}: expected true or false "
+        raise ConfigError(f"{path} = {show(value)}: expected true or false "
                           f"(deprecated; prefer {join('zero_optimization', new)})", key=path)
     if not value:
         return
@@ -221,7 +221,7 @@ def _legacy_offload(zero: dict, old: str, new: str, pin: Any) -> None:
 def _rewrite_zero(zero: dict[str, Any]) -> dict[str, Any]:
     pin = zero.pop("cpu_offload_use_pin_memory", None)
     if pin is not None and not isinstance(pin, bool):
-        raise ConfigError(f"zero_optimization.cpu_offload_use_pin_memory = {_show(pin)}: "
+        raise ConfigError(f"zero_optimization.cpu_offload_use_pin_memory = {show(pin)}: "
                           "expected true or false", key="zero_optimization.cpu_offload_use_pin_memory")
     if "cpu_offload" in zero:
         _legacy_offload(zero, "cpu_offload", "offload_optimizer", pin)

@@ -172,6 +172,8 @@ def _check_offload(cfg: Config) -> None:
 def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
     """Read a DeepSpeed JSON config (path or dict) into a checked, complete ``Config``.
 
+    A ``Config`` passed in is returned as is (or rebuilt, when auto_values are given).
+
     ``auto_values`` fill "auto" entries and the world size: world_size,
     hidden_size and the Hugging Face TrainingArguments names
     (per_device_train_batch_size, gradient_accumulation_steps, learning_rate,
@@ -179,6 +181,11 @@ def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
     bf16, num_training_steps, warmup_steps). Every problem is a ConfigError
     naming the key path.
     """
+    if isinstance(path_or_dict, Config):
+        if not auto_values:
+            return path_or_dict
+        auto_values.setdefault("world_size", path_or_dict.world_size)
+        path_or_dict = path_or_dict.to_dict()
     values = check_auto_values(auto_values)
     raw = legacy.rewrite(_read(path_or_dict))
     world_size = _world_size(values)
