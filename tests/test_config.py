@@ -366,6 +366,10 @@ def test_loading_from_path_and_errors_for_bad_files(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError):
         load_config(42)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config("bad\x00path.json")  # found by the hypothesis test
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path)  # a directory
 
 
 def test_load_config_does_not_import_torch():

@@ -121,8 +121,8 @@ def _read(path_or_dict: Any) -> dict[str, Any]:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist", key=None) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read config file {path}: {e}", key=None) from None
+        except (OSError, ValueError) as e:  # ValueError: undecodable bytes, NUL in the path
+            raise ConfigError(f"cannot read config file {str(path)!r}: {e}", key=None) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
