@@ -8,7 +8,7 @@ partitioner. Both are weak on the parameter, so a dropped model frees them.
 
 from __future__ import annotations
 
-import weakref
+from torch.utils.weak import WeakIdKeyDictionary
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +26,8 @@ class InitShard:
     world: int
 
 
-INIT_SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+INIT_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def true_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
