@@ -167,4 +167,8 @@ def resolve_auto(raw: dict[str, Any], values: dict[str, Any]) -> tuple[dict[str,
     return out, unfilled
 
 
-__all__ = ["AUTO", "AUTO_VALUE_CHECKS", "BATCH_KEYS", "check_auto_values", "resolve_auto", "join"]
+# Public name of the rule table (integrations/autofill.py compares explicit values against it).
+RULES = _RULES
+
+__all__ = ["AUTO", "AUTO_VALUE_CHECKS", "BATCH_KEYS", "RULES", "check_auto_values", "resolve_auto",
+           "join"]
