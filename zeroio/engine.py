@@ -212,6 +212,10 @@ class Engine:
             self.optimizer.step(grad_scale=scale / coef)
             self.partitioner.publish_params()
             self.loss_scaler.update(False)
+            if self.client_optimizer is not None:
+                # our step stands in for the client's: tell a torch LRScheduler bound to it
+                # (it checks this flag to warn about scheduler-before-optimizer order)
+                self.client_optimizer._opt_called = True
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
         self.partitioner.zero_grad()
