@@ -121,18 +121,18 @@ def test_many_concurrent_requests(engine, tmp_path):
     datas = [_rand_bytes(s, i) for i, s in enumerate(sizes)]
     shared = tmp_path / "shared"
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
-    futs = [engine.write(shared, d, o) for d, o in zip(datas, offsets)]
+    futs = [engine.write(shared, d, o) for d, o in zip(datas, offsets, strict=True)]
     futs += [engine.write(tmp_path / f"own{i}", d) for i, d in enumerate(datas)]
     for f in futs:
         f.result(timeout=60)
     outs = [torch.empty_like(d) for d in datas]
-    reads = [engine.read(shared, o_, off) for o_, off in zip(outs, offsets)]
+    reads = [engine.read(shared, o_, off) for o_, off in zip(outs, offsets, strict=True)]
     outs2 = [torch.empty_like(d) for d in datas]
     reads += [engine.read(tmp_path / f"own{i}", o_) for i, o_ in enumerate(outs2)]
     for f in reads:
         f.result(timeout=60)
     assert shared.read_bytes() == b"".join(d.numpy().tobytes() for d in datas)
-    for d, a, b in zip(datas, outs, outs2):
+    for d, a, b in zip(datas, outs, outs2, strict=True):
         assert torch.equal(d, a) and torch.equal(d, b)
 
 
@@ -260,3 +260,45 @@ def test_asyncio_api(engine, tmp_path):
 
     asyncio.run(main())
     assert torch.equal(x, y)
+
+
+def test_direct_refused_at_io_time_falls_back(tmp_path):
+    """Some filesystems accept O_DIRECT at open and refuse it per request (EINVAL)."""
+
+    class RefuseDirectIO(RecordingOps):
+        def preadv(self, fd, buffers, offset):
+            if self.opens.get(fd, 0) & O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().preadv(fd, buffers, offset)
+
+        def pwritev(self, fd, buffers, offset):
+            if self.opens.get(fd, 0) & O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().pwritev(fd, buffers, offset)
+
+    if not _odirect_supported(tmp_path):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT at open")
+    x = _rand_bytes(3 * 4096 + 5, 4)
+    with pytest.warns(RuntimeWarning, match="O_DIRECT"):
+        with IOEngine(block_size=4096, os_ops=RefuseDirectIO()) as e:
+            e.write(tmp_path / "f", x).result()
+            y = torch.empty_like(x)
+            e.read(tmp_path / "f", y).result()
+    assert torch.equal(x, y) and (tmp_path / "f").read_bytes() == x.numpy().tobytes()
+
+
+@pytest.mark.parametrize("kw", [{"block_size": 1000}, {"queue_depth": 0}, {"thread_count": -1}])
+def test_bad_settings_are_config_errors(kw):
+    from zeroio.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        IOEngine(**kw)
+    assert info.value.key == f"aio.{next(iter(kw))}"
+
+
+def test_unknown_setting_is_config_error():
+    from zeroio.errors import ConfigError
+    from zeroio.io import EngineSettings
+
+    with pytest.raises(ConfigError, match="bogus"):
+        EngineSettings.resolve(None, bogus=1)

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import errno
 import json
+import multiprocessing as mp
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 from concurrent.futures import ProcessPoolExecutor
 
 import google_crc32c
-import multiprocessing as mp
 import numpy as np
 import pytest
 import torch
@@ -114,7 +113,7 @@ def test_concurrent_unaligned_range_writes_threads(store):
     x = torch.randn(n)
     store.create("r", n, torch.float32, chunk_elems=4096)
     cuts = sorted({0, n, *np.random.default_rng(0).integers(1, n, 40).tolist()})
-    futs = [store.write("r", x[a:b], a) for a, b in zip(cuts, cuts[1:])]
+    futs = [store.write("r", x[a:b], a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     for f in futs:
         f.result(timeout=60)
     assert torch.equal(store.read("r").result(), x)
@@ -232,7 +231,7 @@ def test_enospc_on_a_real_full_filesystem(tmp_path):
 
 
 def test_bad_input(store):
-    from zeroio.io import IOArgumentError, InvalidArrayName
+    from zeroio.io import InvalidArrayName, IOArgumentError
 
     with pytest.raises(InvalidArrayName):
         store.create("../evil", 10, torch.float32)

@@ -18,8 +18,8 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from tqdm import tqdm
 

@@ -42,7 +42,14 @@ import torch
 
 from zeroio.errors import IntegrityError, SwapIOError
 from zeroio.io.buffers import AlignedBuffer
-from zeroio.io.engine import IOArgumentError, IOEngine, _Files, _Gather, no_space_error, tensor_bytes
+from zeroio.io.engine import (
+    IOArgumentError,
+    IOEngine,
+    _Files,
+    _Gather,
+    no_space_error,
+    tensor_bytes,
+)
 from zeroio.io.layout import (
     CRC_BYTES,
     ArrayInfo,
