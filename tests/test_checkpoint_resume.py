@@ -99,7 +99,8 @@ def _full_masters(engine):
             flat[s.global_offset:s.global_offset + s.numel] = m[s.local_offset:s.local_offset + s.numel].double()
     if engine.partitioner.stage != 0:
         dist.all_reduce(flat)
-    return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
+    # numpy, not tensors: tensors cross run_ranks' queue as shared-memory handles of a dead process
+    return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float().numpy()
             for e in engine.partitioner.index.entries}
 
 
@@ -158,42 +159,17 @@ def test_resume_is_bit_exact_stages_1_2_3_with_and_without_offload(tmp_path):
         assert (at_load, at_end) == (5, 10), case
         assert first + rest == straight, (case, first + rest, straight)
         for name, t in final.items():
-            assert torch.equal(resumed[name], t), (case, name)
+            assert (resumed[name] == t).all(), (case, name)
 
 
 # ---------------------------------------------------------------- universal resume
-
-
-def _reference_losses(init_state, steps):
-    """Single-process PyTorch AdamW + clipping + the same warmup, no dropout."""
-    model = _mlp(0.0)
-    model.load_state_dict(init_state)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for i in steps:
-        # DeepSpeed WarmupLR (log warmup, min 0): lr = max * log(t + 1) / log(warmup) for t < warmup
-        import math
-
-        t = i + 1
-        for g in opt.param_groups:
-            g["lr"] = LR * (math.log(t + 1) / math.log(4) if t < 4 else 1.0)
-        x, y = _batch(i)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if i == 4:
-            after5 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return losses, after5
 
 
 def _universal_save(root):
     import torch.distributed as dist
 
     e = _engine(_config(dist.get_world_size(), 2, "none", None, scheduler=False), 0.0, seed=0)
-    init = {k: v.clone() for k, v in e.module.state_dict().items()}
+    init = {k: v.numpy().copy() for k, v in e.module.state_dict().items()}
     losses = _train(e, range(5))
     e.save_checkpoint(root, tag="five")
     masters = _full_masters(e)
@@ -216,14 +192,13 @@ def test_resume_on_other_world_sizes_and_stage_follows_reference(tmp_path):
 
     root = str(tmp_path / "ck")
     init, first, masters = run_ranks(_universal_save, 2, root)[0]
-    # the warmup schedule is left out here: the reference uses a constant lr
     ref, after5 = _reference_losses_const(init, range(10))
     assert first == pytest.approx(ref[:5], rel=1e-5)
 
     full = consolidate(root, "five")
     assert list(full) == list(masters)
     for n in masters:
-        assert torch.equal(full[n], masters[n]), n  # bit for bit: what the engine held
+        assert torch.equal(full[n], torch.from_numpy(masters[n])), n  # bit for bit: what the engine held
         torch.testing.assert_close(full[n], after5[n], rtol=1e-5, atol=1e-6)
 
     for world, stage in ((1, 2), (3, 2), (2, 3)):
@@ -233,7 +208,7 @@ def test_resume_on_other_world_sizes_and_stage_follows_reference(tmp_path):
 
 def _reference_losses_const(init_state, steps):
     model = _mlp(0.0)
-    model.load_state_dict(init_state)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses, after5 = [], None
     for i in steps:

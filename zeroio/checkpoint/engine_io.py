@@ -4,8 +4,8 @@ The engine methods `save_checkpoint`, `load_checkpoint` and `save_16bit_model`
 delegate here. What is read from the engine (docs/engine.md):
 `partitioner.index` (global flat order), `partitioner.groups` (ShardGroups
 with `segments` local -> global), `partitioner.publish_params()`,
-`optimizer.local_tensor(i, kind)` / `steps_taken(i)` / `set_steps(i, n)` /
-`param_groups`, `lr_scheduler.state_dict()`, `loss_scaler.state_dict()`, and
+`optimizer.local_tensor(i, kind)` / `write_local(i, kind, t)` (optional) /
+`steps_taken(i)` / `set_steps(i, n)` / `param_groups`, `lr_scheduler.state_dict()`, `loss_scaler.state_dict()`, and
 the counters `global_steps`, `micro_steps`, `global_samples`, `skipped_steps`.
 
 [Note: what a checkpoint holds] Arrays "fp32", "exp_avg", "exp_avg_sq" over
@@ -60,11 +60,19 @@ def _segments(engine, kind: str, comm: Comm) -> list[Segment]:
     return _shard_segments(engine, kind) if _owns_shards(engine, comm) else []
 
 
-def _shard_segments(engine, kind: str) -> list[Segment]:
-    """This rank's ShardGroup segments of ``kind`` as views of the optimizer's local tensors."""
+def _shard_segments(engine, kind: str, locals_out: dict | None = None) -> list[Segment]:
+    """This rank's ShardGroup segments of ``kind`` as views of the optimizer's local tensors.
+
+    ``local_tensor`` may hand out a host copy (NVMe-resident moments, read
+    from the tiered store's CPU/NVMe tiers: no trip through the GPU); such
+    optimizers take loaded values back through ``write_local``, so the local
+    tensors are collected in ``locals_out``.
+    """
     out = []
-    for i, g in enumerate(engine.partitioner.groups):
+    for g in engine.partitioner.groups:
         local = engine.optimizer.local_tensor(g.group_index, kind)
+        if locals_out is not None:
+            locals_out[(g.group_index, kind)] = local
         for s in g.segments:
             out.append(Segment(s.global_offset, local[s.local_offset: s.local_offset + s.numel]))
     return out
@@ -228,7 +236,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     index = _index(engine)
     frozen = _uncovered(engine, index, comm)
     # every rank reads its shards (stage 0: all of them) and every frozen parameter whole
-    arrays = {k: _shard_segments(engine, k) for k in kinds}
+    locals_ = {}
+    arrays = {k: _shard_segments(engine, k, locals_) for k in kinds}
     frozen_buf = {n: torch.empty(index[n].numel, dtype=torch.float32) for n in frozen}
     arrays["fp32"] += [Segment(index[n].offset, frozen_buf[n]) for n in frozen]
     template = ShardedState(index=index, arrays=arrays)
@@ -239,9 +248,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
             params[n].data.copy_(buf.view(params[n].shape))
     engine.partitioner.publish_params()
     _apply_scalars(engine, res, load_optimizer_states, load_lr_scheduler_states)
-    hook = getattr(engine.optimizer, "checkpoint_loaded", None)
-    if hook is not None:
-        hook()  # e.g. NVMe-resident optimizer state: write the loaded values back to its store
+    write_local = getattr(engine.optimizer, "write_local", None)
+    if write_local is not None:  # local tensors were copies (NVMe-resident state): hand them back
+        for (gi, kind), t in locals_.items():
+            write_local(gi, kind, t)
     if not comm.all_ok(True):
         raise CheckpointError("checkpoint load failed on another rank")
     return str(res.path), res.client_state
