@@ -49,9 +49,18 @@ class AlignedBuffer:
         self.nbytes = int(nbytes)
         self.capacity = max(round_up(self.nbytes), ALIGN)
         self.pinned = _pin_available() if pin is None else bool(pin)
-        # Over-allocate by one page and slice: works the same for the CPU
-        # allocator (64-byte aligned) and CUDA's pinned host allocator.
-        raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
+        # CUDA's pinned host allocator hands out whole cudaHostAlloc blocks,
+        # which are page aligned, and may round the size up to a power of two,
+        # so asking for one extra page could double the pinned memory: ask for
+        # exactly the capacity and over-allocate only if it came back unaligned.
+        # The CPU allocator aligns to 64 bytes: over-allocate one page and slice.
+        raw = None
+        if self.pinned:
+            raw = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+            if raw.data_ptr() % ALIGN:
+                raw = None
+        if raw is None:
+            raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
         skip = (-raw.data_ptr()) % ALIGN
         self._raw = raw
         self._full = raw[skip : skip + self.capacity]
