@@ -302,3 +302,15 @@ def test_unknown_setting_is_config_error():
 
     with pytest.raises(ConfigError, match="bogus"):
         EngineSettings.resolve(None, bogus=1)
+
+
+def test_short_direct_read_is_not_mistaken_for_missing_odirect(tmp_path):
+    if not _odirect_supported(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    (tmp_path / "s").write_bytes(b"y" * (3 * 4096 + 100))  # ends mid-block of the aligned body
+    out = AlignedBuffer(8 * 4096, pin=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with IOEngine(block_size=4096, queue_depth=1) as e:
+            with pytest.raises(IntegrityError, match="short read"):
+                e.read(tmp_path / "s", out.tensor).result()

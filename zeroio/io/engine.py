@@ -361,6 +361,16 @@ class IOEngine:
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
+            # A direct read that hit end of file returns a partial, unaligned
+            # count, and the next request is then refused: that is a short
+            # read, not a filesystem without O_DIRECT.
+            size = os.fstat(files.direct).st_size
+            if not writing and size < offset + mem.nbytes:
+                raise IntegrityError(
+                    errno.EIO,
+                    f"short read of {files.path}: wanted {mem.nbytes} bytes at offset {offset}, "
+                    f"file is {size} bytes",
+                ) from e
             self._warn_fallback(files.path)
             return False
         return True
