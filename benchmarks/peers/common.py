@@ -1,0 +1,240 @@
+"""What every contender of the side-by-side benchmark shares: the model, the batches, the clock.
+
+Each contender runs in its own process (train_peers.py launches it) and must
+train the *same* model on the *same* tokens, so the shape, the seed and the
+batch generator live here, once:
+
+- ``ModelSpec``: the Llama shape (issue 9's 1.364B model by default) and the
+  run's batch geometry; ``llama_config`` turns it into a transformers config.
+- ``synthetic_batch(spec, step, rank)``: token ids that depend only on
+  (seed, step, rank), so any contender at any world size draws the same
+  tokens for the same (step, rank) without holding the whole stream.
+- ``HostPeak``: peak resident set size of this process, sampled by a thread
+  (``ru_maxrss`` alone misses nothing but cannot be reset; the sampler gives
+  the peak *during training*, after model build, too).
+- ``summarize``: the numbers every row of the table carries, computed one way.
+
+[Note: what "s/step" means] A step is forward + backward + optimizer step of
+one micro batch per rank, timed with the device synchronised at both ends.
+The figure is the median over the steps after ``warmup`` (the first steps
+pay for allocator growth, JIT compilation and NVMe file creation).
+tokens/s counts every rank's tokens: micro_batch x seq x world / (s/step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A Llama-style decoder (untied embeddings, no GQA) and the batch it trains on."""
+
+    hidden: int = 2048
+    """Model width."""
+    layers: int = 24
+    """Decoder layers."""
+    intermediate: int = 5632
+    """MLP inner width."""
+    heads: int = 16
+    """Attention heads (key/value heads are the same number)."""
+    vocab: int = 32000
+    """Vocabulary size; embeddings and LM head are separate matrices."""
+    seq: int = 1024
+    """Tokens per sequence."""
+    micro_batch: int = 8
+    """Sequences per rank per step."""
+    seed: int = 1234
+    """Seeds the weights and the synthetic tokens."""
+
+    def to_args(self) -> list[str]:
+        """The command-line flags that rebuild this spec in a runner (``add_spec_args``)."""
+        return [
+            "--hidden", str(self.hidden), "--layers", str(self.layers),
+            "--intermediate", str(self.intermediate), "--heads", str(self.heads),
+            "--vocab", str(self.vocab), "--seq", str(self.seq),
+            "--micro-batch", str(self.micro_batch), "--seed", str(self.seed),
+        ]
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count from the shape alone (matches LlamaForCausalLM's)."""
+        h, i, v = self.hidden, self.intermediate, self.vocab
+        per_layer = 4 * h * h + 3 * h * i + 2 * h  # q,k,v,o; gate,up,down; two RMSNorms
+        return self.layers * per_layer + 2 * v * h + h  # untied embed + head; final norm
+
+    def tokens_per_step(self, world: int) -> int:
+        return self.micro_batch * self.seq * world
+
+
+def add_spec_args(parser) -> None:
+    """Model and batch flags shared by train_peers.py and the runners."""
+    d = ModelSpec()
+    for field in dataclasses.fields(ModelSpec):
+        flag = "--" + field.name.replace("_", "-")
+        parser.add_argument(flag, type=int, default=getattr(d, field.name), help=field.__doc__)
+
+
+def spec_from_args(args) -> ModelSpec:
+    return ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
+
+
+def llama_config(spec: ModelSpec):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+        intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads, vocab_size=spec.vocab,
+        max_position_embeddings=max(spec.seq, 128), tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        attn_implementation="sdpa")
+
+
+def build_model(spec: ModelSpec) -> torch.nn.Module:
+    """Random weights from ``spec.seed`` (fp32, on the CPU; the contender moves/casts it)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(llama_config(spec))
+
+
+def synthetic_batch(spec: ModelSpec, step: int, rank: int) -> torch.Tensor:
+    """``(micro_batch, seq)`` int64 token ids, a function of (seed, step, rank) only."""
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step * 1009 + rank)
+    return torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq), generator=g)
+
+
+def adamw_hyper() -> dict[str, Any]:
+    """The optimizer every contender uses (issue 9: AdamW, clipping 1.0)."""
+    return {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
+
+
+class HostPeak:
+    """Peak RSS of this process while running (a sampling thread; also ``ru_maxrss``)."""
+
+    def __init__(self, interval: float = 0.05):
+        import psutil
+
+        self._proc = psutil.Process()
+        self._interval = interval
+        self._peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-peak", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+
+    def stop(self) -> int:
+        """The peak in bytes: the sampled one, or ru_maxrss (KiB on Linux) if that saw more."""
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._proc.memory_info().rss)
+        return max(self._peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def summarize(step_seconds: list[float], warmup: int, tokens_per_step: int) -> dict[str, Any]:
+    """s/step median after warm-up and tokens/s from it (see [Note: what "s/step" means])."""
+    timed = step_seconds[warmup:] if len(step_seconds) > warmup else step_seconds[-1:]
+    if not timed:
+        raise ValueError("no timed steps: run more steps than --warmup")
+    med = statistics.median(timed)
+    return {
+        "s_per_step": med,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / med,
+        "timed_steps": len(timed),
+        "step_seconds": step_seconds,
+    }
+
+
+def peaks(device: torch.device, host_peak_bytes: int) -> dict[str, Any]:
+    """This rank's peaks, then every rank's (an all-gather of numbers; no pickling)."""
+    import torch.distributed as dist
+
+    gpu_alloc = gpu_res = 0
+    if device.type == "cuda":
+        gpu_alloc = torch.cuda.max_memory_allocated(device)
+        gpu_res = torch.cuda.max_memory_reserved(device)
+    mine = torch.tensor([gpu_alloc, gpu_res, host_peak_bytes], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        comm_dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        out = [torch.zeros_like(mine, device=comm_dev) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, mine.to(comm_dev))
+        rows = [t.cpu().tolist() for t in out]
+    else:
+        rows = [mine.tolist()]
+    return {
+        "peak_gpu_bytes": max(int(r[0]) for r in rows),
+        "peak_gpu_reserved_bytes": max(int(r[1]) for r in rows),
+        "peak_host_rss_bytes": max(int(r[2]) for r in rows),
+        "per_rank": [{"peak_gpu_bytes": int(r[0]), "peak_gpu_reserved_bytes": int(r[1]),
+                      "peak_host_rss_bytes": int(r[2])} for r in rows],
+    }
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The runner's answer: one JSON line, last on stdout (train_peers.py reads the last one)."""
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def init_world(device: torch.device) -> tuple[int, int]:
+    """Join torchrun's world (NCCL on GPUs, gloo on CPU) or make a world of one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+class Clock:
+    """Times steps with the device synchronised at both ends of each."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: list[float] = []
+        self._t = 0.0
+
+    def start(self) -> None:
+        sync(self.device)
+        self._t = time.perf_counter()
+
+    def stop(self) -> None:
+        sync(self.device)
+        self.seconds.append(time.perf_counter() - self._t)

@@ -1,0 +1,64 @@
+"""The DeepSpeed-schema configs that zeroio and DeepSpeed both run, built per benchmark run.
+
+One dict per offload setup, fed unchanged to ``zeroio.initialize`` (through
+train_llama.py) and to ``deepspeed.initialize`` (ds_runner.py), so the two
+engines are compared on the same written config. Batch keys come from the
+run (micro batch per rank, no accumulation), the optimizer is AdamW with
+common.adamw_hyper(), clipping 1.0, bf16.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import Any
+
+from common import ModelSpec, adamw_hyper
+
+
+class Setup(enum.Enum):
+    """Where the training state lives; the value is the name used in contender names."""
+
+    Z2_CPU = "z2-cpu"
+    Z3_CPU = "z3-cpu"
+    Z3_NVME = "z3-nvme"
+
+
+def ds_config(setup: Setup, spec: ModelSpec, world: int, nvme_dir: Path | None) -> dict[str, Any]:
+    """The config dict for ``setup``; ``nvme_dir`` is required for Z3_NVME."""
+    hyper = adamw_hyper()
+    zero: dict[str, Any]
+    if setup is Setup.Z2_CPU:
+        zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    elif setup is Setup.Z3_CPU:
+        zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "offload_param": {"device": "cpu", "pin_memory": True}}
+    else:
+        if nvme_dir is None:
+            raise ValueError("the z3-nvme setup needs --nvme-dir (a folder on the NVMe disk)")
+        path = str(nvme_dir)
+        zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                "offload_optimizer": {"device": "nvme", "nvme_path": path, "pin_memory": True},
+                "offload_param": {"device": "nvme", "nvme_path": path, "pin_memory": True}}
+    return {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": spec.micro_batch * world,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": hyper["lr"], "betas": list(hyper["betas"]), "eps": hyper["eps"],
+            "weight_decay": hyper["weight_decay"]}},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def write_config(cfg: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return path
