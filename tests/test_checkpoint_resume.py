@@ -109,6 +109,63 @@ def _cases():
     return [(s, o) for s in (1, 2, 3) for o in offloads]
 
 
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=32,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+PROBE = torch.arange(24).reshape(2, 12) % 96
+
+
+def _hf_phase(root):
+    """Stage 3 tiny Llama: 3 steps, then save_checkpoint, save_16bit_model and the model's logits."""
+    import torch.distributed as dist
+
+    import zeroio
+
+    world = dist.get_world_size()
+    cfg = _config(world, 3, "none", None, scheduler=False)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    torch.manual_seed(0)
+    engine, *_ = zeroio.initialize(model=_llama(), config=cfg)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ids = torch.randint(0, 96, (world, 2, 12), generator=g)[dist.get_rank()]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(os.path.join(root, "hf-ck"), tag="t3")
+    engine.save_16bit_model(os.path.join(root, "hf-16bit"))
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=PROBE).logits.numpy().copy()
+    engine.close()
+    return logits
+
+
+def _phase_a(root):
+    """Same processes: exact-resume cases (10 straight; 5 + save), the universal-resume save,
+    and the Hugging Face model."""
+    return {"exact": _exact_phase_a(root), "universal": _universal_save(os.path.join(root, "uni")),
+            "hf": _hf_phase(root)}
+
+
+def _phase_b(root):
+    """Fresh processes: exact-resume loads, and stage 2 -> stage 3 on the same 2 ranks."""
+    return {"exact": _exact_phase_b(root), "stage3": _universal_resume(os.path.join(root, "uni"), 3)}
+
+
+@pytest.fixture(scope="module")
+def phases(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("resume"))
+    a = run_ranks(_phase_a, 2, root, timeout=300)[0]
+    b = run_ranks(_phase_b, 2, root, timeout=300)[0]
+    return root, a, b
+
+
 def _exact_phase_a(root):
     """10 steps straight, and 5 steps + save, for every case (same processes)."""
     import torch.distributed as dist
@@ -150,9 +207,9 @@ def _exact_phase_b(root):
     return out
 
 
-def test_resume_is_bit_exact_stages_1_2_3_with_and_without_offload(tmp_path):
-    a = run_ranks(_exact_phase_a, 2, str(tmp_path), timeout=240)[0]
-    b = run_ranks(_exact_phase_b, 2, str(tmp_path), timeout=240)[0]
+def test_resume_is_bit_exact_stages_1_2_3_with_and_without_offload(phases):
+    _root, a, b = phases
+    a, b = a["exact"], b["exact"]
     for case in _cases():
         straight, first, final = a[case]
         rest, resumed, at_load, at_end = b[case]
@@ -187,11 +244,12 @@ def _universal_resume(root, stage):
     return losses
 
 
-def test_resume_on_other_world_sizes_and_stage_follows_reference(tmp_path):
+def test_resume_on_other_world_sizes_and_stage_follows_reference(phases):
     from zeroio.checkpoint import consolidate
 
-    root = str(tmp_path / "ck")
-    init, first, masters = run_ranks(_universal_save, 2, root)[0]
+    base, a, b = phases
+    root = os.path.join(base, "uni")
+    init, first, masters = a["universal"]
     ref, after5 = _reference_losses_const(init, range(10))
     assert first == pytest.approx(ref[:5], rel=1e-5)
 
@@ -201,9 +259,27 @@ def test_resume_on_other_world_sizes_and_stage_follows_reference(tmp_path):
         assert torch.equal(full[n], torch.from_numpy(masters[n])), n  # bit for bit: what the engine held
         torch.testing.assert_close(full[n], after5[n], rtol=1e-5, atol=1e-6)
 
-    for world, stage in ((1, 2), (3, 2), (2, 3)):
-        got = run_ranks(_universal_resume, world, root, stage)[0]
-        assert got == pytest.approx(ref[5:], rel=1e-5), (world, stage, got, ref[5:])
+    assert b["stage3"] == pytest.approx(ref[5:], rel=1e-5), ("2 ranks, stage 2 -> 3", b["stage3"], ref[5:])
+    for world in (1, 3):
+        got = run_ranks(_universal_resume, world, root, 2)[0]
+        assert got == pytest.approx(ref[5:], rel=1e-5), (world, got, ref[5:])
+
+
+def test_hf_llama_round_trips_through_consolidate_and_from_pretrained(phases, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from zeroio.cli.main import main
+
+    root, a, _b = phases
+    out = tmp_path / "hf-out"
+    assert main(["consolidate", os.path.join(root, "hf-ck"), str(out), "--quiet"]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    for folder in (out, os.path.join(root, "hf-16bit")):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=PROBE).logits
+        assert torch.equal(logits, torch.from_numpy(a["hf"])), folder
 
 
 def _reference_losses_const(init_state, steps):

@@ -1,12 +1,47 @@
-"""`zeroio consolidate` (placeholder until its issue lands: registers the name only)."""
+"""`zeroio consolidate CKPT OUT`: a checkpoint as a safetensors folder `from_pretrained` loads."""
 
 from __future__ import annotations
 
+import json
+import re
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size {text!r}: expected a number with an optional unit ({', '.join(_UNITS)})")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("consolidate", help="(not implemented yet)")
+    p = sub.add_parser("consolidate", help="write a checkpoint as a safetensors folder",
+                       description="Write the weights of a zeroio checkpoint as a safetensors folder "
+                                   "(sharded with model.safetensors.index.json when large); a Hugging "
+                                   "Face model's config.json is written too, so from_pretrained(OUT) loads it.")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (holds `latest` and tag folders)")
+    p.add_argument("out", metavar="OUT", help="output folder")
+    p.add_argument("--tag", default=None, help="tag to export (default: the one `latest` names)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="dtype of the written weights (default: as stored, fp32)")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB",
+                   help="largest safetensors file before sharding (default 5GB)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print one JSON object (files written)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise SystemExit("zeroio consolidate: not implemented yet")
+    from zeroio.checkpoint.consolidate import write_safetensors
+
+    files = write_safetensors(args.checkpoint, args.out, args.tag, dtype=args.dtype,
+                              max_shard_bytes=args.max_shard_size,
+                              progress=not (args.quiet or args.json))
+    if args.json:
+        print(json.dumps({"out": str(args.out), "files": [f.name for f in files]}))
+    elif not args.quiet:
+        print(f"wrote {len(files)} file(s) to {args.out}: {', '.join(f.name for f in files)}")
+    return 0
