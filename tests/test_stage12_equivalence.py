@@ -136,8 +136,9 @@ def _train_engine(kind, batches, init_state, cfg):
         losses.append(total.item() / (GAS * world))
     full = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     masters = _gather_masters(engine)
+    read_from_nvme = engine.stats()["bytes_moved"].get("nvme->cpu", 0)
     engine.close()
-    return losses, full, masters
+    return losses, full, masters, read_from_nvme
 
 
 def _gather_masters(engine):
@@ -159,7 +160,9 @@ def _gather_masters(engine):
 
 def _cases(world):
     offloads = ["none", "cpu"] + (["nvme"] if _nvme_available() else [])
-    mlp = [("mlp", s, o, d) for s, o, d in itertools.product((0, 1, 2), offloads, ("fp32", "bf16"))]
+    # on one rank stage 1 runs the same code as stage 2 with one slice per bucket: skip it there
+    stages = (0, 2) if world == 1 else (0, 1, 2)
+    mlp = [("mlp", s, o, d) for s, o, d in itertools.product(stages, offloads, ("fp32", "bf16"))]
     # the Llama runs cover each stage, offload and dtype once each (it costs ~10x the MLP)
     llama = [("llama", 2, offloads[-1], "fp32"), ("llama", 1, "cpu", "bf16"),
              ("llama", 0, "none", "fp32")]
@@ -191,7 +194,7 @@ def _equivalence_body(tmpdir):
         init, batches, ref_losses, ref_params = refs[kind]
         nvme_dir = os.path.join(tmpdir, f"{kind}-{stage}-{dtype}-r{dist.get_rank()}")
         cfg = _config(world, stage, offload, dtype, nvme_dir)
-        losses, params, masters = _train_engine(kind, batches, init, cfg)
+        losses, params, masters, nvme_read = _train_engine(kind, batches, init, cfg)
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         diff = max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params)
         mean_diff = sum((masters[n] - ref_params[n]).abs().sum().item() for n in ref_params)
@@ -201,7 +204,8 @@ def _equivalence_body(tmpdir):
                                                       else "float32")).float()).abs().max().item()
                   for n in ref_params)
         results.append(dict(case=(kind, stage, offload, dtype), loss_rel=loss_rel, max_diff=diff,
-                            rel_mean_diff=mean_diff / moved, published_diff=pub))
+                            rel_mean_diff=mean_diff / moved, published_diff=pub,
+                            nvme_read=nvme_read))
     return results
 
 
@@ -213,6 +217,8 @@ def test_matches_single_process_adamw(world, tmp_path):
         for r in rank_results:
             kind, stage, offload, dtype = r["case"]
             assert r["published_diff"] == 0.0, r
+            if offload == "nvme" and kind == "llama":  # moments outgrow the host buffers
+                assert r["nvme_read"] > 0, r
             if dtype == "fp32":
                 assert r["loss_rel"] < 1e-5, r
                 assert r["max_diff"] < 2e-6, r
