@@ -24,7 +24,7 @@ def belady_fetches(seq: list[str], capacity: int, start: set[str]) -> int:
             continue
         fetches += 1
         if len(cache) >= capacity:
-            def next_use(n: str) -> int:
+            def next_use(n: str, i: int = i) -> int:
                 for j in range(i + 1, len(seq)):
                     if seq[j] == n:
                         return j

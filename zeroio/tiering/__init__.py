@@ -6,7 +6,14 @@ docs/tiering.md for the config keys and docs/internals.md for the contract.
 
 from zeroio.tiering.backend import MemoryBackend, NvmeBackend
 from zeroio.tiering.config import Budgets, TieringPolicyConfig, home_for
-from zeroio.tiering.policy import EvictionPolicy, FIFOPolicy, LRUPolicy, PolicyKind, TracePolicy, make_policy
+from zeroio.tiering.policy import (
+    EvictionPolicy,
+    FIFOPolicy,
+    LRUPolicy,
+    PolicyKind,
+    TracePolicy,
+    make_policy,
+)
 from zeroio.tiering.store import TieredStore
 from zeroio.tiering.tier import Residency, Tier
 

@@ -49,16 +49,16 @@ class PolicyKind(str, enum.Enum):
 class EvictionPolicy(ABC):
     """Chooses victims among evictable copies of one tier."""
 
-    def touch(self, name: str) -> None:
+    def touch(self, name: str) -> None:  # noqa: B027 (optional hook)
         """``name`` was acquired in this tier."""
 
-    def admit(self, name: str) -> None:
+    def admit(self, name: str) -> None:  # noqa: B027 (optional hook)
         """A copy of ``name`` started occupying this tier."""
 
-    def forget(self, name: str) -> None:
+    def forget(self, name: str) -> None:  # noqa: B027 (optional hook)
         """The copy of ``name`` left this tier."""
 
-    def step_boundary(self) -> None:
+    def step_boundary(self) -> None:  # noqa: B027 (optional hook)
         """A training step ended."""
 
     def upcoming(self, depth: int) -> list[str]:
