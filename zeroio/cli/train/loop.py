@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
 from zeroio.cli.train.defaults import default_config
+from zeroio.cli.train.model import build_model
 from zeroio.cli.train.presets import llama_config, num_parameters
-from zeroio.errors import CheckpointError, ConfigError
+from zeroio.errors import ConfigError
 
 SMALL_PRESETS = ("tiny", "small")
 
@@ -46,8 +47,10 @@ class TrainOptions:
     """A transformers config.json (or its folder) instead of a preset."""
     data: str | None = None
     """Text file or folder; None = the built-in corpus."""
-    steps: int = 60
+    steps: int = 200
     """Optimizer steps in total (a resumed run continues up to this number)."""
+    stop_after: int | None = None
+    """Stop this run after this step (a checkpoint is written; --resume continues)."""
     seq_len: int = 128
     micro_batch: int | None = None
     """Sequences per rank per micro-step; None = the config's value, or 4."""
@@ -125,19 +128,6 @@ def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
     return cfg.to_dict(), cfg
 
 
-def build_model(mcfg, raw: dict[str, Any], cfg, seed: int):
-    """The Llama model, partitioned as it is created for stage 3 (same seed on every rank)."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    if cfg.zero_optimization.stage == 3:
-        import zeroio
-
-        with zeroio.zero.Init(config=raw):
-            return LlamaForCausalLM(mcfg)
-    return LlamaForCausalLM(mcfg)
-
-
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1024 or unit == "TB":
@@ -211,7 +201,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         f"{world.device.type}, ZeRO stage {zo.stage}, offload {offload}; "
         f"{len(blocks)} sequences of {opts.seq_len} tokens")
 
-    model = build_model(mcfg, raw, cfg, opts.seed)
+    model = build_model(mcfg, cfg, opts.seed)
     engine, _optimizer, _loader, _sched = zeroio.initialize(model=model, config=cfg)
 
     losses: list[float] = []
@@ -224,6 +214,8 @@ def train(opts: TrainOptions) -> dict[str, Any]:
             start = int(engine.global_steps)
             losses = list((client or {}).get("losses", []))[:start]
             say(f"--resume: continuing from {path} at step {start}")
+    if opts.stop_after is not None and opts.stop_after < 1:
+        raise ConfigError(f"--stop-after must be >= 1, got {opts.stop_after}", key="stop_after")
     if start >= opts.steps:
         say(f"already at step {start} of --steps {opts.steps}; nothing to train")
 
@@ -235,7 +227,8 @@ def train(opts: TrainOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     last_tag = None
     steps_run = 0
-    for step in range(start, opts.steps):
+    end = opts.steps if opts.stop_after is None else min(opts.steps, opts.stop_after)
+    for step in range(start, end):
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64)
         for micro in range(gas):
@@ -255,7 +248,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         steps_run += 1
         dt = time.perf_counter() - t0
         done = step + 1
-        if opts.save_every and done % opts.save_every == 0 and done != opts.steps:
+        if opts.save_every and done % opts.save_every == 0 and done != end:
             last_tag = f"step{done}"
             engine.save_checkpoint(ckpt, tag=last_tag, client_state={"losses": losses})
         bar.set_postfix_str(f"loss {step_loss:.3f}  tok/s {tokens_per_step / dt:,.0f}  "
@@ -264,19 +257,14 @@ def train(opts: TrainOptions) -> dict[str, Any]:
     bar.close()
     wall = time.perf_counter() - t_start
 
-    final_tag = f"step{max(opts.steps, start)}"
+    final_tag = f"step{max(end, start)}"
     if last_tag != final_tag and steps_run:
         engine.save_checkpoint(ckpt, tag=final_tag, client_state={"losses": losses})
     dist.barrier()
-    model_dir = out / "model"
-    if rank0:
-        try:
-            write_model(ckpt, None if not steps_run and not opts.resume else final_tag, mcfg,
-                        model_dir)
-        except CheckpointError:
-            if steps_run:
-                raise
-            model_dir = None  # nothing trained and nothing to resume from
+    finished = max(end, start) >= opts.steps and (steps_run or start)
+    model_dir = out / "model" if finished else None
+    if rank0 and model_dir is not None:
+        write_model(ckpt, final_tag, mcfg, model_dir)
     dist.barrier()
     stats = engine.stats()
     summary = {
@@ -289,6 +277,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         "offload_optimizer": zo.offload_optimizer.device.value,
         "start_step": start,
         "steps": opts.steps,
+        "end_step": max(end, start),
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "losses": losses,
