@@ -258,7 +258,7 @@ def _save_then_die(root, world):
 
 
 def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path):
-    run_ranks(_save_rank, 2, str(tmp_path), 2, "first", 0)
+    save_sharded(sharded(0, 1, 0), tmp_path, "first", options=OPTS)
     with pytest.raises(RankFailedError):
         run_ranks(_save_then_die, 2, str(tmp_path), 2, timeout=60)
     assert (tmp_path / "second").is_dir() and not (tmp_path / "second" / "manifest.json").exists()
@@ -286,3 +286,47 @@ def test_latest_naming_broken_tag_falls_back_with_warning(saved):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_sharded(saved, "good", empty_like_template(0, 1), kinds=["fp32"])
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_consolidate_sharded_bf16_and_inspect(saved, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from zeroio.cli.main import main
+
+    out = tmp_path / "st"
+    # 100-byte shards: every parameter (>= 6 bf16 bytes) lands in a small file, index written
+    assert main(["consolidate", str(saved), str(out), "--dtype", "bf16", "--max-shard-size", "100", "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(INDEX) and len(files) == len(set(index["weight_map"].values())) + 1
+    ref = reference("fp32")
+    for name, e in INDEX.items():
+        t = load_file(str(out / index["weight_map"][name]))[name]
+        assert t.dtype == torch.bfloat16
+        assert torch.equal(t, ref[e.offset:e.offset + e.numel].view(e.shape).to(torch.bfloat16))
+    assert index["metadata"]["total_size"] == TOTAL * 2
+
+    save_sharded(sharded(0, 1, 3), saved, "broken", options=OPTS)
+    (saved / "broken" / "manifest.json").unlink()
+    assert main(["inspect", str(saved), "--json"]) == 1  # an invalid tag is present
+    info = json.loads(capsys.readouterr().out)
+    tags = {t["tag"]: t for t in info["tags"]}
+    assert info["latest"] == "broken" and not tags["broken"]["complete"]
+    assert "interrupted" in tags["broken"]["problem"]
+    good = tags["good"]
+    assert (good["world_size"], good["stage"], good["parameters"], good["numel"]) == (1, 2, 5, TOTAL)
+    assert good["arrays"]["param16"] == {"dtype": "bfloat16", "numel": TOTAL, "bytes": TOTAL * 2,
+                                         "chunks": -(-TOTAL // 32)}
+    assert main(["inspect", str(saved), "--tag", "good"]) == 0
+    text = capsys.readouterr().out
+    assert "good: written" in text and "by 1 rank(s) at stage 2" in text and "exp_avg" in text
+    path = saved / "good" / "fp32" / "c" / "0"
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 1
+    path.write_bytes(bytes(raw))
+    assert main(["inspect", str(saved), "--tag", "good", "--verify", "--json"]) == 1
+    bad = json.loads(capsys.readouterr().out)["tags"][0]
+    assert bad["verified"] is False and "fp32/c/0" in bad["problem"]

@@ -183,9 +183,22 @@ def _exact_phase_a(root):
         torch.manual_seed(100 + rank)
         first = _train(e, range(5))
         e.save_checkpoint(os.path.join(root, f"ck-{stage}-{off}"), client_state={"stage": stage, "off": off})
+        if stage == 3 and off == "none":
+            out["16bit_error"] = _save16_error(e, os.path.join(root, "no-16bit"))
         e.close()
         out[(stage, off)] = (straight, first, final)
     return out
+
+
+def _save16_error(engine, path):
+    """stage 3 without stage3_gather_16bit_weights_on_model_save: the error text, nothing written."""
+    from zeroio.errors import CheckpointError
+
+    try:
+        engine.save_16bit_model(path)
+    except CheckpointError as err:
+        return str(err), os.path.exists(path)
+    return None, os.path.exists(path)
 
 
 def _exact_phase_b(root):
@@ -210,6 +223,8 @@ def _exact_phase_b(root):
 def test_resume_is_bit_exact_stages_1_2_3_with_and_without_offload(phases):
     _root, a, b = phases
     a, b = a["exact"], b["exact"]
+    msg, written = a["16bit_error"]
+    assert "stage3_gather_16bit_weights_on_model_save" in msg and "zeroio consolidate" in msg and not written
     for case in _cases():
         straight, first, final = a[case]
         rest, resumed, at_load, at_end = b[case]
