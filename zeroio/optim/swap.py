@@ -75,7 +75,10 @@ class SwappedAdam:
         self.subs = split(groups, cfg.zero_optimization.sub_group_size)
         largest = -(-max((s.numel for s in self.subs), default=1) * 4 // 4096) * 4096  # pages
         tiering = cfg.zero_optimization.tiering
-        cpu_budget = tiering.cpu_budget_bytes or max(2, off.buffer_count) * largest * 2
+        # buffer_count host buffers of the largest moment tensor, at least the 4 that the
+        # pipeline holds at once (2 moments of i being updated, 2 of i+1 being read)
+        total = sum(-(-s.numel * 4 // 4096) * 4096 for s in self.subs) * len(KINDS)
+        cpu_budget = tiering.cpu_budget_bytes or min(total, max(4, off.buffer_count) * largest)
         path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
                                                                f"zeroio-optim-rank{_rank()}")
         if path is not None:

@@ -1,0 +1,226 @@
+"""Train a Llama-style model (random weights) with plain PyTorch or zeroio; print s/step and memory.
+
+    # 1 GPU, the 1.36B model of issue 9 (defaults), plain PyTorch + fused AdamW on GPU:
+    python benchmarks/train_llama.py --mode plain --steps 12
+    # zeroio ZeRO-2 + CPU offload / + NVMe offload of the optimizer state:
+    python benchmarks/train_llama.py --mode zeroio --config configs/zero2-cpu.json --steps 12
+    python benchmarks/train_llama.py --mode zeroio --config configs/zero2-cpu.json \
+        --offload nvme --nvme-path /tmp/zeroio-nvme --steps 12
+    # CPU smoke test:
+    python benchmarks/train_llama.py --mode zeroio --config configs/zero2-cpu.json --tiny
+
+Prints one JSON object: s/step median after ``--warmup`` steps, tokens/s, peak
+GPU memory (torch.cuda.max_memory_allocated), peak host RSS (psutil, sampled
+every 20 ms), and for zeroio ``engine.stats()``; also written to
+benchmarks/results/train_llama-<mode>-<host>-<date>.json with machine, date
+and commit. Under torchrun (``--nproc_per_node N``) every rank trains and
+rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import threading
+import time
+
+import psutil
+import torch
+
+
+def _args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("plain", "zeroio"), default="plain")
+    ap.add_argument("--config", help="zeroio / DeepSpeed JSON config (--mode zeroio)")
+    ap.add_argument("--stage", type=int, help="override zero_optimization.stage")
+    ap.add_argument("--offload", choices=("none", "cpu", "nvme"),
+                    help="override zero_optimization.offload_optimizer.device")
+    ap.add_argument("--nvme-path", help="offload_optimizer.nvme_path (with --offload nvme)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY.PATH=JSON",
+                    help="override any config key, e.g. zero_optimization.reduce_bucket_size=5e7")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--tiny", action="store_true",
+                    help="hidden 64, 2 layers, vocab 256, seq 32, micro batch 2, 4 steps (smoke test)")
+    ap.add_argument("--json", action="store_true", help="print only the JSON result")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    a = ap.parse_args()
+    if a.tiny:
+        a.hidden, a.layers, a.intermediate, a.heads, a.vocab = 64, 2, 128, 4, 256
+        a.seq, a.micro_batch, a.steps, a.warmup = 32, 2, 4, 1
+    return a
+
+
+def build_model(a):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=a.hidden, num_hidden_layers=a.layers,
+                      intermediate_size=a.intermediate, num_attention_heads=a.heads,
+                      num_key_value_heads=a.kv_heads or a.heads, vocab_size=a.vocab,
+                      max_position_embeddings=max(a.seq, 2048), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+class RssSampler:
+    """Peak resident memory of this process and its children, sampled on a thread."""
+
+    def __init__(self, period: float = 0.02):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._proc = psutil.Process()
+        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
+        self._thread.start()
+
+    def _run(self, period):
+        while not self._stop.is_set():
+            try:
+                rss = self._proc.memory_info().rss + sum(
+                    c.memory_info().rss for c in self._proc.children(recursive=True))
+            except psutil.Error:
+                rss = 0
+            self.peak = max(self.peak, rss)
+            time.sleep(period)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _set(cfg: dict, path: str, value) -> None:
+    node = cfg
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = value
+
+
+def zeroio_config(a) -> dict:
+    if not a.config:
+        raise SystemExit("--mode zeroio needs --config FILE")
+    with open(a.config) as f:
+        cfg = json.load(f)
+    cfg["train_micro_batch_size_per_gpu"] = a.micro_batch
+    cfg.pop("train_batch_size", None)
+    cfg["gradient_clipping"] = a.clip
+    if a.stage is not None:
+        _set(cfg, "zero_optimization.stage", a.stage)
+    if a.offload:
+        _set(cfg, "zero_optimization.offload_optimizer.device", a.offload)
+    if a.nvme_path:
+        _set(cfg, "zero_optimization.offload_optimizer.nvme_path", a.nvme_path)
+    for item in a.set:
+        key, _, raw = item.partition("=")
+        _set(cfg, key, json.loads(raw))
+    return cfg
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    a = _args()
+    cuda = torch.cuda.is_available()
+    rss = RssSampler()
+    model = build_model(a)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine = None
+    if a.mode == "plain":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
+            torch.device("cpu")
+        model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, fused=True)
+        rank, world = 0, 1
+    else:
+        import zeroio
+
+        cfg = zeroio_config(a)
+        engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+        device, rank, world = engine.device, engine.global_rank, engine.world_size
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    show = not (a.json or a.quiet) and rank == 0
+    steps = range(a.steps)
+    if show:
+        from tqdm import tqdm
+
+        steps = tqdm(steps, desc=f"train_llama {a.mode}", unit="step")
+    loss_val = float("nan")
+    for _ in steps:
+        ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=gen).to(device)
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        if engine is None:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        loss_val = loss.item()
+    host_peak = rss.stop()
+    timed = times[a.warmup:] or times
+    s_step = statistics.median(timed)
+    result = {
+        "mode": a.mode, "config": a.config, "overrides": {"stage": a.stage, "offload": a.offload,
+                                                          "set": a.set},
+        "machine": platform.node(), "gpu": torch.cuda.get_device_name() if cuda else None,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _commit(),
+        "world_size": world, "params": n_params,
+        "model": {k: getattr(a, k) for k in ("hidden", "layers", "intermediate", "heads",
+                                             "vocab", "seq", "micro_batch")},
+        "steps": a.steps, "warmup": a.warmup, "s_per_step": s_step,
+        "step_times": times, "tokens_per_s": a.micro_batch * a.seq * world / s_step,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_host_rss_gib": host_peak / 2**30, "final_loss": loss_val,
+        "stats": engine.stats() if engine is not None else None,
+    }
+    if rank == 0:
+        os.makedirs(a.out, exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = os.path.join(a.out, f"train_llama-{a.mode}-{platform.node()}-{stamp}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        if a.json:
+            print(json.dumps(result, default=str))
+        else:
+            print(f"{a.mode}: {n_params / 1e9:.3f} B params, {s_step:.3f} s/step, "
+                  f"{result['tokens_per_s']:.0f} tokens/s, peak GPU "
+                  f"{result['peak_gpu_gib'] or 0:.1f} GiB, peak host RSS {host_peak / 2**30:.1f} GiB"
+                  f"\nwrote {path}")
+    if engine is not None:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
