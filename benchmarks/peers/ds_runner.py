@@ -1,0 +1,70 @@
+"""DeepSpeed contender: ``deepspeed.initialize`` on the shared model with one of configs.py's files.
+
+Run by train_peers.py (``python ds_runner.py --config FILE --steps N ...``,
+under torch.distributed.run for several ranks); prints one JSON line
+(common.emit). Stage 3 builds the model inside ``deepspeed.zero.Init`` as a
+DeepSpeed user would (and as train_llama.py does with ``zeroio.zero.Init``).
+DeepSpeed's CPU Adam and async-I/O ops compile on first use; train_peers.py
+sets TORCH_CUDA_ARCH_LIST and the libaio paths for this process, and the
+compile falls inside the warm-up (it happens in ``initialize``, before step 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import common
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_spec_args(parser)
+    parser.add_argument("--config", required=True, help="DeepSpeed JSON config (configs.py)")
+    parser.add_argument("--name", default="deepspeed")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args(argv)
+    spec = common.spec_from_args(args)
+    cfg = json.loads(Path(args.config).read_text())
+
+    import deepspeed  # not a zeroio dependency: carried to the GPU machine as a wheel
+
+    device = common.pick_device()
+    rank, world = common.init_world(device)
+    host = common.HostPeak()
+    t0 = time.perf_counter()
+    if cfg["zero_optimization"]["stage"] == 3:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = common.build_model(spec)
+    else:
+        model = common.build_model(spec)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=cfg)
+    init_s = time.perf_counter() - t0
+    clock = common.Clock(device)
+    losses = []
+    for step in range(args.steps):
+        ids = common.synthetic_batch(spec, step, rank).to(engine.device, non_blocking=True)
+        clock.start()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        clock.stop()
+        losses.append(float(loss.detach().float().item()))
+    result = {"contender": args.name, "world_size": world, "num_params": spec.num_params,
+              "deepspeed_version": deepspeed.__version__, "init_seconds": init_s,
+              "losses": losses,
+              **common.summarize(clock.seconds, args.warmup, spec.tokens_per_step(world)),
+              **common.peaks(device, host.stop())}
+    if rank == 0:
+        common.emit(result)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
