@@ -1,0 +1,195 @@
+"""Checkpoint save / load GB/s of a ~1B-parameter state, beside `zeroio bench io` on the same disk.
+
+A synthetic `ShardedState` (arrays fp32, exp_avg, exp_avg_sq: 12 bytes a
+parameter, 12 GB at 1B) is split evenly over --ranks processes (gloo, like
+torchrun ranks), each saving its segments concurrently into one checkpoint,
+then loading its own range back. Before the load, the chunk files are
+evicted from the page cache (posix_fadvise DONTNEED after fsync), so the load
+reads the disk, not memory. A second load on --ranks-load ranks measures a
+world-size change (reads cross the writers' boundaries).
+
+    python benchmarks/bench_checkpoint.py --path /nvme/zeroio-bench --params 1e9 --ranks 8
+
+Results: benchmarks/results/checkpoint-<host>-<date>.json (machine, date,
+commit); a table, or one JSON object with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+_BLOCK = 1 << 24
+
+
+def _bounds(total: int, world: int, rank: int) -> tuple[int, int]:
+    return total * rank // world, total * (rank + 1) // world
+
+
+def _state(total: int, rank: int, world: int):
+    from zeroio.checkpoint import Segment, ShardedState, build_index
+
+    # a Llama-ish list of parameters: 2-D blocks of 4096 columns, the rest in a last 1-D one
+    cols = 4096
+    rows = total // cols
+    per = max(1, rows // 256)
+    shapes = [(f"layers.{i}.weight", (min(per, rows - i * per), cols)) for i in range(-(-rows // per))]
+    if total - rows * cols:
+        shapes.append(("tail.bias", (total - rows * cols,)))
+    index = build_index(shapes)
+    lo, hi = _bounds(total, world, rank)
+    block = torch.randn(_BLOCK)
+    arrays = {}
+    for k in KINDS:
+        t = torch.empty(hi - lo)
+        for a in range(0, hi - lo, _BLOCK):
+            b = min(hi - lo, a + _BLOCK)
+            t[a:b] = block[: b - a]
+        arrays[k] = [Segment(lo, t)]
+    return ShardedState(index=index, arrays=arrays, meta={"stage": 3})
+
+
+def _evict(tag_dir: str) -> None:
+    for dirpath, _dirs, files in os.walk(tag_dir):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _rank_save_load(path: str, total: int, chunk_mb: int, threads: int, verify: bool) -> dict:
+    from zeroio.checkpoint import Comm, SaveOptions, load_sharded, save_sharded
+
+    comm = Comm.default()
+    state = _state(total, comm.rank, comm.world_size)
+    opts = SaveOptions(chunk_bytes=chunk_mb << 20, threads=threads, verify=verify, progress=False)
+    comm.all_ok(True)
+    t0 = time.perf_counter()
+    tdir = save_sharded(state, path, "bench", comm=comm, options=opts)
+    save_s = time.perf_counter() - t0
+    if comm.rank == 0:
+        _evict(str(tdir))
+    comm.all_ok(True)
+    for segs in state.arrays.values():
+        segs[0].tensor.zero_()
+    t0 = time.perf_counter()
+    load_sharded(path, "bench", state, comm=comm, threads=threads)
+    comm.all_ok(True)
+    load_s = time.perf_counter() - t0
+    return {"save_s": save_s, "load_s": load_s}
+
+
+def _rank_load(path: str, total: int, threads: int) -> dict:
+    from zeroio.checkpoint import Comm, load_sharded
+
+    comm = Comm.default()
+    state = _state(total, comm.rank, comm.world_size)
+    if comm.rank == 0:
+        _evict(os.path.join(path, "bench"))
+    comm.all_ok(True)
+    t0 = time.perf_counter()
+    load_sharded(path, "bench", state, comm=comm, threads=threads)
+    comm.all_ok(True)
+    return {"load_s": time.perf_counter() - t0}
+
+
+def _bench_io(path: str, size: str) -> dict | None:
+    cmd = [sys.executable, "-m", "zeroio.cli", "bench", "io", "--path", path, "--size", size, "--json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=900).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, json.JSONDecodeError, IndexError, OSError) as e:
+        return {"error": str(e)[:500]}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--path", required=True, help="directory on the disk to measure (e.g. the NVMe mount)")
+    ap.add_argument("--params", type=float, default=1e9, help="parameters (12 bytes each on disk)")
+    ap.add_argument("--ranks", type=int, default=4, help="ranks that save (and load back)")
+    ap.add_argument("--ranks-load", type=int, default=None, help="ranks of a second, resharding load")
+    ap.add_argument("--chunk-mb", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=4, help="I/O threads per rank")
+    ap.add_argument("--no-verify", action="store_true", help="skip the read-back crc check on save")
+    ap.add_argument("--io-size", default="8G", help="--size of the `zeroio bench io` run (0 = skip)")
+    ap.add_argument("--keep", action="store_true", help="leave the checkpoint on disk")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+
+    from zeroio.testing import run_ranks
+
+    total = int(args.params)
+    root = os.path.join(args.path, "zeroio-bench-checkpoint")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    nbytes = total * 4 * len(KINDS)
+    env = {"OMP_NUM_THREADS": "2"}
+    res = run_ranks(_rank_save_load, args.ranks, root, total, args.chunk_mb, args.threads,
+                    not args.no_verify, timeout=3600, threads=2, env=env)
+    save_s = max(r["save_s"] for r in res)
+    load_s = max(r["load_s"] for r in res)
+    result = {
+        "machine": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _commit(),
+        "path": args.path, "params": total, "bytes": nbytes, "ranks": args.ranks,
+        "chunk_mb": args.chunk_mb, "threads_per_rank": args.threads, "verify": not args.no_verify,
+        "save": {"seconds": save_s, "gbps": nbytes / save_s / 1e9},
+        "load": {"seconds": load_s, "gbps": nbytes / load_s / 1e9},
+    }
+    if args.ranks_load:
+        r2 = run_ranks(_rank_load, args.ranks_load, root, total, args.threads, timeout=3600, threads=2, env=env)
+        t = max(r["load_s"] for r in r2)
+        result["load_resharded"] = {"ranks": args.ranks_load, "seconds": t, "gbps": nbytes / t / 1e9}
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.io_size != "0":
+        result["bench_io"] = _bench_io(args.path, args.io_size)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = os.path.join(args.out, f"checkpoint-{platform.node()}-{stamp}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"checkpoint of {total / 1e9:.2f}B parameters ({nbytes / 1e9:.1f} GB, fp32 + 2 Adam moments) "
+          f"on {args.path}, {args.ranks} rank(s) x {args.threads} thread(s)")
+    print(f"  {'operation':<24}{'seconds':>10}{'GB/s':>10}")
+    rows = [("save (+verify)" if result["verify"] else "save", result["save"]),
+            (f"load ({args.ranks} ranks)", result["load"])]
+    if "load_resharded" in result:
+        rows.append((f"load ({args.ranks_load} ranks)", result["load_resharded"]))
+    for name, r in rows:
+        print(f"  {name:<24}{r['seconds']:>10.2f}{r['gbps']:>10.2f}")
+    io = result.get("bench_io") or {}
+    for side in ("engine", "raw"):
+        if isinstance(io.get(side), dict):
+            print(f"  zeroio bench io {side:<8} write {io[side].get('write_gbps', float('nan')):.2f} GB/s"
+                  f"  read {io[side].get('read_gbps', float('nan')):.2f} GB/s")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
