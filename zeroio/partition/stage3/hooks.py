@@ -47,6 +47,9 @@ class _ExternalParamMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("__get__", "__set__"):
+            # attribute access (our own ``param.data = ...`` included) reads no values
+            return func(*args, **kwargs)
         for a in itertools.chain(args, kwargs.values()):
             if isinstance(a, nn.Parameter):
                 self.hooks.touch(a)
