@@ -42,9 +42,12 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.utils import logging
 
-from zeroio.errors import ConfigError
+from zeroio.errors import CheckpointError, ConfigError
 from zeroio.integrations.autofill import check_no_contradictions
+
+logger = logging.get_logger(__name__)
 
 _SCHEDULERS = {
     "linear": ("WarmupDecayLR", {"total_num_steps": "auto"}),
@@ -250,25 +253,32 @@ class ZeroIOTrainer(Trainer):
     # ---- saving and loading ---------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write a ``from_pretrained`` folder (config + safetensors) from the engine's parameters."""
+        """Write a ``from_pretrained`` folder (config + safetensors) from the engine's parameters.
+
+        Every rank must call it (stage 3 gathers the weights). At stage 3 without
+        ``stage3_gather_16bit_weights_on_model_save`` the user's own call raises
+        ``CheckpointError`` (naming the fix); the Trainer's periodic checkpoints
+        then keep only the sharded engine checkpoint, as DeepSpeed's do.
+        """
         output_dir = output_dir or self.args.output_dir
         engine = self.zeroio_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         os.makedirs(output_dir, exist_ok=True)
-        if engine.config.zero_optimization.stage == 3:
-            engine.save_16bit_model(output_dir)  # collective: every rank takes part
-            if self.args.should_save:
-                self._save_model_metadata(output_dir)
-        elif self.args.should_save:  # stages 0-2 keep full parameters in the module
-            self.model.save_pretrained(output_dir, safe_serialization=True)
+        try:
+            engine.save_16bit_model(output_dir)
+        except CheckpointError as e:
+            if not _internal_call:
+                raise
+            logger.warning("%s; this checkpoint keeps only the sharded engine state", e)
+            return
+        if self.args.should_save:
             self._save_model_metadata(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_model_metadata(self, output_dir: str) -> None:
         model = self.model
-        model.config.save_pretrained(output_dir)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
             model.generation_config.save_pretrained(output_dir)
         if self.processing_class is not None:
