@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, builtin_corpus, read_text
+from zeroio.cli.train.data import (
+    ByteTokenizer,
+    ShardedOrder,
+    TokenBlocks,
+    builtin_corpus,
+    read_text,
+)
 from zeroio.cli.train.presets import PRESETS, llama_config, num_parameters
 from zeroio.errors import ConfigError
 

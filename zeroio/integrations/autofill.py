@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from zeroio.config.auto import AUTO, _RULES, check_auto_values
+from zeroio.config.auto import _RULES, AUTO, check_auto_values
 from zeroio.errors import ConfigError
 
 # Keys whose explicit value is a choice of its own, not a second copy of an argument:
