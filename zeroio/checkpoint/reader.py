@@ -22,7 +22,7 @@ from zeroio.checkpoint import layout
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.crc import crc32c
 from zeroio.checkpoint.state import ParamEntry, ShardedState, split_by_param
-from zeroio.checkpoint.storage import FileIO, pread_exact
+from zeroio.checkpoint.storage import FileIO, open_engine, read_chunk
 from zeroio.errors import CheckpointError
 
 
@@ -106,11 +106,10 @@ class ArrayReader:
                 f"{sorted(self.manifest.arrays)}"
             ) from None
 
-    def _chunk(self, info: layout.ArrayInfo, i: int) -> torch.Tensor:
+    def _chunk(self, engine, info: layout.ArrayInfo, i: int) -> torch.Tensor:
         path = layout.chunk_path(self.manifest.tag_dir, info.kind, i)
-        buf = torch.empty(info.chunk_nbytes, dtype=torch.uint8)
         try:
-            pread_exact(path, buf.numpy(), 0)
+            buf = read_chunk(engine, path, info.chunk_nbytes)
         except CheckpointError as e:
             raise CheckpointError(f"array {info.kind!r} chunk {i}: {e}") from None
         got, want = crc32c(buf), info.chunk_crc32c[i]
@@ -132,7 +131,7 @@ class ArrayReader:
                 by_chunk[c].append(r)
 
         def one(c: int) -> int:
-            data = self._chunk(info, c)
+            data = self._chunk(engine, info, c)
             base = c * ce
             for r in by_chunk[c]:
                 lo, hi = max(r.src, base), min(r.end, base + ce)
@@ -141,7 +140,8 @@ class ArrayReader:
 
         bar = tqdm(total=len(by_chunk) * info.chunk_nbytes, unit="B", unit_scale=True,
                    desc=desc or f"load {kind}", disable=not self.progress, leave=False)
-        with FileIO(self.threads) as io:
+        # chunks are verified and scattered on this pool; their bytes move on the engine's
+        with FileIO(self.threads) as io, open_engine(self.threads) as engine:
             for f in [io.submit(one, c) for c in sorted(by_chunk)]:
                 bar.update(f.result())
         bar.close()

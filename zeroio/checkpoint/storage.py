@@ -1,5 +1,10 @@
 """The only module of the checkpoint layer that touches files.
 
+Whole-chunk reads (loading) go through the io layer's direct-I/O `IOEngine`
+into 4096-aligned buffers: chunk files are page multiples, so a load reads
+the disk straight into the buffer the crc is checked on, bypassing the page
+cache. Piece writes (saving) use `os.pwrite` (below).
+
 `FileIO` has the shape of the io layer's `IOEngine` (`write(path, tensor,
 offset)` / `read(path, tensor, offset)` returning futures, `close()`), so the
 checkpoint code can switch to the direct-I/O engine by constructing that
@@ -155,3 +160,34 @@ def set_size(path: str | os.PathLike, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
+
+
+def open_engine(threads: int):
+    """The io layer's direct-I/O engine, sized for checkpoint chunk reads."""
+    from zeroio.io.engine import IOEngine
+
+    return IOEngine(thread_count=max(1, threads))
+
+
+def read_chunk(engine, path: str | os.PathLike, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of ``path`` as a uint8 tensor (aligned buffer, read by ``engine``).
+
+    A missing or short file is a CheckpointError naming it (checked before reading,
+    so the message says what the file is, not how the read failed).
+    """
+    from zeroio.io.buffers import AlignedBuffer
+
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    if size < nbytes:
+        raise CheckpointError(
+            f"checkpoint file {path} is truncated: needed {nbytes} bytes, the file has {size}"
+        )
+    buf = AlignedBuffer(nbytes, pin=False)
+    try:
+        engine.read(path, buf.tensor, 0).result()
+    except SwapIOError as e:
+        raise CheckpointError(f"reading checkpoint file {path} failed: {e}") from e
+    return buf.tensor
