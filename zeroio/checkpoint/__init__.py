@@ -13,7 +13,13 @@ from __future__ import annotations
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.consolidate import consolidate, write_folder, write_safetensors
 from zeroio.checkpoint.layout import FORMAT_VERSION, Manifest, read_manifest, scan_tags
-from zeroio.checkpoint.reader import ArrayReader, CheckpointWarning, LoadResult, load_sharded, resolve_tag
+from zeroio.checkpoint.reader import (
+    ArrayReader,
+    CheckpointWarning,
+    LoadResult,
+    load_sharded,
+    resolve_tag,
+)
 from zeroio.checkpoint.state import ParamEntry, Segment, ShardedState, build_index
 from zeroio.checkpoint.writer import SaveOptions, save_sharded
 

@@ -21,7 +21,7 @@ class Comm:
     device: torch.device | None = None  # where the flag tensor lives (cuda for NCCL)
 
     @classmethod
-    def default(cls, group: Any = None) -> "Comm":
+    def default(cls, group: Any = None) -> Comm:
         """The initialised torch.distributed world (or ``group``), else a single process."""
         import torch.distributed as dist
 

@@ -87,7 +87,7 @@ def _write_shards(out: Path, shards: list[list[str]], load_shard, total: int, pr
     names = _file_names(len(shards))
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress)
     weight_map, written = {}, []
-    for fname, shard in zip(names, shards):
+    for fname, shard in zip(names, shards, strict=True):
         tensors = load_shard(shard, fname)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         written.append(out / fname)

@@ -89,7 +89,7 @@ def _uncovered(engine, index: dict[str, ParamEntry], comm: Comm) -> list[str]:
                 covered[pos[name]] = 1
     if comm.world_size > 1:
         dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=comm.group)
-    return [n for n, c in zip(names, covered.tolist()) if not c]
+    return [n for n, c in zip(names, covered.tolist(), strict=True) if not c]
 
 
 def _module_params(engine) -> dict[str, torch.nn.Parameter]:
@@ -274,7 +274,7 @@ def _apply_scalars(engine, res, load_optimizer_states: bool, load_lr_scheduler_s
             )
         for i, n in enumerate(opt["steps"]):
             engine.optimizer.set_steps(i, n)
-        for live, saved in zip(engine.optimizer.param_groups, opt["param_groups"]):
+        for live, saved in zip(engine.optimizer.param_groups, opt["param_groups"], strict=False):
             for k, v in saved.items():
                 if k in live and not callable(live[k]):
                     live[k] = tuple(v) if isinstance(live[k], tuple) else v

@@ -96,7 +96,7 @@ class ShardedState:
                     raise CheckpointError(
                         f"array {kind!r}: segment at {s.offset} is {s.tensor.dim()}-D; segments are 1-D"
                     )
-            for (a0, a1), (b0, _b1) in zip(spans, spans[1:]):
+            for (a0, a1), (b0, _b1) in zip(spans, spans[1:], strict=False):
                 if b0 < a1:
                     raise CheckpointError(
                         f"array {kind!r}: segments [{a0}, {a1}) and [{b0}, ...) overlap"

@@ -92,7 +92,7 @@ class FileIO:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> "FileIO":
+    def __enter__(self) -> FileIO:
         return self
 
     def __exit__(self, *exc) -> None:
