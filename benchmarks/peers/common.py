@@ -6,9 +6,11 @@ batch generator live here, once:
 
 - ``ModelSpec``: the Llama shape (issue 9's 1.364B model by default) and the
   run's batch geometry; ``llama_config`` turns it into a transformers config.
-- ``synthetic_batch(spec, step, rank)``: token ids that depend only on
-  (seed, step, rank), so any contender at any world size draws the same
-  tokens for the same (step, rank) without holding the whole stream.
+- ``build_model`` is train_llama.py's own (imported, not copied): weights
+  from torch.manual_seed(0), so every contender starts from the same model.
+- ``BatchStream(spec, rank)``: train_llama.py's token stream (a generator
+  seeded with the rank, one ``randint`` of (micro_batch, seq) per step), so
+  every contender at any world size trains on the same tokens.
 - ``HostPeak``: peak resident set size of this process, sampled by a thread
   (``ru_maxrss`` alone misses nothing but cannot be reset; the sampler gives
   the peak *during training*, after model build, too).
@@ -23,6 +25,7 @@ tokens/s counts every rank's tokens: micro_batch x seq x world / (s/step).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -56,8 +59,6 @@ class ModelSpec:
     """Tokens per sequence."""
     micro_batch: int = 8
     """Sequences per rank per step."""
-    seed: int = 1234
-    """Seeds the weights and the synthetic tokens."""
 
     def to_args(self) -> list[str]:
         """The command-line flags that rebuild this spec in a runner (``add_spec_args``)."""
@@ -65,7 +66,7 @@ class ModelSpec:
             "--hidden", str(self.hidden), "--layers", str(self.layers),
             "--intermediate", str(self.intermediate), "--heads", str(self.heads),
             "--vocab", str(self.vocab), "--seq", str(self.seq),
-            "--micro-batch", str(self.micro_batch), "--seed", str(self.seed),
+            "--micro-batch", str(self.micro_batch),
         ]
 
     @property
@@ -91,35 +92,41 @@ def spec_from_args(args) -> ModelSpec:
     return ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
 
 
-def llama_config(spec: ModelSpec):
-    from transformers import LlamaConfig
+def _train_llama():
+    """benchmarks/train_llama.py as a module (it lives one folder up from this one)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parent = os.path.dirname(here)
+    if parent not in sys.path:
+        sys.path.insert(0, parent)
+    import train_llama
 
-    return LlamaConfig(
-        hidden_size=spec.hidden, num_hidden_layers=spec.layers,
-        intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.heads, vocab_size=spec.vocab,
-        max_position_embeddings=max(spec.seq, 128), tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        attn_implementation="sdpa")
+    return train_llama
 
 
 def build_model(spec: ModelSpec) -> torch.nn.Module:
-    """Random weights from ``spec.seed`` (fp32, on the CPU; the contender moves/casts it)."""
-    from transformers import LlamaForCausalLM
+    """train_llama.py's model for this shape: fp32 on the CPU, weights from seed 0."""
+    ns = argparse.Namespace(hidden=spec.hidden, layers=spec.layers,
+                            intermediate=spec.intermediate, heads=spec.heads, kv_heads=None,
+                            vocab=spec.vocab, seq=spec.seq)
+    return _train_llama().build_model(ns)
 
-    torch.manual_seed(spec.seed)
-    return LlamaForCausalLM(llama_config(spec))
 
+class BatchStream:
+    """train_llama.py's synthetic tokens: Generator(rank), one (micro_batch, seq) draw per step."""
 
-def synthetic_batch(spec: ModelSpec, step: int, rank: int) -> torch.Tensor:
-    """``(micro_batch, seq)`` int64 token ids, a function of (seed, step, rank) only."""
-    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step * 1009 + rank)
-    return torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq), generator=g)
+    def __init__(self, spec: ModelSpec, rank: int):
+        self._spec = spec
+        self._gen = torch.Generator().manual_seed(rank)
+
+    def next(self) -> torch.Tensor:
+        return torch.randint(0, self._spec.vocab, (self._spec.micro_batch, self._spec.seq),
+                             generator=self._gen)
 
 
 def adamw_hyper() -> dict[str, Any]:
-    """The optimizer every contender uses (issue 9: AdamW, clipping 1.0)."""
-    return {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
+    """The optimizer every contender uses: train_llama.py's plain AdamW (lr 3e-4, weight decay
+    0.1, torch's betas and eps); clipping is 1.0 everywhere (issue 9)."""
+    return {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 
 class HostPeak:
@@ -183,9 +190,10 @@ def peaks(device: torch.device, host_peak_bytes: int) -> dict[str, Any]:
         rows = [t.cpu().tolist() for t in out]
     else:
         rows = [mine.tolist()]
+    cuda = device.type == "cuda"
     return {
-        "peak_gpu_bytes": max(int(r[0]) for r in rows),
-        "peak_gpu_reserved_bytes": max(int(r[1]) for r in rows),
+        "peak_gpu_bytes": max(int(r[0]) for r in rows) if cuda else None,
+        "peak_gpu_reserved_bytes": max(int(r[1]) for r in rows) if cuda else None,
         "peak_host_rss_bytes": max(int(r[2]) for r in rows),
         "per_rank": [{"peak_gpu_bytes": int(r[0]), "peak_gpu_reserved_bytes": int(r[1]),
                       "peak_host_rss_bytes": int(r[2])} for r in rows],

@@ -16,9 +16,8 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 import common
+import torch
 
 
 def main(argv=None) -> None:
@@ -47,9 +46,10 @@ def main(argv=None) -> None:
                                            config=cfg)
     init_s = time.perf_counter() - t0
     clock = common.Clock(device)
+    batches = common.BatchStream(spec, rank)
     losses = []
-    for step in range(args.steps):
-        ids = common.synthetic_batch(spec, step, rank).to(engine.device, non_blocking=True)
+    for _ in range(args.steps):
+        ids = batches.next().to(engine.device, non_blocking=True)
         clock.start()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 import common
+import torch
 
 
 def shard(model: torch.nn.Module, device: torch.device) -> None:
@@ -49,9 +48,10 @@ def main(argv=None) -> None:
     hyper = common.adamw_hyper()
     opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
     clock = common.Clock(device)
+    batches = common.BatchStream(spec, rank)
     losses = []
-    for step in range(args.steps):
-        ids = common.synthetic_batch(spec, step, rank).to(device, non_blocking=True)
+    for _ in range(args.steps):
+        ids = batches.next().to(device, non_blocking=True)
         clock.start()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()

@@ -1,0 +1,168 @@
+"""The contenders of issue 9 and the command line that runs each one as its own process.
+
+plain PyTorch and zeroio run through benchmarks/train_llama.py (``--mode plain``
+/ ``--mode zeroio --config FILE``); DeepSpeed through ds_runner.py on the very
+same config files (configs.py); FSDP2 through fsdp2_runner.py. All get the
+same model shape and step counts as flags, and build the model and tokens
+the same way (common.py imports train_llama's builder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from common import ModelSpec
+
+from configs import Setup, ds_config, write_config
+
+HERE = Path(__file__).resolve().parent
+BENCH = HERE.parent
+REPO = BENCH.parent
+
+
+class Engine(enum.Enum):
+    PLAIN = "plain"
+    ZEROIO = "zeroio"
+    DEEPSPEED = "deepspeed"
+    FSDP2 = "fsdp2"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Contender:
+    name: str
+    engine: Engine
+    setup: Setup | None = None
+    label: str = ""
+    """What the row says about it in the table."""
+
+
+CONTENDERS: tuple[Contender, ...] = (
+    Contender(name="plain", engine=Engine.PLAIN,
+              label="plain PyTorch, fused AdamW on GPU, no offload"),
+    Contender(name="zeroio-z2-cpu", engine=Engine.ZEROIO, setup=Setup.Z2_CPU,
+              label="zeroio ZeRO-2, optimizer on CPU"),
+    Contender(name="zeroio-z3-cpu", engine=Engine.ZEROIO, setup=Setup.Z3_CPU,
+              label="zeroio ZeRO-3, params + optimizer on CPU"),
+    Contender(name="zeroio-z3-nvme", engine=Engine.ZEROIO, setup=Setup.Z3_NVME,
+              label="zeroio ZeRO-3, params + optimizer on NVMe"),
+    Contender(name="ds-z2-cpu", engine=Engine.DEEPSPEED, setup=Setup.Z2_CPU,
+              label="DeepSpeed ZeRO-2, optimizer on CPU"),
+    Contender(name="ds-z3-cpu", engine=Engine.DEEPSPEED, setup=Setup.Z3_CPU,
+              label="DeepSpeed ZeRO-3, params + optimizer on CPU"),
+    Contender(name="ds-z3-nvme", engine=Engine.DEEPSPEED, setup=Setup.Z3_NVME,
+              label="DeepSpeed ZeRO-3, params + optimizer on NVMe"),
+    Contender(name="fsdp2-cpu", engine=Engine.FSDP2,
+              label="FSDP2 CPUOffloadPolicy, fused CPU AdamW"),
+)
+BY_NAME = {c.name: c for c in CONTENDERS}
+
+
+def select(only: str | None) -> list[Contender]:
+    """``--only a,b,c`` -> those contenders in table order; unknown names are an error."""
+    if not only:
+        return list(CONTENDERS)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"--only: unknown contender(s) {', '.join(unknown)}; "
+                         f"choose from {', '.join(BY_NAME)}")
+    return [c for c in CONTENDERS if c.name in names]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """Everything about a benchmark run that every contender's command depends on."""
+
+    spec: ModelSpec
+    steps: int
+    warmup: int
+    nproc: int
+    run_dir: Path
+    """Per-run folder: configs, logs, train_llama's own result files."""
+    nvme_dir: Path
+    """Parent of each NVMe contender's own swap folder."""
+    python: str = sys.executable
+    libaio_dir: Path | None = None
+    ds_cuda_arch: str = "9.0"
+
+
+def world_of(c: Contender, plan: RunPlan) -> int:
+    """Ranks the contender runs on: train_llama's plain mode has no data parallelism."""
+    return 1 if c.engine is Engine.PLAIN else plan.nproc
+
+
+def skip_reason(c: Contender, plan: RunPlan) -> str | None:
+    """Why the contender cannot run here (checked before launching), or None."""
+    if c.engine is Engine.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+        return ("deepspeed is not installed in this Python: pip install the wheel and its "
+                "deps from .peers/ (docs/benchmarks.md)")
+    return None
+
+
+def nvme_folder(c: Contender, plan: RunPlan) -> Path:
+    return plan.nvme_dir / c.name
+
+
+def config_path(c: Contender, plan: RunPlan) -> Path:
+    """Write the contender's DeepSpeed-schema config into the run folder; return its path."""
+    cfg = ds_config(c.setup, plan.spec, world_of(c, plan),
+                    nvme_folder(c, plan) if c.setup is Setup.Z3_NVME else None)
+    return write_config(cfg, plan.run_dir / "configs" / f"{c.name}.json")
+
+
+def _launcher(plan: RunPlan, world: int, script: Path) -> list[str]:
+    if world == 1:
+        return [plan.python, str(script)]
+    return [plan.python, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={world}", str(script)]
+
+
+def command(c: Contender, plan: RunPlan) -> tuple[list[str], dict[str, str]]:
+    """argv and environment for the contender."""
+    env = dict(os.environ)
+    world = world_of(c, plan)
+    steps = ["--steps", str(plan.steps), "--warmup", str(plan.warmup)]
+    spec_args = plan.spec.to_args()
+    if c.engine in (Engine.PLAIN, Engine.ZEROIO):
+        argv = _launcher(plan, world, BENCH / "train_llama.py") + [
+            "--mode", c.engine.value, *spec_args, *steps, "--json", "--quiet",
+            "--out", str(plan.run_dir / "train_llama")]
+        if c.engine is Engine.ZEROIO:
+            argv += ["--config", str(config_path(c, plan))]
+        return argv, env
+    if c.engine is Engine.DEEPSPEED:
+        argv = _launcher(plan, world, HERE / "ds_runner.py") + [
+            "--config", str(config_path(c, plan)), "--name", c.name, *spec_args, *steps]
+        env.setdefault("TORCH_CUDA_ARCH_LIST", plan.ds_cuda_arch)
+        if plan.libaio_dir is not None:
+            env.update(libaio_env(plan.libaio_dir, env))
+        return argv, env
+    argv = _launcher(plan, world, HERE / "fsdp2_runner.py") + [*spec_args, *steps]
+    return argv, env
+
+
+def libaio_env(root: Path, base: dict[str, str]) -> dict[str, str]:
+    """Compiler/linker/loader paths for libaio unpacked with ``dpkg -x libaio*.deb ROOT``."""
+    inc = root / "usr" / "include"
+    libs = sorted({p.parent for p in root.glob("usr/lib/**/libaio.so*")}) or [root / "usr" / "lib"]
+    if not (inc / "libaio.h").is_file():
+        raise SystemExit(f"--libaio-dir {root}: no usr/include/libaio.h there; unpack it with "
+                         f"'dpkg -x libaio-dev_*.deb {root}' (and libaio1_*.deb)")
+    lib = ":".join(str(p) for p in libs)
+
+    def prepend(key: str, value: str, sep: str) -> str:
+        old = base.get(key, "")
+        return value + (sep + old if old else "")
+
+    return {
+        "CFLAGS": prepend("CFLAGS", f"-I{inc}", " "),
+        "LDFLAGS": prepend("LDFLAGS", " ".join(f"-L{p}" for p in libs), " "),
+        "CPATH": prepend("CPATH", str(inc), ":"),
+        "LIBRARY_PATH": prepend("LIBRARY_PATH", lib, ":"),
+        "LD_LIBRARY_PATH": prepend("LD_LIBRARY_PATH", lib, ":"),
+    }
