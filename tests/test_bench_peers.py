@@ -1,0 +1,183 @@
+"""benchmarks/train_peers.py end to end on a tiny model on the CPU, and its pieces.
+
+The end-to-end run launches the contenders that can run on a CPU (plain
+PyTorch and zeroio through train_llama.py, FSDP2 with gloo) plus a DeepSpeed
+one, which is a skip row here (not installed) or a real row where it is.
+Checked against independent numbers: tokens/s against tokens per step / s
+per step by hand; s/step against the median of the contender's own step
+times (train_llama.py's result file); GB per tier pair against zeroio's raw
+byte counters / steps; the markdown table against the JSON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH / "peers"))
+sys.path.insert(0, str(BENCH))
+
+import launch  # noqa: E402
+import report  # noqa: E402
+
+TINY = ["--hidden", "64", "--layers", "2", "--intermediate", "128", "--heads", "4",
+        "--vocab", "256", "--seq", "32", "--micro-batch", "2"]
+STEPS, WARMUP = 4, 1
+ONLY = "plain,zeroio-z2-cpu,zeroio-z3-nvme,ds-z3-nvme,fsdp2-cpu"
+
+
+@pytest.fixture(scope="module")
+def peers_run(tmp_path_factory):
+    import train_peers
+
+    out = tmp_path_factory.mktemp("results")
+    doc = train_peers.main([*TINY, "--only", ONLY, "--steps", str(STEPS), "--warmup",
+                            str(WARMUP), "--disk-bench-size", "0", "--out", str(out),
+                            "--nvme-dir", str(out / "nvme"), "--timeout", "240", "--json"])
+    return doc, out
+
+
+def test_rows_in_order_with_right_status(peers_run):
+    doc, _ = peers_run
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert [r["name"] for r in doc["rows"]] == ONLY.split(",")
+    for name in ("plain", "zeroio-z2-cpu", "zeroio-z3-nvme", "fsdp2-cpu"):
+        assert rows[name]["status"] == "ok", (name, rows[name]["reason"])
+    ds = rows["ds-z3-nvme"]
+    if importlib.util.find_spec("deepspeed") is None:
+        assert ds["status"] == "skipped" and "deepspeed is not installed" in ds["reason"]
+        assert ds["s_per_step"] is None
+    else:  # on a CPU-only machine DeepSpeed may fail, but the row must say how
+        assert ds["status"] == "ok" or ds["reason"]
+
+
+def test_numbers_against_hand_computation(peers_run):
+    doc, _ = peers_run
+    tokens_per_step = 2 * 32  # micro batch x seq, one rank
+    for r in doc["rows"]:
+        if r["status"] != "ok":
+            continue
+        assert r["world"] == 1
+        assert r["tokens_per_s"] == pytest.approx(tokens_per_step / r["s_per_step"], rel=1e-9)
+        assert r["s_per_step"] > 0 and r["peak_host_rss_gib"] > 0.05  # torch alone is >50 MiB
+        assert r["peak_gpu_gib"] is None  # no CUDA here
+    assert doc["run"]["num_params"] == 115_008  # hand count, see below
+    h, i, v, layers = 64, 128, 256, 2
+    assert layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h == 115_008
+
+
+def test_s_per_step_is_median_of_contender_step_times(peers_run):
+    doc, out = peers_run
+    rows = {r["name"]: r for r in doc["rows"]}
+    raw = {}
+    for f in out.glob("peers-*/train_llama/*.json"):
+        d = json.loads(f.read_text())
+        raw[Path(d["config"]).stem if d["config"] else "plain"] = d
+    assert set(raw) == {"plain", "zeroio-z2-cpu", "zeroio-z3-nvme"}
+    for name, d in raw.items():
+        assert len(d["step_times"]) == STEPS
+        assert rows[name]["s_per_step"] == pytest.approx(
+            statistics.median(d["step_times"][WARMUP:]), rel=1e-12)
+    # GB per tier pair = zeroio's byte counters / optimizer steps / 1e9
+    stats = raw["zeroio-z3-nvme"]["stats"]
+    moved = rows["zeroio-z3-nvme"]["gb_moved_per_step"]
+    assert set(moved) == set(stats["bytes_moved"]) and moved
+    for pair, n in stats["bytes_moved"].items():
+        assert moved[pair] == pytest.approx(n / stats["global_steps"] / 1e9)
+    assert moved["cpu->nvme"] > 0  # the optimizer state really went through the disk
+    assert rows["zeroio-z2-cpu"]["gb_moved_per_step"] == {}
+
+
+def test_markdown_and_json_written_with_provenance(peers_run):
+    doc, out = peers_run
+    jsons = list(out.glob("peers-*.json"))
+    mds = list(out.glob("peers-*.md"))
+    assert len(jsons) == 1 and len(mds) == 1
+    on_disk = json.loads(jsons[0].read_text())
+    assert on_disk["rows"] == json.loads(json.dumps(doc["rows"]))
+    assert len(on_disk["provenance"]["commit"]) == 40
+    assert on_disk["machine"]["cpu_count"] >= 1 and on_disk["machine"]["ram_gib"] > 0
+    text = mds[0].read_text()
+    assert "commit " + on_disk["provenance"]["commit"] in text
+    table = report.parse_markdown_table(text)
+    assert list(table[0]) == list(report.COLUMNS)
+    by_name = {t["contender"]: t for t in table}
+    for r in doc["rows"]:
+        cell = by_name[r["name"]]
+        assert cell["status"].startswith(r["status"])
+        if r["status"] == "ok":
+            assert float(cell["s/step"]) == pytest.approx(r["s_per_step"], abs=5e-4)
+            assert float(cell["tokens/s"].replace(",", "")) == pytest.approx(
+                r["tokens_per_s"], abs=0.5)
+
+
+def test_timeout_and_failure_rows(tmp_path):
+    import train_peers
+
+    doc = train_peers.main([*TINY, "--only", "fsdp2-cpu", "--steps", "2", "--warmup", "1",
+                            "--out", str(tmp_path), "--timeout", "1", "--json"])
+    (row,) = doc["rows"]
+    assert row["status"] == "timeout" and "1 s" in row["reason"] and row["s_per_step"] is None
+    assert "| fsdp2-cpu |" in next(tmp_path.glob("peers-*.md")).read_text()
+
+    py = sys.executable
+    oom = launch.run([py, "-c", "raise RuntimeError('CUDA out of memory. Tried to allocate 2 GiB')"],
+                     env={}, timeout=60, log_dir=tmp_path, name="oom")
+    assert oom.status is launch.Status.FAILED and oom.reason.startswith("GPU out of memory")
+    killed = launch.run([py, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                        env={}, timeout=60, log_dir=tmp_path, name="kill")
+    assert killed.reason.startswith("killed by SIGKILL (host out of memory?)")
+    silent = launch.run([py, "-c", "print('no json')"], env={}, timeout=60, log_dir=tmp_path,
+                        name="silent")
+    assert silent.status is launch.Status.FAILED and "no JSON" in silent.reason
+
+
+def test_last_json_picks_the_result_line():
+    text = 'noise {"not": json\n{"a": 1}\nwarning: x\n{"b": 2}\ntrailing\n'
+    assert launch.last_json(text) == {"b": 2}
+    assert launch.last_json("nothing here") is None
+
+
+def test_libaio_env(tmp_path):
+    import contenders
+
+    lib = tmp_path / "usr" / "lib" / "x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    (lib / "libaio.so.1").write_bytes(b"")
+    (tmp_path / "usr" / "include").mkdir(parents=True)
+    (tmp_path / "usr" / "include" / "libaio.h").write_text("")
+    env = contenders.libaio_env(tmp_path, {"LD_LIBRARY_PATH": "/old"})
+    assert env["CPATH"] == str(tmp_path / "usr" / "include")
+    assert env["CFLAGS"] == f"-I{tmp_path / 'usr' / 'include'}"
+    assert env["LDFLAGS"] == f"-L{lib}"
+    assert env["LIBRARY_PATH"] == str(lib)
+    assert env["LD_LIBRARY_PATH"] == f"{lib}:/old"
+    with pytest.raises(SystemExit, match="libaio.h"):
+        contenders.libaio_env(tmp_path / "missing", {})
+
+
+def test_same_config_file_for_zeroio_and_deepspeed(tmp_path):
+    import common
+    import contenders as C
+
+    plan = C.RunPlan(spec=common.ModelSpec(), steps=4, warmup=1, nproc=2, run_dir=tmp_path,
+                     nvme_dir=tmp_path / "nvme")
+    z = json.loads(C.config_path(C.BY_NAME["zeroio-z3-nvme"], plan).read_text())
+    d = json.loads(C.config_path(C.BY_NAME["ds-z3-nvme"], plan).read_text())
+    for cfg, name in ((z, "zeroio-z3-nvme"), (d, "ds-z3-nvme")):
+        for key in ("offload_param", "offload_optimizer"):
+            assert cfg["zero_optimization"][key]["nvme_path"] == str(tmp_path / "nvme" / name)
+            cfg["zero_optimization"][key].pop("nvme_path")
+    assert z == d
+    assert z["train_batch_size"] == 16 and z["gradient_clipping"] == 1.0
+    argv, _ = C.command(C.BY_NAME["ds-z2-cpu"], plan)
+    assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc_per_node=2" in argv
+    argv, _ = C.command(C.BY_NAME["plain"], plan)  # train_llama's plain mode is one process
+    assert "torch.distributed.run" not in argv
