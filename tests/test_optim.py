@@ -134,3 +134,25 @@ def test_sharded_adam_matches_torch(decoupled):
     torch.testing.assert_close(group.master, torch.cat([p.detach().reshape(-1) for p in params]),
                                rtol=1e-6, atol=1e-7)
     assert ours.steps_taken(0) == 5
+
+
+def test_chunked_step_with_callback_matches_whole_step():
+    def make():
+        torch.manual_seed(3)
+        m = torch.randn(23)
+        return ShardGroup(group_index=0, master=m, grad=torch.zeros(23), numel=23,
+                          segments=(Segment(local_offset=0, global_offset=0, numel=23),))
+
+    hyper = [{"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}]
+    a, b = make(), make()
+    whole, chunked = ShardedAdam([a], hyper, decoupled=True), ShardedAdam([b], hyper, decoupled=True)
+    seen = []
+    for i in range(4):
+        grad = torch.randn(23)
+        a.grad.copy_(grad)
+        b.grad.copy_(grad)
+        whole.step(2.0)
+        chunked.step(2.0, on_updated=lambda gi, lo, n: seen.append((i, gi, lo, n)), chunk_numel=5)
+    torch.testing.assert_close(a.master, b.master, rtol=1e-6, atol=1e-7)
+    assert chunked.steps_taken(0) == 4
+    assert [s[2:] for s in seen if s[0] == 3] == [(0, 5), (5, 5), (10, 5), (15, 5), (20, 3)]

@@ -209,8 +209,15 @@ class Engine:
             clip = self.config.gradient_clipping
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
             self.last_grad_norm = norm
-            self.optimizer.step(grad_scale=scale / coef)
-            self.partitioner.publish_params()
+            stage_range = getattr(self.partitioner, "stage_range", None)
+            if stage_range is not None and self.config.zero_optimization.offload_optimizer.device \
+                    != "none":
+                # host masters: publish chunk by chunk behind the CPU optimizer
+                self.optimizer.step(grad_scale=scale / coef, on_updated=stage_range)
+                self.partitioner.publish_params(staged=True)
+            else:
+                self.optimizer.step(grad_scale=scale / coef)
+                self.partitioner.publish_params()
             self.loss_scaler.update(False)
             if self.client_optimizer is not None:
                 # our step stands in for the client's: tell a torch LRScheduler bound to it

@@ -83,13 +83,31 @@ class ShardedAdam:
         self.decoupled = decoupled
         self.state: list[AdamState] = [AdamState.zeros_like(g.master) for g in groups]
 
-    def step(self, grad_scale: float = 1.0) -> None:
+    def step(self, grad_scale: float = 1.0, on_updated=None, chunk_numel: int = 1 << 24) -> None:
+        """One step of every group. With ``on_updated(group_index, start, numel)`` the groups
+        are stepped in chunks and the callback runs after each (the partitioner publishes
+        that chunk while the next one is updated)."""
         with torch.profiler.record_function("zeroio::optimizer_step"):
             for g, st in zip(self.groups, self.state):
-                if g.master.numel():
-                    adam_update(master=g.master, grad=g.grad, state=st,
-                                hyper=self.param_groups[g.group_index],
+                n = g.master.numel()
+                if n == 0:
+                    continue
+                hyper = self.param_groups[g.group_index]
+                if on_updated is None:
+                    adam_update(master=g.master, grad=g.grad, state=st, hyper=hyper,
                                 decoupled=self.decoupled, grad_scale=grad_scale)
+                    continue
+                before = st.step.clone()  # the fused kernel increments the step it is given
+                for lo in range(0, n, chunk_numel):
+                    k = min(chunk_numel, n - lo)
+                    step = before.clone()
+                    adam_update(master=g.master.narrow(0, lo, k), grad=g.grad.narrow(0, lo, k),
+                                state=AdamState(exp_avg=st.exp_avg.narrow(0, lo, k),
+                                                exp_avg_sq=st.exp_avg_sq.narrow(0, lo, k),
+                                                step=step),
+                                hyper=hyper, decoupled=self.decoupled, grad_scale=grad_scale)
+                    on_updated(g.group_index, lo, k)
+                st.step.copy_(step)
 
     def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
         """The local 1-D tensor of ``kind`` ("fp32" | "exp_avg" | "exp_avg_sq") of a group."""

@@ -94,7 +94,7 @@ class SwappedAdam:
     def _fetch(self, sub: SubGroup):
         return [self.store.acquire_async(sub.name(k), self._tier) for k in KINDS]
 
-    def step(self, grad_scale: float = 1.0) -> None:
+    def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
         with torch.profiler.record_function("zeroio::optimizer_step_nvme"):
             pending = self._fetch(self.subs[0]) if self.subs else None
             for i, sub in enumerate(self.subs):
@@ -110,6 +110,8 @@ class SwappedAdam:
                                                 step=self.steps[sub]),
                                 hyper=self.param_groups[g.group_index],
                                 decoupled=self.decoupled, grad_scale=grad_scale)
+                if on_updated is not None:
+                    on_updated(sub.group_index, sub.start, sub.numel)
                 for k in KINDS:
                     self.store.mark_dirty(sub.name(k), self._tier)
                     self.store.release(sub.name(k), self._tier)

@@ -15,6 +15,13 @@ the world, copied or added into ``ShardGroup.grad``) happens on a side CUDA
 stream right after the collective when CUDA is present — so with CPU offload
 gradients travel to pinned host memory while backward continues — and at
 ``finalize_gradients`` otherwise. Consuming zeroes the bucket's landing zone.
+
+[Note: publishing]
+With a host master the optimizer steps it in chunks and calls ``stage_range``
+after each: the chunk is converted to 16-bit into pinned staging and its
+host-to-device copy is queued while the CPU updates the next chunk; then
+``publish_params(staged=True)`` only all-gathers. The staging is reused next
+step after an event recorded behind the last copy.
 """
 
 from __future__ import annotations
@@ -215,24 +222,43 @@ class Stage12Partitioner:
 
     # ---- step ------------------------------------------------------------------------------
 
-    def publish_params(self) -> None:
-        """Masters -> this rank's slice of the 16-bit buffer -> all-gather of every bucket."""
+    def _copy_out(self, b: Bucket, lo: int, hi: int) -> None:
+        """Master -> the rank's slice of the 16-bit buffer, elements [lo, hi) of b's slice.
+
+        A host master goes through a pinned 16-bit staging copy (the conversion runs on the
+        CPU threads, the transfer is asynchronous); see [Note: publishing]."""
+        if self._publish_done is not None:  # last step's transfers out of the staging are done
+            self._publish_done.synchronize()
+            self._publish_done = None
+        size = b.slice_numel(self.world)
+        src = self.groups[b.group_index].master.narrow(0, self._local_base[b.index] + lo, hi - lo)
+        dst = self.params.narrow(0, b.start + self.rank * size + lo, hi - lo)
+        if src.device != dst.device and src.dtype != dst.dtype:
+            stage = self._staging16.get(b.index)
+            if stage is None:
+                stage = torch.empty(size, dtype=dst.dtype, pin_memory=self.home.pin_memory)
+                self._staging16[b.index] = stage
+            stage = stage.narrow(0, lo, hi - lo)
+            stage.copy_(src)
+            src = stage
+        dst.copy_(src, non_blocking=True)
+
+    def stage_range(self, group_index: int, start: int, numel: int) -> None:
+        """Publish part of a group as soon as the optimizer has updated it (local offsets)."""
+        for b in self.layout.group_buckets(group_index):
+            lb, size = self._local_base[b.index], b.slice_numel(self.world)
+            lo, hi = max(start, lb), min(start + numel, lb + size)
+            if lo < hi:
+                self._copy_out(b, lo - lb, hi - lb)
+
+    def publish_params(self, staged: bool = False) -> None:
+        """Masters -> this rank's slices (unless ``stage_range`` covered every group already)
+        -> in-place all-gather of every bucket."""
         with torch.profiler.record_function("zeroio::publish_params"):
             handles = []
-            if self._publish_done is not None:  # the pinned 16-bit staging is free again
-                self._publish_done.synchronize()
             for b in self.layout.buckets:
-                size = b.slice_numel(self.world)
-                src = self.groups[b.group_index].master.narrow(0, self._local_base[b.index], size)
-                dst = self.params.narrow(0, b.start + self.rank * size, size)
-                if src.device != dst.device and src.dtype != dst.dtype:
-                    stage = self._staging16.get(b.index)
-                    if stage is None:
-                        stage = torch.empty(size, dtype=dst.dtype, pin_memory=self.home.pin_memory)
-                        self._staging16[b.index] = stage
-                    stage.copy_(src)
-                    src = stage
-                dst.copy_(src, non_blocking=True)
+                if not staged:
+                    self._copy_out(b, 0, b.slice_numel(self.world))
                 if self.world > 1:
                     handles.append(comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel),
                                                            self.group))
