@@ -1,0 +1,229 @@
+"""The largest Llama-style model zeroio trains on this machine (issue 9's probe).
+
+    python benchmarks/probe_largest.py --nvme-dir /tmp/probe-nvme            # the H200 run
+    python benchmarks/probe_largest.py --plan-only --ram-gib 125 --gpu-gib 139 --disk-gib 64
+
+Width 4096, 32 heads, intermediate 11008, vocab 32000 (untied); the probe
+grows depth. For each depth it picks where the state goes with
+``zeroio.estimate_memory`` (stage 3; parameters and optimizer on the CPU,
+then the optimizer on NVMe, then both on NVMe: the first placement whose
+estimate fits the machine), trains 3 steps through train_llama.py in a
+subprocess, and steps up or down by --layer-step until one depth trains and
+the next does not. It records the largest that trained and how the next one
+failed (GPU or host out of memory, disk full, timeout), and writes
+``probe-<host>-<stamp>.json`` / ``.md`` to --out.
+
+[Note: host memory beyond the estimate] train_llama.py builds the whole
+model in fp32 on the CPU before ``zeroio.initialize`` partitions it, so the
+host needs 4 bytes per parameter more than the training-state estimate at
+start-up; ``fits`` adds it (HOST_BUILD_BYTES_PER_PARAM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+import launch  # noqa: E402
+import report  # noqa: E402
+
+GIB = 1024**3
+HIDDEN, HEADS, INTER, VOCAB = 4096, 32, 11008, 32000
+HOST_BUILD_BYTES_PER_PARAM = 4
+PLACEMENTS = (("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme"))
+"""(offload_param, offload_optimizer), cheapest first."""
+
+
+def llama_params(layers: int, hidden: int = HIDDEN, inter: int = INTER, vocab: int = VOCAB) -> int:
+    return layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + 2 * vocab * hidden \
+        + hidden
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Capacity:
+    """What the machine offers, in bytes (after the safety fraction)."""
+
+    gpu: int
+    host: int
+    disk: int
+
+
+def needs(num_params: int, placement: tuple[str, str]) -> dict[str, int]:
+    """Bytes per tier for stage 3 with this placement (estimate + the fp32 build on the host)."""
+    from zeroio.estimate import estimate_memory
+
+    est = estimate_memory(num_params, stage=3, offload_param=placement[0],
+                          offload_optimizer=placement[1], dtype="bf16")
+    return {"gpu": est.gpu_bytes_per_gpu,
+            "host": est.cpu_bytes_per_node + HOST_BUILD_BYTES_PER_PARAM * num_params,
+            "disk": est.nvme_bytes_per_node}
+
+
+def placement_for(num_params: int, cap: Capacity) -> tuple[str, str] | None:
+    """The first placement (PLACEMENTS order) whose estimate fits ``cap``, or None."""
+    for placement in PLACEMENTS:
+        n = needs(num_params, placement)
+        if n["gpu"] <= cap.gpu and n["host"] <= cap.host and n["disk"] <= cap.disk:
+            return placement
+    return None
+
+
+def largest_fitting_layers(cap: Capacity, max_layers: int = 400) -> int | None:
+    """The deepest model whose estimate fits some placement (the probe's first try)."""
+    best = None
+    for layers in range(1, max_layers + 1):
+        if placement_for(llama_params(layers), cap) is None:
+            break
+        best = layers
+    return best
+
+
+def next_layers(history: list[tuple[int, bool]], start: int, step: int,
+                min_layers: int = 1) -> int | None:
+    """The next depth to try given ``(layers, trained)`` so far; None when bracketed.
+
+    Start at ``start``; after a success go up by ``step``, after a failure go
+    down by ``step``, until a success sits ``step`` or fewer layers below a
+    failure (or no smaller depth is left to try).
+    """
+    if not history:
+        return start
+    ok = [n for n, good in history if good]
+    bad = [n for n, good in history if not good]
+    best = max(ok) if ok else None
+    worst = min((n for n in bad if best is None or n > best), default=None)
+    if best is not None and worst is not None and worst - best <= step:
+        return None
+    if best is None:
+        nxt = min(bad) - step
+        return nxt if nxt >= min_layers else None
+    return best + step
+
+
+def probe_config(placement: tuple[str, str], nvme_dir: Path, micro_batch: int) -> dict:
+    def off(device: str, sub: str) -> dict:
+        d = {"device": device, "pin_memory": True}
+        if device == "nvme":
+            d["nvme_path"] = str(nvme_dir / sub)
+        return d
+
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 3, "overlap_comm": True,
+                                  "offload_param": off(placement[0], "param"),
+                                  "offload_optimizer": off(placement[1], "optim")}}
+
+
+def machine_capacity(nvme_dir: Path, fraction: float, gpu_gib=None, ram_gib=None,
+                     disk_gib=None) -> Capacity:
+    import psutil
+    import torch
+
+    gpu = gpu_gib * GIB if gpu_gib else (
+        torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0)
+    host = ram_gib * GIB if ram_gib else psutil.virtual_memory().total
+    probe = nvme_dir if nvme_dir.exists() else nvme_dir.parent
+    disk = disk_gib * GIB if disk_gib else shutil.disk_usage(probe).free
+    return Capacity(gpu=int(gpu * fraction), host=int(host * fraction), disk=int(disk * fraction))
+
+
+def try_size(layers: int, placement, args, run_dir: Path) -> dict:
+    cfg_path = run_dir / "configs" / f"layers{layers}.json"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    nvme = args.nvme_dir / f"layers{layers}"
+    shutil.rmtree(nvme, ignore_errors=True)
+    cfg_path.write_text(json.dumps(probe_config(placement, nvme, args.micro_batch), indent=2))
+    bench = Path(__file__).resolve().parent
+    argv = [sys.executable, str(bench / "train_llama.py"), "--mode", "zeroio", "--config",
+            str(cfg_path), "--hidden", str(HIDDEN), "--heads", str(HEADS), "--intermediate",
+            str(INTER), "--vocab", str(VOCAB), "--layers", str(layers), "--seq", str(args.seq),
+            "--micro-batch", str(args.micro_batch), "--steps", "3", "--warmup", "1", "--json",
+            "--quiet", "--out", str(run_dir / "train_llama")]
+    try:
+        out = launch.run(argv, env=dict(os.environ), timeout=args.timeout,
+                         log_dir=run_dir / "logs", name=f"layers{layers}",
+                         cwd=str(bench.parent))
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
+    res = out.result or {}
+    return {"layers": layers, "params": llama_params(layers), "placement": list(placement),
+            "estimate": needs(llama_params(layers), placement), "status": out.status.value,
+            "reason": out.reason, "s_per_step": res.get("s_per_step"),
+            "peak_gpu_gib": res.get("peak_gpu_gib"),
+            "peak_host_rss_gib": res.get("peak_host_rss_gib"), "wall_seconds": out.wall_seconds}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nvme-dir", type=Path, default=Path("/tmp/zeroio-probe-nvme"))
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--layer-step", type=int, default=8, help="layers added or removed per try")
+    ap.add_argument("--start-layers", type=int, help="first depth (default: the estimate's)")
+    ap.add_argument("--max-tries", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=540, help="seconds per try")
+    ap.add_argument("--fraction", type=float, default=0.9, help="of GPU/RAM/disk the estimate may use")
+    ap.add_argument("--gpu-gib", type=float)
+    ap.add_argument("--ram-gib", type=float)
+    ap.add_argument("--disk-gib", type=float)
+    ap.add_argument("--plan-only", action="store_true", help="print the estimate's plan, train nothing")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = ap.parse_args(argv)
+    args.nvme_dir.mkdir(parents=True, exist_ok=True)
+    cap = machine_capacity(args.nvme_dir, args.fraction, args.gpu_gib, args.ram_gib,
+                           args.disk_gib)
+    start = args.start_layers or largest_fitting_layers(cap)
+    plan = {"capacity_gib": {k: v / GIB for k, v in vars(cap).items()}, "start_layers": start,
+            "start_params": llama_params(start) if start else None,
+            "placement": placement_for(llama_params(start), cap) if start else None}
+    if args.plan_only or start is None:
+        print(json.dumps(plan))
+        return plan
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stem = f"probe-{platform.node()}-{stamp}"
+    run_dir = args.out / stem
+    history: list[tuple[int, bool]] = []
+    tries = []
+    layers = start
+    while layers is not None and len(tries) < args.max_tries:
+        placement = placement_for(llama_params(layers), cap) or PLACEMENTS[-1]
+        print(f"trying {layers} layers ({llama_params(layers) / 1e9:.2f} B params), "
+              f"param/optimizer on {placement}", flush=True)
+        t = try_size(layers, placement, args, run_dir)
+        print(f"  -> {t['status']} {t['reason']}", flush=True)
+        tries.append(t)
+        history.append((layers, t["status"] == "ok"))
+        layers = next_layers(history, start, args.layer_step)
+    ok = [t for t in tries if t["status"] == "ok"]
+    best = max(ok, key=lambda t: t["layers"]) if ok else None
+    above = [t for t in tries if t["status"] != "ok" and (best is None or t["layers"] > best["layers"])]
+    doc = {"kind": "probe_largest", "machine": report.machine(args.nvme_dir),
+           "provenance": report.provenance(Path(__file__).resolve().parents[1]), "plan": plan,
+           "largest_trained": best, "next_failed": min(above, key=lambda t: t["layers"]) if above else None,
+           "tries": tries, "bracketed": layers is None}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    lines = [f"# largest model probe ({doc['provenance']['date']}, commit {doc['provenance']['commit']})",
+             "", "| layers | params (B) | param/optimizer | status | s/step | peak GPU GiB | peak host GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for t in tries:
+        lines.append(f"| {t['layers']} | {t['params'] / 1e9:.2f} | {'/'.join(t['placement'])} | "
+                     f"{t['status']}{': ' + t['reason'] if t['reason'] else ''} | "
+                     f"{t['s_per_step'] or ''} | {t['peak_gpu_gib'] or ''} | {t['peak_host_rss_gib'] or ''} |")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
