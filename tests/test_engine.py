@@ -117,9 +117,37 @@ def _config_errors():
     return out
 
 
+def _frozen_layer_bf16():
+    """A frozen first layer: cast to bf16 with the rest, never changed; the rest trains."""
+    import torch
+
+    import zeroio
+
+    model = _mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    trained = [p.detach().clone() for p in model[2].parameters()]
+    cfg = {"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+    for step in range(2):
+        x, y = _data(step, 0)
+        engine.backward(torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y))
+        engine.step()
+    return dict(
+        dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+        frozen_same=all(torch.equal(a.bfloat16(), p) for a, p in zip(frozen, model[0].parameters())),
+        trained_moved=all(not torch.equal(a.bfloat16(), p) for a, p in zip(trained, model[2].parameters())),
+        index_names=[e.name for e in engine.partitioner.index.entries],
+        group_params=[list(g.params) for g in engine.partitioner.groups])
+
+
 def _body():
     return {"fp16": {s: _fp16_overflow(s) for s in (0, 1, 2)},
-            "client": _client_optimizer_and_scheduler(), "errors": _config_errors()}
+            "client": _client_optimizer_and_scheduler(), "errors": _config_errors(),
+            "frozen": _frozen_layer_bf16()}
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +182,14 @@ def test_config_errors_name_the_key(results):
     assert errors["lamb"][0] == "optimizer.type" and "Lamb" in errors["lamb"][1]
     assert errors["none"][0] == "optimizer"
     assert errors["sgd"][0] == "optimizer" and "SGD" in errors["sgd"][1]
+
+
+def test_frozen_parameters_keep_their_place_but_do_not_train(results):
+    r = results[0]["frozen"]
+    assert r["dtypes"] == ["torch.bfloat16"]
+    assert r["frozen_same"] and r["trained_moved"]
+    # the global flat order still lists every parameter; only trainable ones are sharded
+    assert r["index_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    # 18 trainable elements in one bucket, 9 per rank: rank 0 holds part of 2.weight only
+    assert r["group_params"] == [["2.weight"]]
+    assert results[1]["frozen"]["group_params"] == [["2.weight", "2.bias"]]

@@ -79,6 +79,10 @@ class Stage12Partitioner:
             module, param_groups, self.index, reduce_bucket_numel, self.world)
         self.groups = self._build_shards(len(param_groups))
         self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device)
+        in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
+        for p in module.parameters():  # frozen ones compute in the same dtype as the rest
+            if id(p) not in in_layout and p.is_floating_point():
+                p.data = p.data.to(device=device, dtype=compute_dtype)
         self._staging16: dict[int, torch.Tensor] = {}
         self._accum_staging: dict[int, torch.Tensor] = {}
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -115,7 +119,10 @@ class Stage12Partitioner:
                         if s.global_offset <= seg.global_offset < s.global_offset + s.numel:
                             src = flat.narrow(0, seg.global_offset - s.global_offset, seg.numel)
                             master.narrow(0, seg.local_offset, seg.numel).copy_(src)
-            names = tuple(dict.fromkeys(s.name for b in buckets for s in b.slots))
+            names = tuple(dict.fromkeys(
+                s.name for b in buckets for s in b.slots
+                if any(seg.global_offset < s.global_offset + s.numel
+                       and s.global_offset < seg.global_offset + seg.numel for seg in segments)))
             groups.append(ShardGroup(
                 group_index=gi, master=master, grad=self.home.empty(base),
                 numel=sum(s.numel for s in segments), segments=tuple(segments), params=names))
