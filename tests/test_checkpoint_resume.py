@@ -45,7 +45,7 @@ def _nvme_available() -> bool:
         return False
 
 
-def _config(world, stage, offload, nvme_dir, scheduler=True):
+def _config(world, stage, offload, nvme_dir, scheduler=True, dtype="fp32"):
     off = {"device": offload}
     if offload == "nvme":
         off["nvme_path"] = nvme_dir
@@ -55,7 +55,8 @@ def _config(world, stage, offload, nvme_dir, scheduler=True):
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 37, "sub_group_size": 50,
                               "offload_optimizer": off},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8, "loss_scale_window": 2},
     }
     if scheduler:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 4}}
@@ -79,7 +80,9 @@ def _train(engine, steps):
     losses = []
     for i in steps:
         x, y = _batch(i)
-        loss = torch.nn.functional.mse_loss(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        x = x.to(next(engine.module.parameters()).dtype)
+        out = engine(x[rank * per:(rank + 1) * per]).float()
+        loss = torch.nn.functional.mse_loss(out, y[rank * per:(rank + 1) * per])
         engine.backward(loss)
         engine.step()
         t = torch.tensor([loss.item()], dtype=torch.float64)
@@ -105,8 +108,10 @@ def _full_masters(engine):
 
 
 def _cases():
+    """(stage, offload, dtype): every stage x offload in fp32; 16-bit once each (16-bit params are
+    republished from the fp32 masters; fp16 adds the dynamic loss scaler's state)."""
     offloads = ["none", "cpu"] + (["nvme"] if _nvme_available() else [])
-    return [(s, o) for s in (1, 2, 3) for o in offloads]
+    return [(s, o, "fp32") for s in (1, 2, 3) for o in offloads] + [(2, "cpu", "bf16"), (1, "none", "fp16")]
 
 
 def _llama():
@@ -172,21 +177,22 @@ def _exact_phase_a(root):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
-    for stage, off in _cases():
-        cfg = _config(world, stage, off, os.path.join(root, f"nvme-{stage}-{off}-a{rank}"))
+    for stage, off, dt in _cases():
+        cfg = _config(world, stage, off, os.path.join(root, f"nvme-{stage}-{off}-{dt}-a{rank}"), dtype=dt)
         e = _engine(cfg, 0.2, seed=0)
         torch.manual_seed(100 + rank)
         straight = _train(e, range(10))
         final = _full_masters(e)
+        final["loss_scale"] = e.loss_scaler.scale  # fp16: grows from 2**8 every 2 clean steps
         e.close()
         e = _engine(cfg, 0.2, seed=0)
         torch.manual_seed(100 + rank)
         first = _train(e, range(5))
-        e.save_checkpoint(os.path.join(root, f"ck-{stage}-{off}"), client_state={"stage": stage, "off": off})
-        if stage == 3 and off == "none":
+        e.save_checkpoint(os.path.join(root, f"ck-{stage}-{off}-{dt}"), client_state={"stage": stage, "off": off})
+        if (stage, off, dt) == (3, "none", "fp32"):
             out["16bit_error"] = _save16_error(e, os.path.join(root, "no-16bit"))
         e.close()
-        out[(stage, off)] = (straight, first, final)
+        out[(stage, off, dt)] = (straight, first, final)
     return out
 
 
@@ -207,20 +213,22 @@ def _exact_phase_b(root):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
-    for stage, off in _cases():
-        cfg = _config(world, stage, off, os.path.join(root, f"nvme-{stage}-{off}-b{rank}"))
+    for stage, off, dt in _cases():
+        cfg = _config(world, stage, off, os.path.join(root, f"nvme-{stage}-{off}-{dt}-b{rank}"), dtype=dt)
         e = _engine(cfg, 0.2, seed=7)
         torch.manual_seed(999)
-        path, client = e.load_checkpoint(os.path.join(root, f"ck-{stage}-{off}"))
+        path, client = e.load_checkpoint(os.path.join(root, f"ck-{stage}-{off}-{dt}"))
         assert client == {"stage": stage, "off": off}, client
         steps_after_load = e.global_steps
         rest = _train(e, range(5, 10))
-        out[(stage, off)] = (rest, _full_masters(e), steps_after_load, e.global_steps)
+        masters = _full_masters(e)
+        masters["loss_scale"] = e.loss_scaler.scale
+        out[(stage, off, dt)] = (rest, masters, steps_after_load, e.global_steps)
         e.close()
     return out
 
 
-def test_resume_is_bit_exact_stages_1_2_3_with_and_without_offload(phases):
+def test_resume_is_bit_exact_stages_1_2_3_with_and_without_offload_and_16bit(phases):
     _root, a, b = phases
     a, b = a["exact"], b["exact"]
     msg, written = a["16bit_error"]
@@ -230,6 +238,7 @@ def test_resume_is_bit_exact_stages_1_2_3_with_and_without_offload(phases):
         rest, resumed, at_load, at_end = b[case]
         assert (at_load, at_end) == (5, 10), case
         assert first + rest == straight, (case, first + rest, straight)
+        assert final.pop("loss_scale") == resumed.pop("loss_scale"), case
         for name, t in final.items():
             assert (resumed[name] == t).all(), (case, name)
 

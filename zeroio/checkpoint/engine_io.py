@@ -82,11 +82,12 @@ def _uncovered(engine, index: dict[str, ParamEntry], comm: Comm) -> list[str]:
     """Parameters in no rank's ShardGroup (frozen ones): a coverage bitmap, max-reduced."""
     names = list(index)
     pos = {n: i for i, n in enumerate(names)}
-    covered = torch.zeros(len(names), dtype=torch.int32, device=comm.device)
+    covered = torch.zeros(len(names), dtype=torch.int32)  # filled on the host, reduced on comm.device
     for g in engine.partitioner.groups:
         for s in g.segments:
             for name, _lo, _hi in split_by_param(index, s.global_offset, s.global_offset + s.numel):
                 covered[pos[name]] = 1
+    covered = covered.to(comm.device or "cpu")
     if comm.world_size > 1:
         dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=comm.group)
     return [n for n, c in zip(names, covered.tolist(), strict=True) if not c]
