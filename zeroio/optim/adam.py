@@ -33,8 +33,12 @@ class AdamState:
 
     @staticmethod
     def zeros_like(master: torch.Tensor) -> AdamState:
-        pin = master.is_pinned()
-        z = (lambda: torch.zeros_like(master).pin_memory()) if pin else (lambda: torch.zeros_like(master))
+        pin = master.device.type == "cpu" and master.is_pinned()
+
+        def z():
+            return torch.zeros(master.shape, dtype=master.dtype, device=master.device,
+                               pin_memory=pin)
+
         return AdamState(exp_avg=z(), exp_avg_sq=z(),
                          step=torch.zeros((), dtype=torch.float32, device=master.device))
 

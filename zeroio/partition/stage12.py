@@ -44,8 +44,8 @@ class ShardHome:
     pin_memory: bool = False
 
     def empty(self, numel: int) -> torch.Tensor:
-        t = torch.zeros(numel, dtype=torch.float32, device=self.device)
-        return t.pin_memory() if self.pin_memory else t
+        return torch.zeros(numel, dtype=torch.float32, device=self.device,
+                           pin_memory=self.pin_memory)
 
 
 def host_home(pin_memory: bool) -> ShardHome:
@@ -94,6 +94,7 @@ class Stage12Partitioner:
         self._pending_host_add: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._publish_done: torch.cuda.Event | None = None
         self._bucket_of = {id(s.param): b for b in self.layout.buckets for s in b.slots}
+        self._slot_of = {id(s.param): s for b in self.layout.buckets for s in b.slots}
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.layout.buckets for s in b.slots
@@ -150,7 +151,7 @@ class Stage12Partitioner:
         if self.phase is not Phase.ACCUMULATING or not self._reduces_now():
             return
         b = self._bucket_of[id(param)]
-        s = next(s for s in b.slots if s.param is param)
+        s = self._slot_of[id(param)]
         view = grad_view(self.grads, s)
         if param.grad.data_ptr() != view.data_ptr():  # autograd allocated a fresh .grad
             view.copy_(param.grad)
@@ -221,7 +222,8 @@ class Stage12Partitioner:
         if self.stage == 0 and comm.rank(self.group) != 0:
             return total  # stage 0 shards are replicas: only rank 0 contributes to the sum
         for g in self.groups:
-            total += g.grad.double().pow(2).sum().float().cpu() if g.grad.numel() else 0.0
+            if g.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64
+                total += torch.linalg.vector_norm(g.grad).double().pow(2).float().cpu()
         return total
 
     def local_overflow(self) -> bool:
