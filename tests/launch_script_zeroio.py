@@ -46,6 +46,10 @@ def main() -> None:
     checksum = sum(float(p.detach().double().sum()) for p in engine.module.parameters())
     print(json.dumps({"rank": rank, "world_size": engine.world_size, "losses": losses,
                       "checksum": checksum, "steps": engine.global_steps}), flush=True)
+    engine.close()
+    # torch's rule for every script: without this, gloo's worker threads can abort the
+    # interpreter at exit ("terminate called without an active exception", pytorch#190489)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

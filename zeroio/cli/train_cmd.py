@@ -80,12 +80,19 @@ def child_argv(args) -> list[str]:
 
 
 def run(args) -> int:
+    from zeroio.cli.train.loop import TrainOptions, check_options, train
     from zeroio.errors import ConfigError
 
     nproc = args.nproc if args.nproc is not None else 2
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
+    opts = TrainOptions(
+        **{_dest(n): getattr(args, _dest(n)) for n in _OPTIONS},
+        **{_dest(n): getattr(args, _dest(n)) for n in _FLAGS},
+        given=_given(args),
+    )
     if "RANK" not in os.environ and nproc > 1:
+        check_options(opts)  # a typo fails here once, not on every launched rank
         from zeroio.cli.launch_cmd import launch, torchrun_argv
 
         # one intra-op thread per rank per core share: ranks on a small machine must not fight
@@ -93,13 +100,6 @@ def run(args) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True))
 
-    from zeroio.cli.train.loop import TrainOptions, train
-
-    opts = TrainOptions(
-        **{_dest(n): getattr(args, _dest(n)) for n in _OPTIONS},
-        **{_dest(n): getattr(args, _dest(n)) for n in _FLAGS},
-        given=_given(args),
-    )
     try:
         train(opts)
     finally:

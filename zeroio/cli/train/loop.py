@@ -154,23 +154,98 @@ def _prepare_dirs(opts: TrainOptions, world: World, out: Path) -> Path:
     return ckpt
 
 
-def write_model(ckpt: Path, tag: str, mcfg, model_dir: Path) -> None:
-    """Consolidate checkpoint ``tag`` into a from_pretrained folder (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
+def write_model(ckpt: Path, tag: str, mcfg, model_dir: Path, *, progress: bool) -> None:
+    """Consolidate checkpoint ``tag`` into a from_pretrained folder (safetensors + config.json).
 
-    import zeroio.checkpoint
+    Full precision (the fp32 masters), streamed shard by shard by the checkpoint
+    layer, so a multi-billion-parameter model never sits whole in memory.
+    """
+    from zeroio.checkpoint import write_safetensors
 
-    state = zeroio.checkpoint.consolidate(ckpt, tag=tag)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-    mcfg.save_pretrained(model_dir)
+    shutil.rmtree(model_dir, ignore_errors=True)  # no stale shards from an earlier run
+    write_safetensors(ckpt, model_dir, tag, progress=progress)
+    if not (model_dir / "config.json").is_file():
+        mcfg.save_pretrained(model_dir)
+
+
+def _resume(engine, ckpt: Path, say) -> tuple[int, list[float]]:
+    """(step to continue from, loss history) from the newest checkpoint, or (0, []) if none."""
+    path, client = engine.load_checkpoint(ckpt)
+    if path is None:
+        say(f"--resume: no checkpoint under {ckpt}; starting from step 0")
+        return 0, []
+    start = int(engine.global_steps)
+    say(f"--resume: continuing from {path} at step {start}")
+    return start, list((client or {}).get("losses", []))[:start]
+
+
+def _one_step(engine, blocks: TokenBlocks, order: ShardedOrder, step: int, gas: int,
+              world: World) -> float:
+    """One optimizer step (``gas`` micro-steps); the loss averaged over micro-steps and ranks."""
+    total = torch.zeros((), dtype=torch.float64)
+    for micro in range(gas):
+        batch = blocks.batch(order.indices(step * gas + micro))
+        batch = {k: v.to(world.device, non_blocking=True) for k, v in batch.items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().double().cpu()
+    mean = total / gas
+    dist.all_reduce(mean)
+    step_loss = mean.item() / world.world_size
+    if not math.isfinite(step_loss):
+        raise FloatingPointError(f"loss became {step_loss} at step {step + 1}; "
+                                 "lower --lr or check the data")
+    return step_loss
+
+
+def _report(summary: dict[str, Any], stats: dict[str, Any], opts: TrainOptions) -> None:
+    """Rank 0's closing lines (or the one JSON object with --json)."""
+    if opts.json:
+        print(json.dumps(summary), flush=True)
+        return
+    losses = summary["losses"]
+    first = f"{losses[0]:.3f}" if losses else "-"
+    last = f"{losses[-1]:.3f}" if losses else "-"
+    tps = summary["tokens_per_s"]
+    print(f"loss {first} -> {last} (step 1 -> {len(losses)}), "
+          f"{summary['end_step'] - summary['start_step']} steps in {summary['wall_s']:.1f} s"
+          + (f", {tps:,.0f} tokens/s" if tps else ""), flush=True)
+    if not opts.quiet:
+        print(f"swap (rank 0): {swap_summary(stats)}", flush=True)
+        print(f"checkpoint: {summary['checkpoint']}", flush=True)
+        if summary["model_dir"]:
+            print(f"model: {summary['model_dir']} (AutoModelForCausalLM.from_pretrained)",
+                  flush=True)
+
+
+def check_options(opts: TrainOptions):
+    """Validate what can be checked without a process group; the model config on success."""
+    if opts.stop_after is not None and opts.stop_after < 1:
+        raise ConfigError(f"--stop-after must be >= 1, got {opts.stop_after}", key="stop_after")
+    if opts.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {opts.steps}", key="steps")
+    if opts.config is not None and not Path(opts.config).is_file():
+        raise ConfigError(f"--config {opts.config} does not exist", key="config")
+    if opts.data is not None and not Path(opts.data).exists():
+        raise ConfigError(f"--data path {opts.data} does not exist; pass a text file or folder",
+                          key="data")
+    mcfg = llama_config(opts.preset, opts.model_config)
+    if opts.seq_len > mcfg.max_position_embeddings:
+        raise ConfigError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
+                          f"{mcfg.max_position_embeddings}", key="seq_len")
+    return mcfg
 
 
 def train(opts: TrainOptions) -> dict[str, Any]:
     """Run the job on this rank; rank 0 returns (and prints) the summary, others return {}."""
+    from tqdm import tqdm
+
     import zeroio
 
+    mcfg = check_options(opts)
+    if opts.quiet or opts.json:
+        os.environ["ZEROIO_QUIET"] = "1"  # the checkpoint layer's save bars too
     world = setup_world()
     out = Path(opts.output)
     rank0 = world.rank == 0
@@ -180,93 +255,54 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         if show:
             print(msg, file=sys.stderr, flush=True)
 
-    mcfg = llama_config(opts.preset, opts.model_config)
-    raw, cfg = resolve_config(opts, mcfg, world, out)
+    _raw, cfg = resolve_config(opts, mcfg, world, out)
     ckpt = _prepare_dirs(opts, world, out)
-
-    tokens = ByteTokenizer().encode(read_text(opts.data))
-    blocks = TokenBlocks(tokens, opts.seq_len)
+    blocks = TokenBlocks(ByteTokenizer().encode(read_text(opts.data)), opts.seq_len)
     micro_batch, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     order = ShardedOrder(num_blocks=len(blocks), world_size=world.world_size, rank=world.rank,
                          micro_batch=micro_batch, seed=opts.seed)
-    if opts.seq_len > mcfg.max_position_embeddings:
-        raise ConfigError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
-                          f"{mcfg.max_position_embeddings}", key="seq_len")
-
     zo = cfg.zero_optimization
-    offload = (f"param {zo.offload_param.device.value}, "
-               f"optimizer {zo.offload_optimizer.device.value}")
     say(f"zeroio train: {opts.preset or opts.model_config or 'tiny'} "
         f"({num_parameters(mcfg) / 1e6:.2f}M params), {world.world_size} rank(s) on "
-        f"{world.device.type}, ZeRO stage {zo.stage}, offload {offload}; "
+        f"{world.device.type}, ZeRO stage {zo.stage}, offload param "
+        f"{zo.offload_param.device.value}, optimizer {zo.offload_optimizer.device.value}; "
         f"{len(blocks)} sequences of {opts.seq_len} tokens")
 
-    model = build_model(mcfg, cfg, opts.seed)
-    engine, _optimizer, _loader, _sched = zeroio.initialize(model=model, config=cfg)
+    engine, *_ = zeroio.initialize(model=build_model(mcfg, cfg, opts.seed), config=cfg)
+    try:
+        start, losses = _resume(engine, ckpt, say) if opts.resume else (0, [])
+        end = max(start, opts.steps if opts.stop_after is None else min(opts.steps, opts.stop_after))
+        if start >= opts.steps:
+            say(f"already at step {start} of --steps {opts.steps}; nothing to train")
+        tokens_per_step = world.world_size * micro_batch * gas * opts.seq_len
+        bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=not show,
+                   dynamic_ncols=True, file=sys.stderr)
+        t_start = time.perf_counter()
+        saved_at = None
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            losses.append(_one_step(engine, blocks, order, step, gas, world))
+            done = step + 1
+            if opts.save_every and done % opts.save_every == 0:
+                engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"losses": losses})
+                saved_at = done
+            bar.set_postfix_str(f"loss {losses[-1]:.3f}  tok/s "
+                                f"{tokens_per_step / (time.perf_counter() - t0):,.0f}  "
+                                f"swap {swap_summary(engine.stats())}", refresh=False)
+            bar.update(1)
+        bar.close()
+        wall = time.perf_counter() - t_start
 
-    losses: list[float] = []
-    start = 0
-    if opts.resume:
-        path, client = engine.load_checkpoint(ckpt)
-        if path is None:
-            say(f"--resume: no checkpoint under {ckpt}; starting from step 0")
-        else:
-            start = int(engine.global_steps)
-            losses = list((client or {}).get("losses", []))[:start]
-            say(f"--resume: continuing from {path} at step {start}")
-    if opts.stop_after is not None and opts.stop_after < 1:
-        raise ConfigError(f"--stop-after must be >= 1, got {opts.stop_after}", key="stop_after")
-    if start >= opts.steps:
-        say(f"already at step {start} of --steps {opts.steps}; nothing to train")
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=not show,
-               dynamic_ncols=True, file=sys.stderr)
-    tokens_per_step = world.world_size * micro_batch * gas * opts.seq_len
-    t_start = time.perf_counter()
-    last_tag = None
-    steps_run = 0
-    end = opts.steps if opts.stop_after is None else min(opts.steps, opts.stop_after)
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        total = torch.zeros((), dtype=torch.float64)
-        for micro in range(gas):
-            batch = blocks.batch(order.indices(step * gas + micro))
-            batch = {k: v.to(world.device, non_blocking=True) for k, v in batch.items()}
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().double().cpu()
-        mean = (total / gas)
-        dist.all_reduce(mean)
-        step_loss = mean.item() / world.world_size
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"loss became {step_loss} at step {step + 1}; "
-                                     "lower --lr or check the data")
-        losses.append(step_loss)
-        steps_run += 1
-        dt = time.perf_counter() - t0
-        done = step + 1
-        if opts.save_every and done % opts.save_every == 0 and done != end:
-            last_tag = f"step{done}"
-            engine.save_checkpoint(ckpt, tag=last_tag, client_state={"losses": losses})
-        bar.set_postfix_str(f"loss {step_loss:.3f}  tok/s {tokens_per_step / dt:,.0f}  "
-                            f"swap {swap_summary(engine.stats())}", refresh=False)
-        bar.update(1)
-    bar.close()
-    wall = time.perf_counter() - t_start
-
-    final_tag = f"step{max(end, start)}"
-    if last_tag != final_tag and steps_run:
-        engine.save_checkpoint(ckpt, tag=final_tag, client_state={"losses": losses})
-    dist.barrier()
-    finished = max(end, start) >= opts.steps and (steps_run or start)
-    model_dir = out / "model" if finished else None
-    if rank0 and model_dir is not None:
-        write_model(ckpt, final_tag, mcfg, model_dir)
-    dist.barrier()
-    stats = engine.stats()
+        if end > start and saved_at != end:
+            engine.save_checkpoint(ckpt, tag=f"step{end}", client_state={"losses": losses})
+        dist.barrier()
+        model_dir = out / "model" if end >= opts.steps and end > 0 else None
+        if rank0 and model_dir is not None:
+            write_model(ckpt, f"step{end}", mcfg, model_dir, progress=show)
+        dist.barrier()
+        stats = engine.stats()
+    finally:
+        engine.close()
     summary = {
         "model": opts.preset or opts.model_config or "tiny",
         "params": num_parameters(mcfg),
@@ -277,29 +313,18 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         "offload_optimizer": zo.offload_optimizer.device.value,
         "start_step": start,
         "steps": opts.steps,
-        "end_step": max(end, start),
+        "end_step": end,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "losses": losses,
-        "tokens_per_s": tokens_per_step * steps_run / wall if steps_run and wall > 0 else None,
+        "tokens_per_s": tokens_per_step * (end - start) / wall if end > start else None,
         "wall_s": wall,
-        "bytes_moved": dict(stats.get("bytes_moved", {})) if stats else {},
-        "checkpoint": str(ckpt / final_tag),
+        "bytes_moved": dict(stats.get("bytes_moved", {})),
+        "stall_seconds": stats.get("stall_seconds"),
+        "checkpoint": str(ckpt / f"step{end}"),
         "model_dir": str(model_dir) if model_dir else None,
     }
     if rank0:
-        if opts.json:
-            print(json.dumps(summary), flush=True)
-        else:
-            first = f"{losses[0]:.3f}" if losses else "-"
-            last = f"{losses[-1]:.3f}" if losses else "-"
-            tps = summary["tokens_per_s"]
-            print(f"loss {first} -> {last} (step 1 -> {len(losses)}), {steps_run} steps in "
-                  f"{wall:.1f} s" + (f", {tps:,.0f} tokens/s" if tps else ""), flush=True)
-            if not opts.quiet:
-                print(f"swap (rank 0): {swap_summary(stats)}", flush=True)
-                print(f"checkpoint: {summary['checkpoint']}", flush=True)
-                if model_dir:
-                    print(f"model: {model_dir} (AutoModelForCausalLM.from_pretrained)", flush=True)
+        _report(summary, stats, opts)
     dist.barrier()
     return summary if rank0 else {}
