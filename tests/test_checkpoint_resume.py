@@ -108,10 +108,12 @@ def _full_masters(engine):
 
 
 def _cases():
-    """(stage, offload, dtype): every stage x offload in fp32; 16-bit once each (16-bit params are
-    republished from the fp32 masters; fp16 adds the dynamic loss scaler's state)."""
+    """(stage, offload, dtype): stages 1-3 x offload in fp32; stage 0 (rank 0 alone writes);
+    16-bit once each (16-bit params are republished from the fp32 masters; fp16 adds the
+    dynamic loss scaler's state)."""
     offloads = ["none", "cpu"] + (["nvme"] if _nvme_available() else [])
-    return [(s, o, "fp32") for s in (1, 2, 3) for o in offloads] + [(2, "cpu", "bf16"), (1, "none", "fp16")]
+    return ([(s, o, "fp32") for s in (1, 2, 3) for o in offloads]
+            + [(0, "none", "fp32"), (2, "cpu", "bf16"), (1, "none", "fp16")])
 
 
 def _llama():
