@@ -190,7 +190,7 @@ def _one_step(engine, blocks: TokenBlocks, order: ShardedOrder, step: int, gas: 
         engine.backward(loss)
         engine.step()
         total += loss.detach().double().cpu()
-    mean = total / gas
+    mean = (total / gas).to(world.device)  # NCCL reduces device tensors only
     dist.all_reduce(mean)
     step_loss = mean.item() / world.world_size
     if not math.isfinite(step_loss):
@@ -279,9 +279,11 @@ def train(opts: TrainOptions) -> dict[str, Any]:
                    dynamic_ncols=True, file=sys.stderr)
         t_start = time.perf_counter()
         saved_at = None
+        step_times: list[float] = []
         for step in range(start, end):
             t0 = time.perf_counter()
             losses.append(_one_step(engine, blocks, order, step, gas, world))
+            step_times.append(time.perf_counter() - t0)
             done = step + 1
             if opts.save_every and done % opts.save_every == 0:
                 engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"losses": losses})
@@ -318,6 +320,12 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         "last_loss": losses[-1] if losses else None,
         "losses": losses,
         "tokens_per_s": tokens_per_step * (end - start) / wall if end > start else None,
+        # without the first two steps (trace recording, first swaps, allocator warm-up)
+        "steady_tokens_per_s": (tokens_per_step * (len(step_times) - 2) / sum(step_times[2:])
+                                if len(step_times) > 2 else None),
+        "step_seconds": step_times,
+        "peak_gpu_bytes": (torch.cuda.max_memory_allocated(world.device)
+                           if world.device.type == "cuda" else None),
         "wall_s": wall,
         "bytes_moved": dict(stats.get("bytes_moved", {})),
         "stall_seconds": stats.get("stall_seconds"),
