@@ -8,7 +8,8 @@ zeroio steps one flat fp32 shard with torch's fused AdamW kernel
 ``--tensors`` parameters (as torch.optim sees a model). The bound is the
 bytes an Adam step must move per parameter (read param, grad, exp_avg,
 exp_avg_sq; write param, exp_avg, exp_avg_sq: 28 B in fp32) divided by the
-measured copy bandwidth (a large ``copy_``: bytes read + written per second).
+measured memory bandwidth (best of a large ``copy_`` and a STREAM-style triad, bytes
+read + written per second).
 Results go to benchmarks/results/cpu_adam-<host>-<date>.json.
 """
 
@@ -41,9 +42,12 @@ def _best(fn, repeats: int) -> float:
 
 
 def copy_bandwidth(numel: int, repeats: int) -> float:
-    """Bytes per second moved by ``dst.copy_(src)`` (read + write)."""
-    src, dst = torch.rand(numel), torch.empty(numel)
-    return 2 * 4 * numel / _best(lambda: dst.copy_(src), repeats)
+    """Host memory bandwidth: the best of a copy (``dst.copy_(src)``, 8 B/element moved) and a
+    STREAM-style triad (``torch.add(a, b, alpha=s, out=c)``, 12 B/element), bytes per second."""
+    a, b, c = torch.rand(numel), torch.rand(numel), torch.empty(numel)
+    copy = 8 * numel / _best(lambda: c.copy_(a), repeats)
+    triad = 12 * numel / _best(lambda: torch.add(a, b, alpha=0.5, out=c), repeats)
+    return max(copy, triad)
 
 
 def zeroio_adam(numel: int, repeats: int) -> float:
@@ -106,7 +110,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{n / 1e6:.0f} M params, {result['threads']} threads, copy {bw / 1e9:.1f} GB/s, "
+    print(f"{n / 1e6:.0f} M params, {result['threads']} threads, memory {bw / 1e9:.1f} GB/s, "
           f"bound {bound / 1e9:.2f} G params/s ({BYTES_PER_PARAM} B/param)")
     print(f"{'run':24s} {'s/step':>8s} {'G params/s':>11s} {'of bound':>9s}")
     for k, r in result["runs"].items():
