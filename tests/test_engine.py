@@ -52,7 +52,7 @@ def _fp16_overflow(stage):
         if hook is not None:
             hook.remove()
         engine.step()
-        changed = any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+        changed = any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters(), strict=True))
         log.append(dict(step=step, changed=changed, scale=engine.loss_scaler.scale,
                         applied=engine.was_step_applied(), lr_before=lr_before,
                         lr_after=engine.get_lr()[0], loss=loss.item()))
@@ -85,12 +85,12 @@ def _client_optimizer_and_scheduler():
         x, y = _data(step, rank)
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
-        xs, ys = zip(*(_data(step, r) for r in range(world)))
+        xs, ys = zip(*(_data(step, r) for r in range(world)), strict=True)
         torch.nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
         ropt.step()
         ropt.zero_grad()
         rsched.step()
-    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters(), strict=True))
     return diff, zsched is sched, engine.get_lr(), rsched.get_last_lr()
 
 
@@ -138,8 +138,8 @@ def _frozen_layer_bf16():
         engine.step()
     return dict(
         dtypes=sorted({str(p.dtype) for p in model.parameters()}),
-        frozen_same=all(torch.equal(a.bfloat16(), p) for a, p in zip(frozen, model[0].parameters())),
-        trained_moved=all(not torch.equal(a.bfloat16(), p) for a, p in zip(trained, model[2].parameters())),
+        frozen_same=all(torch.equal(a.bfloat16(), p) for a, p in zip(frozen, model[0].parameters(), strict=True)),
+        trained_moved=all(not torch.equal(a.bfloat16(), p) for a, p in zip(trained, model[2].parameters(), strict=True)),
         index_names=[e.name for e in engine.partitioner.index.entries],
         group_params=[list(g.params) for g in engine.partitioner.groups])
 

@@ -126,7 +126,7 @@ def test_sharded_adam_matches_torch(decoupled):
     ref = cls(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     for _ in range(5):
         grads = [torch.randn_like(p) for p in params]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         group.grad.copy_(torch.cat([g.reshape(-1) for g in grads]) * 4.0)
         ours.step(grad_scale=4.0)  # the divisor folds loss scale and clipping
@@ -152,7 +152,8 @@ def test_chunked_step_with_callback_matches_whole_step():
         a.grad.copy_(grad)
         b.grad.copy_(grad)
         whole.step(2.0)
-        chunked.step(2.0, on_updated=lambda gi, lo, n: seen.append((i, gi, lo, n)), chunk_numel=5)
+        chunked.step(2.0, on_updated=lambda gi, lo, n, i=i: seen.append((i, gi, lo, n)),
+                     chunk_numel=5)
     torch.testing.assert_close(a.master, b.master, rtol=1e-6, atol=1e-7)
     assert chunked.steps_taken(0) == 4
     assert [s[2:] for s in seen if s[0] == 3] == [(0, 5), (5, 5), (10, 5), (15, 5), (20, 3)]

@@ -33,7 +33,7 @@ def test_swapped_matches_in_memory(read, write, tmp_path):
     plain = ShardedAdam(b, HYPER, decoupled=True)
     g = torch.Generator().manual_seed(1)
     for _ in range(6):
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             grad = torch.randn(x.grad.numel(), generator=g)
             x.grad.copy_(grad)
             y.grad.copy_(grad)

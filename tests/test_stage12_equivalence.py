@@ -88,7 +88,7 @@ def _reference(kind, batches, init_state):
     for step in batches:
         total = 0.0
         for micro in step:
-            batch = tuple(torch.cat(parts) for parts in zip(*micro))
+            batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
             loss = _loss(model, torch.float32, kind, batch)
             (loss / GAS).backward()
             total += loss.item() / GAS
@@ -198,7 +198,7 @@ def _equivalence_body(tmpdir, gpu=False):
         nvme_dir = os.path.join(tmpdir, f"{kind}-{stage}-{dtype}-r{dist.get_rank()}")
         cfg = _config(world, stage, offload, dtype, nvme_dir)
         losses, params, masters, nvme_read = _train_engine(kind, batches, init, cfg)
-        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
         diff = max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params)
         mean_diff = sum((masters[n] - ref_params[n]).abs().sum().item() for n in ref_params)
         moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)

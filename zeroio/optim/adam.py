@@ -92,7 +92,7 @@ class ShardedAdam:
         are stepped in chunks and the callback runs after each (the partitioner publishes
         that chunk while the next one is updated)."""
         with torch.profiler.record_function("zeroio::optimizer_step"):
-            for g, st in zip(self.groups, self.state):
+            for g, st in zip(self.groups, self.state, strict=True):
                 n = g.master.numel()
                 if n == 0:
                     continue

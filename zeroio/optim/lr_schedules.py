@@ -38,7 +38,7 @@ class _Schedule:
 
     def _apply(self) -> None:
         lrs = self.get_lr()
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
@@ -95,7 +95,7 @@ class WarmupLR(_Schedule):
         if self.last_batch_iteration < 0:
             return list(self.min_lrs)
         gamma = self._gamma()
-        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)]
 
 
 class WarmupDecayLR(WarmupLR):
@@ -217,7 +217,7 @@ class OneCycle(_Schedule):
     def _apply(self) -> None:
         super()._apply()
         if self.cycle_momentum:
-            for g, mom in zip(self.optimizer.param_groups, self.get_mom()):
+            for g, mom in zip(self.optimizer.param_groups, self.get_mom(), strict=True):
                 g["betas"] = mom
 
 
@@ -231,7 +231,7 @@ class LRRangeTest(_Schedule):
         self.step_rate = float(lr_range_test_step_rate)
         self.staircase = bool(lr_range_test_staircase)
         if last_batch_iteration == -1:
-            for g, lr in zip(optimizer.param_groups, self.min_lrs):
+            for g, lr in zip(optimizer.param_groups, self.min_lrs, strict=True):
                 g["lr"] = lr
 
     def get_lr(self) -> list[float]:

@@ -213,7 +213,7 @@ class Stage12Partitioner:
                 self._first_micro = False
             self.phase = Phase.REDUCED if boundary else Phase.ACCUMULATING
             if boundary and len(self._ready) and any(
-                    r > len(b.slots) for r, b in zip(self._ready, self.layout.buckets)):
+                    r > len(b.slots) for r, b in zip(self._ready, self.layout.buckets, strict=True)):
                 raise DistributedError("a parameter's gradient hook fired twice in one backward; "
                                        "call engine.backward once per micro step")
 
