@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: machine, date, commit)
 import torch
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -115,14 +116,6 @@ def _bench_io(path: str, size: str) -> dict | None:
         return {"error": str(e)[:500]}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--path", required=True, help="directory on the disk to measure (e.g. the NVMe mount)")
@@ -151,8 +144,8 @@ def main() -> None:
     save_s = max(r["save_s"] for r in res)
     load_s = max(r["load_s"] for r in res)
     result = {
-        "machine": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _commit(),
+        "machine": provenance.machine(args.path),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": provenance.commit(),
         "path": args.path, "params": total, "bytes": nbytes, "ranks": args.ranks,
         "chunk_mb": args.chunk_mb, "threads_per_rank": args.threads, "verify": not args.no_verify,
         "save": {"seconds": save_s, "gbps": nbytes / save_s / 1e9},

@@ -15,14 +15,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import socket
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: machine, date, commit)
 import torch  # noqa: E402
 
 from zeroio.io import AlignedBuffer  # noqa: E402
@@ -37,27 +36,6 @@ CANDIDATES = [
     dict(block_size=4 << 20, queue_depth=16, threads=8),
     dict(block_size=8 << 20, queue_depth=4, threads=8),
 ]
-
-
-def commit() -> str:
-    env = os.environ.get("ZEROIO_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine() -> dict:
-    info = {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["gpu_count"] = torch.cuda.device_count()
-        info["cuda"] = torch.version.cuda
-    return info
 
 
 def disk(path: str, size: int, raw: str, quiet: bool) -> dict:
@@ -156,8 +134,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.makedirs(args.path, exist_ok=True)
     now = dt.datetime.now(dt.timezone.utc)
-    result = {"benchmark": "io", "date": now.isoformat(timespec="seconds"), "commit": commit(),
-              "machine": machine(), "disk": disk(args.path, parse_size(args.size), args.raw, args.quiet)}
+    result = {"benchmark": "io", "date": now.isoformat(timespec="seconds"), "commit": provenance.commit(),
+              "machine": provenance.machine(), "disk": disk(args.path, parse_size(args.size), args.raw, args.quiet)}
     if torch.cuda.is_available():
         result["copies"] = copies(parse_size(args.copy_size), args.iters)
     os.makedirs(args.out, exist_ok=True)

@@ -18,35 +18,18 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: machine, date, commit)
 import torch
 from tqdm import tqdm
 
 from zeroio.tiering import Tier, TieredStore
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine() -> dict:
-    info = {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 def run_policy(policy: str, args: argparse.Namespace, quiet: bool) -> dict:
@@ -115,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.quiet or args.json
     rows = [run_policy(p.strip(), args, quiet) for p in args.policies.split(",") if p.strip()]
     now = dt.datetime.now(dt.timezone.utc)
-    result = {"benchmark": "swap", "date": now.isoformat(timespec="seconds"), "commit": commit(),
-              "machine": machine(), "path": args.path,
+    result = {"benchmark": "swap", "date": now.isoformat(timespec="seconds"), "commit": provenance.commit(),
+              "machine": provenance.machine(), "path": args.path,
               "params": {k: v for k, v in vars(args).items() if k not in ("out", "json", "quiet")},
               "results": rows}
     os.makedirs(args.out, exist_ok=True)
