@@ -52,6 +52,9 @@ class TieringPolicyConfig:
     """Page-lock CPU tier buffers when CUDA is present (faster, asynchronous copies)."""
     min_cpu_bytes: int = 0
     """Floor of a derived CPU budget (DeepSpeed's offload_param buffer_count * buffer_size)."""
+    acquire_timeout_s: float = 120.0
+    """Longest a demand ``acquire`` waits for another thread to release space before
+    ``CapacityError`` (it never waits when only the caller's own acquires are in the way)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", PolicyKind.parse(self.policy))
@@ -59,6 +62,9 @@ class TieringPolicyConfig:
             _check_int(name, getattr(self, name), allow_none=False)
         for name in ("gpu_budget_bytes", "cpu_budget_bytes", "nvme_budget_bytes"):
             _check_int(name, getattr(self, name), allow_none=True)
+        if not float(self.acquire_timeout_s) > 0.0:
+            raise ConfigError(f"{_KEY}.acquire_timeout_s must be > 0, got {self.acquire_timeout_s!r}",
+                              key=f"{_KEY}.acquire_timeout_s")
         if not 0.0 < float(self.cpu_fraction) <= 1.0:
             raise ConfigError(
                 f"{_KEY}.cpu_fraction must be in (0, 1], got {self.cpu_fraction!r}",

@@ -8,6 +8,17 @@ re-read state after any call that can wait: another thread may have acted.
 being written back) copy if one exists, else a memory copy (GPU and CPU are
 faster sources than NVMe), else the home. A GPU copy of an NVMe-homed tensor
 is staged through a CPU copy, which stays as a clean cache copy.
+
+[Note: waiting for space] A *prefetch* never waits and never fails for lack
+of space: it is a hint, dropped when the policy finds nothing worth evicting.
+A *demand* (acquire) evicts what the policy allows, waits for in-flight moves
+and for releases that wait on a sync object (``release(after=event)``: the
+event will complete), and then, if the rest of the tier is held by other
+threads, waits on the store's condition for one of them to release, up to
+``acquire_timeout_s``. It raises ``CapacityError`` (naming budget, homes and
+holders) only when waiting cannot help: the tensor is larger than what homes
+leave of the budget, or the copies in the way are held by the calling thread
+itself (it cannot release while it waits), or the bounded wait ran out.
 """
 
 from __future__ import annotations
@@ -17,16 +28,19 @@ import time
 
 from zeroio.errors import CapacityError, SwapIOError
 from zeroio.tiering.backend import NvmeBackend
-from zeroio.tiering.state import Copy, Entry, Move, MoveKind, Space
+from zeroio.tiering.state import DEFERRED, Copy, Deferred, Entry, Move, MoveKind, Space
 from zeroio.tiering.stats import TierStats
 from zeroio.tiering.tier import Event, Residency, Tier, pair
 from zeroio.tiering.transfer import Transfer, device_copy
 
 
 class Mover:
-    def __init__(self, lock: threading.Lock, spaces: dict[Tier, Space], backend: NvmeBackend | None,
-                 stats: TierStats, streams: dict[str, object], entries: dict[str, Entry]):
-        self.lock = lock
+    def __init__(self, lock: threading.Condition, spaces: dict[Tier, Space], backend: NvmeBackend | None,
+                 stats: TierStats, streams: dict[str, object], entries: dict[str, Entry],
+                 acquire_timeout: float = 120.0):
+        self.lock = lock  # a Condition: notified whenever space may have been freed
+        self.acquire_timeout = acquire_timeout
+        self.deferred: list[Deferred] = []
         self.entries = entries
         self.spaces = spaces
         self.backend = backend
@@ -109,6 +123,61 @@ class Mover:
                 return
             self.wait(moves[0])
 
+    # -- pins -----------------------------------------------------------------
+
+    def pin(self, copy: Copy) -> None:
+        copy.pins += 1
+        copy.holders.append(threading.get_ident())
+
+    def unpin(self, copy: Copy, holder: int | None = None) -> None:
+        """Drop one pin: ``holder``'s, else the calling thread's, else the oldest."""
+        me = threading.get_ident() if holder is None else holder
+        if me in copy.holders:
+            copy.holders.remove(me)
+        elif copy.holders:
+            copy.holders.pop(0)
+        copy.pins -= 1
+        self.lock.notify_all()
+
+    def defer_release(self, entry: Entry, copy: Copy, event: object) -> None:
+        """Release once ``event`` completes; until then the pin counts as freeable."""
+        me = threading.get_ident()
+        idx = copy.holders.index(me) if me in copy.holders else 0
+        if copy.holders:
+            copy.holders[idx] = DEFERRED
+        self.deferred.append(Deferred(entry, copy, event))
+
+    def reap(self) -> None:
+        """Carry out deferred releases whose event has completed (cheap poll)."""
+        for d in [d for d in self.deferred if d.event.query()]:
+            self._finish_deferred(d)
+
+    def _finish_deferred(self, d: Deferred) -> None:
+        if d in self.deferred:
+            self.deferred.remove(d)
+            if d.entry.copies.get(d.copy.tier) is d.copy and d.copy.pins:
+                self.unpin(d.copy, DEFERRED)
+
+    def _wait_deferred(self, d: Deferred) -> None:
+        t0 = time.perf_counter()
+        self.lock.release()
+        try:
+            d.event.synchronize()
+        finally:
+            self.lock.acquire()
+            self.local.waited = getattr(self.local, "waited", 0.0) + time.perf_counter() - t0
+        self._finish_deferred(d)
+
+    def _holders(self, space: Space) -> str:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        held = []
+        for name, c in space.cache.items():
+            if c.pins:
+                who = ", ".join("a pending copy" if h == DEFERRED else names.get(h, f"thread {h}")
+                                for h in c.holders)
+                held.append(f"{name!r} ({c.cost} bytes, held by {who})")
+        return "; ".join(held) or "none"
+
     # -- copies -------------------------------------------------------------
 
     def new_copy(self, entry: Entry, tier: Tier, state: Residency, *, home: bool) -> Copy:
@@ -152,6 +221,7 @@ class Mover:
         if copy.block is not None and space.memory is not None:
             space.memory.free(copy.block)
         copy.block = None
+        self.lock.notify_all()
 
     # -- transfers -----------------------------------------------------------
 
@@ -278,10 +348,9 @@ class Mover:
         return self._start(MoveKind.HANDDOWN, entry, copy, dst)
 
     def make_room(self, space: Space, cost: int, for_name: str, *, prefetch: bool) -> bool:
-        """Evict until ``cost`` bytes fit in ``space``. A prefetch gives up (False)
-        rather than wait or evict against the policy; a demand raises CapacityError
-        when pinned copies and homes leave no room, SwapIOError when a write-back
-        it needed failed."""
+        """Evict until ``cost`` bytes fit in ``space``; see [Note: waiting for space].
+        A prefetch gives up (False) rather than wait or evict against the policy; a
+        demand waits as the note says, SwapIOError when a write-back it needed failed."""
         if cost > space.budget - space.home_used:
             if prefetch:
                 return False
@@ -290,10 +359,12 @@ class Mover:
                 f"its budget is {space.budget} bytes of which homes hold {space.home_used}; "
                 f"raise zero_optimization.tiering.{space.tier.value}_budget_bytes"
             )
+        deadline = None
         while space.used + cost > space.budget:
             self.settle_done()
-            if space.used + cost <= space.budget:
-                break
+            self.reap()
+            if space.used + cost <= space.budget or for_name in space.cache:
+                break  # room now, or another thread brought the tensor in meanwhile
             leaving = [c for c in space.cache.values() if c.evict_after and c.move is not None]
             if leaving and space.used - sum(c.cost for c in leaving) + cost <= space.budget:
                 self._wait_eviction(leaving[0], prefetch=prefetch)
@@ -321,13 +392,31 @@ class Mover:
             if moving:
                 self.wait(moving[0])
                 continue
+            pending = [d for d in self.deferred if d.copy.tier is space.tier]
+            if pending:
+                self._wait_deferred(pending[0])
+                continue
+            deadline = self._wait_release(space, cost, for_name, deadline)
+        return True
+
+    def _wait_release(self, space: Space, cost: int, for_name: str, deadline: float | None) -> float:
+        """Wait on the condition for another thread's release; raise when it cannot come."""
+        mine = space.pinned_by(threading.get_ident())
+        now = time.monotonic()
+        deadline = now + self.acquire_timeout if deadline is None else deadline
+        if cost > space.budget - space.home_used - mine or now >= deadline:
+            why = (f"waited {self.acquire_timeout:.0f} s for a release" if now >= deadline else
+                   f"the calling thread itself holds {mine} bytes of it")
             raise CapacityError(
                 f"tiered store: no room for {for_name!r} ({cost} bytes) in the {space.tier.value} "
-                f"tier: budget {space.budget} bytes, homes {space.home_used}, acquired or in use "
-                f"{space.pinned_bytes()}, free {space.free}; release tensors first or raise "
-                f"zero_optimization.tiering.{space.tier.value}_budget_bytes"
+                f"tier ({why}): budget {space.budget} bytes, homes {space.home_used}, acquired or "
+                f"in use {space.pinned_bytes()}, free {space.free}; holders: {self._holders(space)}; "
+                f"release tensors first or raise zero_optimization.tiering.{space.tier.value}_budget_bytes"
             )
-        return True
+        t0 = time.perf_counter()
+        self.lock.wait(deadline - now)
+        self.local.waited = getattr(self.local, "waited", 0.0) + time.perf_counter() - t0
+        return deadline
 
     def _wait_eviction(self, copy: Copy, *, prefetch: bool) -> None:
         move = copy.move

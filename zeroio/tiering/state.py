@@ -28,6 +28,7 @@ class Copy:
     state: Residency
     block: Block | None = None  # None for an NVMe home (the backend holds the bytes)
     pins: int = 0  # callers holding it between acquire and release
+    holders: list[int] = field(default_factory=list)  # thread id per pin; DEFERRED once handed over
     readers: int = 0  # in-flight moves reading it
     move: Move | None = None  # in-flight move that will change this copy's state
     evict_after: bool = False  # drop once its write-back lands
@@ -110,3 +111,21 @@ class Space:
 
     def pinned_bytes(self) -> int:
         return sum(c.cost for c in self.cache.values() if c.pins or c.readers)
+
+    def pinned_by(self, thread: int) -> int:
+        """Bytes of cache copies only ``thread`` holds: no other thread's release frees them."""
+        return sum(c.cost for c in self.cache.values()
+                   if c.pins and all(h == thread for h in c.holders))
+
+
+DEFERRED = 0
+"""Holder of a pin whose release waits on a sync object (``release(after=event)``)."""
+
+
+@dataclass(eq=False)
+class Deferred:
+    """A release that happens once ``event`` completes (a CUDA event: a copy still reads the copy)."""
+
+    entry: Entry
+    copy: Copy
+    event: object  # .query() -> bool, .synchronize()

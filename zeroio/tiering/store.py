@@ -77,9 +77,12 @@ class TieredStore:
         # behind one. Completion is tracked per copy with events.
         streams = {} if not (cuda and self.budgets.gpu > 0) else {
             "h2d": torch.cuda.Stream(self.device), "d2h": torch.cuda.Stream(self.device)}
-        self._lock = threading.Lock()
+        # One lock for all bookkeeping; as a Condition it also wakes a demand acquire
+        # waiting for another thread's release ([Note: waiting for space] in mover.py).
+        self._lock = threading.Condition(threading.Lock())
         self._stats = TierStats()
-        self._mover = Mover(self._lock, self._spaces, backend, self._stats, streams, self._entries)
+        self._mover = Mover(self._lock, self._spaces, backend, self._stats, streams, self._entries,
+                            acquire_timeout=self.cfg.acquire_timeout_s)
         self._queue: queue.Queue = queue.Queue()
         self._queued: set[tuple[str, Tier]] = set()
         self._worker: threading.Thread | None = None
@@ -215,6 +218,7 @@ class TieredStore:
         if entry.error is not None:
             err, entry.error = entry.error, None
             raise err
+        self._mover.reap()
         self._spaces[tier].policy.touch(name)  # type: ignore[union-attr]
         copy = entry.copies.get(tier)
         if copy is not None:
@@ -222,7 +226,7 @@ class TieredStore:
         else:
             self._stats.miss()
             copy = self._mover.load(entry, tier, prefetch=False)
-        copy.pins += 1  # type: ignore[union-attr]
+        self._mover.pin(copy)  # type: ignore[arg-type]
         copy.evict_after = False  # type: ignore[union-attr]
         return entry, copy  # type: ignore[return-value]
 
@@ -251,7 +255,7 @@ class TieredStore:
                 return
         except BaseException:
             if entry.copies.get(copy.tier) is copy:
-                copy.pins -= 1
+                self._mover.unpin(copy)
             raise
 
     def mark_dirty(self, name: str, tier: Tier | str | None = None) -> None:
@@ -272,11 +276,17 @@ class TieredStore:
             if not copy.is_home:
                 copy.fire(Event.WRITE)
 
-    def release(self, name: str, tier: Tier | str | None = None) -> None:
+    def release(self, name: str, tier: Tier | str | None = None, *, after: object = None) -> None:
+        """Drop one acquire. ``after`` (a CUDA event, or anything with ``query()`` and
+        ``synchronize()``): release only once it completes, e.g. when an asynchronous
+        copy still reads the tensor; until then the space counts as soon free."""
         with self._lock:
             entry = self._entry(name)
             copy = self._held(entry, tier, "release")
-            copy.pins -= 1
+            if after is not None and not after.query():
+                self._mover.defer_release(entry, copy, after)
+                return
+            self._mover.unpin(copy)
             if copy.pins == 0:
                 self._prefetch_upcoming(copy.tier)  # it may be the victim a prefetch waited for
 
@@ -376,6 +386,7 @@ class TieredStore:
     def stats(self) -> dict:
         with self._lock:
             self._mover.settle_done()
+            self._mover.reap()
             out = self._stats.as_dict()
             out["tiers"] = {
                 t.value: {"budget_bytes": s.budget, "used_bytes": s.used, "home_bytes": s.home_used,
@@ -411,6 +422,8 @@ class TieredStore:
         if self._waiter is not None:
             self._waiter.shutdown(wait=True)
         with self._lock:
+            while self._mover.deferred:
+                self._mover._wait_deferred(self._mover.deferred[0])
             self._mover.quiesce()
             for entry in self._entries.values():
                 for copy in list(entry.copies.values()):
