@@ -22,6 +22,13 @@ after each: the chunk is converted to 16-bit into pinned staging and its
 host-to-device copy is queued while the CPU updates the next chunk; then
 ``publish_params(staged=True)`` only all-gathers. The staging is reused next
 step after an event recorded behind the last copy.
+
+[Note: norm while consuming]
+When a bucket's consumed slice is already the final gradient (the boundary
+micro step of stage 0/1, or stage 2 without accumulation), its squared norm is
+taken right there (on the GPU, on the side stream), so the step does not
+re-read the whole gradient shard from host memory to clip it. With stage 2
+accumulation the norm is taken from the accumulated shards.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class Stage12Partitioner:
         self._ready = [0] * len(self.layout.buckets)
         self._inflight: dict[int, comm.CommHandle] = {}
         self._pending_host_add: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._norm_parts: list[torch.Tensor] = []  # see [Note: norm while consuming]
         self._publish_done: torch.cuda.Event | None = None
         self._bucket_of = {id(s.param): b for b in self.layout.buckets for s in b.slots}
         self._slot_of = {id(s.param): s for b in self.layout.buckets for s in b.slots}
@@ -181,6 +189,8 @@ class Stage12Partitioner:
         src = self.grads.narrow(0, b.start + self.rank * size, size)
         dst = self.groups[b.group_index].grad.narrow(0, self._local_base[b.index], size)
         scaled = src.float().mul_(1.0 / self.comm_world)
+        if self._boundary and (self._first_micro or self.stage != 2):  # the final value
+            self._norm_parts.append(torch.linalg.vector_norm(scaled).double().pow(2))
         if self._first_micro or self.stage != 2:
             dst.copy_(scaled, non_blocking=True)
         elif dst.device == scaled.device:
@@ -221,6 +231,8 @@ class Stage12Partitioner:
         total = torch.zeros((), dtype=torch.float32)
         if self.stage == 0 and comm.rank(self.group) != 0:
             return total  # stage 0 shards are replicas: only rank 0 contributes to the sum
+        if len(self._norm_parts) == len(self.layout.buckets):
+            return torch.stack(self._norm_parts).sum().float().cpu()
         for g in self.groups:
             if g.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64
                 total += torch.linalg.vector_norm(g.grad).double().pow(2).float().cpu()
@@ -279,6 +291,7 @@ class Stage12Partitioner:
             self.phase = Phase.IDLE
 
     def zero_grad(self) -> None:
+        self._norm_parts = []
         for g in self.groups:
             g.grad.zero_()
         self.grads.zero_()
