@@ -44,8 +44,11 @@ def main() -> None:
         engine.step()
         losses.append(loss.item())
     checksum = sum(float(p.detach().double().sum()) for p in engine.module.parameters())
-    print(json.dumps({"rank": rank, "world_size": engine.world_size, "losses": losses,
-                      "checksum": checksum, "steps": engine.global_steps}), flush=True)
+    line = json.dumps({"rank": rank, "world_size": engine.world_size, "losses": losses,
+                       "checksum": checksum, "steps": engine.global_steps})
+    # one write() of < 4 KiB: atomic on a pipe, so the two ranks' lines never interleave
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     engine.close()
     # torch's rule for every script: without this, gloo's worker threads can abort the
     # interpreter at exit ("terminate called without an active exception", pytorch#190489)
