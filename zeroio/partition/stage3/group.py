@@ -24,30 +24,36 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.stage3.layout import GroupPlan
 from zeroio.partition.stage3.state import GroupState, check_transition
 from zeroio.partition.stage3.store import ShardStore
+from zeroio.partition.stage3.streams import Streams, keep_for, on, record, wait_event, wait_stream
 
 
 class PendingReduce:
-    """A reduce-scatter in flight; ``wait()`` hands the reduced bucket to ``consume`` once."""
+    """A reduce-scatter in flight; ``wait()`` hands the reduced bucket to ``consume`` once,
+    on the comm stream (compute waits on comm in ``finalize_gradients``)."""
 
     def __init__(self, handle: comm.CommHandle, bucket: torch.Tensor,
-                 consume: Callable[[torch.Tensor], None]):
+                 consume: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None):
         self._handle, self._bucket, self._consume = handle, bucket, consume
+        self._stream = stream
 
     def wait(self) -> None:
         if self._bucket is None:
             return
-        self._handle.wait()
-        self._consume(self._bucket)
+        with on(self._stream):
+            self._handle.wait()
+            self._consume(self._bucket)
         self._bucket = None
 
 
 class ParamGroup:
     def __init__(self, plan: GroupPlan, params: list[nn.Parameter], *, rank: int, world: int,
-                 device: torch.device, dtype: torch.dtype, store: ShardStore, pg=None):
+                 device: torch.device, dtype: torch.dtype, store: ShardStore, pg=None,
+                 streams: Streams = Streams()):
         self.plan = plan
         self.params = params
         self.rank, self.world, self.device, self.dtype, self.pg = rank, world, device, dtype, pg
         self.store = store
+        self.streams = streams  # [Note: stage-3 streams] in streams.py
         self.state = GroupState.SHARDED
         self.fwd_holds = 0
         self.bwd_hold = False
@@ -87,11 +93,16 @@ class ParamGroup:
 
     def start_gather(self) -> None:
         check_transition(self.name, self.state, GroupState.GATHERING)
+        side = self.streams.comm
         with torch.profiler.record_function("zeroio::stage3::all_gather"):
-            shard = self.store.fetch(self.plan.index)
-            full = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
-            full.narrow(0, self.shard_lo, self.plan.shard_numel).copy_(shard, non_blocking=True)
-            self._handle = comm.all_gather_inplace(full, self.pg)
+            fetched = self.store.fetch(self.plan.index, self.streams)
+            with on(side):
+                wait_event(side, fetched.ready)  # the shard's H2D copy (or last update)
+                full = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+                full.narrow(0, self.shard_lo, self.plan.shard_numel).copy_(fetched.tensor,
+                                                                          non_blocking=True)
+                keep_for(fetched.tensor, side)
+                self._handle = comm.all_gather_inplace(full, self.pg)
         self._full = full
         self.state = GroupState.GATHERING
 
@@ -100,8 +111,13 @@ class ParamGroup:
             return
         if self.state is GroupState.SHARDED:
             self.start_gather()
-        self._handle.wait()
+        side = self.streams.comm
+        with on(side):
+            self._handle.wait()  # NCCL: comm waits on the collective; gloo: the host waits
         self._handle = None
+        compute = self.streams.current()
+        wait_event(compute, record(side))  # compute waits only now, when it needs the group
+        keep_for(self._full, compute)
         check_transition(self.name, self.state, GroupState.GATHERED)
         for slot, p in zip(self.plan.slots, self.params):
             p.data = self._full.narrow(0, slot.offset, slot.numel).view(slot.shape)
@@ -152,9 +168,13 @@ class ParamGroup:
         """Reduce-scatter the staged bucket; ``consume`` gets it (this rank's slice valid) on wait."""
         bucket, self._staging = self._staging, None
         self._ready = set()
+        side = self.streams.comm
         with torch.profiler.record_function("zeroio::stage3::reduce_scatter"):
-            handle = comm.reduce_scatter_inplace(bucket, self.pg)
-        return PendingReduce(handle, bucket, consume)
+            wait_stream(side, self.streams.current())  # the bucket was filled on compute
+            with on(side):
+                handle = comm.reduce_scatter_inplace(bucket, self.pg)
+            keep_for(bucket, side)
+        return PendingReduce(handle, bucket, consume, side)
 
     def refresh(self) -> None:
         """Re-gather a gathered group after its shard changed (optimizer step, modifier write)."""

@@ -4,7 +4,9 @@ Each group's shard is one named tensor (``stage3.param.<group>``) registered
 with home NVMe. Only the tiered store moves its bytes: ``prefetch`` asks it to
 bring the next groups' shards (per the recorded trace) into pinned host
 memory in the background; ``fetch`` acquires the host copy, copies it to the
-compute device and releases it. The CPU tier's budget is the configured swap
+compute device on the h2d stream (pinned buffer -> device, non-blocking) and
+releases it once the copy's event completes (``release(after=event)``: the
+store will not reuse the buffer before), so the host never waits on the copy. The CPU tier's budget is the configured swap
 buffers (``offload_param.buffer_count * buffer_size`` 16-bit elements), so no
 shard stays in host memory beyond those buffers.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from zeroio.partition.stage3.settings import Stage3Settings
+from zeroio.partition.stage3.streams import Fetched, on, record
 from zeroio.tiering import TieredStore, Tier
 
 
@@ -32,21 +35,31 @@ class TieredShards:
                                  cpu_budget_bytes=settings.host_buffer_bytes,
                                  pin_memory=settings.pin_memory)
         self._bytes: dict[int, int] = {}
+        self._reading: dict[int, torch.cuda.Event] = {}  # H2D copies still reading a buffer
 
     def put(self, key, shard):
         self.store.register(_name(key), tuple(shard.shape), shard.dtype, home=Tier.NVME,
                             init=shard.detach().cpu())
         self._bytes[key] = shard.numel() * shard.element_size()
 
-    def fetch(self, key):
+    def fetch(self, key, streams):
         host = self.store.acquire(_name(key), Tier.CPU)
+        ready = None
         try:
-            # a blocking copy: the host buffer may be reused as soon as it is released
-            return host.to(self.device, copy=True)
+            with on(streams.h2d):
+                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                dev.copy_(host, non_blocking=host.is_pinned())
+                ready = record(streams.h2d)
         finally:
-            self.store.release(_name(key), Tier.CPU)
+            self.store.release(_name(key), Tier.CPU, after=ready)
+        if ready is not None:
+            self._reading[key] = ready
+        return Fetched(dev, ready)
 
     def update(self, key, values, lo):
+        reading = self._reading.pop(key, None)
+        if reading is not None:
+            reading.synchronize()  # the buffer about to be written may still feed a copy
         host = self.store.acquire(_name(key), Tier.CPU)
         try:
             host.narrow(0, lo, values.numel()).copy_(values)

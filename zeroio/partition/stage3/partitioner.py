@@ -26,6 +26,7 @@ from zeroio.partition.stage3.prefetch import Trace
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
 from zeroio.partition.stage3.store import make_store
+from zeroio.partition.stage3.streams import Streams, wait_stream
 
 _MAX_INFLIGHT_REDUCES = 4
 
@@ -56,6 +57,7 @@ class Stage3Partitioner:
                                 opt_group_of=opt_group_of, index=self.index,
                                 shape_of=registry.true_shape)
         self.store = make_store(settings, device, rank=self.rank)
+        self.streams = Streams.for_device(device)  # the only place stage 3 makes streams
         by_id = {id(p): p for p in module.parameters()}
         self.pgroups: list[ParamGroup] = []
         for gp in self.plan.groups:
@@ -64,7 +66,7 @@ class Stage3Partitioner:
                 key=lambda x: x[1][1])]
             self.pgroups.append(ParamGroup(gp, params, rank=self.rank, world=self.world,
                                            device=device, dtype=compute_dtype,
-                                           store=self.store, pg=group))
+                                           store=self.store, pg=group, streams=self.streams))
         self.groups, self._pieces = self._build_shards(len(param_groups))
         for p in by_id.values():
             registry.OWNERS[p] = self
@@ -215,6 +217,7 @@ class Stage3Partitioner:
             for pr in self._pending:
                 pr.wait()
             self._pending = []
+            wait_stream(self.streams.current(), self.streams.comm)  # gradients land on comm
             self.release_all()
             self.pass_state = PassState.IDLE
             if not self.trace.frozen:

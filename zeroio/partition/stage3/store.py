@@ -6,10 +6,15 @@ home; ``offload_param.device`` picks the class (``make_store``).
 
 - ``DeviceShards`` (none): shards stay on the compute device.
 - ``HostShards`` (cpu): shards in (pinned) host memory, copied to the device
-  on the caller's stream just before the all-gather.
+  on the h2d stream just before the all-gather ([Note: stage-3 streams]).
 - ``TieredShards`` (nvme): shards registered in the tiered store with home
   NVMe; ``prefetch`` asks it to bring the next groups' shards to pinned CPU
   ahead of use (the recorded module order), ``fetch`` acquires and copies.
+
+``fetch`` returns a ``Fetched``: the shard on the device and the event its copy
+(or its last update) completes with; the gather's comm stream waits on it. A
+host buffer an in-flight H2D copy reads is not written (``update``) or reused
+before that copy's event completes.
 """
 
 from __future__ import annotations
@@ -19,14 +24,15 @@ from typing import Protocol
 import torch
 
 from zeroio.partition.stage3.settings import Stage3Settings
+from zeroio.partition.stage3.streams import Fetched, Streams, on, record
 
 
 class ShardStore(Protocol):
     def put(self, key: int, shard: torch.Tensor) -> None:
         """Take ownership of the initial shard (any device; copied to the home)."""
 
-    def fetch(self, key: int) -> torch.Tensor:
-        """The shard on the compute device, valid on the current stream until the next fetch."""
+    def fetch(self, key: int, streams: Streams) -> Fetched:
+        """The shard on the compute device and the event its copy completes with."""
 
     def update(self, key: int, values: torch.Tensor, lo: int) -> None:
         """Overwrite elements ``[lo, lo+n)`` of the shard, converting dtype as needed."""
@@ -44,15 +50,18 @@ class DeviceShards:
     def __init__(self, device: torch.device):
         self.device = device
         self._shards: dict[int, torch.Tensor] = {}
+        self._written: dict[int, torch.cuda.Event | None] = {}  # last update, on compute
 
     def put(self, key, shard):
         self._shards[key] = shard.to(self.device).contiguous()
 
-    def fetch(self, key):
-        return self._shards[key]
+    def fetch(self, key, streams):
+        return Fetched(self._shards[key], self._written.pop(key, None))
 
     def update(self, key, values, lo):
         self._shards[key].narrow(0, lo, values.numel()).copy_(values, non_blocking=True)
+        if self.device.type == "cuda":
+            self._written[key] = record(torch.cuda.current_stream(self.device))
 
     def prefetch(self, keys):
         pass
@@ -70,19 +79,29 @@ class HostShards:
         self.device = device
         self.pin = pin and torch.cuda.is_available()
         self._shards: dict[int, torch.Tensor] = {}
+        self._reading: dict[int, torch.cuda.Event] = {}  # H2D copies still reading a host shard
 
     def put(self, key, shard):
         host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
         host.copy_(shard)
         self._shards[key] = host
 
-    def fetch(self, key):
+    def fetch(self, key, streams):
         host = self._shards[key]
         if self.device.type == "cpu":
-            return host
-        return host.to(self.device, non_blocking=self.pin)
+            return Fetched(host, None)
+        with on(streams.h2d):
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            dev.copy_(host, non_blocking=self.pin)
+            ready = record(streams.h2d)
+        if ready is not None:
+            self._reading[key] = ready
+        return Fetched(dev, ready)
 
     def update(self, key, values, lo):
+        reading = self._reading.pop(key, None)
+        if reading is not None:
+            reading.synchronize()  # an async copy may still read the old bytes
         self._shards[key].narrow(0, lo, values.numel()).copy_(values)
 
     def prefetch(self, keys):

@@ -1,0 +1,101 @@
+"""The CUDA streams of stage 3, made in one place, and the helpers that order them.
+
+[Note: stage-3 streams]
+Two side streams per partitioner (the design of FSDP2's copy-in / all-gather /
+reduce-scatter streams, reduced to what stage 3 needs):
+
+- ``h2d``: host -> device copies of offloaded shards (pinned CPU shards, or the
+  tiered store's pinned buffers for NVMe shards). It overlaps compute *and* the
+  collectives of other groups: the shard of group n+1 crosses PCIe while group n
+  is all-gathered.
+- ``comm``: the copy of a shard into its group's all-gather buffer, the
+  all-gather, and the reduce-scatter of gradient buckets with their consumption
+  into the gradient shard. It overlaps compute: the next groups are gathered
+  while the current module runs, a finished bucket is reduced while backward
+  goes on.
+
+Ordering is by events, never by a device-wide synchronize:
+- comm waits on the event of the H2D copy of the shard it gathers (``Fetched.ready``);
+- the compute stream waits on a group's gather event only in ``finish_gather``,
+  i.e. when it needs the group;
+- comm waits on the compute stream before reducing a bucket compute filled, and
+  compute waits on comm once, in ``finalize_gradients``, before the optimizer
+  reads gradients.
+
+Memory used across streams: a tensor allocated on one stream and used on
+another is marked with ``record_stream`` (``keep_for``): shard copies (h2d) used
+by comm, gathered buffers (comm) used by compute, gradient buckets (compute)
+used by comm, so the caching allocator cannot hand their memory out again
+before the other stream is done with it. Pinned host buffers of the tiered store
+are released only once the H2D copy's event completes (``release(after=event)``).
+
+On CPU there are no streams: every helper is a no-op, events are ``None`` and
+copies are synchronous, so CPU tests run the same code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Streams:
+    h2d: torch.cuda.Stream | None = None
+    """Host -> device shard copies; see [Note: stage-3 streams]."""
+    comm: torch.cuda.Stream | None = None
+    """All-gathers and reduce-scatters (and their copy-in / consumption)."""
+
+    @staticmethod
+    def for_device(device: torch.device) -> Streams:
+        """Both side streams on a CUDA ``device``; none on CPU."""
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return Streams()
+        return Streams(h2d=torch.cuda.Stream(device), comm=torch.cuda.Stream(device))
+
+    def current(self) -> torch.cuda.Stream | None:
+        """The caller's (compute) stream, or None on CPU."""
+        if self.comm is None:
+            return None
+        return torch.cuda.current_stream(self.comm.device)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A shard on the compute device and the event its copy completes with (None: ready)."""
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+def on(stream: torch.cuda.Stream | None):
+    """Make ``stream`` current inside the block (nothing on CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event marking the work queued on ``stream`` so far (None on CPU)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def wait_event(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+    """Queue a wait for ``event`` on ``stream`` (the host does not block)."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def wait_stream(stream: torch.cuda.Stream | None, other: torch.cuda.Stream | None) -> None:
+    if stream is not None and other is not None:
+        stream.wait_stream(other)
+
+
+def keep_for(tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """Tell the allocator ``tensor`` is used on ``stream`` (see the note)."""
+    if stream is not None and tensor.is_cuda:
+        tensor.record_stream(stream)
