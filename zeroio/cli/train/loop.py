@@ -96,7 +96,7 @@ def setup_world() -> World:
 
 
 def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
-    """(raw dict, Config): the built-in or user config with "auto" filled from the options."""
+    """The built-in or user config as a ``Config``, "auto" filled from the options."""
     from zeroio.config import load_config
     from zeroio.integrations.autofill import check_no_contradictions
 
@@ -125,7 +125,7 @@ def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
     check_no_contradictions(raw, "the command line",
                             **{v: values[v] for k, v in typed.items() if k in opts.given})
     cfg = load_config(raw, world_size=world.world_size, hidden_size=mcfg.hidden_size, **values)
-    return cfg.to_dict(), cfg
+    return cfg
 
 
 def _fmt_bytes(n: float) -> str:
@@ -255,7 +255,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         if show:
             print(msg, file=sys.stderr, flush=True)
 
-    _raw, cfg = resolve_config(opts, mcfg, world, out)
+    cfg = resolve_config(opts, mcfg, world, out)
     ckpt = _prepare_dirs(opts, world, out)
     blocks = TokenBlocks(ByteTokenizer().encode(read_text(opts.data)), opts.seq_len)
     micro_batch, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
