@@ -15,6 +15,18 @@ and if that copy is still needed before the access, or is acquired or in flight
 right now, the prefetch waits (it is offered again at the next acquire/release). So
 prefetching moves the bytes demand fetching under Belady would, while hiding
 latency (Cao, Felten, Karlin, Li 1995, the "conservative" strategy).
+
+One exception, because waiting there hides nothing: when Belady's victim is
+*acquired right now*, its release comes only after the compute the prefetch
+should overlap (an optimizer sub-group is acquired, updated, released), so a
+strictly conservative prefetch would start only when the demand itself does.
+Then the prefetch follows the "do no harm" rule of the same paper: it evicts
+the evictable copy whose next use is farthest, provided it is used only after
+the prefetched access. That may cost a few fetches beyond Belady's count (far
+fewer than LRU's) and overlaps each load with the compute before it
+(``TracePolicy.busy_fallback``; False keeps the strict rule). ``upcoming``
+skips names the tier already holds, so ``prefetch_depth`` counts accesses a
+prefetch can still help.
 """
 
 from __future__ import annotations
@@ -130,6 +142,9 @@ class TracePolicy(EvictionPolicy):
     never seen in the trace count as never used again (evicted first).
     """
 
+    busy_fallback = True
+    """Prefetch past a busy Belady victim by the "do no harm" rule (see the note)."""
+
     def __init__(self) -> None:
         self._lru = LRUPolicy()
         self._recording: list[str] | None = []
@@ -178,9 +193,11 @@ class TracePolicy(EvictionPolicy):
             return []
         out: list[str] = []
         period = len(self._trace)
+        resident = self._lru._order  # admitted, not yet forgotten: already in this tier
         for i in range(period):
             name = self._trace[(self._cursor + i) % period]
-            if name not in out:
+            # Skip what the tier holds: depth counts accesses a prefetch can still help.
+            if name not in out and name not in resident:
                 out.append(name)
                 if len(out) == depth:
                     break
@@ -206,9 +223,15 @@ class TracePolicy(EvictionPolicy):
         after = self._cursor + int(d_new) + 1
         everyone = cands + [n for n in held if n != for_prefetch_of]
         best = max(everyone, key=lambda n: (self._distance(n, after), -lru_rank.get(n, -1)))
-        if best not in cands or self._distance(best) < d_new:
-            return None  # Belady's victim is busy or still needed first: not yet
-        return best
+        if best in cands:
+            return best if self._distance(best) >= d_new else None  # still needed first: not yet
+        if self.busy_fallback:
+            # Belady's victim is acquired right now (its release comes only after the
+            # compute the prefetch should overlap): "do no harm" instead, see the note.
+            harmless = [n for n in cands if self._distance(n) > d_new]
+            if harmless:
+                return max(harmless, key=lambda n: (self._distance(n, after), -lru_rank.get(n, -1)))
+        return None
 
     def _distance(self, name: str, start: int | None = None) -> float:
         """Accesses from ``start`` (default: the cursor) until ``name`` is next used
