@@ -18,10 +18,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
 
 from zeroio.testing import run_ranks
-
-import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
 
 pytestmark = pytest.mark.gpu
 
@@ -124,7 +123,7 @@ def _body(tmpdir):
         moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
         results.append(dict(
             case=(off_param, off_opt, dtype, delay),
-            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
             max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
             rel_mean_diff=sum((masters[n] - ref_params[n]).abs().sum().item()
                               for n in ref_params) / moved,

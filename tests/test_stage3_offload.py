@@ -21,9 +21,9 @@ from __future__ import annotations
 import gc
 import os
 
-from zeroio.testing import run_ranks
-
 import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
+
+from zeroio.testing import run_ranks
 
 
 def _shard_needles(engine) -> dict[int, bytes]:
@@ -38,7 +38,7 @@ def _shard_needles(engine) -> dict[int, bytes]:
     with zeroio.zero.GatheredParameters(params):
         for g in part.pgroups:
             flat = torch.zeros(g.plan.padded_numel, dtype=part.dtype)
-            for slot, p in zip(g.plan.slots, g.params):
+            for slot, p in zip(g.plan.slots, g.params, strict=True):
                 flat[slot.offset:slot.offset + slot.numel] = p.detach().reshape(-1)
             shard = flat[g.shard_lo:g.shard_lo + g.plan.shard_numel]
             out[g.plan.index] = shard.view(torch.uint8).numpy().tobytes()
@@ -48,9 +48,9 @@ def _shard_needles(engine) -> dict[int, bytes]:
 
 def _cpu_storages():
     """Bytes of every distinct CPU storage behind a live tensor of this process."""
-    import torch
-
     import warnings
+
+    import torch
 
     seen = {}
     with warnings.catch_warnings():
@@ -164,7 +164,7 @@ def _small_buffer_body(tmpdir):
         moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
         results.append(dict(
             case=("nvme", off_opt, dtype, 0),
-            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
             max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
             rel_mean_diff=sum((masters[n] - ref_params[n]).abs().sum().item()
                               for n in ref_params) / moved,

@@ -63,7 +63,7 @@ class ParamGroup:
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self._staging: torch.Tensor | None = None
         self._ready: set[int] = set()
-        self.trainable = {i for i, (s, p) in enumerate(zip(plan.slots, params))
+        self.trainable = {i for i, (s, p) in enumerate(zip(plan.slots, params, strict=True))
                           if s.opt_group >= 0 and p.requires_grad}
 
     # -- identity ---------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class ParamGroup:
         wait_event(compute, record(side))  # compute waits only now, when it needs the group
         keep_for(self._full, compute)
         check_transition(self.name, self.state, GroupState.GATHERED)
-        for slot, p in zip(self.plan.slots, self.params):
+        for slot, p in zip(self.plan.slots, self.params, strict=True):
             p.data = self._full.narrow(0, slot.offset, slot.numel).view(slot.shape)
         self.state = GroupState.GATHERED
 

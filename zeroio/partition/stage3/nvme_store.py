@@ -17,7 +17,7 @@ import torch
 
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.streams import Fetched, on, record
-from zeroio.tiering import TieredStore, Tier
+from zeroio.tiering import Tier, TieredStore
 
 
 def _name(key: int) -> str:

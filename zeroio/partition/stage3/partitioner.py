@@ -86,7 +86,7 @@ class Stage3Partitioner:
         dtype = next((p.dtype for p in g.params if p not in registry.INIT_SHARDS),
                      None) or registry.INIT_SHARDS[g.params[0]].dtype
         flat = torch.zeros(g.plan.padded_numel, dtype=dtype, device=self.device)
-        for slot, p in zip(g.plan.slots, g.params):
+        for slot, p in zip(g.plan.slots, g.params, strict=True):
             rec = registry.INIT_SHARDS.get(p)
             dst = flat.narrow(0, slot.offset, slot.numel)
             if rec is None:

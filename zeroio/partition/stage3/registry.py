@@ -8,10 +8,10 @@ partitioner. Both are weak on the parameter, so a dropped model frees them.
 
 from __future__ import annotations
 
-from torch.utils.weak import WeakIdKeyDictionary
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(eq=False, kw_only=True)
