@@ -19,6 +19,7 @@ from zeroio.errors import DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Phase, ShardGroup
 from zeroio.partition.stage3 import registry
+from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
 from zeroio.partition.stage3.hooks import HookSet
 from zeroio.partition.stage3.layout import ShardPiece, index_of, plan_groups, shard_pieces
@@ -68,6 +69,12 @@ class Stage3Partitioner:
                                            device=device, dtype=compute_dtype,
                                            store=self.store, pg=group, streams=self.streams))
         self.groups, self._pieces = self._build_shards(len(param_groups))
+        self.landing = GradLanding(  # [Note: landing reduced gradients] in grads.py
+            self.groups,
+            {gi: [Landing(lo=r.piece.lo, numel=r.piece.hi - r.piece.lo,
+                          opt_group=r.piece.opt_group, base=r.base) for r in refs]
+             for gi, refs in self._pieces.items()},
+            device, pin=getattr(home, "pin_memory", False))
         for p in by_id.values():
             registry.OWNERS[p] = self
         self.trace = Trace(settings, [g.numel for g in self.pgroups])
@@ -191,14 +198,11 @@ class Stage3Partitioner:
             self.maybe_release(gi)
 
     def _launch(self, g: ParamGroup) -> None:
-        refs = self._pieces.get(g.plan.index, [])
-        scale = 1.0 / self.world
+        gi, scale, boundary = g.plan.index, 1.0 / self.world, self._boundary
 
-        def consume(bucket: torch.Tensor) -> None:
-            for ref in refs:
-                src = bucket.narrow(0, g.shard_lo + ref.piece.lo, ref.piece.hi - ref.piece.lo)
-                dst = self.groups[ref.piece.opt_group].grad.narrow(0, ref.base, src.numel())
-                dst.add_(src.mul_(scale).to(dst.device))
+        def consume(bucket: torch.Tensor) -> None:  # on the comm stream, no host wait
+            self.landing.consume(gi, bucket.narrow(0, g.shard_lo, g.plan.shard_numel), scale,
+                                 boundary)
 
         self._pending.append(g.launch_reduce(consume))
         while len(self._pending) > _MAX_INFLIGHT_REDUCES:
@@ -218,6 +222,7 @@ class Stage3Partitioner:
                 pr.wait()
             self._pending = []
             wait_stream(self.streams.current(), self.streams.comm)  # gradients land on comm
+            self.landing.settle(boundary, self.streams.comm)
             self.release_all()
             self.pass_state = PassState.IDLE
             if not self.trace.frozen:
@@ -225,10 +230,14 @@ class Stage3Partitioner:
             self.phase = Phase.REDUCED if boundary else Phase.ACCUMULATING
 
     def local_grad_sq_norm(self) -> torch.Tensor:
+        taken = self.landing.sq_norm()  # [Note: landing reduced gradients]
+        if taken is not None:
+            return taken
         total = torch.zeros((), dtype=torch.float32)
         for sg in self.groups:
-            if sg.grad.numel():
-                total += sg.grad.double().pow(2).sum().float().cpu()
+            if sg.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64;
+                # no float64 copy of the shard (that doubled host memory and took seconds)
+                total += torch.linalg.vector_norm(sg.grad).double().pow(2).float().cpu()
         return total
 
     def local_overflow(self) -> bool:
@@ -247,8 +256,10 @@ class Stage3Partitioner:
             self.phase = Phase.IDLE
 
     def zero_grad(self) -> None:
-        for sg in self.groups:
-            sg.grad.zero_()
+        # no memset of the gradient shards: the next accumulation's first write of each group
+        # overwrites, unwritten groups are zeroed at the boundary ([Note: landing reduced
+        # gradients])
+        self.landing.reset()
         for p in self.module.parameters():
             p.grad = None
         self.phase = Phase.IDLE

@@ -1,0 +1,136 @@
+"""Where a group's reduced gradient lands: this rank's fp32 ``ShardGroup.grad`` pieces.
+
+[Note: landing reduced gradients]
+A reduced bucket is consumed on the comm stream right after its
+reduce-scatter, while backward goes on (the stage-2 design, stage12.py
+[Note: gradient flow]):
+
+- the first write of a group in an accumulation *copies* the scaled slice
+  straight into ``ShardGroup.grad`` with one ``non_blocking`` copy per piece:
+  with a pinned host home that is one asynchronous D2H DMA into memory
+  allocated once, with no host wait and no fresh host tensor (a pageable
+  ``.to("cpu")`` per group blocked the hook on the copy and page-faulted a
+  new 200+ MB buffer per layer per step);
+- a later write in the same accumulation (gradient accumulation, or a group
+  reduced twice by reentrant checkpointing) must *add*: on the same device it
+  adds in place; to a host home it copies into a pinned fp32 staging buffer
+  of the group (allocated once, reused every step) and the add runs on the
+  host in ``settle`` after the single host wait of the backward;
+- ``zero_grad`` only forgets which groups were written; ``settle`` at the
+  boundary zeroes the pieces of groups that got no gradient at all, so the
+  5+ GB memset of the whole gradient per step is gone (``ShardGroup.grad`` is
+  only defined after ``finalize_gradients(boundary=True)``, see base.py);
+- [Note: norm while consuming]: when a write is the group's only one of the
+  accumulation and happens at the boundary, its squared norm is taken on the
+  device right there, so the step does not re-read gigabytes of host
+  gradient (let alone the float64 copy of it that it used to make).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeroio.partition.base import ShardGroup
+from zeroio.partition.stage3.streams import record
+
+
+@dataclass(frozen=True, kw_only=True)
+class Landing:
+    """One piece of a group's shard and the place of its fp32 gradient."""
+
+    lo: int
+    """Start inside the rank's shard of the group."""
+    numel: int
+    opt_group: int
+    base: int
+    """Start inside ``ShardGroup.grad`` of ``opt_group``."""
+
+
+class GradLanding:
+    """Consumes reduced buckets into ``ShardGroup.grad`` (see the note above)."""
+
+    def __init__(self, groups: list[ShardGroup], pieces: dict[int, list[Landing]],
+                 device: torch.device, pin: bool):
+        self.groups = groups
+        self.pieces = pieces
+        self.device = device
+        self.pin = pin and torch.cuda.is_available()
+        self._written: dict[int, int] = {}          # group -> writes this accumulation
+        self._staging: dict[int, torch.Tensor] = {}  # group -> pinned fp32, allocated once
+        self._host_adds: dict[int, torch.cuda.Event | None] = {}  # staged adds not yet applied
+        self._norm_parts: list[torch.Tensor] = []
+        self._norm_valid = True
+        self.host_allocations = 0
+        """Pinned staging buffers allocated so far (tests: must stop growing after warm-up)."""
+
+    def _dst(self, ld: Landing) -> torch.Tensor:
+        return self.groups[ld.opt_group].grad.narrow(0, ld.base, ld.numel)
+
+    def consume(self, gi: int, shard: torch.Tensor, scale: float, boundary: bool) -> None:
+        """``shard``: the group's reduced slice (this rank's, device, fp32); runs on the comm
+        stream, queueing work only."""
+        shard.mul_(scale)
+        writes = self._written.get(gi, 0)
+        self._written[gi] = writes + 1
+        if writes == 0 and boundary:
+            for ld in self.pieces.get(gi, []):
+                src = shard.narrow(0, ld.lo, ld.numel)
+                self._norm_parts.append(torch.linalg.vector_norm(src).double().pow(2))
+        else:  # accumulated over writes: the final value is only known on the host
+            self._norm_valid = False
+        for ld in self.pieces.get(gi, []):
+            src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
+            if writes == 0:
+                dst.copy_(src, non_blocking=True)
+            elif dst.device == src.device:
+                dst.add_(src)
+            else:
+                self._stage_add(gi, ld, src)
+
+    def _stage_add(self, gi: int, ld: Landing, src: torch.Tensor) -> None:
+        if gi in self._host_adds:  # the staging still holds an earlier, unapplied write
+            self._apply(gi)
+        stage = self._staging.get(gi)
+        if stage is None:
+            n = max(p.lo + p.numel for p in self.pieces[gi])
+            stage = self._staging[gi] = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
+            self.host_allocations += 1
+        stage.narrow(0, ld.lo, ld.numel).copy_(src, non_blocking=True)
+        self._host_adds[gi] = record(torch.cuda.current_stream(src.device)) if src.is_cuda \
+            else None
+
+    def _apply(self, gi: int) -> None:
+        event = self._host_adds.pop(gi)
+        if event is not None:
+            event.synchronize()
+        stage = self._staging[gi]
+        for ld in self.pieces[gi]:
+            self._dst(ld).add_(stage.narrow(0, ld.lo, ld.numel))
+
+    def settle(self, boundary: bool, stream: torch.cuda.Stream | None) -> None:
+        """After every reduction was consumed (on ``stream``): one host wait when gradients
+        land in host memory, the staged adds, and at the boundary zeros for unwritten groups."""
+        if stream is not None and any(g.grad.device.type == "cpu" for g in self.groups):
+            record(stream).synchronize()  # the CPU optimizer reads these bytes next
+        for gi in list(self._host_adds):
+            self._apply(gi)
+        if boundary:
+            for gi, lds in self.pieces.items():
+                if gi not in self._written:
+                    for ld in lds:
+                        self._dst(ld).zero_()
+
+    def sq_norm(self) -> torch.Tensor | None:
+        """The local squared gradient norm from the parts taken while consuming, or None when
+        they do not cover the final gradient (accumulation, a group written twice)."""
+        if not self._norm_valid or not self._norm_parts:
+            return None
+        return torch.stack(self._norm_parts).sum().float().cpu()
+
+    def reset(self) -> None:
+        """New accumulation: nothing written yet (``zero_grad``)."""
+        self._written = {}
+        self._norm_parts = []
+        self._norm_valid = True
