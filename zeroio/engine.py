@@ -69,7 +69,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
     if zc.stage in (0, 1, 2):
         return Stage12Partitioner(
             module=module, param_groups=spec.param_groups, stage=zc.stage, compute_dtype=dtype,
-            device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size))
+            device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
+            overlap_forward=off.device == "cpu" and overlap_step_requested())
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
@@ -77,6 +78,14 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
                                         compute_dtype=dtype, home=home)
     raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
                       key="zero_optimization.stage")
+
+
+def overlap_step_requested() -> bool:
+    """``ZEROIO_OVERLAP_STEP=1``: with offload_optimizer cpu (stages 0-2), ``step()`` returns
+    while the CPU optimizer still runs and the next forward waits per module for its parameters
+    (stage12 / step_overlap notes). Off by default: until the next forward, ``backward`` or
+    ``engine.synchronize()``, parameters read outside a forward may be stale."""
+    return os.environ.get("ZEROIO_OVERLAP_STEP", "0").lower() in ("1", "true", "yes")
 
 
 def build_optimizer(cfg, partitioner, spec: OptimizerSpec):
@@ -163,6 +172,12 @@ class Engine:
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
+    def synchronize(self) -> None:
+        """Wait for an overlapped optimizer step (``ZEROIO_OVERLAP_STEP``); a no-op otherwise."""
+        wait = getattr(self.partitioner, "wait_step", None)
+        if wait is not None:
+            wait()
+
     def was_step_applied(self) -> bool:
         return self._step_applied
 
@@ -210,8 +225,13 @@ class Engine:
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
             self.last_grad_norm = norm
             stage_range = getattr(self.partitioner, "stage_range", None)
-            if stage_range is not None and self.config.zero_optimization.offload_optimizer.device \
-                    != "none":
+            offload = self.config.zero_optimization.offload_optimizer.device
+            run_step = getattr(self.partitioner, "run_step", None)
+            if run_step is not None and offload == "cpu" and isinstance(self.optimizer,
+                                                                          ShardedAdam):
+                # CPU Adam chunk by chunk on a worker, each chunk published behind it
+                run_step(self.optimizer.begin_chunked_step(grad_scale=scale / coef).update)
+            elif stage_range is not None and offload != "none":
                 # host masters: publish chunk by chunk behind the CPU optimizer
                 self.optimizer.step(grad_scale=scale / coef, on_updated=stage_range)
                 self.partitioner.publish_params(staged=True)
@@ -236,6 +256,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Tier traffic (from the tiered store when NVMe offload runs) and phase timings."""
+        self.synchronize()
         store = getattr(self.optimizer, "store", None)
         out: dict[str, Any] = (store.stats() if store is not None else
                                {"bytes_moved": {}, "stall_seconds": 0.0, "tiers": {}})
@@ -257,21 +278,25 @@ class Engine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
         from zeroio.checkpoint import engine_io
 
+        self.synchronize()
         return engine_io.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):
         from zeroio.checkpoint import engine_io
 
+        self.synchronize()
         return engine_io.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                          load_lr_scheduler_states)
 
     def save_16bit_model(self, save_dir, save_filename=None):
         from zeroio.checkpoint import engine_io
 
+        self.synchronize()
         return engine_io.save_16bit_model(self, save_dir)
 
     def close(self) -> None:
+        self.synchronize()
         self.partitioner.close()
         closer = getattr(self.optimizer, "close", None)
         if closer is not None:

@@ -55,15 +55,19 @@ def adam_update(
     hyper: dict,
     decoupled: bool,
     grad_scale: float,
+    scale_tensor: torch.Tensor | None = None,
 ) -> None:
-    """One Adam(W) step of ``master`` in place (grad divided by ``grad_scale`` first)."""
+    """One Adam(W) step of ``master`` in place (grad divided by ``grad_scale`` first).
+    ``scale_tensor``: ``grad_scale`` already as a float32 scalar on the master's device (a
+    caller stepping many chunks makes it once)."""
     beta1, beta2 = hyper["betas"]
     fn = adamw_fn if decoupled else adam_fn
     fused = fused_supported(master.device)
     scale = None
     if grad_scale != 1.0:
         if fused:
-            scale = torch.tensor(grad_scale, dtype=torch.float32, device=master.device)
+            scale = scale_tensor if scale_tensor is not None else torch.tensor(
+                grad_scale, dtype=torch.float32, device=master.device)
         else:
             grad = grad / grad_scale
     fn([master], [grad], [state.exp_avg], [state.exp_avg_sq], [], [state.step],
@@ -71,6 +75,41 @@ def adam_update(
        grad_scale=scale, found_inf=None, amsgrad=False,
        beta1=beta1, beta2=beta2, lr=float(hyper["lr"]),
        weight_decay=float(hyper["weight_decay"]), eps=float(hyper["eps"]), maximize=False)
+
+
+class ChunkedStep:
+    """One optimizer step of every group, cut into chunks that the caller runs (in any order,
+    on any one thread). Made by ``ShardedAdam.begin_chunked_step``, which snapshots the
+    hyperparameters and advances the step counters at once, so the LR schedule may step and
+    checkpoints read ``steps_taken`` while the chunks still run."""
+
+    def __init__(self, opt: ShardedAdam, grad_scale: float):
+        self._opt = opt
+        self._grad_scale = grad_scale
+        self._hyper: dict[int, dict] = {}
+        self._before: dict[int, torch.Tensor] = {}
+        self._state: dict[int, AdamState] = {}
+        self._scale: dict[int, torch.Tensor] = {}
+        for g, st in zip(opt.groups, opt.state, strict=True):
+            self._hyper[g.group_index] = dict(opt.param_groups[g.group_index])
+            self._state[g.group_index] = st
+            self._before[g.group_index] = st.step.clone()
+            if g.master.numel():  # as ``step``: an empty group's counter does not move
+                st.step.add_(1)
+            self._scale[g.group_index] = torch.tensor(grad_scale, dtype=torch.float32,
+                                                      device=g.master.device)
+
+    def update(self, group_index: int, lo: int, numel: int) -> None:
+        """Adam(W) on elements [lo, lo + numel) of group ``group_index``'s local tensors."""
+        g = self._opt.groups_by_index[group_index]
+        st = self._state[group_index]
+        with torch.profiler.record_function("zeroio::adam_chunk"):
+            adam_update(master=g.master.narrow(0, lo, numel), grad=g.grad.narrow(0, lo, numel),
+                        state=AdamState(exp_avg=st.exp_avg.narrow(0, lo, numel),
+                                        exp_avg_sq=st.exp_avg_sq.narrow(0, lo, numel),
+                                        step=self._before[group_index].clone()),
+                        hyper=self._hyper[group_index], decoupled=self._opt.decoupled,
+                        grad_scale=self._grad_scale, scale_tensor=self._scale[group_index])
 
 
 class ShardedAdam:
@@ -86,6 +125,12 @@ class ShardedAdam:
         self.param_groups = param_groups
         self.decoupled = decoupled
         self.state: list[AdamState] = [AdamState.zeros_like(g.master) for g in groups]
+        self.groups_by_index = {g.group_index: g for g in groups}
+
+    def begin_chunked_step(self, grad_scale: float = 1.0) -> ChunkedStep:
+        """A step whose chunks the caller runs (see ``ChunkedStep``); the partitioner's
+        overlapped step runs them in publication order."""
+        return ChunkedStep(self, grad_scale)
 
     def step(self, grad_scale: float = 1.0, on_updated=None, chunk_numel: int = 1 << 24) -> None:
         """One step of every group. With ``on_updated(group_index, start, numel)`` the groups

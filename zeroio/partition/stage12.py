@@ -34,6 +34,7 @@ accumulation the norm is taken from the accumulated shards.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -41,6 +42,19 @@ from zeroio.errors import DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
+from zeroio.partition.step_overlap import StepRunner
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepChunk:
+    """One job of the host step: Adam on part of a bucket's slice, then its publication."""
+
+    bucket: Bucket
+    slice_lo: int
+    """Start inside the bucket's slice (this rank's)."""
+    numel: int
+    gather: bool
+    """Last chunk of its bucket with world > 1: the bucket's all-gather follows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +87,8 @@ class Stage12Partitioner:
         home: ShardHome,
         reduce_bucket_numel: int,
         group=None,
+        step_chunk_numel: int = 1 << 24,
+        overlap_forward: bool = False,
     ):
         self.stage = stage
         self.group = group
@@ -107,6 +123,23 @@ class Stage12Partitioner:
             s.param.register_post_accumulate_grad_hook(self._on_grad)
             for b in self.layout.buckets for s in b.slots
         ]
+        self.overlap_forward = overlap_forward
+        self._chunks, ready = self._plan_step(max(1, step_chunk_numel))
+        self._runner = StepRunner(len(self._chunks), device)
+        self._copy_stream = None
+        self._scratch: list[torch.Tensor] = []
+        if home.device.type == "cpu" and device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(device)
+            if compute_dtype != torch.float32 and self._chunks:
+                n = max(c.numel for c in self._chunks)  # fp32 landing zone, cast on the GPU
+                self._scratch = [torch.empty(n, dtype=torch.float32, device=device)
+                                 for _ in range(2)]
+        if overlap_forward:
+            for m in module.modules():
+                need = [ready[id(p)] for p in m.parameters(recurse=False) if id(p) in ready]
+                if need:
+                    self._hooks.append(m.register_forward_pre_hook(
+                        partial(self._await_params, max(need))))
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -140,6 +173,7 @@ class Stage12Partitioner:
     # ---- backward --------------------------------------------------------------------------
 
     def begin_micro_step(self, boundary: bool) -> None:
+        self.wait_step()  # backward reads every parameter and writes the host gradients
         self._boundary = boundary
         self.phase = Phase.ACCUMULATING
         self._ready = [0] * len(self.layout.buckets)
@@ -275,6 +309,7 @@ class Stage12Partitioner:
     def publish_params(self, staged: bool = False) -> None:
         """Masters -> this rank's slices (unless ``stage_range`` covered every group already)
         -> in-place all-gather of every bucket."""
+        self.wait_step()
         with torch.profiler.record_function("zeroio::publish_params"):
             handles = []
             for b in self.layout.buckets:
@@ -291,14 +326,92 @@ class Stage12Partitioner:
             self.phase = Phase.IDLE
 
     def zero_grad(self) -> None:
+        # ShardGroup.grad is not cleared: the first reducing micro step of the next
+        # accumulation copies (never adds) every bucket's slice into it, padding included, so a
+        # memset of the whole host shard each step (GBs) would buy nothing.
         self._norm_parts = []
-        for g in self.groups:
-            g.grad.zero_()
         self.grads.zero_()
         self._first_micro = True
         self.phase = Phase.IDLE
 
+    # ---- host step (see step_overlap.[Note: step overlap]) --------------------------------
+
+    def _plan_step(self, chunk_numel: int) -> tuple[list[StepChunk], dict[int, int]]:
+        """Chunks in the order a forward reads parameters (buckets by their first global
+        offset), and per parameter the last chunk its published value depends on."""
+        order = sorted(self.layout.buckets,
+                       key=lambda b: min((s.global_offset for s in b.slots), default=0))
+        chunks: list[StepChunk] = []
+        ready: dict[int, int] = {}
+        for b in order:
+            size, first = b.slice_numel(self.world), len(chunks)
+            for lo in range(0, size, chunk_numel):
+                k = min(chunk_numel, size - lo)
+                chunks.append(StepChunk(bucket=b, slice_lo=lo, numel=k,
+                                        gather=self.world > 1 and lo + k == size))
+            for s in b.slots:
+                if self.world > 1:  # usable after the bucket's all-gather
+                    ready[id(s.param)] = len(chunks) - 1
+                else:  # world 1: the slice is the bucket
+                    end = s.flat_offset - b.start + s.numel
+                    ready[id(s.param)] = first + (end - 1) // chunk_numel if s.numel else -1
+        return chunks, ready
+
+    def run_step(self, update) -> None:
+        """The optimizer step of host masters, chunk by chunk on a worker thread: ``update(
+        group_index, local_start, numel)`` (CPU Adam) then that chunk's publication (fp32
+        host-to-device copy on a copy stream, 16-bit cast there, all-gather after a bucket's last
+        chunk). Without ``overlap_forward`` it returns when all is published (in stream
+        order); with it, at once, and forward pre-hooks wait for each module's chunks."""
+        self.wait_step()
+        if self._copy_stream is not None:  # the backward's last reads of the buffers come first
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._runner.start(partial(self._step_job, update))
+        if not self.overlap_forward:
+            self.wait_step()
+        self.phase = Phase.IDLE
+
+    def _step_job(self, update, i: int) -> None:
+        c = self._chunks[i]
+        b, lb, size = c.bucket, self._local_base[c.bucket.index], c.bucket.slice_numel(self.world)
+        update(b.group_index, lb + c.slice_lo, c.numel)
+        src = self.groups[b.group_index].master.narrow(0, lb + c.slice_lo, c.numel)
+        dst = self.params.narrow(0, b.start + self.rank * size + c.slice_lo, c.numel)
+        if self._copy_stream is None:
+            dst.copy_(src)
+            if c.gather:
+                comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+            if not self._scratch or src.dtype == dst.dtype:
+                dst.copy_(src, non_blocking=True)
+            else:  # the master goes up as fp32 and is cast on the GPU: no CPU pass for the cast
+                landing = self._scratch[i % 2].narrow(0, 0, c.numel)
+                landing.copy_(src, non_blocking=True)
+                dst.copy_(landing)
+            if c.gather:
+                comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
+            self._runner.events[i].record(self._copy_stream)
+
+    def _await_params(self, need: int, module, args) -> None:
+        """Forward pre-hook (``overlap_forward``): this module's parameters are published."""
+        if not self._runner.running or need < 0:
+            return
+        self._runner.wait_for(need)
+        if self._runner.events is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._runner.events[need])
+
+    def wait_step(self) -> None:
+        """Wait for a host step started by ``run_step`` (re-raising its error); afterwards the
+        current stream is ordered after every publication."""
+        if not self._runner.running:
+            return
+        self._runner.join()
+        if self._runner.events is not None and self._chunks:
+            torch.cuda.current_stream(self.device).wait_event(self._runner.events[-1])
+
     def close(self) -> None:
+        self.wait_step()
         for h in self._hooks:
             h.remove()
         self._hooks = []
