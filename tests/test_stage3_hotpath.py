@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from zeroio.partition.stage12 import ShardHome
 from zeroio.partition.stage3 import Stage3Partitioner, Stage3Settings
+from zeroio.partition.stage12 import ShardHome
 
 
 class Net(nn.Module):
