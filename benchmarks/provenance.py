@@ -60,7 +60,7 @@ def machine(disk_path: str | Path | None = None) -> dict[str, Any]:
         "platform": platform.platform(),
         "gpus": gpus,
         "gpu_count": len(gpus),
-        "cpus": os.cpu_count(),
+        "cpu_count": os.cpu_count(),
         "ram_gib": round(psutil.virtual_memory().total / GIB, 1),
         "python": platform.python_version(),
     }

@@ -9,14 +9,13 @@ engine started: per step they are divided by the engine's step count.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
-import os
-import platform
-import shutil
-import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
+import provenance as _provenance  # noqa: E402
 
 GIB = 1024**3
 
@@ -70,46 +69,16 @@ def row_from(*, name: str, label: str, status: str, reason: str = "", world: int
         gb_moved_per_step=moved, wall_seconds=wall_seconds)
 
 
-def _run(argv: list[str]) -> str:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=30,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def machine(disk_path: Path | None = None) -> dict[str, Any]:
-    """What ran it: GPUs (nvidia-smi), CPUs, RAM, free disk where NVMe state goes."""
-    import psutil
-
-    gpus = [g for g in _run(["nvidia-smi", "--query-gpu=name,memory.total",
-                             "--format=csv,noheader"]).splitlines() if g]
-    info = {
-        "host": platform.node(),
-        "gpus": gpus,
-        "gpu_count": len(gpus),
-        "cpu_count": os.cpu_count(),
-        "ram_gib": psutil.virtual_memory().total / GIB,
-        "python": platform.python_version(),
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    if disk_path is not None:
-        probe = disk_path if disk_path.exists() else disk_path.parent
-        if probe.exists():
-            info["disk_free_gib"] = shutil.disk_usage(probe).free / GIB
-    return info
+    """What ran it (benchmarks/provenance.py): GPUs, CPUs, RAM, free disk where NVMe state goes."""
+    return _provenance.machine(disk_path)
 
 
 def provenance(repo: Path) -> dict[str, Any]:
-    commit = _run(["git", "-C", str(repo), "rev-parse", "HEAD"]) or "unknown"
-    dirty = bool(_run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"]))
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit, "dirty_tree": dirty}
+    """Date and commit (ZEROIO_COMMIT on the device machine, else git)."""
+    del repo  # provenance.py knows its repository
+    return {"date": _provenance.now().isoformat(timespec="seconds"),
+            "commit": _provenance.commit(), "dirty_tree": bool(_provenance.dirty())}
 
 
 COLUMNS = ("contender", "world", "s/step", "tokens/s", "tokens/s/GPU", "peak GPU GiB",
