@@ -25,7 +25,11 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zeroio", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="zeroio",
+        description="Train models whose state is larger than the GPUs: ZeRO 1/2/3 with GPU, "
+        "pinned-CPU and NVMe tiers. `zeroio COMMAND --help` for each command.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, _help in COMMANDS:
         module = importlib.import_module(f"zeroio.cli.{name}_cmd")
