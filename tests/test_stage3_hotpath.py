@@ -131,7 +131,10 @@ def test_gpu_step_makes_no_pinned_allocation_and_backward_no_sync():
     part.publish_params()
     part.zero_grad()
     torch.cuda.synchronize()
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # torch announces the debug mode itself with a "prototype feature" warning; the
+    # warnings that count are the ones naming a synchronizing CUDA call.
+    syncs = [str(w.message) for w in caught
+             if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
     assert syncs == [], syncs
     assert torch.cuda.host_memory_stats().get("num_host_alloc", 0) == before
     assert part.landing.host_allocations == allocs
