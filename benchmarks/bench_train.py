@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_io import commit, machine  # noqa: E402
+from provenance import commit, machine  # noqa: E402
 
 
 def run_one(args, nproc: int) -> dict:
