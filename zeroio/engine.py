@@ -124,6 +124,7 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
+        self.training_dataloader = None  # set by initialize(training_data=...)
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_applied = False
@@ -286,8 +287,12 @@ class Engine:
         from zeroio.checkpoint import engine_io
 
         self.synchronize()
-        return engine_io.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                         load_lr_scheduler_states)
+        result = engine_io.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                           load_lr_scheduler_states)
+        loader = self.training_dataloader
+        if loader is not None and hasattr(loader.sampler, "resume"):
+            loader.sampler.resume(self.global_samples)  # [Note: one global order] in data.py
+        return result
 
     def save_16bit_model(self, save_dir, save_filename=None):
         from zeroio.checkpoint import engine_io
@@ -304,15 +309,16 @@ class Engine:
 
 
 def _dataloader(engine: Engine, training_data, collate_fn):
+    """DeepSpeed's training loader: micro batches of this rank's share of a resumable order."""
     if training_data is None:
         return None
-    sampler = None
-    if engine.world_size > 1:
-        sampler = torch.utils.data.distributed.DistributedSampler(
-            training_data, num_replicas=engine.world_size, rank=engine.global_rank)
+    from zeroio.data import ResumableSampler
+
+    sampler = ResumableSampler(training_data, num_replicas=engine.world_size,
+                               rank=engine.global_rank)
     return torch.utils.data.DataLoader(
         training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-        collate_fn=collate_fn, shuffle=False, drop_last=True)
+        collate_fn=collate_fn, drop_last=True)
 
 
 def initialize(model=None, config=None, model_parameters=None, optimizer=None,
@@ -326,5 +332,5 @@ def initialize(model=None, config=None, model_parameters=None, optimizer=None,
         raise ConfigError("initialize(config=...) is required: a path or a dict", key="config")
     engine = Engine(model=model, config=config, model_parameters=model_parameters,
                     optimizer=optimizer, lr_scheduler=lr_scheduler)
-    return engine, engine.optimizer, _dataloader(engine, training_data, collate_fn), \
-        engine.lr_scheduler
+    engine.training_dataloader = _dataloader(engine, training_data, collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
