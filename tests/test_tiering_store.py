@@ -85,6 +85,29 @@ class StoreVsDict(RuleBasedStateMachine):
         torch.testing.assert_close(t, self.model[name], rtol=0, atol=0)
         self.held[name] = t
 
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), seed=st.integers(0, 1000))
+    def acquire_for_overwrite(self, data, seed):
+        """acquire(overwrite=True), then every element written: the store must keep exactly
+        the new values (nothing read, nothing older written back over them)."""
+        name = data.draw(st.sampled_from(sorted(self.model)))
+        if name in self.held:
+            return
+        cpu_homes = sum(page_cost(self.model[n].numel() * 4) for n in self.model if self.home[n] is Tier.CPU)
+        held_cache = sum(page_cost(self.held[n].numel() * 4) for n in self.held if self.home[n] is Tier.NVME)
+        need = 0 if self.home[name] is Tier.CPU else page_cost(self.model[name].numel() * 4)
+        fits = cpu_homes + held_cache + need <= self.cpu_budget
+        try:
+            t = self.store.acquire(name, "cpu", overwrite=True)
+        except CapacityError:
+            assert not fits, "overwrite acquire refused although unpinned space could be freed"
+            return
+        assert fits, "overwrite acquire succeeded beyond the budget"
+        assert t.shape == self.model[name].shape
+        t.copy_(torch.randn(t.numel(), generator=torch.Generator().manual_seed(seed)))
+        self.model[name] = t.clone()
+        self.held[name] = t
+
     @precondition(lambda self: self.held)
     @rule(data=st.data(), value=st.floats(-1e3, 1e3, allow_nan=False))
     def write(self, data, value):
@@ -283,6 +306,54 @@ def test_acquire_async_and_stats_shape():
         assert st_["misses"] == 1 and st_["hits"] == 0
         assert set(st_["tiers"]) == {"gpu", "cpu", "nvme"}
         assert st_["tiers"]["nvme"]["used_bytes"] == 64
+
+
+def test_overwrite_reads_nothing_and_its_values_reach_the_home():
+    with small_store(cpu_budget_bytes=2 * PAGE) as s:
+        s.register("w", (16,), torch.float32, home=Tier.NVME, init=torch.arange(16.0))
+        t = s.acquire("w", "cpu", overwrite=True)
+        assert s.residency("w") == {"nvme": "clean", "cpu": "dirty"}
+        t.copy_(torch.full((16,), 7.0))
+        s.release("w")
+        st_ = s.stats()
+        assert "nvme->cpu" not in st_["bytes_moved"]  # no read of the old bytes
+        assert st_["overwrites"] == 1 and st_["misses"] == 0
+        s.flush()
+        assert s.stats()["bytes_moved"] == {"cpu->nvme": 64}
+        for n in ("a", "b"):  # evict w's cache copy, then read the home back
+            s.register(n, (1024,), torch.float32, home=Tier.NVME)
+            s.acquire(n, "cpu")
+            s.release(n)
+        assert "cpu" not in s.residency("w")
+        torch.testing.assert_close(s.acquire("w", "cpu"), torch.full((16,), 7.0))
+        s.release("w")
+        # a resident copy is reused (no second allocation) and comes back dirty
+        s.acquire("w", "cpu", overwrite=True)
+        assert s.residency("w")["cpu"] == "dirty" and s.stats()["hits"] == 1
+        s.release("w")
+
+
+def test_acquire_async_result_wait_counts_as_stall():
+    import threading
+
+    from zeroio.tiering.backend import MemoryBackend as Mem
+
+    gate = threading.Event()
+
+    class Slow(Mem):
+        def _read(self, name, out):
+            gate.wait(5)  # the disk answers only when the test lets it
+            return super()._read(name, out)
+
+    with small_store(backend=Slow()) as s:
+        s.register("w", (16,), torch.float32, home=Tier.NVME, init=torch.arange(16.0))
+        fut = s.acquire_async("w", "cpu")
+        threading.Timer(0.2, gate.set).start()
+        torch.testing.assert_close(fut.result(timeout=10), torch.arange(16.0))
+        st_ = s.stats()
+        assert st_["stall_seconds"] >= 0.15, st_
+        assert st_["busy_seconds"] >= st_["stall_seconds"] - 0.05
+        s.release("w")
 
 
 def test_clean_data_is_not_written_back():

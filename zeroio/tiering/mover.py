@@ -226,10 +226,19 @@ class Mover:
     # -- transfers -----------------------------------------------------------
 
     def _transfer(self, entry: Entry, src: Copy, dst: Copy) -> Transfer:
-        if src.tier is Tier.NVME:
-            return Transfer(future=self.backend.read_into(entry.name, dst.tensor))  # type: ignore[union-attr]
-        if dst.tier is Tier.NVME:
-            return Transfer(future=self.backend.write(entry.name, src.tensor))  # type: ignore[union-attr]
+        if src.tier is Tier.NVME or dst.tier is Tier.NVME:
+            # disk I/O: its future says when it ends, so its busy time is known
+            # ([Note: stall and hidden time] in stats.py)
+            self.stats.transfer_started()
+            try:
+                future = (self.backend.read_into(entry.name, dst.tensor)  # type: ignore[union-attr]
+                          if src.tier is Tier.NVME else
+                          self.backend.write(entry.name, src.tensor))  # type: ignore[union-attr]
+            except BaseException:
+                self.stats.transfer_finished()
+                raise
+            future.add_done_callback(self.stats.transfer_finished)
+            return Transfer(future=future)
         stream = self.streams["h2d" if dst.tier is Tier.GPU else "d2h"]
         return device_copy(src.tensor, dst.tensor, stream)  # type: ignore[arg-type]
 

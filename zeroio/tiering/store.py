@@ -172,17 +172,24 @@ class TieredStore:
 
     # -- acquire / release ----------------------------------------------------
 
-    def acquire(self, name: str, tier: Tier | str) -> torch.Tensor:
-        """The tensor resident in ``tier`` (GPU or CPU), stable until ``release``."""
+    def acquire(self, name: str, tier: Tier | str, *, overwrite: bool = False) -> torch.Tensor:
+        """The tensor resident in ``tier`` (GPU or CPU), stable until ``release``.
+
+        ``overwrite=True``: the caller writes every element before it reads any. With no copy
+        in ``tier`` one is allocated *without reading* (contents undefined) instead of loaded;
+        either way the tensor comes back marked dirty (as after ``mark_dirty``), so a shard that
+        is about to be replaced costs no read from its home."""
         t0 = time.perf_counter()
         self._mover.local.waited = 0.0
         with self._lock:
-            entry, copy = self._begin_acquire(name, tier)
             try:
-                self._finish_acquire(entry, copy)
+                if overwrite:
+                    entry, copy = self._begin_overwrite(name, tier)
+                else:
+                    entry, copy = self._begin_acquire(name, tier)
+                    self._finish_acquire(entry, copy)
             finally:
-                waited = self._mover.local.waited
-                if waited:
+                if self._mover.local.waited:
                     self._stats.stalled(time.perf_counter() - t0)
             self._prefetch_upcoming(copy.tier)
             return copy.tensor
@@ -193,19 +200,72 @@ class TieredStore:
         self._enqueue(names, tier)
 
     def acquire_async(self, name: str, tier: Tier | str) -> Future:
-        """Like ``acquire`` but returns at once; the future's result is the tensor."""
+        """Like ``acquire`` but returns at once; the future's result is the tensor. Time a
+        caller then blocks in ``result()`` counts as stall ([Note: stall and hidden time])."""
         with self._lock:
             entry, copy = self._begin_acquire(name, tier)
             if self._waiter is None:
                 self._waiter = ThreadPoolExecutor(1, thread_name_prefix="zeroio-tiering-acquire")
-        return self._waiter.submit(self._finish_async, entry, copy)
+        future = _TimedFuture(self._stats)
+
+        def finish() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self._finish_async(entry, copy))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._waiter.submit(finish)
+        return future
 
     def _finish_async(self, entry: Entry, copy: Copy) -> torch.Tensor:
         with self._lock:
             self._finish_acquire(entry, copy)
             return copy.tensor
 
-    def _begin_acquire(self, name: str, tier: Tier | str) -> tuple[Entry, Copy]:
+    def _begin_overwrite(self, name: str, tier: Tier | str) -> tuple[Entry, Copy]:
+        """``acquire(overwrite=True)`` up to a pinned, DIRTY copy in ``tier`` (lock held)."""
+        entry, tier = self._acquirable(name, tier)
+        self._mover.reap()
+        space = self._spaces[tier]
+        space.policy.touch(name)  # type: ignore[union-attr]
+        cost = space.cost(entry.nbytes)
+        while True:
+            copy = entry.copies.get(tier)
+            if copy is not None:  # already here (or on its way): use it, then mark it dirty
+                self._stats.hit()
+                self._mover.pin(copy)
+                copy.evict_after = False
+                self._finish_acquire(entry, copy)
+                try:
+                    self._dirty(entry, copy, "acquire")
+                except BaseException:
+                    self._mover.unpin(copy)
+                    raise
+                return entry, copy
+            # Every other copy is about to be superseded: let their moves land, make room.
+            self._mover.quiesce(entry)
+            if entry.copies.get(tier) is not None:
+                continue
+            self._mover.make_room(space, cost, name, prefetch=False)
+            if (entry.copies.get(tier) is not None or space.used + cost > space.budget
+                    or any(m.entry is entry for m in self._mover.inflight)):
+                continue  # another thread acted while we waited
+            held = [c.tier.value for c in entry.copies.values() if not c.is_home and c.pins]
+            if held:
+                raise ResidencyError(f"acquire({name!r}, {tier.value}, overwrite=True): it is "
+                                     f"acquired in {held}; release it there first")
+            for other in list(entry.copies.values()):
+                if not other.is_home:
+                    self._mover.drop(entry, other)
+            copy = self._mover.new_copy(entry, tier, Residency.ABSENT, home=False)
+            copy.fire(Event.OVERWRITE)
+            self._stats.overwrote()
+            self._mover.pin(copy)
+            return entry, copy
+
+    def _acquirable(self, name: str, tier: Tier | str) -> tuple[Entry, Tier]:
         self._check_open()
         tier = Tier.parse(tier)
         entry = self._entry(name)
@@ -218,6 +278,10 @@ class TieredStore:
         if entry.error is not None:
             err, entry.error = entry.error, None
             raise err
+        return entry, tier
+
+    def _begin_acquire(self, name: str, tier: Tier | str) -> tuple[Entry, Copy]:
+        entry, tier = self._acquirable(name, tier)
         self._mover.reap()
         self._spaces[tier].policy.touch(name)  # type: ignore[union-attr]
         copy = entry.copies.get(tier)
@@ -263,18 +327,20 @@ class TieredStore:
         this one is written back before its space is reused."""
         with self._lock:
             entry = self._entry(name)
-            copy = self._held(entry, tier, "mark_dirty")
-            self._mover.quiesce(entry)
-            for other in list(entry.copies.values()):
-                if other is copy or other.is_home:
-                    continue
-                if other.pins:
-                    raise ResidencyError(
-                        f"mark_dirty({name!r}, {copy.tier.value}): it is also acquired in "
-                        f"{other.tier.value}; release that first")
-                self._mover.drop(entry, other)
-            if not copy.is_home:
-                copy.fire(Event.WRITE)
+            self._dirty(entry, self._held(entry, tier, "mark_dirty"), "mark_dirty")
+
+    def _dirty(self, entry: Entry, copy: Copy, what: str) -> None:
+        self._mover.quiesce(entry)
+        for other in list(entry.copies.values()):
+            if other is copy or other.is_home:
+                continue
+            if other.pins:
+                raise ResidencyError(
+                    f"{what}({entry.name!r}, {copy.tier.value}): it is also acquired in "
+                    f"{other.tier.value}; release that first")
+            self._mover.drop(entry, other)
+        if not copy.is_home:
+            copy.fire(Event.WRITE)
 
     def release(self, name: str, tier: Tier | str | None = None, *, after: object = None) -> None:
         """Drop one acquire. ``after`` (a CUDA event, or anything with ``query()`` and
@@ -456,6 +522,23 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise ResidencyError("tiered store: it is closed")
+
+
+class _TimedFuture(Future):
+    """The future of ``acquire_async``: blocking in ``result`` counts as stall."""
+
+    def __init__(self, stats: TierStats):
+        super().__init__()
+        self._stats = stats
+
+    def result(self, timeout: float | None = None):
+        if self.done():
+            return super().result(timeout)
+        t0 = time.perf_counter()
+        try:
+            return super().result(timeout)
+        finally:
+            self._stats.stalled(time.perf_counter() - t0)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

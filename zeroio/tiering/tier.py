@@ -55,6 +55,7 @@ class Event(str, enum.Enum):
     WRITEBACK_FAILED = "writeback_failed"
     EVICT = "evict"
     DISCARD = "discard"
+    OVERWRITE = "overwrite"
 
 
 class Residency(str, enum.Enum):
@@ -64,6 +65,7 @@ class Residency(str, enum.Enum):
     DIRTY -start_writeback-> WRITING_BACK -writeback_done-> CLEAN -evict-> ABSENT
     LOADING -load_failed-> ABSENT;  WRITING_BACK -writeback_failed-> DIRTY
     DIRTY -discard-> ABSENT (a newer write in another tier superseded it)
+    ABSENT -overwrite-> DIRTY (acquired for overwrite: allocated, not read)
     """
 
     ABSENT = "absent"
@@ -101,4 +103,5 @@ _TRANSITIONS: dict[tuple[Residency, Event], Residency] = {
     (Residency.WRITING_BACK, Event.WRITEBACK_FAILED): Residency.DIRTY,
     (Residency.CLEAN, Event.EVICT): Residency.ABSENT,
     (Residency.DIRTY, Event.DISCARD): Residency.ABSENT,
+    (Residency.ABSENT, Event.OVERWRITE): Residency.DIRTY,
 }
