@@ -33,6 +33,7 @@ from zeroio.optim.loss_scaler import build_loss_scaler
 from zeroio.optim.lr_schedules import build_scheduler
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
+from zeroio.tiering import stats as tstats
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -130,6 +131,9 @@ class Engine:
         self._step_applied = False
         self._timings: dict[str, float] = defaultdict(float)
         self._t0 = time.perf_counter()
+        # [Note: per-step transfer stats]: merged counters at the last two step boundaries
+        self._stats_at_boundary: dict | None = None
+        self._stats_last_step: dict | None = None
 
     def _scheduler(self, client):
         if client is None:
@@ -204,6 +208,7 @@ class Engine:
             with torch.profiler.record_function("zeroio::step"):
                 self._take_step(lr_kwargs or {})
             self._timings["step_s"] += time.perf_counter() - t
+            self._stats_boundary()
             self._maybe_print()
         self.micro_steps += 1
 
@@ -255,12 +260,41 @@ class Engine:
 
     # ---- reporting -------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """Tier traffic (from the tiered store when NVMe offload runs) and phase timings."""
-        self.synchronize()
+    def _stats_sources(self) -> dict[str, dict]:
+        """Every counter source: the optimizer's tiered store (offload_optimizer nvme) and the
+        partitioner's (host <-> device copies; stage 3's NVMe parameter store)."""
+        sources: dict[str, dict] = {}
         store = getattr(self.optimizer, "store", None)
-        out: dict[str, Any] = (store.stats() if store is not None else
-                               {"bytes_moved": {}, "stall_seconds": 0.0, "tiers": {}})
+        if store is not None:
+            sources["optimizer"] = store.stats()
+        part = getattr(self.partitioner, "stats_sources", None)
+        if part is not None:
+            sources.update(part())
+        return sources
+
+    def _stats_boundary(self) -> None:
+        """[Note: per-step transfer stats] Each source keeps its own step counters, reset at
+        its own moments (the optimizer's store at its step, others never), so the engine
+        takes ``last_step`` as the difference of the merged totals at consecutive optimizer
+        steps: every source's traffic lands in the step it happened in, and the totals are
+        exactly the sum of the per-step values."""
+        now = tstats.merge(self._stats_sources())
+        now.pop("sources")
+        self._stats_last_step = tstats.diff(now, self._stats_at_boundary)
+        self._stats_at_boundary = now
+
+    def stats(self) -> dict[str, Any]:
+        """DESIGN.md's ``engine.stats()``: since start, ``bytes_moved`` per tier pair
+        ("nvme->cpu", "cpu->nvme", "cpu->gpu", "gpu->cpu", ...), ``stall_seconds`` (time the
+        training thread waited on transfers or I/O), ``busy_seconds`` and ``hidden_fraction``
+        (where in-flight time is measured), ``tiers`` (budget and used bytes summed over
+        stores); ``last_step`` (the last optimizer step's values, same keys), ``step`` (since
+        then); ``sources`` (each counter source as it reports itself); phase ``timings``."""
+        self.synchronize()
+        sources = self._stats_sources()
+        out: dict[str, Any] = tstats.merge(sources)
+        out["last_step"] = self._stats_last_step
+        out["step"] = tstats.diff(out, self._stats_at_boundary)
         out["timings"] = dict(self._timings)
         out["global_steps"] = self.global_steps
         out["skipped_steps"] = self.skipped_steps
@@ -271,8 +305,9 @@ class Engine:
         every = self.config.steps_per_print
         if (self.config.wall_clock_breakdown and every and self.global_rank == 0
                 and self.global_steps % every == 0):
-            t = {k: round(v, 4) for k, v in self._timings.items()}
-            print(f"[zeroio] step {self.global_steps} lr {self.get_lr()} timings {t}", flush=True)
+            t = " ".join(f"{k.removesuffix('_s')} {v:.3f}s" for k, v in self._timings.items())
+            print(f"[zeroio] step {self.global_steps} lr {self.get_lr()} total {t} | "
+                  f"last step {format_step_stats(self._stats_last_step)}", flush=True)
 
     # ---- checkpoints (zeroio/checkpoint owns the format) -----------------------------------
 
@@ -306,6 +341,21 @@ class Engine:
         closer = getattr(self.optimizer, "close", None)
         if closer is not None:
             closer()
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f}GB" if n >= 1e7 else f"{n / 1e6:.2f}MB"
+
+
+def format_step_stats(s: dict | None) -> str:
+    """One compact line of a step's transfer stats, e.g.
+    ``nvme->cpu 5.44GB cpu->gpu 2.72GB stall 1.203s hidden 71%``."""
+    if not s:
+        return "no transfers"
+    moved = " ".join(f"{k} {_gb(v)}" for k, v in s["bytes_moved"].items()) or "no transfers"
+    hidden = s.get("hidden_fraction")
+    tail = f" hidden {hidden:.0%}" if hidden is not None else ""
+    return f"{moved} stall {s['stall_seconds']:.3f}s{tail}"
 
 
 def _dataloader(engine: Engine, training_data, collate_fn):

@@ -43,6 +43,7 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.step_overlap import StepRunner
+from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +93,9 @@ class Stage12Partitioner:
     ):
         self.stage = stage
         self.group = group
+        # host <-> device bytes (gradient D2H, parameter H2D) counted where the copies are
+        # issued, and host waits on them: engine.stats() (tiering/stats.py)
+        self.transfers = TierStats()
         self.device = device
         self.home = home
         self.index = ParamIndex.from_module(module)
@@ -226,6 +230,7 @@ class Stage12Partitioner:
         if self._boundary and (self._first_micro or self.stage != 2):  # the final value
             self._norm_parts.append(torch.linalg.vector_norm(scaled).double().pow(2))
         if self._first_micro or self.stage != 2:
+            count_copy(self.transfers, scaled, dst)
             dst.copy_(scaled, non_blocking=True)
         elif dst.device == scaled.device:
             dst.add_(scaled)
@@ -233,6 +238,7 @@ class Stage12Partitioner:
             stage = self._accum_staging.get(b.index)
             if stage is None:
                 stage = self._accum_staging[b.index] = self.home.empty(size)
+            count_copy(self.transfers, scaled, stage)
             stage.copy_(scaled, non_blocking=True)
             self._pending_host_add.append((dst, stage))
         self.grads.narrow(0, b.start, b.numel).zero_()
@@ -250,7 +256,8 @@ class Stage12Partitioner:
                 else:
                     torch.cuda.current_stream(self.device).wait_stream(self._side)
                     if self.home.device.type == "cpu":
-                        torch.cuda.current_stream(self.device).synchronize()
+                        with StallTimer(self.transfers):  # gradients landing in host memory
+                            torch.cuda.current_stream(self.device).synchronize()
                 for dst, stage in self._pending_host_add:
                     dst.add_(stage)
                 self._inflight.clear()
@@ -283,7 +290,8 @@ class Stage12Partitioner:
         A host master goes through a pinned 16-bit staging copy (the conversion runs on the
         CPU threads, the transfer is asynchronous); see [Note: publishing]."""
         if self._publish_done is not None:  # last step's transfers out of the staging are done
-            self._publish_done.synchronize()
+            with StallTimer(self.transfers):
+                self._publish_done.synchronize()
             self._publish_done = None
         size = b.slice_numel(self.world)
         src = self.groups[b.group_index].master.narrow(0, self._local_base[b.index] + lo, hi - lo)
@@ -296,6 +304,7 @@ class Stage12Partitioner:
             stage = stage.narrow(0, lo, hi - lo)
             stage.copy_(src)
             src = stage
+        count_copy(self.transfers, src, dst)
         dst.copy_(src, non_blocking=True)
 
     def stage_range(self, group_index: int, start: int, numel: int) -> None:
@@ -384,9 +393,11 @@ class Stage12Partitioner:
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             if not self._scratch or src.dtype == dst.dtype:
+                count_copy(self.transfers, src, dst)
                 dst.copy_(src, non_blocking=True)
             else:  # the master goes up as fp32 and is cast on the GPU: no CPU pass for the cast
                 landing = self._scratch[i % 2].narrow(0, 0, c.numel)
+                count_copy(self.transfers, src, landing)
                 landing.copy_(src, non_blocking=True)
                 dst.copy_(landing)
             if c.gather:
@@ -409,6 +420,10 @@ class Stage12Partitioner:
         self._runner.join()
         if self._runner.events is not None and self._chunks:
             torch.cuda.current_stream(self.device).wait_event(self._runner.events[-1])
+
+    def stats_sources(self) -> dict[str, dict]:
+        """Transfer counters for ``engine.stats()``."""
+        return {"stage12.copies": self.transfers.as_dict()}
 
     def close(self) -> None:
         self.wait_step()

@@ -34,6 +34,7 @@ import torch
 
 from zeroio.partition.base import ShardGroup
 from zeroio.partition.stage3.streams import record
+from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +53,9 @@ class GradLanding:
     """Consumes reduced buckets into ``ShardGroup.grad`` (see the note above)."""
 
     def __init__(self, groups: list[ShardGroup], pieces: dict[int, list[Landing]],
-                 device: torch.device, pin: bool):
+                 device: torch.device, pin: bool, transfers: TierStats | None = None):
         self.groups = groups
+        self.transfers = transfers  # D2H bytes and host waits (engine.stats)
         self.pieces = pieces
         self.device = device
         self.pin = pin and torch.cuda.is_available()
@@ -83,6 +85,7 @@ class GradLanding:
         for ld in self.pieces.get(gi, []):
             src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
             if writes == 0:
+                count_copy(self.transfers, src, dst)
                 dst.copy_(src, non_blocking=True)
             elif dst.device == src.device:
                 dst.add_(src)
@@ -97,6 +100,7 @@ class GradLanding:
             n = max(p.lo + p.numel for p in self.pieces[gi])
             stage = self._staging[gi] = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
             self.host_allocations += 1
+        count_copy(self.transfers, src, stage)
         stage.narrow(0, ld.lo, ld.numel).copy_(src, non_blocking=True)
         self._host_adds[gi] = record(torch.cuda.current_stream(src.device)) if src.is_cuda \
             else None
@@ -104,7 +108,8 @@ class GradLanding:
     def _apply(self, gi: int) -> None:
         event = self._host_adds.pop(gi)
         if event is not None:
-            event.synchronize()
+            with StallTimer(self.transfers):
+                event.synchronize()
         stage = self._staging[gi]
         for ld in self.pieces[gi]:
             self._dst(ld).add_(stage.narrow(0, ld.lo, ld.numel))
@@ -113,7 +118,8 @@ class GradLanding:
         """After every reduction was consumed (on ``stream``): one host wait when gradients
         land in host memory, the staged adds, and at the boundary zeros for unwritten groups."""
         if stream is not None and any(g.grad.device.type == "cpu" for g in self.groups):
-            record(stream).synchronize()  # the CPU optimizer reads these bytes next
+            with StallTimer(self.transfers):
+                record(stream).synchronize()  # the CPU optimizer reads these bytes next
         for gi in list(self._host_adds):
             self._apply(gi)
         if boundary:

@@ -142,12 +142,18 @@ class ParamGroup:
 
     def write_back_full(self) -> None:
         """Store this rank's slice of the current full parameters as its shard (modifier path)."""
-        self.store.update(self.plan.index,
-                          self._full.narrow(0, self.shard_lo, self.plan.shard_numel), 0)
+        self.store.update_pieces(
+            self.plan.index, [(0, self._full.narrow(0, self.shard_lo, self.plan.shard_numel))],
+            whole=True)
 
     def update_shard(self, lo: int, values: torch.Tensor) -> None:
         """Write updated values (fp32 masters) into ``[lo, lo+n)`` of this rank's shard."""
         self.store.update(self.plan.index, values, lo)
+
+    def update_shard_pieces(self, pieces: list[tuple[int, torch.Tensor]], *, whole: bool) -> None:
+        """``update_shard`` for each ``(lo, values)``; ``whole``: they cover every element of
+        the shard but padding (``ShardStore.update_pieces``)."""
+        self.store.update_pieces(self.plan.index, pieces, whole=whole)
 
     # -- gradients --------------------------------------------------------------------------
     def accept_grad(self, slot_index: int, grad: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
 from zeroio.partition.stage3.store import make_store
 from zeroio.partition.stage3.streams import Streams, wait_stream
+from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
 
@@ -57,7 +58,8 @@ class Stage3Partitioner:
                                 persistence_threshold=settings.persistence_threshold,
                                 opt_group_of=opt_group_of, index=self.index,
                                 shape_of=registry.true_shape)
-        self.store = make_store(settings, device, rank=self.rank)
+        self.transfers = TierStats()  # host <-> device copies, counted where issued
+        self.store = make_store(settings, device, rank=self.rank, transfers=self.transfers)
         self.streams = Streams.for_device(device)  # the only place stage 3 makes streams
         by_id = {id(p): p for p in module.parameters()}
         self.pgroups: list[ParamGroup] = []
@@ -74,7 +76,9 @@ class Stage3Partitioner:
             {gi: [Landing(lo=r.piece.lo, numel=r.piece.hi - r.piece.lo,
                           opt_group=r.piece.opt_group, base=r.base) for r in refs]
              for gi, refs in self._pieces.items()},
-            device, pin=getattr(home, "pin_memory", False))
+            device, pin=getattr(home, "pin_memory", False), transfers=self.transfers)
+        self._whole = {gi: _covers_shard(self.pgroups[gi].plan, self.rank, refs)
+                       for gi, refs in self._pieces.items()}
         for p in by_id.values():
             registry.OWNERS[p] = self
         self.trace = Trace(settings, [g.numel for g in self.pgroups])
@@ -247,10 +251,9 @@ class Stage3Partitioner:
         """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
         with torch.profiler.record_function("zeroio::stage3::publish_params"):
             for gi, refs in self._pieces.items():
-                for ref in refs:
-                    n = ref.piece.hi - ref.piece.lo
-                    src = self.groups[ref.piece.opt_group].master.narrow(0, ref.base, n)
-                    self.pgroups[gi].update_shard(ref.piece.lo, src)
+                pieces = [(ref.piece.lo, self.groups[ref.piece.opt_group].master.narrow(
+                    0, ref.base, ref.piece.hi - ref.piece.lo)) for ref in refs]
+                self.pgroups[gi].update_shard_pieces(pieces, whole=self._whole[gi])
             for g in self.pgroups:
                 g.refresh()
             self.phase = Phase.IDLE
@@ -267,6 +270,15 @@ class Stage3Partitioner:
     def close(self) -> None:
         self.hooks.remove()
         self.store.close()
+
+    def stats_sources(self) -> dict[str, dict]:
+        """Transfer counters for ``engine.stats()``: host <-> device copies of shards and
+        gradients, and the NVMe parameter store's own swapping (offload_param nvme)."""
+        out = {"stage3.copies": self.transfers.as_dict()}
+        store_stats = getattr(self.store, "stats", None)
+        if store_stats is not None:
+            out["stage3.params"] = store_stats()
+        return out
 
     # -- GatheredParameters -----------------------------------------------------------------
     def groups_of(self, params) -> list[int]:
@@ -299,6 +311,21 @@ class Stage3Partitioner:
         out["gathered"] = gathered
         out[key] = out.get(key, 0)
         return out
+
+
+def _covers_shard(plan, rank: int, refs: list[_PieceRef]) -> bool:
+    """Whether the optimizer's pieces of this rank's shard include every element of a frozen
+    parameter too, i.e. publishing replaces all that matters and the rest is padding: then the
+    old shard need not be read to update it ([Note] in nvme_store.py)."""
+    lo, hi = rank * plan.shard_numel, (rank + 1) * plan.shard_numel
+    spans = sorted((r.piece.lo, r.piece.hi) for r in refs)
+    for s in plan.slots:
+        a, b = max(lo, s.offset) - lo, min(hi, s.offset + s.numel) - lo
+        if a >= b or s.opt_group >= 0:
+            continue
+        if not any(x <= a and b <= y for x, y in spans):
+            return False
+    return True
 
 
 def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.device,

@@ -11,6 +11,11 @@ home; ``offload_param.device`` picks the class (``make_store``).
   NVMe; ``prefetch`` asks it to bring the next groups' shards to pinned CPU
   ahead of use (the recorded module order), ``fetch`` acquires and copies.
 
+Every copy between host and device is counted where it is issued in the
+partitioner's ``TierStats`` (``transfers``), and every host wait on a copy is
+stall time; ``update_pieces(whole=True)`` lets a store replace a shard
+without reading it first (the NVMe store's acquire for overwrite).
+
 ``fetch`` returns a ``Fetched``: the shard on the device and the event its copy
 (or its last update) completes with; the gather's comm stream waits on it. A
 host buffer an in-flight H2D copy reads is not written (``update``) or reused
@@ -25,6 +30,7 @@ import torch
 
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.streams import Fetched, Streams, on, record
+from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
 
 class ShardStore(Protocol):
@@ -37,6 +43,11 @@ class ShardStore(Protocol):
     def update(self, key: int, values: torch.Tensor, lo: int) -> None:
         """Overwrite elements ``[lo, lo+n)`` of the shard, converting dtype as needed."""
 
+    def update_pieces(self, key: int, pieces: list[tuple[int, torch.Tensor]], *,
+                      whole: bool) -> None:
+        """``update`` for each ``(lo, values)``. ``whole``: the pieces replace every element
+        that matters (the rest is padding, zeroed), so the old shard need not be read."""
+
     def prefetch(self, keys: list[int]) -> None:
         """Start moving these shards toward the compute device (no-op where they already are)."""
 
@@ -46,9 +57,15 @@ class ShardStore(Protocol):
     def close(self) -> None: ...
 
 
+def update_each(store: ShardStore, key: int, pieces: list[tuple[int, torch.Tensor]]) -> None:
+    for lo, values in pieces:
+        store.update(key, values, lo)
+
+
 class DeviceShards:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, transfers: TierStats | None = None):
         self.device = device
+        self.transfers = transfers
         self._shards: dict[int, torch.Tensor] = {}
         self._written: dict[int, torch.cuda.Event | None] = {}  # last update, on compute
 
@@ -59,9 +76,14 @@ class DeviceShards:
         return Fetched(self._shards[key], self._written.pop(key, None))
 
     def update(self, key, values, lo):
-        self._shards[key].narrow(0, lo, values.numel()).copy_(values, non_blocking=True)
+        dst = self._shards[key].narrow(0, lo, values.numel())
+        count_copy(self.transfers, values, dst)
+        dst.copy_(values, non_blocking=True)
         if self.device.type == "cuda":
             self._written[key] = record(torch.cuda.current_stream(self.device))
+
+    def update_pieces(self, key, pieces, *, whole):
+        update_each(self, key, pieces)
 
     def prefetch(self, keys):
         pass
@@ -75,8 +97,9 @@ class DeviceShards:
 
 
 class HostShards:
-    def __init__(self, device: torch.device, pin: bool):
+    def __init__(self, device: torch.device, pin: bool, transfers: TierStats | None = None):
         self.device = device
+        self.transfers = transfers
         self.pin = pin and torch.cuda.is_available()
         self._shards: dict[int, torch.Tensor] = {}
         self._reading: dict[int, torch.cuda.Event] = {}  # H2D copies still reading a host shard
@@ -92,6 +115,7 @@ class HostShards:
             return Fetched(host, None)
         with on(streams.h2d):
             dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            count_copy(self.transfers, host, dev)
             dev.copy_(host, non_blocking=self.pin)
             ready = record(streams.h2d)
         if ready is not None:
@@ -101,8 +125,14 @@ class HostShards:
     def update(self, key, values, lo):
         reading = self._reading.pop(key, None)
         if reading is not None:
-            reading.synchronize()  # an async copy may still read the old bytes
-        self._shards[key].narrow(0, lo, values.numel()).copy_(values)
+            with StallTimer(self.transfers):
+                reading.synchronize()  # an async copy may still read the old bytes
+        dst = self._shards[key].narrow(0, lo, values.numel())
+        count_copy(self.transfers, values, dst)
+        dst.copy_(values)
+
+    def update_pieces(self, key, pieces, *, whole):
+        update_each(self, key, pieces)
 
     def prefetch(self, keys):
         pass
@@ -114,11 +144,12 @@ class HostShards:
         self._shards.clear()
 
 
-def make_store(settings: Stage3Settings, device: torch.device, *, rank: int) -> ShardStore:
+def make_store(settings: Stage3Settings, device: torch.device, *, rank: int,
+               transfers: TierStats | None = None) -> ShardStore:
     if settings.offload_device == "none":
-        return DeviceShards(device)
+        return DeviceShards(device, transfers)
     if settings.offload_device == "cpu":
-        return HostShards(device, settings.pin_memory)
+        return HostShards(device, settings.pin_memory, transfers)
     from zeroio.partition.stage3.nvme_store import TieredShards
 
-    return TieredShards(settings, device, rank=rank)
+    return TieredShards(settings, device, rank=rank, transfers=transfers)
