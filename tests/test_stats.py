@@ -177,3 +177,14 @@ def test_host_device_bytes_on_gpu(tmp_path):
         assert 2 * NUMEL <= s["bytes_moved"]["cpu->gpu"] <= 2 * 2 * NUMEL
     for r in res.values():
         _assert_totals_are_step_sums(r)
+
+
+def test_print_line_is_compact():
+    from zeroio.engine import format_step_stats
+
+    line = format_step_stats({"bytes_moved": {"cpu->gpu": 2_720_000_000, "nvme->cpu": 4_000_000},
+                              "stall_seconds": 1.2034, "hidden_fraction": 0.71})
+    assert line == "cpu->gpu 2.72GB nvme->cpu 4.00MB stall 1.203s hidden 71%"
+    assert format_step_stats(None) == "no transfers"
+    assert "hidden" not in format_step_stats({"bytes_moved": {}, "stall_seconds": 0.0,
+                                              "hidden_fraction": None})
