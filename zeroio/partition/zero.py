@@ -20,11 +20,13 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3 import registry
-from zeroio.partition.stage3.init import PartitionOnCreate, gather_param, repartition_param
+from zeroio.partition.stage3.init import (PartitionOnCreate, gather_param, repartition_param,
+                                          write_back_param)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,19 +49,159 @@ def _config_dtype(config) -> torch.dtype | None:
     return None
 
 
+def _default_device() -> torch.device | None:
+    # build on the local GPU as DeepSpeed does: initialisers run there, and NCCL can broadcast
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
 class Init(PartitionOnCreate):
     """Context manager: modules created inside have their parameters partitioned over ranks.
 
     ``config`` (path, dict or Config; optional) must have stage 3; its 16-bit
     setting picks the dtype the shards keep unless ``dtype`` is given (fp32
     masters of a 16-bit model then start from the 16-bit values, as DeepSpeed).
-    ``enabled=False`` makes it a no-op, as in DeepSpeed.
+    ``enabled=False`` makes it a no-op, as in DeepSpeed. Modules are built on
+    the current GPU when there is one (``device`` overrides; the kept shards
+    are in host memory either way). A Hugging Face ``PreTrainedModel`` built
+    inside gets transformers' own weight initialisation (see [Note: Hugging
+    Face init under zero.Init]).
     """
 
     def __init__(self, *, config=None, dtype: torch.dtype | None = None, enabled: bool = True,
-                 data_parallel_group=None):
+                 data_parallel_group=None, device: torch.device | str | None = "auto"):
         dtype = dtype if dtype is not None else _config_dtype(config)
-        super().__init__(group=data_parallel_group, dtype=dtype, enabled=enabled)
+        device = _default_device() if device == "auto" else device
+        super().__init__(group=data_parallel_group, dtype=dtype, enabled=enabled, device=device)
+        self._hf = _HFInit(group=data_parallel_group)
+        self._child_handle = None
+
+    def _on_child(self, parent: nn.Module, name: str, child):
+        self._hf.saw(parent)
+        if _is_hf_model(child):  # its __init__ (and post_init) just returned
+            self._hf.run(child)
+        return None
+
+    def __enter__(self):
+        super().__enter__()
+        if self.enabled:
+            self._child_handle = register_module_module_registration_hook(self._on_child)
+        return self
+
+    def __exit__(self, *exc):
+        if self._child_handle is not None:
+            self._child_handle.remove()
+            self._child_handle = None
+        try:
+            if exc[0] is None:  # before the last modules are partitioned: see the note
+                self._hf.finish()
+        finally:
+            self._hf = _HFInit(group=self.group)
+            super().__exit__(*exc)
+        return False
+
+
+# [Note: Hugging Face init under zero.Init]
+# transformers initialises weights in ``post_init`` at the end of each
+# PreTrainedModel's ``__init__``, after its submodules exist; under zero.Init
+# most of their parameters are empty placeholders by then, so that pass writes
+# nothing (and draws no random numbers). We redo it the way transformers does
+# for DeepSpeed (``initialize_weights_zero3``): its own dispatch
+# (``smart_apply``: a sub-model uses its own ``_initialize_weights``), children
+# before parents, each module's own and direct children's parameters gathered
+# just for its call and written back into every rank's shard (peak memory: one
+# module; every rank runs the init so the random streams stay in step, rank
+# 0's values are kept). It runs for a sub-model the moment it is assigned to
+# its parent (its ``__init__`` has just returned: exactly when its own
+# post_init ran) and for the outermost models at context exit, and a parameter
+# is initialised once (a tied lm_head does not redraw the embedding). So the
+# random draws come in the order of a build without zero.Init, and on CPU the
+# same seed gives bit-identical weights (tests/test_zero_init_hf.py). Random
+# draws made inside the ``with`` block after the model was built come before
+# the outermost model's pass and shift it.
+
+
+def _is_hf_model(module) -> bool:
+    import sys
+
+    mu = sys.modules.get("transformers.modeling_utils")
+    return mu is not None and isinstance(module, mu.PreTrainedModel)
+
+
+class _HFInit:
+    """transformers' ``initialize_weights`` on models partitioned by ``Init`` (see note)."""
+
+    def __init__(self, *, group=None):
+        self.group = group
+        self.seen: list[nn.Module] = []
+        self.modules: set[int] = set()  # modules this pass initialised
+        self.params: set[int] = set()  # parameters this pass initialised
+
+    def saw(self, parent: nn.Module) -> None:
+        if _is_hf_model(parent) and not any(m is parent for m in self.seen):
+            self.seen.append(parent)
+
+    def finish(self) -> None:
+        inner = {id(m) for top in self.seen for m in top.modules() if m is not top}
+        for model in self.seen:
+            if id(model) not in inner and id(model) not in self.modules:
+                self.run(model)
+        self.seen = []
+
+    def run(self, model) -> None:
+        from transformers.initialization import guard_torch_init_functions
+
+        custom = model.is_remote_code() if hasattr(model, "is_remote_code") else False
+        marked: list[nn.Parameter] = []
+        try:
+            with torch.no_grad(), guard_torch_init_functions():
+                self._apply(model, model._initialize_weights, custom, marked)
+        finally:
+            for p in marked:
+                del p._is_hf_initialized
+
+    def _apply(self, module: nn.Module, fn, custom: bool, marked: list) -> None:
+        for child in module.children():
+            self._apply(child, child._initialize_weights if _is_hf_model(child) else fn,
+                        custom, marked)
+        if id(module) in self.modules:
+            return
+        params = {id(p): p for p in module.parameters(recurse=False)}
+        for child in module.children():  # _init_weights may reach into direct children
+            if not _is_hf_model(child):
+                params.update((id(p), p) for p in child.parameters(recurse=False))
+        partitioned = [p for p in params.values() if p in registry.INIT_SHARDS]
+        if getattr(module, "_is_hf_initialized", False):
+            if not partitioned:  # post_init had its full parameters and really wrote them
+                self.modules.add(id(module))
+                self.params.update(params)
+                return
+            module._is_hf_initialized = False  # post_init saw placeholders and wrote nothing
+        for pid, p in params.items():
+            if pid in self.params and not getattr(p, "_is_hf_initialized", False):
+                p._is_hf_initialized = True  # transformers' init functions then skip it
+                marked.append(p)
+        with _Gathered(partitioned, self.group):
+            fn(module, custom)
+        self.modules.add(id(module))
+        self.params.update(params)
+
+
+class _Gathered:
+    """Full values of ``Init``-partitioned parameters inside the block; rank 0's kept on exit."""
+
+    def __init__(self, params: list[nn.Parameter], group):
+        self.params, self.group, self.full = params, group, []
+
+    def __enter__(self):
+        self.full = [gather_param(p, self.group) for p in self.params]
+        for p, full in zip(self.params, self.full, strict=True):
+            p.data = full
+        return self
+
+    def __exit__(self, *exc):
+        for p, full in zip(self.params, self.full, strict=True):
+            write_back_param(p, full, 0, self.group)
+        return False
 
 
 def _as_list(params) -> list[nn.Parameter]:

@@ -35,34 +35,71 @@ from zeroio.partition.stage3 import registry
 
 def partition_param(p: nn.Parameter, *, group=None, src: int = 0,
                     dtype: torch.dtype | None = None) -> None:
-    """Keep this rank's slice of ``p`` (broadcast from ``src`` first); leave ``p`` empty."""
+    """Keep this rank's slice of ``p`` (broadcast from ``src`` first); leave ``p`` empty.
+
+    The slice lives in host memory whatever device the parameter was built on
+    (the partitioner later moves each group to its home). With one rank the
+    parameter's own storage becomes the slice: no copy, no new allocation.
+    """
     if p in registry.INIT_SHARDS or p in registry.OWNERS:
         return
     world, rank = comm.world_size(group), comm.rank(group)
     data = p.detach()
     if dtype is not None and data.is_floating_point():
         data = data.to(dtype)
-    data = data.contiguous()
+    data = _collective_ready(data.contiguous(), group)
     comm.broadcast(data, src, group).wait()
     numel = data.numel()
     shard = max(1, -(-numel // world))
     flat = data.reshape(-1)
-    piece = torch.zeros(shard, dtype=data.dtype, device=data.device)
-    lo, hi = min(numel, rank * shard), min(numel, (rank + 1) * shard)
-    piece.narrow(0, 0, hi - lo).copy_(flat.narrow(0, lo, hi - lo))
+    if world == 1 and numel > 0:
+        piece = flat.to(_HOST)
+    else:
+        piece = torch.zeros(shard, dtype=data.dtype, device=_HOST)
+        lo, hi = min(numel, rank * shard), min(numel, (rank + 1) * shard)
+        piece.narrow(0, 0, hi - lo).copy_(flat.narrow(0, lo, hi - lo))
     registry.INIT_SHARDS[p] = registry.InitShard(shape=tuple(p.shape), dtype=data.dtype,
                                                  numel=numel, shard=piece, world=world)
-    p.data = torch.empty(0, dtype=data.dtype, device=data.device)
+    p.data = torch.empty(0, dtype=data.dtype, device=p.device)
+
+
+_HOST = torch.device("cpu")
+
+
+def _collective_ready(t: torch.Tensor, group) -> torch.Tensor:
+    """NCCL moves device tensors only: a host tensor goes to the current GPU for the collective."""
+    if t.device.type == "cpu" and comm.world_size(group) > 1 and comm._is_nccl(group):
+        return t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t
 
 
 def gather_param(p: nn.Parameter, group=None) -> torch.Tensor:
-    """The full value of a parameter partitioned by ``partition_param`` (collective)."""
+    """The full value of a parameter partitioned by ``partition_param`` (collective).
+
+    With one rank this is a view of the kept slice itself (no copy); see ``write_back_param``.
+    """
     rec = registry.INIT_SHARDS[p]
     n = rec.shard.numel()
+    if rec.world == 1:
+        return rec.shard.narrow(0, 0, rec.numel).view(rec.shape)
     full = torch.empty(n * rec.world, dtype=rec.dtype, device=rec.shard.device)
     full.narrow(0, comm.rank(group) * n, n).copy_(rec.shard)
+    full = _collective_ready(full, group)
     comm.all_gather_inplace(full, group).wait()
     return full.narrow(0, 0, rec.numel).view(rec.shape)
+
+
+def write_back_param(p: nn.Parameter, full: torch.Tensor, src: int, group=None) -> None:
+    """``full`` (from ``gather_param``, possibly changed in place): broadcast ``src``'s values
+    and store this rank's slice into the kept slice's own storage; ``p`` is left empty."""
+    rec = registry.INIT_SHARDS[p]
+    if full.data_ptr() != rec.shard.data_ptr():  # one rank: the view already is the slice
+        flat = _collective_ready(full.contiguous().reshape(-1), group)
+        comm.broadcast(flat, src, group).wait()
+        n = rec.shard.numel()
+        lo, hi = min(rec.numel, comm.rank(group) * n), min(rec.numel, (comm.rank(group) + 1) * n)
+        rec.shard.narrow(0, 0, hi - lo).copy_(flat.narrow(0, lo, hi - lo))
+    p.data = torch.empty(0, dtype=rec.dtype, device=p.device)
 
 
 def repartition_param(p: nn.Parameter, src: int, group=None) -> None:
@@ -74,10 +111,14 @@ def repartition_param(p: nn.Parameter, src: int, group=None) -> None:
 class PartitionOnCreate:
     """The mechanism of [Note: partition on registration]; ``zero.Init`` is its public face."""
 
-    def __init__(self, *, group=None, dtype: torch.dtype | None = None, enabled: bool = True):
+    def __init__(self, *, group=None, dtype: torch.dtype | None = None, enabled: bool = True,
+                 device: torch.device | None = None):
         self.group, self.dtype, self.enabled = group, dtype, enabled
+        self.device = device
+        """Where modules are built (their initialisers run there); None = torch's default."""
         self._pending: list[nn.Module] = []
         self._handle = None
+        self._device_ctx = None
 
     def _on_register(self, module: nn.Module, name: str, param):
         if param is None:
@@ -102,13 +143,21 @@ class PartitionOnCreate:
     def __enter__(self):
         if self.enabled:
             self._handle = register_module_parameter_registration_hook(self._on_register)
+            if self.device is not None:
+                self._device_ctx = torch.device(self.device)
+                self._device_ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-            if exc[0] is None:
-                self._flush()
-            self._pending = []
+            try:
+                if exc[0] is None:
+                    self._flush()
+            finally:
+                self._pending = []
+                if self._device_ctx is not None:
+                    self._device_ctx.__exit__(None, None, None)
+                    self._device_ctx = None
         return False
