@@ -18,9 +18,10 @@ one group at a time.
 
 Initialisation code that runs after a module was partitioned (a parent's
 ``post_init``/``_init_weights`` in Hugging Face models) sees empty
-placeholders and is a no-op, so parameters keep the values their own
-constructors gave them; use ``GatheredParameters(..., modifier_rank=0)`` to
-re-initialise explicitly.
+placeholders and is a no-op; ``zero.Init`` redoes transformers' init module
+by module (see [Note: Hugging Face init under zero.Init] in
+zeroio/partition/zero.py). Other code re-initialises with
+``GatheredParameters(..., modifier_rank=0)``.
 """
 
 from __future__ import annotations
