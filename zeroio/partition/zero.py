@@ -72,7 +72,7 @@ class Init(PartitionOnCreate):
         dtype = dtype if dtype is not None else _config_dtype(config)
         device = _default_device() if device == "auto" else device
         super().__init__(group=data_parallel_group, dtype=dtype, enabled=enabled, device=device)
-        self._hf = _HFInit(group=data_parallel_group)
+        self._hf = _HFInit(group=data_parallel_group, device=device)
         self._child_handle = None
 
     def _on_child(self, parent: nn.Module, name: str, child):
@@ -95,7 +95,7 @@ class Init(PartitionOnCreate):
             if exc[0] is None:  # before the last modules are partitioned: see the note
                 self._hf.finish()
         finally:
-            self._hf = _HFInit(group=self.group)
+            self._hf = _HFInit(group=self.group, device=self.device)
             super().__exit__(*exc)
         return False
 
@@ -130,8 +130,8 @@ def _is_hf_model(module) -> bool:
 class _HFInit:
     """transformers' ``initialize_weights`` on models partitioned by ``Init`` (see note)."""
 
-    def __init__(self, *, group=None):
-        self.group = group
+    def __init__(self, *, group=None, device: torch.device | None = None):
+        self.group, self.device = group, device  # the init runs where the model was built
         self.seen: list[nn.Module] = []
         self.modules: set[int] = set()  # modules this pass initialised
         self.params: set[int] = set()  # parameters this pass initialised
@@ -180,7 +180,7 @@ class _HFInit:
             if pid in self.params and not getattr(p, "_is_hf_initialized", False):
                 p._is_hf_initialized = True  # transformers' init functions then skip it
                 marked.append(p)
-        with _Gathered(partitioned, self.group):
+        with _Gathered(partitioned, self.group, self.device):
             fn(module, custom)
         self.modules.add(id(module))
         self.params.update(params)
@@ -189,11 +189,11 @@ class _HFInit:
 class _Gathered:
     """Full values of ``Init``-partitioned parameters inside the block; rank 0's kept on exit."""
 
-    def __init__(self, params: list[nn.Parameter], group):
-        self.params, self.group, self.full = params, group, []
+    def __init__(self, params: list[nn.Parameter], group, device=None):
+        self.params, self.group, self.device, self.full = params, group, device, []
 
     def __enter__(self):
-        self.full = [gather_param(p, self.group) for p in self.params]
+        self.full = [gather_param(p, self.group, self.device) for p in self.params]
         for p, full in zip(self.params, self.full, strict=True):
             p.data = full
         return self

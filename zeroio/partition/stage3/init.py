@@ -74,16 +74,19 @@ def _collective_ready(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def gather_param(p: nn.Parameter, group=None) -> torch.Tensor:
-    """The full value of a parameter partitioned by ``partition_param`` (collective).
+def gather_param(p: nn.Parameter, group=None, device: torch.device | None = None) -> torch.Tensor:
+    """The full value of a parameter partitioned by ``partition_param`` (collective), on
+    ``device`` (None: where the slice is; NCCL: the current GPU).
 
-    With one rank this is a view of the kept slice itself (no copy); see ``write_back_param``.
+    With one rank on the slice's device this is a view of the slice itself (no
+    copy); see ``write_back_param``.
     """
     rec = registry.INIT_SHARDS[p]
     n = rec.shard.numel()
+    device = torch.device(device) if device is not None else rec.shard.device
     if rec.world == 1:
-        return rec.shard.narrow(0, 0, rec.numel).view(rec.shape)
-    full = torch.empty(n * rec.world, dtype=rec.dtype, device=rec.shard.device)
+        return rec.shard.narrow(0, 0, rec.numel).view(rec.shape).to(device)
+    full = torch.empty(n * rec.world, dtype=rec.dtype, device=device)
     full.narrow(0, comm.rank(group) * n, n).copy_(rec.shard)
     full = _collective_ready(full, group)
     comm.all_gather_inplace(full, group).wait()
