@@ -26,7 +26,7 @@ from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.init import (PartitionOnCreate, gather_param, repartition_param,
-                                          write_back_param)
+                                          return_freed_memory, write_back_param)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -199,8 +199,13 @@ class _Gathered:
         return self
 
     def __exit__(self, *exc):
-        for p, full in zip(self.params, self.full, strict=True):
-            write_back_param(p, full, 0, self.group)
+        try:
+            for p, full in zip(self.params, self.full, strict=True):
+                write_back_param(p, full, 0, self.group)
+        finally:
+            self.full = []
+        if self.params and comm.world_size(self.group) > 1:
+            return_freed_memory()
         return False
 
 
