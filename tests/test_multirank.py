@@ -52,3 +52,17 @@ def test_rank_failure_reraises_with_traceback():
 def test_timeout_kills_ranks():
     with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
         run_ranks(_hang_on_rank_zero, 2, timeout=10)
+
+
+def _read_env_at_start():
+    # /proc/self/environ is the environment the process was started with
+    with open("/proc/self/environ", "rb") as f:
+        start = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return start.get(b"ZEROIO_TEST_START_ENV", b"").decode()
+
+
+def test_env_is_present_from_process_start():
+    import os
+
+    assert run_ranks(_read_env_at_start, 2, env={"ZEROIO_TEST_START_ENV": "yes"}) == ["yes", "yes"]
+    assert "ZEROIO_TEST_START_ENV" not in os.environ

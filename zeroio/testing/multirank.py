@@ -101,8 +101,19 @@ def run_ranks(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # A spawned child takes its environment from the parent at start; variables read
+    # once at process start (glibc's MALLOC_*, OMP_*) only work if set before it.
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
