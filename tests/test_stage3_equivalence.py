@@ -178,7 +178,7 @@ def _body(tmpdir):
         moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
         results.append(dict(
             case=(off_param, off_opt, dtype, persistence),
-            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
             max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
             rel_mean_diff=sum((masters[n] - ref_params[n]).abs().sum().item()
                               for n in ref_params) / moved,

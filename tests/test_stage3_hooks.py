@@ -65,8 +65,8 @@ def _body():
     import torch.distributed as dist
 
     import zeroio
-    from zeroio.partition.stage12 import ShardHome
     from zeroio.partition.stage3 import Stage3Partitioner, Stage3Settings
+    from zeroio.partition.stage12 import ShardHome
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()

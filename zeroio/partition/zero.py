@@ -25,8 +25,13 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3 import registry
-from zeroio.partition.stage3.init import (PartitionOnCreate, gather_param, repartition_param,
-                                          return_freed_memory, write_back_param)
+from zeroio.partition.stage3.init import (
+    PartitionOnCreate,
+    gather_param,
+    repartition_param,
+    return_freed_memory,
+    write_back_param,
+)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
