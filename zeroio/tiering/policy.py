@@ -85,37 +85,11 @@ class EvictionPolicy(ABC):
         ``held`` are copies in the tier that cannot be evicted now (acquired, in flight)."""
 
 
-class LRUPolicy(EvictionPolicy):
-    """Evict the copy acquired least recently (copies never acquired count by arrival)."""
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[str, None] = OrderedDict()  # oldest first
-
-    def touch(self, name: str) -> None:
-        self._order[name] = None
-        self._order.move_to_end(name)
-
-    def admit(self, name: str) -> None:
-        if name not in self._order:
-            self._order[name] = None
-
-    def forget(self, name: str) -> None:
-        self._order.pop(name, None)
-
-    def victim(self, candidates: Iterable[str], for_prefetch_of: str | None = None,
-               held: Iterable[str] = ()) -> str | None:
-        cands = set(candidates)
-        for name in self._order:
-            if name in cands:
-                return name
-        return min(cands) if cands else None
-
-
 class FIFOPolicy(EvictionPolicy):
     """Evict the copy that arrived in the tier first, whatever its use since."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[str, None] = OrderedDict()
+        self._order: OrderedDict[str, None] = OrderedDict()  # oldest first
 
     def admit(self, name: str) -> None:
         if name not in self._order:
@@ -131,6 +105,15 @@ class FIFOPolicy(EvictionPolicy):
             if name in cands:
                 return name
         return min(cands) if cands else None
+
+
+class LRUPolicy(FIFOPolicy):
+    """Evict the copy acquired least recently (copies never acquired count by arrival):
+    FIFO whose order is refreshed on every access."""
+
+    def touch(self, name: str) -> None:
+        self._order[name] = None
+        self._order.move_to_end(name)
 
 
 class TracePolicy(EvictionPolicy):
