@@ -277,6 +277,9 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         tokens_per_step = world.world_size * micro_batch * gas * opts.seq_len
         bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=not show,
                    dynamic_ncols=True, file=sys.stderr)
+        # ZEROIO_PROGRESS_EVERY=N: one plain stderr line per N steps even under --json/--quiet,
+        # so a driver that reads the JSON on stdout (benchmarks/bench_train.py) still shows life
+        every = int(os.environ.get("ZEROIO_PROGRESS_EVERY", "0") or 0) if rank0 else 0
         t_start = time.perf_counter()
         saved_at = None
         step_times: list[float] = []
@@ -292,6 +295,10 @@ def train(opts: TrainOptions) -> dict[str, Any]:
                                 f"{tokens_per_step / (time.perf_counter() - t0):,.0f}  "
                                 f"swap {swap_summary(engine.stats())}", refresh=False)
             bar.update(1)
+            if every > 0 and (done % every == 0 or done == start + 1 or done == end):
+                print(f"step {done}/{opts.steps} loss {losses[-1]:.4f} "
+                      f"{step_times[-1]:.2f} s/step {time.perf_counter() - t_start:.0f} s "
+                      f"swap {swap_summary(engine.stats())}", file=sys.stderr, flush=True)
         bar.close()
         wall = time.perf_counter() - t_start
 
