@@ -18,6 +18,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,19 +36,56 @@ def run_one(args, nproc: int) -> dict:
            "--json"]
     if args.config:
         cmd += ["--config", args.config]
+    env = dict(os.environ, ZEROIO_PROGRESS_EVERY=str(args.progress_every))
+    print(f"[bench_train] {nproc} GPU(s): {' '.join(cmd)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # stderr inherited: progress and errors stream live; stdout holds the JSON summary
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return {"nproc": nproc, "ok": False, "returncode": None, "command": " ".join(cmd),
+                "error": f"timed out after {args.timeout:.0f} s",
+                "command_wall_s": time.perf_counter() - t0}
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-6000:])
+    summary = _last_json(stdout)
+    if proc.returncode != 0 or summary is None:
         return {"nproc": nproc, "ok": False, "returncode": proc.returncode,
-                "stderr_tail": proc.stderr[-3000:], "command_wall_s": wall}
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+                "command": " ".join(cmd), "stdout_tail": stdout[-3000:],
+                "error": f"exit code {proc.returncode}" + ("" if summary else ", no JSON summary"),
+                "command_wall_s": wall}
     return {"nproc": nproc, "ok": True, "command_wall_s": wall, "command": " ".join(cmd),
             **summary}
 
 
-def main() -> int:
+def _last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the run's process group (the launcher and its ranks), then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="1b")
     p.add_argument("--config", default=None, help="a config instead of the built-in default")
@@ -55,14 +93,21 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--output", default="/tmp/zeroio-bench-train")
-    args = p.parse_args()
+    p.add_argument("--output", default="/tmp/zeroio-bench-train",
+                   help="run folders (nvme swap, checkpoints, model)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results"),
+                   help="folder for the result JSON (default benchmarks/results)")
+    p.add_argument("--progress-every", type=int, default=1, metavar="N",
+                   help="a progress line on stderr every N steps (0 = none)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (default none)")
+    args = p.parse_args(argv)
 
     runs = [run_one(args, n) for n in args.nprocs]
     now = dt.datetime.now(dt.timezone.utc)
     record = {"benchmark": "zeroio train", "preset": args.preset, "date": now.isoformat(),
               "commit": commit(), "machine": machine(), "settings": vars(args), "runs": runs}
-    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    results = args.out
     os.makedirs(results, exist_ok=True)
     path = os.path.join(results, f"train-{args.preset}-{record['machine']['host']}-"
                                  f"{now.strftime('%Y%m%dT%H%M%SZ')}.json")
@@ -74,7 +119,7 @@ def main() -> int:
           f"{'cpu->nvme GB':>12}")
     for r in runs:
         if not r["ok"]:
-            print(f"{r['nproc']:>4} {'no':>3}  (exit {r['returncode']})")
+            print(f"{r['nproc']:>4} {'no':>3}  ({r['error']})")
             continue
         moved = r.get("bytes_moved", {})
         print(f"{r['nproc']:>4} {'yes':>3} {r['tokens_per_s'] or 0:>10,.0f} "

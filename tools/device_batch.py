@@ -1,0 +1,445 @@
+"""Named GPU batches for the device tool: set up, run, summarise, pack results into $OUT.
+
+    # here: what a batch runs, its timeouts, and the exact `run` tool parameters
+    python tools/device_batch.py --list
+    python tools/device_batch.py peers-zeroio --dry-run
+    python tools/device_batch.py peers-zeroio --print-run        # JSON: command, carry, kind
+    # on the device machine (the `run` command; the commit comes from here, it has no .git)
+    ZEROIO_COMMIT=<sha> python3 tools/device_batch.py peers-zeroio --out $OUT
+
+Each batch fits one `run` call (600 s limit): the sum of its step timeouts
+plus setup stays under BATCH_BUDGET_S, sized from the 2026-11-29 H200 times
+(1.36B build ~30 s; s/step plain 0.22, zeroio z2-cpu 0.63, z3-cpu 0.72,
+z3-nvme 7.5, FSDP2 ~1.45; DeepSpeed's CPU-Adam JIT compile 1-2 min). Every
+step runs in its own process group with its own deadline, its output
+streams to the console and to a log; after every step the staging folder
+is packed again into ``$OUT/<batch>.tar.gz`` with ``$OUT/<batch>-summary.md``
+beside it, so a run cut off at the limit still brings back what finished
+(two files: the tool returns at most 8, 16 MiB each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH_BUDGET_S = 540
+"""Setup + every step's timeout; leaves 60 s of the tool's 600 for packing and slack."""
+RUN_TIMEOUT_S = 600
+MAX_COMMAND_CHARS = 2000
+LOG_CAP_BYTES = 2 << 20
+"""Logs above this are cut to their last LOG_CAP_BYTES before packing."""
+STAGE = Path("/tmp/zeroio-batch")
+NVME = Path("/tmp/zeroio-batch-nvme")
+"""Swap folders on the machine's disk (not under STAGE: they are never packed)."""
+
+PEERS = "python3 benchmarks/train_peers.py --steps 8 --warmup 2 --quiet --nvme-dir {nvme} --out {res}"
+LIBAIO = "--libaio-dir /tmp/libaio"
+
+
+class Kind(enum.Enum):
+    H200 = "nvidia-h200"
+    H200_X2 = "nvidia-h200-x2"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Step:
+    name: str
+    shell: str
+    """bash command; {res} = this batch's results folder, {nvme} = swap folder, {logs}."""
+    timeout_s: int
+    sized: str
+    """How the timeout was sized (shown by --dry-run)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Batch:
+    name: str
+    kind: Kind
+    what: str
+    steps: tuple[Step, ...]
+    peers: bool = False
+    """Install DeepSpeed and its deps from .peers/ and unpack libaio (carry .peers)."""
+
+    @property
+    def setup_s(self) -> int:
+        return 60 if self.peers else 30
+
+    @property
+    def total_s(self) -> int:
+        return self.setup_s + sum(s.timeout_s for s in self.steps)
+
+    @property
+    def carry(self) -> list[str]:
+        return [".whl", ".peers"] if self.peers else [".whl"]
+
+
+def _pytest(node: str) -> str:
+    return f"python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml {{res}}/junit-{{step}}.xml {node}"
+
+
+BATCHES: tuple[Batch, ...] = (
+    Batch(name="gpu1-tests", kind=Kind.H200, what="every -m gpu test on 1 GPU (2-GPU ones skip)",
+          steps=(
+              Step(name="io", shell=_pytest("tests/test_io_cli.py"), timeout_s=60,
+                   sized="copy helpers: seconds"),
+              Step(name="stats", shell=_pytest("tests/test_stats.py"), timeout_s=90,
+                   sized="one spawned rank, tiny model"),
+              Step(name="hotpath", shell=_pytest("tests/test_stage3_hotpath.py"), timeout_s=90,
+                   sized="small model, a few steps"),
+              Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=200,
+                   sized="stage 3 equivalence cases on 1 GPU (two-GPU test skips)"),
+              Step(name="stage12", shell=_pytest("tests/test_stage12_equivalence.py"),
+                   timeout_s=60, sized="skips on 1 GPU; collection only"),
+          )),
+    Batch(name="gpu2-tests", kind=Kind.H200_X2,
+          what="NCCL equivalence stage 1/2 and 3 on 2 GPUs, zeroio train 1b on 2 GPUs",
+          steps=(
+              Step(name="stage12-nccl",
+                   shell=_pytest("tests/test_stage12_equivalence.py::"
+                                 "test_matches_single_process_adamw_nccl"),
+                   timeout_s=150, sized="stages 0/1/2 x cases on 2 ranks"),
+              Step(name="stage3-nccl",
+                   shell=_pytest("tests/test_stage3_gpu.py::test_stage3_two_gpus_nccl"),
+                   timeout_s=150, sized="stage 3 cases on 2 ranks"),
+              Step(name="train-1b-2gpu",
+                   shell="python3 benchmarks/bench_train.py --preset 1b --nprocs 2 --steps 8 "
+                         "--seq-len 512 --micro-batch 4 --progress-every 1 --timeout 190 "
+                         "--output {nvme}/train --out {res}",
+                   timeout_s=200, sized="build 30 s + 8 x <=7.5 s nvme steps + save 40 s"),
+          )),
+    Batch(name="peers-zeroio", kind=Kind.H200,
+          what="1.36B: plain, zeroio z2-cpu, z3-cpu, z3-nvme (+ zeroio bench io on that disk)",
+          steps=(
+              Step(name="plain", shell=PEERS + " --only plain --timeout 80", timeout_s=90,
+                   sized="build 30 s + 8 x 0.22 s"),
+              Step(name="zeroio-z2-cpu", shell=PEERS + " --only zeroio-z2-cpu --timeout 110",
+                   timeout_s=120, sized="build 30 s + init + 8 x 0.63 s"),
+              Step(name="zeroio-z3-cpu", shell=PEERS + " --only zeroio-z3-cpu --timeout 110",
+                   timeout_s=120, sized="build 30 s + init + 8 x 0.72 s"),
+              Step(name="zeroio-z3-nvme",
+                   shell=PEERS + " --only zeroio-z3-nvme --timeout 160 --disk-bench-size 2G",
+                   timeout_s=180, sized="bench io 2G ~20 s; build 30 s + 8 x 7.5 s + init"),
+          )),
+    Batch(name="peers-others", kind=Kind.H200, peers=True,
+          what="1.36B: FSDP2 cpu offload, DeepSpeed z2-cpu, z3-cpu (CPU-Adam JIT once)",
+          steps=(
+              Step(name="fsdp2-cpu", shell=PEERS + " --only fsdp2-cpu --timeout 110",
+                   timeout_s=120, sized="build 30 s + 8 x 1.45 s + start"),
+              Step(name="ds-z2-cpu", shell=PEERS + f" --only ds-z2-cpu --timeout 230 {LIBAIO}",
+                   timeout_s=240, sized="CPU-Adam JIT 1-2 min + build 30 s + 8 x 0.9 s"),
+              Step(name="ds-z3-cpu", shell=PEERS + f" --only ds-z3-cpu --timeout 110 {LIBAIO}",
+                   timeout_s=120, sized="JIT cached (TORCH_EXTENSIONS_DIR) + 8 x 1.1 s"),
+          )),
+    Batch(name="peers-ds-nvme", kind=Kind.H200, peers=True,
+          what="1.36B: DeepSpeed z3-nvme with libaio (async_io JIT), bench io on the same disk",
+          steps=(
+              Step(name="ds-z3-nvme",
+                   shell=PEERS + f" --only ds-z3-nvme --timeout 440 --disk-bench-size 2G {LIBAIO}",
+                   timeout_s=460, sized="bench io 20 s + CPU-Adam and async_io JIT 3 min + "
+                                        "build 60 s + 8 steps of unknown length"),
+          )),
+    Batch(name="train-1b", kind=Kind.H200,
+          what="zeroio train --preset 1b, stage 3 + NVMe (built-in config), 1 GPU, progress streamed",
+          steps=(
+              Step(name="train-1b",
+                   shell="python3 benchmarks/bench_train.py --preset 1b --nprocs 1 --steps 30 "
+                         "--seq-len 512 --micro-batch 4 --progress-every 1 --timeout 440 "
+                         "--output {nvme}/train --out {res}",
+                   timeout_s=460, sized="build 30 s + 30 x 7.5 s + checkpoint 22 GB ~20 s + "
+                                        "consolidate ~20 s"),
+          )),
+    Batch(name="probe", kind=Kind.H200,
+          what="largest-model probe: the estimate's plan, then one depth (--probe-layers)",
+          steps=(
+              Step(name="plan", shell="python3 benchmarks/probe_largest.py --plan-only "
+                                      "--nvme-dir {nvme}/probe | tee {res}/probe-plan.json",
+                   timeout_s=30, sized="estimate only"),
+              Step(name="probe",
+                   shell="python3 benchmarks/probe_largest.py --nvme-dir {nvme}/probe "
+                         "--max-tries 1 --timeout 460 --out {res}{probe_layers}",
+                   timeout_s=475, sized="fp32 build of 5B ~2 min + partition + 3 steps"),
+          )),
+)
+BY_NAME = {b.name: b for b in BATCHES}
+
+
+def run_command(batch: Batch, commit: str, extra: str = "") -> str:
+    """The `run` tool's command string for ``batch``."""
+    cmd = f"ZEROIO_COMMIT={commit} python3 tools/device_batch.py {batch.name} --out $OUT"
+    return cmd + (f" {extra}" if extra else "")
+
+
+def run_params(batch: Batch, commit: str, extra: str = "") -> dict:
+    return {"command": run_command(batch, commit, extra), "carry": batch.carry,
+            "kind": batch.kind.value, "timeout_s": RUN_TIMEOUT_S}
+
+
+def local_commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def expand(step: Step, res: Path, nvme: Path, logs: Path, probe_layers: int | None) -> str:
+    return step.shell.format(res=res, nvme=nvme, logs=logs, step=step.name,
+                             probe_layers=f" --start-layers {probe_layers}" if probe_layers else "")
+
+
+# -- on the device ---------------------------------------------------------------------------
+
+SETUP = """set -e
+rm -rf /tmp/site && mkdir -p /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+"""
+SETUP_PEERS = """python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .peers/*.whl
+mkdir -p /tmp/libaio && for d in .peers/libaio*.deb; do dpkg -x "$d" /tmp/libaio; done
+"""
+CHECK = ("python3 -c \"import torch,sys;print('torch',torch.__version__,'cuda',torch.version.cuda,"
+         "'gpus',torch.cuda.device_count());[print(m,'missing') for m in "
+         "('pytest','hypothesis','zarr','psutil','tqdm','aiofiles','deepspeed') "
+         "if __import__('importlib').util.find_spec(m) is None]\"")
+
+
+def device_env(commit: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(["/tmp/site", str(REPO), str(REPO / "tests")])
+    env["ZEROIO_COMMIT"] = commit
+    env["NCCL_NVLS_ENABLE"] = "0"
+    env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    # build/ is git-ignored, so DeepSpeed's JIT ops survive between calls on a warm machine
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepResult:
+    name: str
+    status: str
+    """ok | failed | timeout | skipped"""
+    wall_s: float
+    timeout_s: int
+    note: str = ""
+
+
+def run_step(name: str, shell: str, timeout: float, env: dict[str, str], log: Path) -> StepResult:
+    """Run ``shell`` in its own process group; tee its output to the console and ``log``."""
+    t0 = time.perf_counter()
+    if timeout <= 0:
+        return StepResult(name=name, status="skipped", wall_s=0.0, timeout_s=0,
+                          note="no batch time left")
+    print(f"\n=== {name} (timeout {timeout:.0f} s): {shell}", flush=True)
+    with open(log, "wb") as f:
+        f.write(f"$ {shell}\n".encode())
+        proc = subprocess.Popen(["bash", "-c", shell], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+        deadline = t0 + timeout
+        timed_out = False
+        os.set_blocking(proc.stdout.fileno(), False)
+        while True:
+            chunk = proc.stdout.read(65536)
+            if chunk:
+                f.write(chunk)
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            elif proc.poll() is not None:
+                break
+            else:
+                time.sleep(0.2)
+            if time.perf_counter() > deadline and proc.poll() is None:
+                timed_out = True
+                _kill_group(proc)
+        rest = proc.stdout.read() or b""
+        f.write(rest)
+        sys.stdout.write(rest.decode(errors="replace"))
+    wall = time.perf_counter() - t0
+    if timed_out:
+        status, note = "timeout", f"killed after {timeout:.0f} s"
+    elif proc.returncode == 0:
+        status, note = "ok", ""
+    else:
+        status, note = "failed", f"exit code {proc.returncode}: {_last_error(log)}"
+    print(f"=== {name}: {status} in {wall:.0f} s {note}", flush=True)
+    return StepResult(name=name, status=status, wall_s=wall, timeout_s=int(timeout), note=note)
+
+
+def _last_error(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    errs = [ln for ln in lines if "Error" in ln or "FAILED" in ln or "error:" in ln]
+    return ((errs or lines or [""])[-1])[:200]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def result_lines(res: Path) -> list[str]:
+    """One line per result row found in the results folder (train_peers, bench_train, probe)."""
+    lines = []
+    for path in sorted(res.rglob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        if doc.get("kind") == "train_peers":
+            for r in doc.get("rows", []):
+                s = r.get("s_per_step")
+                tps = r.get("tokens_per_s")
+                lines.append(f"{r['name']} x{r.get('world', 1)}: {r['status']}"
+                             + (f" {s:.3f} s/step {tps:,.0f} tok/s" if s and tps else "")
+                             + (f" peak GPU {r['peak_gpu_gib']:.1f} GiB" if r.get("peak_gpu_gib") else "")
+                             + (f" host {r['peak_host_rss_gib']:.1f} GiB" if r.get("peak_host_rss_gib") else "")
+                             + (f" ({r['reason'][:160]})" if r.get("reason") else ""))
+            bound = doc.get("disk_bound_s_per_step") or {}
+            raw = ((doc.get("disk") or {}).get("raw") or {})
+            if raw:
+                lines.append(f"disk raw write {raw.get('write_gbps')} / read {raw.get('read_gbps')} GB/s"
+                             + "".join(f"; {k} disk-bound {v:.2f} s/step" for k, v in bound.items()))
+        elif doc.get("benchmark") == "zeroio train":
+            for r in doc.get("runs", []):
+                if r.get("ok"):
+                    steps = r.get("step_seconds") or []
+                    med = sorted(steps[2:])[len(steps[2:]) // 2] if len(steps) > 2 else None
+                    lines.append(f"zeroio train {doc['preset']} x{r['nproc']}: ok "
+                                 f"{r.get('steady_tokens_per_s') or 0:,.0f} steady tok/s"
+                                 + (f", median {med:.2f} s/step" if med else "")
+                                 + f", loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}")
+                else:
+                    lines.append(f"zeroio train {doc['preset']} x{r['nproc']}: {r.get('error')}")
+        elif doc.get("kind") == "probe_largest":
+            for t in doc.get("tries", []):
+                lines.append(f"probe {t['layers']} layers ({t['params'] / 1e9:.2f} B): "
+                             f"{t['status']} {t.get('reason') or ''} s/step {t.get('s_per_step')}")
+    return lines
+
+
+def summary(batch: Batch, commit: str, results: list[StepResult], res: Path) -> str:
+    out = [f"# {batch.name} (commit {commit})", "", "| step | status | wall s | timeout s | note |",
+           "|---|---|---|---|---|"]
+    for r in results:
+        out.append(f"| {r.name} | {r.status} | {r.wall_s:.0f} | {r.timeout_s} | "
+                   f"{r.note.replace('|', '/')} |")
+    rows = result_lines(res)
+    if rows:
+        out += ["", *[f"- {ln}" for ln in rows]]
+    return "\n".join(out) + "\n"
+
+
+def pack(stage: Path, out: Path, batch: Batch, text: str) -> Path:
+    """Cap big logs, then write ``<batch>.tar.gz`` and ``<batch>-summary.md`` into ``out``."""
+    for p in stage.rglob("*"):
+        if p.is_file() and p.stat().st_size > LOG_CAP_BYTES and p.suffix in (".log", ".err", ".out"):
+            with open(p, "rb") as f:
+                f.seek(-LOG_CAP_BYTES, os.SEEK_END)
+                tail = f.read()
+            p.write_bytes(b"[cut to the last bytes]\n" + tail)
+    (stage / "summary.md").write_text(text)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{batch.name}.tar.gz.part"
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(stage, arcname=batch.name)
+    final = out / f"{batch.name}.tar.gz"
+    tmp.replace(final)
+    (out / f"{batch.name}-summary.md").write_text(text)
+    return final
+
+
+def run_batch(batch: Batch, out: Path, commit: str, probe_layers: int | None,
+              stage_root: Path = STAGE, nvme_root: Path = NVME) -> int:
+    t_start = time.perf_counter()
+    stage = stage_root / batch.name
+    res, logs, nvme = stage / "results", stage / "logs", nvme_root / batch.name
+    for d in (res, logs, nvme):
+        d.mkdir(parents=True, exist_ok=True)
+    env = device_env(commit)
+    (stage / "provenance.json").write_text(json.dumps(
+        {"batch": batch.name, "commit": commit, "kind": batch.kind.value,
+         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2))
+    setup = SETUP + (SETUP_PEERS if batch.peers else "") + CHECK + "\nnvidia-smi -L || true\n"
+    results = [run_step("setup", setup, batch.setup_s, env, logs / "setup.log")]
+    pack(stage, out, batch, summary(batch, commit, results, res))
+    if results[0].status == "ok":
+        for step in batch.steps:
+            left = BATCH_BUDGET_S - (time.perf_counter() - t_start)
+            shell = expand(step, res, nvme, logs, probe_layers)
+            results.append(run_step(step.name, shell, min(step.timeout_s, left), env,
+                                    logs / f"{step.name}.log"))
+            text = summary(batch, commit, results, res)
+            pack(stage, out, batch, text)
+    text = summary(batch, commit, results, res)
+    pack(stage, out, batch, text)
+    print("\n" + text, flush=True)
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def describe(batch: Batch, commit: str, probe_layers: int | None = None) -> str:
+    res, nvme = STAGE / batch.name / "results", NVME / batch.name
+    lines = [f"{batch.name} ({batch.kind.value}, carry {batch.carry}): {batch.what}",
+             f"  setup ({'wheels + .peers + libaio' if batch.peers else 'wheels'}): "
+             f"timeout {batch.setup_s} s"]
+    for s in batch.steps:
+        lines.append(f"  {s.name}: timeout {s.timeout_s} s ({s.sized})\n"
+                     f"    $ {expand(s, res, nvme, STAGE / batch.name / 'logs', probe_layers)}")
+    lines.append(f"  total {batch.total_s} s of {BATCH_BUDGET_S} s budget")
+    extra = f"--probe-layers {probe_layers}" if probe_layers else ""
+    lines.append("  run: " + json.dumps(run_params(batch, commit, extra)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("batch", nargs="?", choices=sorted(BY_NAME))
+    ap.add_argument("--out", type=Path, help="where the tarball and summary go ($OUT)")
+    ap.add_argument("--list", action="store_true", help="every batch, its steps and timeouts")
+    ap.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
+    ap.add_argument("--print-run", action="store_true",
+                    help="print the `run` tool parameters (JSON) with this checkout's commit")
+    ap.add_argument("--probe-layers", type=int, help="depth for the probe batch (default: estimate)")
+    args = ap.parse_args(argv)
+    commit = os.environ.get("ZEROIO_COMMIT") or local_commit()
+    if args.list:
+        print("\n\n".join(describe(b, commit) for b in BATCHES))
+        return 0
+    if args.batch is None:
+        ap.error("name a batch (or --list)")
+    batch = BY_NAME[args.batch]
+    extra = f"--probe-layers {args.probe_layers}" if args.probe_layers else ""
+    if args.print_run:
+        print(json.dumps(run_params(batch, commit, extra)))
+        return 0
+    if args.dry_run:
+        print(describe(batch, commit, args.probe_layers))
+        return 0
+    if args.out is None:
+        ap.error("--out is required to run a batch (on the device: --out $OUT)")
+    return run_batch(batch, args.out, commit, args.probe_layers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
