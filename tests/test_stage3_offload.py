@@ -11,6 +11,11 @@
    - disk: the bytes of the rank's NVMe swap files are its shards, about
      1/world of the model's 16-bit bytes.
    - the tiered store's own view (residency per tensor, CPU tier use) agrees.
+3. ``offload_param.max_in_cpu`` = half the shard elements (7-layer Llama, 2 ranks):
+   the shards the store homes in CPU are found in live CPU tensors, they are
+   between half minus one shard and half of the bytes, NVMe writes per step
+   (``engine.stats()``) drop by exactly their bytes and reads by at least as
+   much, and training still matches torch AdamW.
 2. Buffers that hold a single largest shard (far below the ~3 shards the
    store needed before): the prefetch of upcoming groups waits or is dropped
    instead of failing, and 2-rank training still matches torch AdamW.
@@ -96,7 +101,8 @@ def _holds_body(tmpdir):
     init = {k: v.clone() for k, v in eq._llama().state_dict().items()}
     nvme = os.path.join(tmpdir, f"r{rank}")
     cfg = eq._config("nvme", "cpu", "bf16", nvme, 0)
-    cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=3100)
+    cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=3100,
+                                                      max_in_cpu=0)  # DeepSpeed's default 1e9
     budget = 2 * 3100 * 2
     model = eq._llama()
     model.load_state_dict(init)
@@ -158,7 +164,8 @@ def _small_buffer_body(tmpdir):
     # 9280 in bf16 (3 pages); the buffers below hold exactly one of them
     for i, (dtype, off_opt, size) in enumerate((("fp32", "none", 5200), ("bf16", "nvme", 3100))):
         cfg = eq._config("nvme", off_opt, dtype, os.path.join(tmpdir, f"c{i}-r{rank}"), 0)
-        cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=size)
+        cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=size,
+                                                          max_in_cpu=0)
         losses, params, masters = eq._train(batches, init, cfg)
         cdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
@@ -175,3 +182,136 @@ def _small_buffer_body(tmpdir):
 
 def test_buffers_of_one_shard_train_like_adamw(tmp_path):
     eq._check(run_ranks(_small_buffer_body, 2, str(tmp_path), timeout=300))
+
+
+# -- offload_param.max_in_cpu: part of the shards stays in host memory ---------------------------
+
+LAYERS_HALF = 7  # layer shards of 4640 elements at world 2: the greedy choice gets near half
+
+
+def _deep_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS_HALF,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      max_position_embeddings=64, tie_word_embeddings=True, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable()
+    model.train()
+    return model
+
+
+def _deep_reference(batches, init):
+    import torch
+
+    model = _deep_llama()
+    model.load_state_dict(init)
+    opt = torch.optim.AdamW(model.parameters(), lr=eq.LR, weight_decay=0.01)
+    losses = []
+    for step in batches:
+        total = 0.0
+        for ids in step:
+            batch = ids.reshape(-1, ids.shape[-1])
+            loss = model(input_ids=batch, labels=batch).loss
+            (loss / eq.GAS).backward()
+            total += loss.item() / eq.GAS
+        torch.nn.utils.clip_grad_norm_(model.parameters(), eq.CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _max_in_cpu_run(tmpdir, init, batches, max_in_cpu):
+    import torch
+    import torch.distributed as dist
+
+    import zeroio
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = eq._config("nvme", "cpu", "bf16", os.path.join(tmpdir, f"m{max_in_cpu}-r{rank}"), 0)
+    cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=3100,
+                                                      max_in_cpu=max_in_cpu)
+    model = _deep_llama()
+    model.load_state_dict(init)
+    engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+    losses, steps = [], []
+    for step in batches:
+        total = torch.zeros(1, dtype=torch.float64)
+        for ids in step:
+            loss = engine(input_ids=ids[rank], labels=ids[rank]).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        dist.all_reduce(total)
+        losses.append(total.item() / (eq.GAS * world))
+        steps.append(engine.stats()["last_step"]["bytes_moved"])
+    needles, _ = _shard_needles(engine)
+    gc.collect()
+    storages = _cpu_storages()
+    # groups whose whole bf16 shard is in some live CPU tensor (resident, or in a swap buffer)
+    on_cpu = {gi for gi, nd in needles.items() if any(nd in b for b in storages.values())}
+    tiers = engine.stats()["tiers"]
+    params = dict(engine.module.named_parameters())
+    with zeroio.zero.GatheredParameters(list(params.values())):
+        full = {n: p.detach().float().clone() for n, p in params.items()}
+    masters = eq._gather_masters(engine)
+    store = engine.partitioner.store.store
+    homes = {gi: store.home_of(f"stage3.param.{gi}").value for gi in needles}
+    engine.close()
+    return dict(losses=losses, steps=steps, on_cpu=sorted(on_cpu), homes=homes,
+                shard_bytes={gi: len(nd) for gi, nd in needles.items()},
+                cpu_used=tiers["cpu"]["used_bytes"], full=full, masters=masters)
+
+
+def _max_in_cpu_body(tmpdir):
+    import torch
+
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in _deep_llama().state_dict().items()}
+    batches = eq._batches(2)
+    ref_losses, ref_params = _deep_reference(batches, init)
+    none = _max_in_cpu_run(tmpdir, init, batches, 0)
+    half_numel = sum(none["shard_bytes"].values()) // 2 // 2  # bf16: 2 bytes per element
+    half = _max_in_cpu_run(tmpdir, init, batches, half_numel)
+    moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
+    check = dict(
+        case=("nvme", "cpu", "bf16", 0),
+        loss_rel=max(abs(a - b) / abs(b) for a, b in zip(half["losses"], ref_losses, strict=True)),
+        max_diff=max((half["masters"][n] - ref_params[n]).abs().max().item() for n in ref_params),
+        rel_mean_diff=sum((half["masters"][n] - ref_params[n]).abs().sum().item()
+                          for n in ref_params) / moved,
+        published_diff=max((half["full"][n] - half["masters"][n].to(torch.bfloat16).float())
+                           .abs().max().item() for n in ref_params))
+    for r in (none, half):
+        del r["full"], r["masters"]
+    return dict(none=none, half=half, half_numel=half_numel, check=check)
+
+
+def test_max_in_cpu_keeps_about_half_on_cpu_and_halves_nvme_traffic(tmp_path):
+    results = run_ranks(_max_in_cpu_body, 2, str(tmp_path), timeout=600)
+    eq._check([[r["check"]] for r in results])  # still trains like torch AdamW
+    for r in results:
+        none, half = r["none"], r["half"]
+        sizes = half["shard_bytes"]
+        total, largest, limit = sum(sizes.values()), max(sizes.values()), 2 * r["half_numel"]
+        resident = {gi for gi, h in half["homes"].items() if h == "cpu"}
+        resident_bytes = sum(sizes[gi] for gi in resident)
+        # the store's view: nothing resident without max_in_cpu; with it, between half minus one
+        # shard (greedy: a shard left out did not fit in what was left) and half
+        assert all(h == "nvme" for h in none["homes"].values()), none["homes"]
+        assert limit - largest < resident_bytes <= limit, (resident_bytes, limit, largest)
+        assert 0.35 * total < resident_bytes <= 0.5 * total, (resident_bytes, total)
+        # measured from outside: every resident shard's bytes are in a live CPU tensor at the
+        # end of training (not only the one a swap buffer may hold), and CPU use covers them
+        assert resident <= set(half["on_cpu"]), (resident, half["on_cpu"])
+        assert len(set(none["on_cpu"])) <= 1, none["on_cpu"]  # the buffer holds one shard
+        assert half["cpu_used"] >= resident_bytes
+        # NVMe traffic per step (engine.stats()): each updated shard on NVMe is written once a
+        # step (steady state, as in test_stats), so writes drop by exactly the resident bytes;
+        # reads drop at least as much (forward and backward read every NVMe shard)
+        for s0, s1 in zip(none["steps"][1:], half["steps"][1:], strict=True):
+            assert s0["cpu->nvme"] == total, s0
+            assert s1["cpu->nvme"] == total - resident_bytes, (s1, resident_bytes)
+            assert s1.get("nvme->cpu", 0) >= total - resident_bytes, s1
+            assert s0["nvme->cpu"] - s1.get("nvme->cpu", 0) >= resident_bytes, (s0, s1)

@@ -42,7 +42,7 @@ def _config(stage, off_param, off_opt, nvme_dir, shard_numel=None):
     param = {"device": off_param}
     if off_param == "nvme":  # one buffer of one layer's shard: every shard cycles through NVMe
         param.update(nvme_path=os.path.join(nvme_dir, "param"), buffer_count=1,
-                     buffer_size=shard_numel)
+                     buffer_size=shard_numel, max_in_cpu=0)  # nothing resident beyond it
     opt = {"device": off_opt}
     if off_opt == "nvme":
         opt["nvme_path"] = os.path.join(nvme_dir, "optim")

@@ -6,9 +6,24 @@ bring the next groups' shards (per the recorded trace) into pinned host
 memory in the background; ``fetch`` acquires the host copy, copies it to the
 compute device on the h2d stream (pinned buffer -> device, non-blocking) and
 releases it once the copy's event completes (``release(after=event)``: the
-store will not reuse the buffer before), so the host never waits on the copy. The CPU tier's budget is the configured swap
-buffers (``offload_param.buffer_count * buffer_size`` 16-bit elements), so no
-shard stays in host memory beyond those buffers.
+store will not reuse the buffer before), so the host never waits on the copy.
+
+[Note: shards resident in CPU (max_in_cpu)]
+As in DeepSpeed, up to ``offload_param.max_in_cpu`` elements of this rank's
+shards stay in pinned host memory and never touch NVMe; only the rest is
+swapped. They are chosen before any shard is stored (``resident_keys``), in
+group order: the plan lists groups in module order, so for a sequential
+model these are the first blocks used in forward and the last in backward,
+exactly the ones a prefetch cannot hide at the turn of a step (nothing runs
+ahead of the first forward groups; the last backward groups' reads would be
+followed at once by the optimizer step). Greedy: a shard that does not fit
+in what is left is skipped and a later smaller one may still fit. Resident
+shards are registered in the same tiered store with home CPU, so fetch and
+update take one code path and the store's stats count their bytes as CPU
+tier use; its CPU budget is the swap buffers (``buffer_count * buffer_size``
+16-bit elements, all NVMe shards go through them) plus the resident shards'
+page-rounded bytes, so a resident shard never takes a buffer's room.
+``max_in_cpu: 0`` keeps nothing beyond the buffers.
 
 ``update_pieces(whole=True)`` (the optimizer's publish, which replaces every
 trainable element of the shard) acquires the host copy *for overwrite*: the
@@ -20,34 +35,56 @@ from __future__ import annotations
 
 import torch
 
+from zeroio.errors import ResidencyError
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.streams import Fetched, on, record
 from zeroio.tiering import Tier, TieredStore
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.transfer import host_cost
 
 
 def _name(key: int) -> str:
     return f"stage3.param.{key}"
 
 
+def resident_keys(shard_numels: dict[int, int], max_in_cpu: int) -> set[int]:
+    """Groups whose shard stays in host memory: greedily in group order while the elements
+    fit in ``max_in_cpu`` ([Note: shards resident in CPU (max_in_cpu)])."""
+    keep, left = set(), max_in_cpu
+    for key in sorted(shard_numels):
+        if shard_numels[key] <= left:
+            keep.add(key)
+            left -= shard_numels[key]
+    return keep
+
+
 class TieredShards:
     def __init__(self, settings: Stage3Settings, device: torch.device, *, rank: int,
+                 shard_numels: dict[int, int], dtype: torch.dtype,
                  transfers: TierStats | None = None):
         import os
 
         self.device = device
         self.transfers = transfers
+        self.resident = resident_keys(shard_numels, settings.max_in_cpu)
+        size = torch.empty((), dtype=dtype).element_size()
+        resident_cost = sum(host_cost(shard_numels[k] * size) for k in self.resident)
         path = os.path.join(settings.nvme_path, f"stage3-params-rank{rank}")
         self.store = TieredStore(None, None, nvme_path=path, device=device if device.type == "cuda"
                                  else None, gpu_budget_bytes=0,
-                                 cpu_budget_bytes=settings.host_buffer_bytes,
+                                 cpu_budget_bytes=settings.host_buffer_bytes + resident_cost,
                                  pin_memory=settings.pin_memory)
         self._bytes: dict[int, int] = {}
         self._reading: dict[int, torch.cuda.Event] = {}  # H2D copies still reading a buffer
 
     def put(self, key, shard):
-        self.store.register(_name(key), tuple(shard.shape), shard.dtype, home=Tier.NVME,
-                            init=shard.detach().cpu())
+        home = Tier.CPU if key in self.resident else Tier.NVME
+        placed = self.store.register(_name(key), tuple(shard.shape), shard.dtype, home=home,
+                                     init=shard.detach().cpu())
+        if placed is not home:  # a shard_numels/put mismatch would silently swap or pin
+            raise ResidencyError(f"stage 3 shard {key} ({shard.numel()} elements) was placed in "
+                                 f"{placed.value}, planned {home.value}: shard sizes given to "
+                                 "the store differ from the shards put")
         self._bytes[key] = shard.numel() * shard.element_size()
 
     def fetch(self, key, streams):
@@ -98,7 +135,7 @@ class TieredShards:
     def resident_bytes(self):
         st = self.store.stats()["tiers"]
         return {"cpu": st.get("cpu", {}).get("used_bytes", 0),
-                "nvme": sum(self._bytes.values())}
+                "nvme": sum(n for k, n in self._bytes.items() if k not in self.resident)}
 
     def stats(self) -> dict:
         return self.store.stats()

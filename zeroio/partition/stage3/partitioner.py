@@ -59,7 +59,9 @@ class Stage3Partitioner:
                                 opt_group_of=opt_group_of, index=self.index,
                                 shape_of=registry.true_shape)
         self.transfers = TierStats()  # host <-> device copies, counted where issued
-        self.store = make_store(settings, device, rank=self.rank, transfers=self.transfers)
+        self.store = make_store(settings, device, rank=self.rank,
+                                shard_numels={gp.index: gp.shard_numel for gp in self.plan.groups},
+                                dtype=compute_dtype, transfers=self.transfers)
         self.streams = Streams.for_device(device)  # the only place stage 3 makes streams
         by_id = {id(p): p for p in module.parameters()}
         self.pgroups: list[ParamGroup] = []

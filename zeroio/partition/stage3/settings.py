@@ -29,7 +29,12 @@ class Stage3Settings:
     """Page-lock host shards when CUDA is present (offload_param.pin_memory)."""
     host_buffer_bytes: int = 5 * 100_000_000 * 2
     """NVMe offload: host bytes for parameter swap buffers (offload_param.buffer_count *
-    buffer_size 16-bit elements); the tiered store's CPU budget for parameter shards."""
+    buffer_size 16-bit elements); the tiered store's CPU budget for parameter shards that live
+    on NVMe."""
+    max_in_cpu: int = 1_000_000_000
+    """NVMe offload: parameter elements of this rank's shards kept resident in pinned host memory
+    on top of the buffers (``offload_param.max_in_cpu``, DeepSpeed's meaning); 0 = every shard on
+    NVMe. Which shards: nvme_store.resident_keys."""
 
     def __post_init__(self) -> None:
         if self.offload_device not in ("none", "cpu", "nvme"):
@@ -37,6 +42,9 @@ class Stage3Settings:
                 f"offload_param.device must be none, cpu or nvme, got {self.offload_device!r}",
                 key="zero_optimization.offload_param.device",
             )
+        if self.max_in_cpu < 0:
+            raise ConfigError(f"offload_param.max_in_cpu must be >= 0, got {self.max_in_cpu}",
+                              key="zero_optimization.offload_param.max_in_cpu")
         if self.offload_device == "nvme" and not self.nvme_path:
             raise ConfigError(
                 "offload_param.device is nvme but offload_param.nvme_path is not set; "
@@ -58,4 +66,5 @@ class Stage3Settings:
             nvme_path=op.nvme_path,
             pin_memory=bool(op.pin_memory) or device == "cpu",
             host_buffer_bytes=int(op.buffer_count) * int(op.buffer_size) * 2,
+            max_in_cpu=int(op.max_in_cpu),
         )

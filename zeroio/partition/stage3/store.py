@@ -8,7 +8,7 @@ home; ``offload_param.device`` picks the class (``make_store``).
 - ``HostShards`` (cpu): shards in (pinned) host memory, copied to the device
   on the h2d stream just before the all-gather ([Note: stage-3 streams]).
 - ``TieredShards`` (nvme): shards registered in the tiered store with home
-  NVMe; ``prefetch`` asks it to bring the next groups' shards to pinned CPU
+  NVMe, except up to ``offload_param.max_in_cpu`` elements kept in host memory; ``prefetch`` asks it to bring the next groups' shards to pinned CPU
   ahead of use (the recorded module order), ``fetch`` acquires and copies.
 
 Every copy between host and device is counted where it is issued in the
@@ -145,11 +145,15 @@ class HostShards:
 
 
 def make_store(settings: Stage3Settings, device: torch.device, *, rank: int,
+               shard_numels: dict[int, int], dtype: torch.dtype,
                transfers: TierStats | None = None) -> ShardStore:
+    """``shard_numels``: every group's shard length by key, known before any ``put`` (the NVMe
+    store picks the shards it keeps in host memory from them, ``offload_param.max_in_cpu``)."""
     if settings.offload_device == "none":
         return DeviceShards(device, transfers)
     if settings.offload_device == "cpu":
         return HostShards(device, settings.pin_memory, transfers)
     from zeroio.partition.stage3.nvme_store import TieredShards
 
-    return TieredShards(settings, device, rank=rank, transfers=transfers)
+    return TieredShards(settings, device, rank=rank, shard_numels=shard_numels, dtype=dtype,
+                        transfers=transfers)
