@@ -20,7 +20,7 @@ from zeroio.checkpoint.reader import (
     load_sharded,
     resolve_tag,
 )
-from zeroio.checkpoint.state import ParamEntry, Segment, ShardedState, build_index
+from zeroio.checkpoint.state import LazySegment, ParamEntry, Segment, ShardedState, build_index
 from zeroio.checkpoint.writer import SaveOptions, save_sharded
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "Manifest",
     "ParamEntry",
     "SaveOptions",
+    "LazySegment",
     "Segment",
     "ShardedState",
     "build_index",

@@ -36,45 +36,53 @@ def crc32c(data: torch.Tensor | np.ndarray | bytes) -> int:
     return google_crc32c.value(data)
 
 
-def _times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the crc32c polynomial (reflected bit order: x^0 is bit 31)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
-def _square(mat: list[int]) -> list[int]:
-    return [_times(mat, mat[n]) for n in range(32)]
+def _x2n_table() -> tuple[int, ...]:
+    p, table = 1 << 30, []  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return tuple(table)
+
+
+_X2N = _x2n_table()  # x^(2^k) mod P, k = 0..31: combine costs popcount(len) products, no squaring
 
 
 def combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32c(A || B) from crc1 = crc32c(A), crc2 = crc32c(B) and len2 = len(B) in bytes."""
+    """crc32c(A || B) from crc1 = crc32c(A), crc2 = crc32c(B) and len2 = len(B) in bytes.
+
+    crc(A || B) = crc(A) * x^(8 len2) + crc(B) mod P (the pre/post inversions cancel);
+    x^(8 len2) is a product of precomputed x^(2^k), one per set bit of 8 len2.
+    """
     if len2 < 0:
         raise ValueError(f"len2 must be >= 0, got {len2}")
-    if len2 == 0:
-        return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # operator: shift one zero bit in
-    even = _square(odd)  # two zero bits
-    odd = _square(even)  # four zero bits
-    while True:
-        even = _square(odd)  # first pass: one zero byte
-        if len2 & 1:
-            crc1 = _times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _square(even)
-        if len2 & 1:
-            crc1 = _times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
+    shift, k, n = 1 << 31, 3, len2  # x^0; 8 * len2 bits = bit k of len2 shifted by 3
+    while n:
+        if n & 1:
+            shift = _multmodp(_X2N[k & 31], shift)
+        n >>= 1
+        k += 1
+    return _multmodp(shift, crc1) ^ crc2 if len2 else crc1
+
+
+_ZEROS = np.zeros(1 << 20, dtype=np.uint8)
+_ZEROS.flags.writeable = False
 
 
 def zeros_crc(nbytes: int) -> int:
     """crc32c of ``nbytes`` zero bytes (the padding of an array's last chunk)."""
-    return crc32c(np.zeros(nbytes, dtype=np.uint8))
+    crc = 0
+    for lo in range(0, nbytes, _ZEROS.nbytes):  # streamed over one shared zero page run
+        crc = google_crc32c.extend(crc, _ZEROS[: min(_ZEROS.nbytes, nbytes - lo)])
+    return crc

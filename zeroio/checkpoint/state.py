@@ -13,7 +13,7 @@ read by M ranks at stage t with no conversion.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,31 @@ class Segment:
         return self.offset + self.tensor.numel()
 
 
+@dataclass(frozen=True, kw_only=True)
+class LazySegment:
+    """Elements [offset, offset + numel) of the global flat array, read piece by piece on save.
+
+    ``read(lo, n)`` returns elements [lo, lo + n) of this segment (local offsets)
+    as a 1-D tensor of ``dtype`` that the writer may keep until it has written
+    it. State that lives elsewhere (NVMe-resident moments) reaches the
+    checkpoint this way without a whole host copy: at most one piece per
+    writer thread is in memory. ``read`` is called from writer threads.
+    """
+
+    offset: int
+    numel: int
+    dtype: torch.dtype
+    read: Callable[[int, int], torch.Tensor]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+def segment_dtype(s: Segment | LazySegment) -> torch.dtype:
+    return s.dtype if isinstance(s, LazySegment) else s.tensor.dtype
+
+
 def build_index(named_shapes: Mapping[str, tuple[int, ...]] | list[tuple[str, tuple[int, ...]]]):
     """An index over names in the given order, offsets packed without padding."""
     items = named_shapes.items() if isinstance(named_shapes, Mapping) else named_shapes
@@ -73,7 +98,7 @@ class ShardedState:
     """
 
     index: dict[str, ParamEntry]
-    arrays: dict[str, list[Segment]] = field(default_factory=dict)
+    arrays: dict[str, list[Segment | LazySegment]] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
     rank_scalars: dict[str, Any] = field(default_factory=dict)
     client_state: dict[str, Any] = field(default_factory=dict)
@@ -92,7 +117,7 @@ class ShardedState:
         for kind, segments in self.arrays.items():
             spans = sorted((s.offset, s.end) for s in segments)
             for s in segments:
-                if s.tensor.dim() != 1:
+                if isinstance(s, Segment) and s.tensor.dim() != 1:
                     raise CheckpointError(
                         f"array {kind!r}: segment at {s.offset} is {s.tensor.dim()}-D; segments are 1-D"
                     )

@@ -3,8 +3,10 @@
 Phases (see [Note: atomic tags] in layout.py and [Note: piece crcs] in crc.py):
 1. rank 0 lays out the tag: group and array metadata, padded last chunks;
 2. every rank writes its segments into the chunk files (concurrently, each to
-   its own byte ranges), fsyncs them, optionally reads them back against the
-   crcs taken from memory, and renames a done marker listing its pieces;
+   its own byte ranges, the arrays interleaved), taking each piece's crc32c from
+   the bytes handed to the write; as soon as its last piece of a file is in,
+   fsyncs that file and reads its pieces back against those crcs (beside the
+   remaining writes; [Note: what verify proves]); renames a done marker;
 3. rank 0 checks that the pieces tile every chunk, combines their crcs into
    chunk crcs, renames manifest.json into place, then `latest`.
 Every phase ends in `Comm.all_ok`, so one failing rank fails the save on all.
@@ -17,6 +19,8 @@ import shutil
 import time
 from collections import defaultdict
 from concurrent.futures import as_completed
+from functools import partial
+from itertools import zip_longest
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +30,7 @@ from tqdm import tqdm
 from zeroio.checkpoint import layout
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.crc import combine, crc32c, zeros_crc
-from zeroio.checkpoint.state import ShardedState
+from zeroio.checkpoint.state import LazySegment, ShardedState, segment_dtype
 from zeroio.checkpoint.storage import (
     FileIO,
     atomic_write_json,
@@ -71,10 +75,10 @@ def _kind_dtypes(state: ShardedState) -> dict[str, torch.dtype]:
     for kind, segs in state.arrays.items():
         layout.check_name(kind, "array kind")
         for s in segs:
-            d = dtypes.setdefault(kind, s.tensor.dtype)
-            if s.tensor.dtype != d:
+            d = dtypes.setdefault(kind, segment_dtype(s))
+            if segment_dtype(s) != d:
                 raise CheckpointError(
-                    f"array {kind!r}: segment at {s.offset} is {s.tensor.dtype}, others are {d}"
+                    f"array {kind!r}: segment at {s.offset} is {segment_dtype(s)}, others are {d}"
                 )
         if kind not in dtypes:
             raise CheckpointError(f"array {kind!r} has no segments on this rank and no dtype")
@@ -100,57 +104,105 @@ def _layout_tag(tdir: Path, numel: int, dtypes: dict[str, torch.dtype], chunk_el
             set_size(layout.chunk_path(tdir, kind, n_chunks - 1), chunk_elems[kind] * dtype.itemsize)
 
 
-def _write_piece(path: Path, piece: torch.Tensor, byte_offset: int) -> int:
-    """Copy a piece to host if needed, write it, return the crc32c of the bytes meant."""
-    host = piece.detach().to("cpu").contiguous()
+def _write_piece(path: Path, get, byte_offset: int, nbytes: int) -> int:
+    """Take the piece (a view, or a read of a `LazySegment`), write it, return its crc32c.
+
+    The crc is one C call over the exact host bytes handed to ``pwrite``, so it is the
+    crc of what was written, not of a later state of the tensor.
+    """
+    host = get().detach().to("cpu").contiguous()  # no copy for a contiguous host view
+    got = host.numel() * host.element_size()
+    if got != nbytes:
+        raise CheckpointError(f"piece for {path} at byte {byte_offset}: the segment gave {got} bytes, "
+                              f"{nbytes} were expected")
     crc = crc32c(host)
     pwrite_all(path, host.view(torch.uint8).numpy(), byte_offset)
     return crc
 
 
-def _verify_piece(path: Path, start: int, nbytes: int, crc: int) -> None:
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    pread_exact(path, buf.numpy(), start)
-    got = crc32c(buf)
-    if got != crc:
-        raise CheckpointError(
-            f"read-back of {path} bytes [{start}, {start + nbytes}) has crc32c {got:#010x}, "
-            f"wrote {crc:#010x}: the storage did not keep what was written"
-        )
+def _sync_and_verify(path: Path, pieces: list[_Piece], verify: bool) -> None:
+    """fsync a chunk file once this rank's last piece of it is written, then read the pieces back.
+
+    [Note: what verify proves] The read-back goes through the page cache, after the
+    fsync: it proves that the file, at each piece's offsets, holds exactly the bytes
+    whose crc32c goes into the manifest (no misdirected, short, torn or overlapping
+    write, no other rank's bytes in our range), so every later load will pass its
+    crc check as long as the device keeps what fsync acknowledged. It does not prove
+    the media holds them (cached pages are served from memory); that is what the
+    crc check on every load is for. Being a memory read, it runs beside the writes.
+    """
+    fsync_file(path)
+    if not verify:
+        return
+    for p in pieces:
+        buf = torch.empty(p.nbytes, dtype=torch.uint8)
+        pread_exact(path, buf.numpy(), p.start)
+        got = crc32c(buf)
+        if got != p.crc:
+            raise CheckpointError(
+                f"read-back of {path} bytes [{p.start}, {p.start + p.nbytes}) has crc32c {got:#010x}, "
+                f"wrote {p.crc:#010x}: the storage did not keep what was written"
+            )
 
 
-def _write_rank(state, tdir, dtypes, chunk_elems, opts, comm) -> list[_Piece]:
-    jobs = []  # (kind, chunk, path, tensor piece, byte offset in chunk)
+def _jobs(state: ShardedState, tdir: Path, dtypes, chunk_elems) -> list[tuple]:
+    """(kind, chunk, path, get, byte offset in chunk, nbytes) of every piece, arrays interleaved
+    so the pool writes several arrays (files) at once."""
+    per_kind = []
     for kind, segs in state.arrays.items():
         ce, isz = chunk_elems[kind], dtypes[kind].itemsize
+        jobs = []
         for seg in segs:
-            t = seg.tensor.reshape(-1)
             g = seg.offset
             while g < seg.end:
                 chunk = g // ce
                 hi = min(seg.end, (chunk + 1) * ce)
-                jobs.append((kind, chunk, layout.chunk_path(tdir, kind, chunk),
-                             t[g - seg.offset: hi - seg.offset], (g - chunk * ce) * isz))
+                lo_l, hi_l = g - seg.offset, hi - seg.offset
+                if isinstance(seg, LazySegment):
+                    get = partial(seg.read, lo_l, hi_l - lo_l)
+                else:
+                    get = partial(_view, seg.tensor, lo_l, hi_l)
+                jobs.append((kind, chunk, layout.chunk_path(tdir, kind, chunk), get,
+                             (g - chunk * ce) * isz, (hi - g) * isz))
                 g = hi
-    total = sum(j[3].numel() * j[3].element_size() for j in jobs)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"save {tdir.name}",
+        per_kind.append(jobs)
+    return [j for group in zip_longest(*per_kind) for j in group if j is not None]
+
+
+def _view(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return t.reshape(-1)[lo:hi]
+
+
+def _write_rank(state, tdir, dtypes, chunk_elems, opts, comm) -> list[_Piece]:
+    jobs = _jobs(state, tdir, dtypes, chunk_elems)
+    left = defaultdict(int)  # this rank's unwritten pieces per chunk file
+    for j in jobs:
+        left[j[2]] += 1
+    bar = tqdm(total=sum(j[5] for j in jobs), unit="B", unit_scale=True, desc=f"save {tdir.name}",
                disable=not (opts.progress and comm.rank == 0), leave=False)
     pieces: list[_Piece] = []
-    with FileIO(opts.threads) as io:
-        futs = {io.submit(_write_piece, path, t, off): (kind, chunk, off, t)
-                for kind, chunk, path, t, off in jobs}
-        for f in as_completed(futs):
-            kind, chunk, off, t = futs[f]
-            nbytes = t.numel() * t.element_size()
-            pieces.append(_Piece(kind, chunk, off, nbytes, f.result()))
-            bar.update(nbytes)
-        files = sorted({layout.chunk_path(tdir, p.kind, p.chunk) for p in pieces})
-        for f in [io.submit(fsync_file, p) for p in files]:
-            f.result()
-        if opts.verify:
-            for f in [io.submit(_verify_piece, layout.chunk_path(tdir, p.kind, p.chunk), p.start, p.nbytes, p.crc)
-                      for p in pieces]:
+    by_file = defaultdict(list)
+    checks = []
+    # writes on one pool; each file's fsync + read-back on another, as soon as its last piece is in
+    with FileIO(opts.threads) as io, FileIO(max(1, opts.threads // 2)) as checker:
+        futs = {io.submit(_write_piece, path, get, off, n): (kind, chunk, path, off, n)
+                for kind, chunk, path, get, off, n in jobs}
+        try:
+            for f in as_completed(futs):
+                kind, chunk, path, off, n = futs[f]
+                p = _Piece(kind, chunk, off, n, f.result())
+                pieces.append(p)
+                by_file[path].append(p)
+                bar.update(n)
+                left[path] -= 1
+                if not left[path]:
+                    checks.append(checker.submit(_sync_and_verify, path, by_file[path], opts.verify))
+            for f in checks:
                 f.result()
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
     bar.close()
     return pieces
 
