@@ -245,7 +245,7 @@ def run_step(name: str, shell: str, timeout: float, env: dict[str, str], log: Pa
     print(f"\n=== {name} (timeout {timeout:.0f} s): {shell}", flush=True)
     with open(log, "wb") as f:
         f.write(f"$ {shell}\n".encode())
-        proc = subprocess.Popen(["bash", "-c", shell], stdout=subprocess.PIPE,
+        proc = subprocess.Popen(["bash", "-c", "set -o pipefail; " + shell], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)
         deadline = t0 + timeout
@@ -370,8 +370,14 @@ def pack(stage: Path, out: Path, batch: Batch, text: str) -> Path:
     return final
 
 
+def setup_shell(batch: Batch) -> str:
+    return SETUP + (SETUP_PEERS if batch.peers else "") + CHECK + "\nnvidia-smi -L || true\n"
+
+
 def run_batch(batch: Batch, out: Path, commit: str, probe_layers: int | None,
-              stage_root: Path = STAGE, nvme_root: Path = NVME) -> int:
+              stage_root: Path = STAGE, nvme_root: Path = NVME, setup: str | None = None,
+              budget_s: float = BATCH_BUDGET_S) -> int:
+    """Run ``batch`` (``setup`` replaces the wheel install, for tests) and pack after each step."""
     t_start = time.perf_counter()
     stage = stage_root / batch.name
     res, logs, nvme = stage / "results", stage / "logs", nvme_root / batch.name
@@ -381,12 +387,12 @@ def run_batch(batch: Batch, out: Path, commit: str, probe_layers: int | None,
     (stage / "provenance.json").write_text(json.dumps(
         {"batch": batch.name, "commit": commit, "kind": batch.kind.value,
          "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2))
-    setup = SETUP + (SETUP_PEERS if batch.peers else "") + CHECK + "\nnvidia-smi -L || true\n"
+    setup = setup_shell(batch) if setup is None else setup
     results = [run_step("setup", setup, batch.setup_s, env, logs / "setup.log")]
     pack(stage, out, batch, summary(batch, commit, results, res))
     if results[0].status == "ok":
         for step in batch.steps:
-            left = BATCH_BUDGET_S - (time.perf_counter() - t_start)
+            left = budget_s - (time.perf_counter() - t_start)
             shell = expand(step, res, nvme, logs, probe_layers)
             results.append(run_step(step.name, shell, min(step.timeout_s, left), env,
                                     logs / f"{step.name}.log"))
