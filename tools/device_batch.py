@@ -25,7 +25,6 @@ import dataclasses
 import enum
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
