@@ -425,6 +425,13 @@ class Stage12Partitioner:
         """Transfer counters for ``engine.stats()``."""
         return {"stage12.copies": self.transfers.as_dict()}
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Memory held for ``engine.stats()["tiers"]``: fp32 masters and gradient shards, the
+        flat 16-bit parameter and gradient buffers, staging and landing buffers."""
+        return ([t for sg in self.groups for t in (sg.master, sg.grad)] + [self.params, self.grads]
+                + list(self._staging16.values()) + list(self._accum_staging.values())
+                + list(self._scratch))
+
     def close(self) -> None:
         self.wait_step()
         for h in self._hooks:
