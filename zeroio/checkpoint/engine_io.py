@@ -5,6 +5,7 @@ delegate here. What is read from the engine (docs/engine.md):
 `partitioner.index` (global flat order), `partitioner.groups` (ShardGroups
 with `segments` local -> global), `partitioner.publish_params()`,
 `optimizer.local_tensor(i, kind)` / `write_local(i, kind, t)` (optional) /
+`read_local(i, kind, lo, n)` (optional: elements of a local tensor kept off-host) /
 `steps_taken(i)` / `set_steps(i, n)` / `param_groups`, `lr_scheduler.state_dict()`, `loss_scaler.state_dict()`, and
 the counters `global_steps`, `micro_steps`, `global_samples`, `skipped_steps`.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,7 @@ from zeroio.checkpoint import rng
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.consolidate import write_folder
 from zeroio.checkpoint.reader import load_sharded
-from zeroio.checkpoint.state import ParamEntry, Segment, ShardedState, split_by_param
+from zeroio.checkpoint.state import LazySegment, ParamEntry, Segment, ShardedState, split_by_param
 from zeroio.checkpoint.writer import SaveOptions, save_sharded
 from zeroio.errors import CheckpointError
 
@@ -58,6 +60,26 @@ def _owns_shards(engine, comm: Comm) -> bool:
 
 def _segments(engine, kind: str, comm: Comm) -> list[Segment]:
     return _shard_segments(engine, kind) if _owns_shards(engine, comm) else []
+
+
+def _save_segments(engine, kind: str, comm: Comm) -> list[Segment | LazySegment]:
+    """As `_segments`, but state the optimizer keeps off-host (``read_local``: NVMe-resident
+    moments) is read piece by piece while it is written: no whole host copy per state."""
+    read_local = getattr(engine.optimizer, "read_local", None)
+    if read_local is None or kind == "fp32" or not _owns_shards(engine, comm):
+        return _segments(engine, kind, comm)
+    out: list[Segment | LazySegment] = []
+    for g in engine.partitioner.groups:
+        for s in g.segments:
+            if s.numel:
+                out.append(LazySegment(offset=s.global_offset, numel=s.numel, dtype=torch.float32,
+                                       read=partial(_read_local, read_local, g.group_index, kind,
+                                                    s.local_offset)))
+    return out
+
+
+def _read_local(read_local, group_index: int, kind: str, base: int, lo: int, n: int) -> torch.Tensor:
+    return read_local(group_index, kind, base + lo, n)
 
 
 def _shard_segments(engine, kind: str, locals_out: dict | None = None) -> list[Segment]:
@@ -188,7 +210,7 @@ def build_state(engine, *, kinds=("fp32", *OPTIMIZER_KINDS), comm: Comm | None =
     frozen = _uncovered(engine, index, comm)
     arrays = {}
     for kind in kinds:
-        arrays[kind] = _segments(engine, kind, comm)
+        arrays[kind] = _save_segments(engine, kind, comm)
         if comm.rank == 0 and frozen:
             arrays[kind] += _frozen_segments(engine, index, frozen, kind)
     cfg = engine.config

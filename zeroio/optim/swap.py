@@ -23,6 +23,7 @@ go to NVMe.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ class SwappedAdam:
             for kind in KINDS:
                 self.store.register(sub.name(kind), (sub.numel,), torch.float32, home=Tier.NVME)
         self.steps = {sub: torch.zeros((), dtype=torch.float32) for sub in self.subs}
+        self._state_lock = threading.Lock()
 
     def _fetch(self, sub: SubGroup):
         return [self.store.acquire_async(sub.name(k), self._tier) for k in KINDS]
@@ -124,16 +126,47 @@ class SwappedAdam:
     # ---- state access (checkpoints) --------------------------------------------------------
 
     def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
-        """A host copy of the group's local ``kind`` tensor (moments gathered from the store)."""
+        """A host copy of the group's local ``kind`` tensor (moments gathered from the store).
+
+        Checkpoint saves use ``read_local`` instead (piece by piece, no whole copy)."""
         g = self.groups[group_index]
         if kind == "fp32":
             return g.master
-        out = torch.zeros(g.padded_numel, dtype=torch.float32)
+        out = torch.empty(g.padded_numel, dtype=torch.float32)  # the sub-groups tile it: no fill
         for sub in self.subs:
             if sub.group_index == group_index:
+                with self._state_lock:
+                    t = self.store.acquire(sub.name(kind), self._tier)
+                    out.narrow(0, sub.start, sub.numel).copy_(t)
+                    self.store.release(sub.name(kind), self._tier)
+        return out
+
+    def read_local(self, group_index: int, kind: str, lo: int, n: int) -> torch.Tensor:
+        """Elements [lo, lo + n) of the group's local ``kind`` tensor, as a new host tensor.
+
+        Reads only the sub-groups that overlap the range (from the store's CPU or
+        NVMe tier, never via a GPU), so a checkpoint writer holds one piece per
+        thread, not a copy of every moment. Safe to call from several threads.
+        """
+        g = self.groups[group_index]
+        if lo < 0 or n < 0 or lo + n > g.padded_numel:
+            raise IndexError(f"read_local: [{lo}, {lo + n}) outside group {group_index}'s "
+                             f"{g.padded_numel} elements")
+        if kind == "fp32":
+            return g.master.narrow(0, lo, n)
+        out = torch.empty(n, dtype=torch.float32)
+        for sub in self.subs:
+            if sub.group_index != group_index:
+                continue
+            a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
+            if a >= b:
+                continue
+            with self._state_lock:  # the store is driven from one thread at a time
                 t = self.store.acquire(sub.name(kind), self._tier)
-                out.narrow(0, sub.start, sub.numel).copy_(t)
-                self.store.release(sub.name(kind), self._tier)
+                try:
+                    out.narrow(0, a - lo, b - a).copy_(t.narrow(0, a - sub.start, b - a))
+                finally:
+                    self.store.release(sub.name(kind), self._tier)
         return out
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
