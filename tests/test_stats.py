@@ -15,6 +15,9 @@ and dtype, not from the code under test:
   "cpu->gpu"/"gpu->cpu" bytes may appear (the GPU test below checks those
   against the gradient and parameter sizes).
 - since-start totals equal the sum of the per-step ("last_step") values.
+- ``tiers``: bytes held outside any store (masters, gradient shards, moments,
+  flat buffers, host shards) against a per-parameter count; budget None where
+  no store has the tier, the store's budget where one does.
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ def _train(cfg, *, overwrite=True):
     groups = getattr(engine.partitioner, "pgroups", [])
     shard_numels = [g.plan.shard_numel for g in groups]
     engine.close()
-    out.pop("sources")
-    return {"total": out, "steps": steps, "shard_numels": shard_numels}
+    store = out.pop("sources").get("stage3.params")
+    return {"total": out, "steps": steps, "shard_numels": shard_numels,
+            "store_tiers": store["tiers"] if store else None}
 
 
 def _body(tmpdir):
@@ -112,6 +116,32 @@ def test_no_host_device_bytes_without_a_device(results):
         assert set(r["total"]) >= {"bytes_moved", "stall_seconds", "tiers", "last_step",
                                    "hidden_fraction"}
         _assert_totals_are_step_sums(r)
+
+
+# bytes held outside any tiered store, by hand (world 1, one optimizer param group, bf16):
+# fp32 master + fp32 gradient shard + exp_avg + exp_avg_sq = 16 B/param, plus the one fp32
+# Adam step counter (4 B); no padding at world 1
+HOST_STATE = 16 * NUMEL + 4
+
+
+def test_tiers_report_memory_outside_stores(results):
+    # stage 2 + cpu offload: no store at all; the flat bf16 parameter and gradient buffers
+    # (2 + 2 B/param) live on the compute device, which is the CPU here; no staging buffer
+    # (bf16 staging and accumulation landing are for a CUDA device / accumulation > 1)
+    assert results["z2_cpu"]["total"]["tiers"] == {
+        "cpu": {"budget_bytes": None, "used_bytes": HOST_STATE + 4 * NUMEL}}
+    # stage 3 + cpu: the bf16 shards in host memory (2 B/param), nothing gathered after a step
+    assert results["z3_cpu"]["total"]["tiers"] == {
+        "cpu": {"budget_bytes": None, "used_bytes": HOST_STATE + 2 * NUMEL}}
+    # stage 3 + nvme: the parameter store reports its own tiers (its budget: one 2048-element
+    # bf16 buffer = 4096 B, max_in_cpu 0), and the host state comes on top of its CPU use
+    r = results["z3_nvme"]
+    store, tiers = r["store_tiers"], r["total"]["tiers"]
+    assert store["cpu"]["budget_bytes"] == 4096
+    assert tiers["cpu"] == {"budget_bytes": 4096,
+                            "used_bytes": HOST_STATE + store["cpu"]["used_bytes"]}
+    assert tiers["nvme"] == {"budget_bytes": store["nvme"]["budget_bytes"],
+                             "used_bytes": store["nvme"]["used_bytes"]}
 
 
 def test_stage3_nvme_reads_and_writes_every_shard_each_step(results):

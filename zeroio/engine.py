@@ -270,7 +270,19 @@ class Engine:
         part = getattr(self.partitioner, "stats_sources", None)
         if part is not None:
             sources.update(part())
+        sources["held"] = tstats.held_source(self._held_tensors())
         return sources
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        """[Note: tiers outside stores] in tiering/stats.py: what the partitioner and a
+        ``ShardedAdam`` keep in memory outside any tiered store (a ``SwappedAdam``'s moments
+        are in its store, reported by it)."""
+        held = getattr(self.partitioner, "held_tensors", None)
+        out = list(held()) if held is not None else [
+            t for sg in self.partitioner.groups for t in (sg.master, sg.grad)]
+        if isinstance(self.optimizer, ShardedAdam):
+            out += [t for st in self.optimizer.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
+        return out
 
     def _stats_boundary(self) -> None:
         """[Note: per-step transfer stats] Each source keeps its own step counters, reset at
@@ -288,7 +300,8 @@ class Engine:
         ("nvme->cpu", "cpu->nvme", "cpu->gpu", "gpu->cpu", ...), ``stall_seconds`` (time the
         training thread waited on transfers or I/O), ``busy_seconds`` and ``hidden_fraction``
         (where in-flight time is measured), ``tiers`` (budget and used bytes summed over
-        stores); ``last_step`` (the last optimizer step's values, same keys), ``step`` (since
+        stores, plus the bytes the partitioner and optimizer hold outside stores: budget
+        None where no store has that tier); ``last_step`` (the last optimizer step's values, same keys), ``step`` (since
         then); ``sources`` (each counter source as it reports itself); phase ``timings``."""
         self.synchronize()
         sources = self._stats_sources()

@@ -193,17 +193,49 @@ def _sum_counters(parts: list[dict]) -> dict:
     return out
 
 
+def held_bytes(tensors) -> dict[str, int]:
+    """Bytes of the distinct storages behind ``tensors``, per tier ("cpu" / "gpu"): memory a
+    partitioner or optimizer holds outside any tiered store ([Note: tiers outside stores]).
+    Views of one buffer count once, with the whole buffer's bytes."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        if st.nbytes():
+            seen[(device_tier(t.device), st.data_ptr())] = st.nbytes()
+    out: dict[str, int] = {}
+    for (tier, _), n in seen.items():
+        out[tier] = out.get(tier, 0) + n
+    return out
+
+
+def held_source(tensors) -> dict:
+    """A stats source for memory held outside stores: only ``tiers``, with no budget (null:
+    nothing bounds it but the machine) and the held bytes as ``used_bytes``."""
+    return {"tiers": {tier: {"budget_bytes": None, "used_bytes": n}
+                      for tier, n in held_bytes(tensors).items()}}
+
+
 def merge(sources: dict[str, dict]) -> dict:
     """One stats dict from several sources' ``as_dict``/``TieredStore.stats`` dicts (keyed by
     source name): summed totals, summed tiers (budget and used bytes), and each source as is
-    under ``"sources"``."""
+    under ``"sources"``.
+
+    [Note: tiers outside stores]
+    A tier's ``used_bytes`` is the sum over sources: stores report what their tiers hold, and
+    ``held_source`` what partitioners and optimizers keep outside any store (masters, moments,
+    gradient shards, flat buffers). ``budget_bytes`` sums the budgets sources give; a source
+    with no budget gives None, and a tier that only such sources report has budget None."""
     parts = list(sources.values())
     out = _sum_counters(parts)
-    tiers: dict[str, dict[str, int]] = {}
+    tiers: dict[str, dict[str, int | None]] = {}
     for p in parts:
         for tier, t in p.get("tiers", {}).items():
-            acc = tiers.setdefault(tier, {"budget_bytes": 0, "used_bytes": 0})
-            acc["budget_bytes"] += t.get("budget_bytes", 0)
+            acc = tiers.setdefault(tier, {"budget_bytes": None, "used_bytes": 0})
+            budget = t.get("budget_bytes")
+            if budget is not None:
+                acc["budget_bytes"] = (acc["budget_bytes"] or 0) + budget
             acc["used_bytes"] += t.get("used_bytes", 0)
     out["tiers"] = tiers
     out["sources"] = sources

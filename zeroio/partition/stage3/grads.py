@@ -67,6 +67,10 @@ class GradLanding:
         self.host_allocations = 0
         """Pinned staging buffers allocated so far (tests: must stop growing after warm-up)."""
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The staging buffers allocated so far (``engine.stats()["tiers"]``)."""
+        return list(self._staging.values())
+
     def _dst(self, ld: Landing) -> torch.Tensor:
         return self.groups[ld.opt_group].grad.narrow(0, ld.base, ld.numel)
 

@@ -137,6 +137,9 @@ class TieredShards:
         return {"cpu": st.get("cpu", {}).get("used_bytes", 0),
                 "nvme": sum(n for k, n in self._bytes.items() if k not in self.resident)}
 
+    def held_tensors(self):
+        return []  # every shard, resident or swapped, is in the store: its stats report them
+
     def stats(self) -> dict:
         return self.store.stats()
 

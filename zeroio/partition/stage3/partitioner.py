@@ -282,6 +282,17 @@ class Stage3Partitioner:
             out["stage3.params"] = store_stats()
         return out
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Memory this partitioner holds outside tiered stores, for ``engine.stats()["tiers"]``:
+        the ShardGroups' fp32 masters and gradients, shards of the device/host stores (an NVMe
+        store's tensors are reported by that store), gathered groups (persistent ones), and the
+        gradient landing's staging buffers."""
+        out = [t for sg in self.groups for t in (sg.master, sg.grad)]
+        out += self.store.held_tensors()
+        out += [g.full_flat() for g in self.pgroups if g.state is not GroupState.SHARDED]
+        out += self.landing.held_tensors()
+        return out
+
     # -- GatheredParameters -----------------------------------------------------------------
     def groups_of(self, params) -> list[int]:
         out = []

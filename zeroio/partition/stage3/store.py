@@ -54,6 +54,9 @@ class ShardStore(Protocol):
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of shards held per place: {"device": n, "cpu": n, "nvme": n}."""
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Shards held outside a tiered store (``engine.stats()["tiers"]``; a store reports its own)."""
+
     def close(self) -> None: ...
 
 
@@ -91,6 +94,9 @@ class DeviceShards:
     def resident_bytes(self):
         n = sum(t.numel() * t.element_size() for t in self._shards.values())
         return {"device" if self.device.type != "cpu" else "cpu": n}
+
+    def held_tensors(self):
+        return list(self._shards.values())
 
     def close(self):
         self._shards.clear()
@@ -139,6 +145,9 @@ class HostShards:
 
     def resident_bytes(self):
         return {"cpu": sum(t.numel() * t.element_size() for t in self._shards.values())}
+
+    def held_tensors(self):
+        return list(self._shards.values())
 
     def close(self):
         self._shards.clear()
