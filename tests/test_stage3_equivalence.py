@@ -78,7 +78,9 @@ def _config(off_param, off_opt, dtype, nvme_dir, persistence):
 
     param = off(off_param, "param")
     if off_param == "nvme":
-        param.update(buffer_count=2, buffer_size=40_000)  # >= 3 fp32 layer shards at world 1
+        # max_in_cpu 0: every shard swaps through the buffers (DeepSpeed's default 1e9
+        # would keep this tiny model in CPU and skip the NVMe path under test)
+        param.update(buffer_count=2, buffer_size=40_000, max_in_cpu=0)  # >= 3 fp32 layer shards at world 1
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
         "gradient_clipping": CLIP,
