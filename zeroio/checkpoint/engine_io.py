@@ -78,6 +78,29 @@ def _save_segments(engine, kind: str, comm: Comm) -> list[Segment | LazySegment]
     return out
 
 
+def _load_segments(engine, kind: str, locals_out: dict) -> list[Segment | LazySegment]:
+    """Segments to load ``kind`` into: off-host state (``read_local`` + ``write_local_range``)
+    is written chunk by chunk as the reader verifies each, without a whole host copy."""
+    opt = engine.optimizer
+    write_range = getattr(opt, "write_local_range", None)
+    read_local = getattr(opt, "read_local", None)
+    if write_range is None or read_local is None or kind == "fp32":
+        return _shard_segments(engine, kind, locals_out)
+    out: list[Segment | LazySegment] = []
+    for g in engine.partitioner.groups:
+        for s in g.segments:
+            if s.numel:
+                out.append(LazySegment(
+                    offset=s.global_offset, numel=s.numel, dtype=torch.float32,
+                    read=partial(_read_local, read_local, g.group_index, kind, s.local_offset),
+                    write=partial(_write_local, write_range, g.group_index, kind, s.local_offset)))
+    return out
+
+
+def _write_local(write_range, group_index: int, kind: str, base: int, lo: int, values: torch.Tensor) -> None:
+    write_range(group_index, kind, base + lo, values)
+
+
 def _read_local(read_local, group_index: int, kind: str, base: int, lo: int, n: int) -> torch.Tensor:
     return read_local(group_index, kind, base + lo, n)
 
@@ -260,7 +283,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     frozen = _uncovered(engine, index, comm)
     # every rank reads its shards (stage 0: all of them) and every frozen parameter whole
     locals_ = {}
-    arrays = {k: _shard_segments(engine, k, locals_) for k in kinds}
+    arrays = {k: _load_segments(engine, k, locals_) for k in kinds}
     frozen_buf = {n: torch.empty(index[n].numel, dtype=torch.float32) for n in frozen}
     arrays["fp32"] += [Segment(index[n].offset, frozen_buf[n]) for n in frozen]
     template = ShardedState(index=index, arrays=arrays)

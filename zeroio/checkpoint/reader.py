@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from zeroio.checkpoint import layout
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.crc import crc32c
-from zeroio.checkpoint.state import ParamEntry, ShardedState, split_by_param
+from zeroio.checkpoint.state import LazySegment, ParamEntry, ShardedState, split_by_param
 from zeroio.checkpoint.storage import FileIO, open_engine, read_chunk
 from zeroio.errors import CheckpointError
 
@@ -82,11 +83,27 @@ def resolve_tag(root: str | os.PathLike, tag: str | None = None, *, warn: bool =
 @dataclass(frozen=True)
 class _Request:
     src: int  # element offset in the checkpoint array
-    dest: torch.Tensor  # 1-D view to fill
+    dest: torch.Tensor | None = None  # 1-D view to fill, or
+    sink: Callable[[int, torch.Tensor], None] | None = None  # sink(offset in request, values)
+    n: int = 0  # elements, with a sink
+
+    @property
+    def numel(self) -> int:
+        return self.dest.numel() if self.dest is not None else self.n
 
     @property
     def end(self) -> int:
-        return self.src + self.dest.numel()
+        return self.src + self.numel
+
+    def put(self, lo: int, values: torch.Tensor) -> None:
+        if self.dest is not None:
+            self.dest[lo: lo + values.numel()].copy_(values)
+        else:
+            self.sink(lo, values)
+
+
+def _shifted(write: Callable[[int, torch.Tensor], None], base: int, lo: int, values: torch.Tensor) -> None:
+    write(base + lo, values)
 
 
 class ArrayReader:
@@ -135,7 +152,7 @@ class ArrayReader:
             base = c * ce
             for r in by_chunk[c]:
                 lo, hi = max(r.src, base), min(r.end, base + ce)
-                r.dest[lo - r.src: hi - r.src].copy_(data[lo - base: hi - base])
+                r.put(lo - r.src, data[lo - base: hi - base])
             return info.chunk_nbytes
 
         bar = tqdm(total=len(by_chunk) * info.chunk_nbytes, unit="B", unit_scale=True,
@@ -153,7 +170,7 @@ class ArrayReader:
         numel = info.numel - offset if numel is None else numel
         if out is None:
             out = torch.empty(numel, dtype=info.dtype)
-        self.read_requests(kind, [_Request(offset, out.view(-1))])
+        self.read_requests(kind, [_Request(offset, dest=out.view(-1))])
         return out
 
 
@@ -197,7 +214,17 @@ def plan(manifest: layout.Manifest, index: Mapping[str, ParamEntry], segments, n
     reqs: list[_Request] = []
     ck = manifest.index
     for seg in segments:
-        t = seg.tensor.reshape(-1)
+        if isinstance(seg, LazySegment):
+            if seg.write is None:
+                raise CheckpointError(f"segment at {seg.offset} is read-only (a LazySegment without write)")
+
+            def req(src, a, b, seg=seg):
+                return _Request(src, sink=partial(_shifted, seg.write, a - seg.offset), n=b - a)
+        else:
+            t = seg.tensor.reshape(-1)
+
+            def req(src, a, b, t=t, seg=seg):
+                return _Request(src, dest=t[a - seg.offset: b - seg.offset])
         run_src = run_lo = run_hi = None
         for name, lo, hi in split_by_param(index, seg.offset, seg.end):
             if name not in names:
@@ -207,10 +234,10 @@ def plan(manifest: layout.Manifest, index: Mapping[str, ParamEntry], segments, n
                 run_hi = hi
                 continue
             if run_src is not None:
-                reqs.append(_Request(run_src, t[run_lo - seg.offset: run_hi - seg.offset]))
+                reqs.append(req(run_src, run_lo, run_hi))
             run_src, run_lo, run_hi = src, lo, hi
         if run_src is not None:
-            reqs.append(_Request(run_src, t[run_lo - seg.offset: run_hi - seg.offset]))
+            reqs.append(req(run_src, run_lo, run_hi))
     return reqs
 
 

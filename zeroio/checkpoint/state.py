@@ -59,12 +59,16 @@ class LazySegment:
     it. State that lives elsewhere (NVMe-resident moments) reaches the
     checkpoint this way without a whole host copy: at most one piece per
     writer thread is in memory. ``read`` is called from writer threads.
+    On load, ``write(lo, values)`` stores elements [lo, lo + len(values)) as each
+    verified chunk arrives (called from reader threads); a lazy segment without
+    ``write`` cannot be loaded into.
     """
 
     offset: int
     numel: int
     dtype: torch.dtype
     read: Callable[[int, int], torch.Tensor]
+    write: Callable[[int, torch.Tensor], None] | None = None
 
     @property
     def end(self) -> int:

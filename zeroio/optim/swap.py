@@ -169,6 +169,31 @@ class SwappedAdam:
                     self.store.release(sub.name(kind), self._tier)
         return out
 
+    def write_local_range(self, group_index: int, kind: str, lo: int, values: torch.Tensor) -> None:
+        """Overwrite elements [lo, lo + len(values)) of the group's local ``kind`` tensor
+        (checkpoint load, chunk by chunk: no whole host copy). Safe from several threads."""
+        g = self.groups[group_index]
+        n = values.numel()
+        if lo < 0 or lo + n > g.padded_numel:
+            raise IndexError(f"write_local_range: [{lo}, {lo + n}) outside group {group_index}'s "
+                             f"{g.padded_numel} elements")
+        if kind == "fp32":
+            g.master.narrow(0, lo, n).copy_(values)
+            return
+        for sub in self.subs:
+            if sub.group_index != group_index:
+                continue
+            a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
+            if a >= b:
+                continue
+            with self._state_lock:
+                t = self.store.acquire(sub.name(kind), self._tier)
+                try:
+                    t.narrow(0, a - sub.start, b - a).copy_(values.narrow(0, a - lo, b - a))
+                    self.store.mark_dirty(sub.name(kind), self._tier)
+                finally:
+                    self.store.release(sub.name(kind), self._tier)
+
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         """Overwrite the group's local ``kind`` tensor (checkpoint load)."""
         g = self.groups[group_index]
