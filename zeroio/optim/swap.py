@@ -91,7 +91,9 @@ class SwappedAdam:
             for kind in KINDS:
                 self.store.register(sub.name(kind), (sub.numel,), torch.float32, home=Tier.NVME)
         self.steps = {sub: torch.zeros((), dtype=torch.float32) for sub in self.subs}
-        self._state_lock = threading.Lock()
+        # checkpoint threads pin sub-groups in the store (thread-safe, pin-counted) at most
+        # two at a time, well inside its host budget of >= 4 largest sub-groups
+        self._state_pins = threading.BoundedSemaphore(2)
 
     def _fetch(self, sub: SubGroup):
         return [self.store.acquire_async(sub.name(k), self._tier) for k in KINDS]
@@ -135,7 +137,7 @@ class SwappedAdam:
         out = torch.empty(g.padded_numel, dtype=torch.float32)  # the sub-groups tile it: no fill
         for sub in self.subs:
             if sub.group_index == group_index:
-                with self._state_lock:
+                with self._state_pins:
                     t = self.store.acquire(sub.name(kind), self._tier)
                     out.narrow(0, sub.start, sub.numel).copy_(t)
                     self.store.release(sub.name(kind), self._tier)
@@ -161,7 +163,7 @@ class SwappedAdam:
             a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
             if a >= b:
                 continue
-            with self._state_lock:  # the store is driven from one thread at a time
+            with self._state_pins:
                 t = self.store.acquire(sub.name(kind), self._tier)
                 try:
                     out.narrow(0, a - lo, b - a).copy_(t.narrow(0, a - sub.start, b - a))
@@ -186,7 +188,7 @@ class SwappedAdam:
             a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
             if a >= b:
                 continue
-            with self._state_lock:
+            with self._state_pins:
                 t = self.store.acquire(sub.name(kind), self._tier)
                 try:
                     t.narrow(0, a - sub.start, b - a).copy_(values.narrow(0, a - lo, b - a))
