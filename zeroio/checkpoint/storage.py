@@ -3,7 +3,8 @@
 Whole-chunk reads (loading) go through the io layer's direct-I/O `IOEngine`
 into 4096-aligned buffers: chunk files are page multiples, so a load reads
 the disk straight into the buffer the crc is checked on, bypassing the page
-cache. Piece writes (saving) use `os.pwrite` (below).
+cache. Piece writes (saving) use `os.pwrite` (below), or with
+`SaveOptions.direct` the same engine (O_DIRECT for each piece's aligned body).
 
 `FileIO` has the shape of the io layer's `IOEngine` (`write(path, tensor,
 offset)` / `read(path, tensor, offset)` returning futures, `close()`), so the
