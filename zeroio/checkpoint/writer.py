@@ -19,9 +19,9 @@ import shutil
 import time
 from collections import defaultdict
 from concurrent.futures import as_completed
+from dataclasses import dataclass
 from functools import partial
 from itertools import zip_longest
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
