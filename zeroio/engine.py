@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroio.config import load_config
 from zeroio.errors import ConfigError
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
@@ -109,7 +110,7 @@ class Engine:
         self.world_size = comm.world_size()
         self.global_rank = comm.rank()
         self.config = config if not isinstance(config, (str, os.PathLike, dict)) else (
-            __import__("zeroio").load_config(config, world_size=self.world_size))
+            load_config(config, world_size=self.world_size))
         if self.config.world_size != self.world_size:
             raise ConfigError(f"config was resolved for world_size {self.config.world_size} but "
                               f"{self.world_size} ranks are running", key="train_batch_size")
