@@ -389,3 +389,24 @@ def test_config_from_the_config_layer():
     })
     tc = TieringPolicyConfig.from_config(cfg)
     assert tc.policy.value == "fifo" and tc.cpu_budget_bytes == 123456 and tc.nvme_path == "/tmp/x"
+
+
+def test_register_passes_a_cpu_home_to_nvme_when_acquired_copies_fill_the_cpu_tier():
+    """Found by the state machine: CPU homes leave room, but copies the caller holds fill
+    the tier; the new home must go to NVMe rather than fail (or wait on the caller itself)."""
+    store = TieredStore(None, backend=MemoryBackend(), policy="lru", prefetch_depth=0,
+                        cpu_budget_bytes=4 * PAGE, nvme_budget_bytes=6 * PAGE)
+    try:
+        assert store.register("n0", (1,), torch.float32, home=Tier.CPU) is Tier.CPU
+        assert store.register("n2", (1025,), torch.float32, home=Tier.NVME) is Tier.NVME
+        assert store.register("n3", (1,), torch.float32, home=Tier.NVME) is Tier.NVME
+        store.acquire("n2", "cpu")  # 2 pages
+        store.acquire("n3", "cpu")  # 1 page: with n0's page the tier is full
+        init = torch.arange(5, dtype=torch.float32)
+        assert store.register("n1", (5,), torch.float32, home=Tier.CPU, init=init) is Tier.NVME
+        store.release("n2")
+        store.release("n3")
+        torch.testing.assert_close(store.acquire("n1", "cpu"), init, rtol=0, atol=0)
+        store.release("n1")
+    finally:
+        store.close()

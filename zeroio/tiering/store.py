@@ -109,11 +109,8 @@ class TieredStore:
             self._check_open()
             if name in self._entries:
                 raise ResidencyError(f"register: {name!r} is already registered")
-            tier = self._place(name, nbytes, want)
+            tier = self._place_with_room(name, nbytes, want)
             entry = Entry(name, shape, dtype, nbytes, tier)
-            space = self._spaces[tier]
-            if tier is not Tier.NVME:
-                self._mover.make_room(space, space.cost(nbytes), name, prefetch=False)
             copy = self._mover.new_copy(entry, tier, Residency.CLEAN, home=True)
             self._entries[name] = entry
         try:
@@ -140,6 +137,25 @@ class TieredStore:
             except BaseException as exc:
                 self._backend.delete(entry.name)  # type: ignore[union-attr]
                 raise SwapIOError(f"register({entry.name!r}): writing init to NVMe failed: {exc}") from exc
+
+    def _place_with_room(self, name: str, nbytes: int, want: Tier) -> Tier:
+        """``_place``, then make room there; a tier whose room is held by acquired copies
+        that cannot be released in time passes the home on to the next slower tier."""
+        tier = self._place(name, nbytes, want)
+        while tier is not Tier.NVME:
+            space = self._spaces[tier]
+            try:
+                self._mover.make_room(space, space.cost(nbytes), name, prefetch=False)
+                return tier
+            except CapacityError as exc:
+                slower = _ORDER[_ORDER.index(tier) + 1:]
+                try:
+                    tier = self._place(name, nbytes, slower[0]) if slower else None
+                except CapacityError:
+                    tier = None
+                if tier is None:
+                    raise CapacityError(f"register({name!r}): {nbytes} bytes: {exc}") from exc
+        return tier
 
     def _place(self, name: str, nbytes: int, want: Tier) -> Tier:
         cpu = self._spaces[Tier.CPU]
