@@ -17,10 +17,8 @@ commit); a table, or one JSON object with --json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -148,8 +146,7 @@ def main() -> None:
     save_s = max(r["save_s"] for r in res)
     load_s = max(r["load_s"] for r in res)
     result = {
-        "machine": provenance.machine(args.path),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": provenance.commit(),
+        **provenance.header(args.path),
         "path": args.path, "params": total, "bytes": nbytes, "ranks": args.ranks,
         "chunk_mb": args.chunk_mb, "threads_per_rank": args.threads, "verify": not args.no_verify,
         "direct": args.direct,
@@ -164,11 +161,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     if args.io_size != "0":
         result["bench_io"] = _bench_io(args.path, args.io_size)
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = os.path.join(args.out, f"checkpoint-{platform.node()}-{stamp}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    out = provenance.write_result(args.out, "checkpoint", result)
     if args.json:
         print(json.dumps(result))
         return

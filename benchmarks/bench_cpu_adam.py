@@ -16,13 +16,12 @@ Results go to benchmarks/results/cpu_adam-<host>-<date>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import subprocess
 import time
 
+import provenance  # benchmarks/provenance.py: machine, date, commit
 import torch
 
 from zeroio.optim.adam import AdamState, adam_update
@@ -67,12 +66,7 @@ def torch_adamw(numel: int, tensors: int, repeats: int, **kind) -> float:
     return _best(opt.step, repeats)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+
 
 
 def main() -> None:
@@ -95,18 +89,13 @@ def main() -> None:
     }
     bound = bw / BYTES_PER_PARAM
     result = {
-        "machine": platform.node(), "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": _commit(), "torch": torch.__version__, "numel": n,
+        **provenance.header(), "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "numel": n,
         "copy_bandwidth_gbps": bw / 1e9, "bound_params_per_s": bound,
         "runs": {k: {"seconds": t, "params_per_s": n / t, "fraction_of_bound": n / t / bound}
                  for k, t in runs.items()},
     }
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"cpu_adam-{platform.node()}-{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    path = provenance.write_result(args.out, "cpu_adam", result)
     if args.json:
         print(json.dumps(result))
         return

@@ -8,6 +8,7 @@ commit can be passed in as ZEROIO_COMMIT; otherwise git is asked.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import shutil
@@ -84,3 +85,12 @@ def header(disk_path: str | Path | None = None) -> dict[str, Any]:
     t = now()
     return {"machine": machine(disk_path), "date": t.isoformat(timespec="seconds"),
             "commit": commit(), "dirty": dirty()}
+
+
+def write_result(out_dir: str | Path, kind: str, result: dict[str, Any]) -> Path:
+    """Write ``result`` as ``<out_dir>/<kind>-<host>-<stamp>.json``; returns the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{kind}-{platform.node()}-{stamp()}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path
