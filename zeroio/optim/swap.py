@@ -157,6 +157,14 @@ class SwappedAdam:
         if kind == "fp32":
             return g.master.narrow(0, lo, n)
         out = torch.empty(n, dtype=torch.float32)
+        for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=False):
+            out.narrow(0, at, resident.numel()).copy_(resident)
+        return out
+
+    def _resident_pieces(self, group_index: int, kind: str, lo: int, n: int, *, dirty: bool):
+        """For each sub-group overlapping [lo, lo + n) of the group's ``kind`` state: its
+        overlapping slice, resident and pinned while the caller uses it, and where that slice
+        starts within the range. ``dirty``: the caller writes it (written back later)."""
         for sub in self.subs:
             if sub.group_index != group_index:
                 continue
@@ -166,10 +174,11 @@ class SwappedAdam:
             with self._state_pins:
                 t = self.store.acquire(sub.name(kind), self._tier)
                 try:
-                    out.narrow(0, a - lo, b - a).copy_(t.narrow(0, a - sub.start, b - a))
+                    yield t.narrow(0, a - sub.start, b - a), a - lo
+                    if dirty:
+                        self.store.mark_dirty(sub.name(kind), self._tier)
                 finally:
                     self.store.release(sub.name(kind), self._tier)
-        return out
 
     def write_local_range(self, group_index: int, kind: str, lo: int, values: torch.Tensor) -> None:
         """Overwrite elements [lo, lo + len(values)) of the group's local ``kind`` tensor
@@ -182,19 +191,8 @@ class SwappedAdam:
         if kind == "fp32":
             g.master.narrow(0, lo, n).copy_(values)
             return
-        for sub in self.subs:
-            if sub.group_index != group_index:
-                continue
-            a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
-            if a >= b:
-                continue
-            with self._state_pins:
-                t = self.store.acquire(sub.name(kind), self._tier)
-                try:
-                    t.narrow(0, a - sub.start, b - a).copy_(values.narrow(0, a - lo, b - a))
-                    self.store.mark_dirty(sub.name(kind), self._tier)
-                finally:
-                    self.store.release(sub.name(kind), self._tier)
+        for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=True):
+            resident.copy_(values.narrow(0, at, resident.numel()))
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         """Overwrite the group's local ``kind`` tensor (checkpoint load)."""
