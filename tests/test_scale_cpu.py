@@ -73,21 +73,17 @@ def _init_state():
 
 
 def _reference(world):
-    import torch
+    from zeroio.testing.reference import adamw_reference
 
     model = _model()
     model.load_state_dict(_init_state())
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for ids in _batches(world):
+
+    def loss_of(m, ids):
         batch = ids.reshape(-1, SEQ)
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+        return m(input_ids=batch, labels=batch).loss
+
+    return adamw_reference(model, ([ids] for ids in _batches(world)), loss_of,
+                           lr=LR, weight_decay=0.01, clip=CLIP)
 
 
 def _config(stage, nvme_dir):

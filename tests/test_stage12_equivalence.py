@@ -81,22 +81,16 @@ def _reference(kind, batches, init_state):
     """Single-process PyTorch: each micro step on the concatenated global micro-batch."""
     import torch
 
+    from zeroio.testing.reference import adamw_reference
+
     model = _mlp() if kind == "mlp" else _llama()
     model.load_state_dict(init_state)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for step in batches:
-        total = 0.0
-        for micro in step:
-            batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
-            loss = _loss(model, torch.float32, kind, batch)
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def loss_of(m, micro):
+        batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
+        return _loss(m, torch.float32, kind, batch)
+
+    return adamw_reference(model, batches, loss_of, lr=LR, weight_decay=0.01, clip=CLIP)
 
 
 def _config(world, stage, offload, dtype, nvme_dir):

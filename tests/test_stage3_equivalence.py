@@ -49,24 +49,16 @@ def _batches(world):
 
 
 def _reference(batches, init_state):
-    import torch
+    from zeroio.testing.reference import adamw_reference
 
     model = _llama()
     model.load_state_dict(init_state)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for step in batches:
-        total = 0.0
-        for ids in step:
-            batch = ids.reshape(-1, ids.shape[-1])
-            loss = model(input_ids=batch, labels=batch).loss
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return adamw_reference(model, batches, _lm_loss, lr=LR, weight_decay=0.01, clip=CLIP)
+
+
+def _lm_loss(model, ids):
+    batch = ids.reshape(-1, ids.shape[-1])
+    return model(input_ids=batch, labels=batch).loss
 
 
 def _config(off_param, off_opt, dtype, nvme_dir, persistence):

@@ -202,24 +202,11 @@ def _deep_llama():
 
 
 def _deep_reference(batches, init):
-    import torch
+    from zeroio.testing.reference import adamw_reference
 
     model = _deep_llama()
     model.load_state_dict(init)
-    opt = torch.optim.AdamW(model.parameters(), lr=eq.LR, weight_decay=0.01)
-    losses = []
-    for step in batches:
-        total = 0.0
-        for ids in step:
-            batch = ids.reshape(-1, ids.shape[-1])
-            loss = model(input_ids=batch, labels=batch).loss
-            (loss / eq.GAS).backward()
-            total += loss.item() / eq.GAS
-        torch.nn.utils.clip_grad_norm_(model.parameters(), eq.CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return adamw_reference(model, batches, eq._lm_loss, lr=eq.LR, weight_decay=0.01, clip=eq.CLIP)
 
 
 def _max_in_cpu_run(tmpdir, init, batches, max_in_cpu):
