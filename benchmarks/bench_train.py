@@ -18,13 +18,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from procs import kill_group  # noqa: E402
 from provenance import commit, machine  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def run_one(args, nproc: int) -> dict:
     try:
         stdout, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         return {"nproc": nproc, "ok": False, "returncode": None, "command": " ".join(cmd),
                 "error": f"timed out after {args.timeout:.0f} s",
                 "command_wall_s": time.perf_counter() - t0}
@@ -69,20 +69,6 @@ def _last_json(text: str) -> dict | None:
             except json.JSONDecodeError:
                 continue
     return None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the run's process group (the launcher and its ranks), then SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def main(argv=None) -> int:

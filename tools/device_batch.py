@@ -25,12 +25,14 @@ import dataclasses
 import enum
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from procs import kill_group  # noqa: E402  (benchmarks/procs.py, standard library only)
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH_BUDGET_S = 540
@@ -262,7 +264,7 @@ def run_step(name: str, shell: str, timeout: float, env: dict[str, str], log: Pa
                 time.sleep(0.2)
             if time.perf_counter() > deadline and proc.poll() is None:
                 timed_out = True
-                _kill_group(proc)
+                kill_group(proc)
         rest = proc.stdout.read() or b""
         f.write(rest)
         sys.stdout.write(rest.decode(errors="replace"))
@@ -281,19 +283,6 @@ def _last_error(log: Path) -> str:
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     errs = [ln for ln in lines if "Error" in ln or "FAILED" in ln or "error:" in ln]
     return ((errs or lines or [""])[-1])[:200]
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def result_lines(res: Path) -> list[str]:

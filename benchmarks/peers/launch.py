@@ -13,13 +13,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
+from procs import kill_group  # noqa: E402
 
 
 class Status(enum.Enum):
@@ -94,7 +97,7 @@ def run(argv: list[str], *, env: dict[str, str], timeout: float, log_dir: Path, 
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             return Outcome(status=Status.TIMEOUT, reason=f"timed out after {timeout:.0f} s",
                            wall_seconds=time.perf_counter() - t0, log=str(err_path))
     wall = time.perf_counter() - t0
@@ -104,17 +107,3 @@ def run(argv: list[str], *, env: dict[str, str], timeout: float, log_dir: Path, 
         return Outcome(status=Status.OK, result=result, wall_seconds=wall, log=str(err_path))
     reason = failure_reason(code, stderr) if code != 0 else "exit code 0 but no JSON result"
     return Outcome(status=Status.FAILED, reason=reason, wall_seconds=wall, log=str(err_path))
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the contender's process group (torchrun and its ranks), then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
