@@ -15,18 +15,8 @@ from hypothesis import strategies as st
 
 from zeroio.errors import IntegrityError, SwapIOError
 from zeroio.io import AlignedBuffer, IOEngine, OsOps
+from zeroio.io.bench import direct_io_supported
 from zeroio.io.engine import O_DIRECT, IOArgumentError
-
-
-def _odirect_supported(directory) -> bool:
-    path = os.path.join(directory, ".odirect_probe")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | O_DIRECT)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path)
-    return O_DIRECT != 0
 
 
 class RecordingOps(OsOps):
@@ -137,7 +127,7 @@ def test_many_concurrent_requests(engine, tmp_path):
 
 
 def test_odirect_path_used_with_aligned_requests(tmp_path):
-    if not _odirect_supported(tmp_path):
+    if not direct_io_supported(tmp_path):
         pytest.skip(f"{tmp_path} does not accept O_DIRECT")
     ops = RecordingOps()
     n = 3 * 65536 + 100  # aligned body + unaligned tail
@@ -276,7 +266,7 @@ def test_direct_refused_at_io_time_falls_back(tmp_path):
                 raise OSError(errno.EINVAL, "Invalid argument")
             return super().pwritev(fd, buffers, offset)
 
-    if not _odirect_supported(tmp_path):
+    if not direct_io_supported(tmp_path):
         pytest.skip(f"{tmp_path} does not accept O_DIRECT at open")
     x = _rand_bytes(3 * 4096 + 5, 4)
     with pytest.warns(RuntimeWarning, match="O_DIRECT"):
@@ -305,7 +295,7 @@ def test_unknown_setting_is_config_error():
 
 
 def test_short_direct_read_is_not_mistaken_for_missing_odirect(tmp_path):
-    if not _odirect_supported(tmp_path):
+    if not direct_io_supported(tmp_path):
         pytest.skip("no O_DIRECT here")
     (tmp_path / "s").write_bytes(b"y" * (3 * 4096 + 100))  # ends mid-block of the aligned body
     out = AlignedBuffer(8 * 4096, pin=False)

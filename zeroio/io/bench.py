@@ -143,7 +143,7 @@ def _dd(path: str, size: int, bs: int) -> tuple[Bandwidth, dict]:
     bs = min(bs, size)
     count = max(1, size // bs)
     nbytes = bs * count
-    direct = _direct_ok(os.path.dirname(path))
+    direct = direct_io_supported(os.path.dirname(path))
     oflag = ["oflag=direct"] if direct else []
     iflag = ["iflag=direct"] if direct else []
     write_cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "conv=fsync", *oflag]
@@ -169,7 +169,8 @@ def _fio(path: str, size: int, bs: int, qd: int) -> tuple[Bandwidth, dict]:
     return Bandwidth(out["write"], out["read"]), {"tool": "fio", "cmd": " ".join(common), "direct": True}
 
 
-def _direct_ok(directory: str) -> bool:
+def direct_io_supported(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs, e.g., refuses)."""
     probe = os.path.join(directory, ".zeroio-odirect-probe")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | O_DIRECT)
@@ -197,7 +198,7 @@ def bench_io(directory: str, size: int, *, block_size: int | None = None, queue_
     with IOEngine(aio_cfg, block_size=block_size, queue_depth=queue_depth, thread_count=threads) as engine:
         eng = engine_bandwidth(engine, directory, size, progress=progress)
         settings = asdict(engine.settings)
-        direct = engine.direct_enabled and _direct_ok(directory)
+        direct = engine.direct_enabled and direct_io_supported(directory)
     result = {"engine": asdict(eng), "path": directory, "size_bytes": size, "direct": direct,
               "settings": settings}
     if raw != "none":
