@@ -66,16 +66,20 @@ class StoreVsDict(RuleBasedStateMachine):
         self.model[name] = init.clone()
         self.home[name] = placed
 
+    def _cpu_fits(self, name) -> bool:
+        """The model's answer: CPU homes plus held NVMe caches plus ``name``'s copy fit."""
+        cpu_homes = sum(page_cost(self.model[n].numel() * 4) for n in self.model if self.home[n] is Tier.CPU)
+        held_cache = sum(page_cost(self.held[n].numel() * 4) for n in self.held if self.home[n] is Tier.NVME)
+        need = 0 if self.home[name] is Tier.CPU else page_cost(self.model[name].numel() * 4)
+        return cpu_homes + held_cache + need <= self.cpu_budget
+
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def acquire_and_read(self, data):
         name = data.draw(st.sampled_from(sorted(self.model)))
         if name in self.held:
             return
-        cpu_homes = sum(page_cost(self.model[n].numel() * 4) for n in self.model if self.home[n] is Tier.CPU)
-        held_cache = sum(page_cost(self.held[n].numel() * 4) for n in self.held if self.home[n] is Tier.NVME)
-        need = 0 if self.home[name] is Tier.CPU else page_cost(self.model[name].numel() * 4)
-        fits = cpu_homes + held_cache + need <= self.cpu_budget
+        fits = self._cpu_fits(name)
         try:
             t = self.store.acquire(name, "cpu")
         except CapacityError:
@@ -93,10 +97,7 @@ class StoreVsDict(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(self.model)))
         if name in self.held:
             return
-        cpu_homes = sum(page_cost(self.model[n].numel() * 4) for n in self.model if self.home[n] is Tier.CPU)
-        held_cache = sum(page_cost(self.held[n].numel() * 4) for n in self.held if self.home[n] is Tier.NVME)
-        need = 0 if self.home[name] is Tier.CPU else page_cost(self.model[name].numel() * 4)
-        fits = cpu_homes + held_cache + need <= self.cpu_budget
+        fits = self._cpu_fits(name)
         try:
             t = self.store.acquire(name, "cpu", overwrite=True)
         except CapacityError:
