@@ -12,10 +12,8 @@ Needs torch, numpy, tqdm and google-crc32c (not zarr).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import socket
 import sys
 import time
 
@@ -25,7 +23,7 @@ import provenance  # noqa: E402  (benchmarks/provenance.py: machine, date, commi
 import torch  # noqa: E402
 
 from zeroio.io import AlignedBuffer  # noqa: E402
-from zeroio.io.bench import bench_io, parse_size  # noqa: E402
+from zeroio.io.bench import bench_io, disk_table, parse_size  # noqa: E402
 from zeroio.io.gpu import copy_to_device, copy_to_host  # noqa: E402
 
 # Engine settings tried on the disk; the best is compared with the raw device.
@@ -133,28 +131,19 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     os.makedirs(args.path, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
-    result = {"benchmark": "io", "date": now.isoformat(timespec="seconds"), "commit": provenance.commit(),
-              "machine": provenance.machine(), "disk": disk(args.path, parse_size(args.size), args.raw, args.quiet)}
+    result = {"benchmark": "io", **provenance.header(args.path),
+              "disk": disk(args.path, parse_size(args.size), args.raw, args.quiet)}
     if torch.cuda.is_available():
         result["copies"] = copies(parse_size(args.copy_size), args.iters)
-    os.makedirs(args.out, exist_ok=True)
-    name = f"io-{socket.gethostname()}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(result, f, indent=2)
-    d = result["disk"]
-    print(f"disk {d['path']}  {d['size_bytes']} B  direct={d['direct']}  raw tool={d['raw']['tool']}")
-    print(f"{'':10}{'write GB/s':>12}{'read GB/s':>12}")
-    print(f"{'engine':10}{d['engine']['write_gbps']:12.3f}{d['engine']['read_gbps']:12.3f}")
-    print(f"{'raw':10}{d['raw']['write_gbps']:12.3f}{d['raw']['read_gbps']:12.3f}")
-    print(f"{'ratio':10}{d['ratio']['write']:12.2f}{d['ratio']['read']:12.2f}   (target >= 0.90)")
+    path = provenance.write_result(args.out, "io", result)
+    print("\n".join(disk_table(result["disk"])))
     if "copies" in result:
         c = result["copies"]
         print(f"{'copy':10}{'helper GB/s':>12}{'plain GB/s':>12}{'ratio':>8}")
         print(f"{'h2d':10}{c['helper_h2d_gbps']:12.2f}{c['plain_h2d_to_gbps']:12.2f}{c['ratio_h2d']:8.2f}")
         print(f"{'d2h':10}{c['helper_d2h_gbps']:12.2f}{c['plain_d2h_gbps']:12.2f}{c['ratio_d2h']:8.2f}")
         print(f"overlap: {c['overlap']}")
-    print(f"wrote {os.path.join(args.out, name)}")
+    print(f"wrote {path}")
     print(json.dumps(result))
     return 0
 

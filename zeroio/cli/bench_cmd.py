@@ -32,7 +32,7 @@ def _aio_from_config(path: str | None) -> object | None:
 def run(args) -> int:
     if getattr(args, "bench_what", None) != "io":
         raise SystemExit("usage: zeroio bench io --path DIR --size S [--json]")
-    from zeroio.io.bench import bench_io, parse_size
+    from zeroio.io.bench import bench_io, disk_table, parse_size
 
     result = bench_io(
         args.path,
@@ -47,14 +47,5 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    s = result["settings"]
-    print(f"path {result['path']}  size {result['size_bytes']} B  direct I/O: {result['direct']}")
-    print(f"engine (block_size {s['block_size']}, queue_depth {s['queue_depth']}, threads {s['thread_count']})")
-    print(f"{'':8}{'write GB/s':>12}{'read GB/s':>12}")
-    print(f"{'engine':8}{result['engine']['write_gbps']:12.3f}{result['engine']['read_gbps']:12.3f}")
-    if "raw" in result:
-        raw = result["raw"]
-        print(f"{raw['tool']:8}{raw['write_gbps']:12.3f}{raw['read_gbps']:12.3f}")
-        r = result["ratio"]
-        print(f"{'ratio':8}{r['write']:12.2f}{r['read']:12.2f}")
+    print("\n".join(disk_table(result)))
     return 0

@@ -229,3 +229,18 @@ def tune_io(directory: str, size: int, block_sizes: list[int], queue_depths: lis
            "intra_op_parallelism": best["thread_count"], "single_submit": False,
            "overlap_events": True, "use_gds": False}
     return aio, rows
+
+
+def disk_table(result: dict) -> list[str]:
+    """Lines of the table ``zeroio bench io`` prints for a ``bench_io`` result."""
+    st = result["settings"]
+    lines = [f"path {result['path']}  size {result['size_bytes']} B  direct I/O: {result['direct']}",
+             f"engine (block_size {st['block_size']}, queue_depth {st['queue_depth']}, "
+             f"threads {st['thread_count']})",
+             f"{'':8}{'write GB/s':>12}{'read GB/s':>12}",
+             f"{'engine':8}{result['engine']['write_gbps']:12.3f}{result['engine']['read_gbps']:12.3f}"]
+    if "raw" in result:
+        raw, r = result["raw"], result["ratio"]
+        lines.append(f"{raw['tool']:8}{raw['write_gbps']:12.3f}{raw['read_gbps']:12.3f}")
+        lines.append(f"{'ratio':8}{r['write']:12.2f}{r['read']:12.2f}   (target >= 0.90)")
+    return lines
