@@ -59,6 +59,10 @@ def _args():
                     help="hidden 64, 2 layers, vocab 256, seq 32, micro batch 2, 4 steps (smoke test)")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="after the timed steps: 2 steps with device syncs between forward, "
+                         "backward and step (phase seconds in the JSON), then 1 step under "
+                         "torch.profiler (chrome trace + op table in DIR)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = ap.parse_args()
     if a.tiny:
@@ -140,6 +144,60 @@ def _commit() -> str:
         return "unknown"
 
 
+def _one_step(a, engine, model, opt, ids, mark=lambda name: None):
+    if engine is None:
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        mark("forward")
+        loss.backward()
+        mark("backward")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    else:
+        loss = engine(input_ids=ids, labels=ids).loss
+        mark("forward")
+        engine.backward(loss)
+        mark("backward")
+        engine.step()
+    mark("step")
+    return loss
+
+
+def _profile(a, engine, model, opt, device, gen) -> dict:
+    """Where a step's time goes: synced phase seconds over 2 steps, then a profiler trace."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    for _ in range(2):
+        ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=gen).to(device)
+        sync()
+        last = [time.perf_counter()]
+
+        def mark(name):
+            sync()
+            now = time.perf_counter()
+            phases[name].append(now - last[0])
+            last[0] = now
+
+        _one_step(a, engine, model, opt, ids, mark)
+    os.makedirs(a.profile, exist_ok=True)
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=gen).to(device)
+    with torch.profiler.profile(activities=acts) as prof:
+        _one_step(a, engine, model, opt, ids)
+        sync()
+    tag = f"{a.mode}-{os.path.basename(a.config or 'plain').removesuffix('.json')}"
+    prof.export_chrome_trace(os.path.join(a.profile, f"trace-{tag}.json"))
+    with open(os.path.join(a.profile, f"ops-{tag}.txt"), "w") as f:
+        for key in ("cpu_time_total", "self_cpu_time_total") + (
+                ("cuda_time_total",) if cuda else ()):
+            f.write(f"== sorted by {key}\n")
+            f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+    return {k: statistics.median(v) for k, v in phases.items()}
+
+
 def main() -> None:
     a = _args()
     cuda = torch.cuda.is_available()
@@ -147,6 +205,7 @@ def main() -> None:
     model = build_model(a)
     n_params = sum(p.numel() for p in model.parameters())
     engine = None
+    opt = None
     if a.mode == "plain":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
             torch.device("cpu")
@@ -173,21 +232,13 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        if engine is None:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
+        loss = _one_step(a, engine, model, opt, ids)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         loss_val = loss.item()
+    phases = _profile(a, engine, model, opt, device, gen) \
+        if a.profile else None
     host_peak = rss.stop()
     timed = times[a.warmup:] or times
     s_step = statistics.median(timed)
@@ -204,6 +255,7 @@ def main() -> None:
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_host_rss_gib": host_peak / 2**30, "final_loss": loss_val,
         "stats": engine.stats() if engine is not None else None,
+        "phases": phases,
     }
     if rank == 0:
         os.makedirs(a.out, exist_ok=True)
