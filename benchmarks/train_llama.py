@@ -174,7 +174,7 @@ def _profile(a, engine, model, opt, device, gen) -> dict:
         sync()
         last = [time.perf_counter()]
 
-        def mark(name):
+        def mark(name, last=last):
             sync()
             now = time.perf_counter()
             phases[name].append(now - last[0])
