@@ -21,6 +21,7 @@ from collections import deque
 import torch
 
 from zeroio.errors import CapacityError
+from zeroio.io.hostmem import host_empty
 
 ALIGN = 4096
 
@@ -49,17 +50,11 @@ class AlignedBuffer:
         self.nbytes = int(nbytes)
         self.capacity = max(round_up(self.nbytes), ALIGN)
         self.pinned = _pin_available() if pin is None else bool(pin)
-        # CUDA's pinned host allocator hands out whole cudaHostAlloc blocks,
-        # which are page aligned, and may round the size up to a power of two,
-        # so asking for one extra page could double the pinned memory: ask for
-        # exactly the capacity and over-allocate only if it came back unaligned.
-        # The CPU allocator aligns to 64 bytes: over-allocate one page and slice.
-        raw = None
-        if self.pinned:
-            raw = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
-            if raw.data_ptr() % ALIGN:
-                raw = None
-        if raw is None:
+        # hostmem maps large buffers page aligned and exactly sized (no power-of-two rounding,
+        # see zeroio.io.hostmem); a small one from torch's allocators may come back unaligned
+        # (the CPU allocator aligns to 64 bytes): then over-allocate one page and slice.
+        raw = host_empty(self.capacity, torch.uint8, pin=self.pinned)  # page aligned when large
+        if raw.data_ptr() % ALIGN:
             raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
         skip = (-raw.data_ptr()) % ALIGN
         self._raw = raw

@@ -19,6 +19,7 @@ import torch
 from torch.optim.adam import adam as adam_fn
 from torch.optim.adamw import adamw as adamw_fn
 
+from zeroio.io.hostmem import host_zeros
 from zeroio.partition.base import ShardGroup
 
 
@@ -33,11 +34,11 @@ class AdamState:
 
     @staticmethod
     def zeros_like(master: torch.Tensor) -> AdamState:
-        pin = master.device.type == "cpu" and master.is_pinned()
-
         def z():
-            return torch.zeros(master.shape, dtype=master.dtype, device=master.device,
-                               pin_memory=pin)
+            if master.device.type == "cpu":  # see zeroio.io.hostmem.[Note: host memory]
+                return host_zeros(master.numel(), master.dtype,
+                                  pin=master.is_pinned()).view(master.shape)
+            return torch.zeros(master.shape, dtype=master.dtype, device=master.device)
 
         return AdamState(exp_avg=z(), exp_avg_sq=z(),
                          step=torch.zeros((), dtype=torch.float32, device=master.device))

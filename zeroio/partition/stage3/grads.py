@@ -20,6 +20,10 @@ reduce-scatter, while backward goes on (the stage-2 design, stage12.py
   boundary zeroes the pieces of groups that got no gradient at all, so the
   5+ GB memset of the whole gradient per step is gone (``ShardGroup.grad`` is
   only defined after ``finalize_gradients(boundary=True)``, see base.py);
+- copies to host memory run on the ``d2h`` stream ([Note: stage-3 streams]),
+  ordered after the consumption on ``comm``, so the gathers queued on ``comm``
+  after them (the backward's next groups) never wait for a gradient to cross
+  PCIe; ``settle`` waits on ``d2h``;
 - [Note: norm while consuming]: when a write is the group's only one of the
   accumulation and happens at the boundary, its squared norm is taken on the
   device right there, so the step does not re-read gigabytes of host
@@ -32,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroio.io.hostmem import host_empty
 from zeroio.partition.base import ShardGroup
-from zeroio.partition.stage3.streams import record
+from zeroio.partition.stage3.streams import keep_for, on, record, wait_stream
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
 
@@ -53,8 +58,10 @@ class GradLanding:
     """Consumes reduced buckets into ``ShardGroup.grad`` (see the note above)."""
 
     def __init__(self, groups: list[ShardGroup], pieces: dict[int, list[Landing]],
-                 device: torch.device, pin: bool, transfers: TierStats | None = None):
+                 device: torch.device, pin: bool, transfers: TierStats | None = None,
+                 d2h: torch.cuda.Stream | None = None):
         self.groups = groups
+        self.d2h = d2h  # copies into host memory (see the note); None on CPU
         self.transfers = transfers  # D2H bytes and host waits (engine.stats)
         self.pieces = pieces
         self.device = device
@@ -86,15 +93,22 @@ class GradLanding:
                 self._norm_parts.append(torch.linalg.vector_norm(src).double().pow(2))
         else:  # accumulated over writes: the final value is only known on the host
             self._norm_valid = False
-        for ld in self.pieces.get(gi, []):
-            src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
-            if writes == 0:
-                count_copy(self.transfers, src, dst)
-                dst.copy_(src, non_blocking=True)
-            elif dst.device == src.device:
-                dst.add_(src)
-            else:
-                self._stage_add(gi, ld, src)
+        lds = self.pieces.get(gi, [])
+        to_host = bool(lds) and shard.is_cuda and self._dst(lds[0]).device.type == "cpu"
+        side = self.d2h if to_host else None
+        if side is not None:  # after the scaling above, on comm; see the note
+            wait_stream(side, torch.cuda.current_stream(shard.device))
+            keep_for(shard, side)
+        with on(side):
+            for ld in lds:
+                src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
+                if writes == 0:
+                    count_copy(self.transfers, src, dst)
+                    dst.copy_(src, non_blocking=True)
+                elif dst.device == src.device:
+                    dst.add_(src)
+                else:
+                    self._stage_add(gi, ld, src)
 
     def _stage_add(self, gi: int, ld: Landing, src: torch.Tensor) -> None:
         if gi in self._host_adds:  # the staging still holds an earlier, unapplied write
@@ -102,7 +116,7 @@ class GradLanding:
         stage = self._staging.get(gi)
         if stage is None:
             n = max(p.lo + p.numel for p in self.pieces[gi])
-            stage = self._staging[gi] = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
+            stage = self._staging[gi] = host_empty(n, torch.float32, pin=self.pin)
             self.host_allocations += 1
         count_copy(self.transfers, src, stage)
         stage.narrow(0, ld.lo, ld.numel).copy_(src, non_blocking=True)
@@ -119,11 +133,12 @@ class GradLanding:
             self._dst(ld).add_(stage.narrow(0, ld.lo, ld.numel))
 
     def settle(self, boundary: bool, stream: torch.cuda.Stream | None) -> None:
-        """After every reduction was consumed (on ``stream``): one host wait when gradients
-        land in host memory, the staged adds, and at the boundary zeros for unwritten groups."""
+        """After every reduction was consumed (on ``stream``; the copies to host on ``d2h``,
+        which waited on ``stream`` each time): one host wait when gradients land in host
+        memory, the staged adds, and at the boundary zeros for unwritten groups."""
         if stream is not None and any(g.grad.device.type == "cpu" for g in self.groups):
-            with StallTimer(self.transfers):
-                record(stream).synchronize()  # the CPU optimizer reads these bytes next
+            with StallTimer(self.transfers):  # the CPU optimizer reads these bytes next
+                record(self.d2h if self.d2h is not None else stream).synchronize()
         for gi in list(self._host_adds):
             self._apply(gi)
         if boundary:

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from zeroio.io.hostmem import host_empty
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.streams import Fetched, Streams, on, record
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
@@ -111,7 +112,7 @@ class HostShards:
         self._reading: dict[int, torch.cuda.Event] = {}  # H2D copies still reading a host shard
 
     def put(self, key, shard):
-        host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
+        host = host_empty(shard.numel(), shard.dtype, pin=self.pin).view(shard.shape)
         host.copy_(shard)
         self._shards[key] = host
 
