@@ -1,17 +1,36 @@
 """Adam(W) whose moments live on NVMe, stepped over sub-groups with a read/update/write pipeline.
 
 Each ShardGroup's local range is cut into sub-groups of ``sub_group_size``
-elements. Every sub-group's ``exp_avg`` and ``exp_avg_sq`` are tensors of the
-tiered store with their home on NVMe; the step walks the sub-groups in order:
+elements (DeepSpeed's unit: ``on_updated`` reports each updated sub-group), and
+each sub-group into *pieces* of at most ``MAX_PIECE_ELEMS`` elements, the unit
+of swap I/O. Every piece's ``exp_avg`` and ``exp_avg_sq`` are tensors of the
+tiered store with their home on NVMe. Adam is elementwise, so updating a
+sub-group piece by piece gives the same numbers as updating it at once.
 
-    read(i+1)  |  update(i)  |  write-back(i-1)
+[Note: resident head, streamed tail]
+The step sweeps the pieces in the same order every step, so the best use of a
+host budget smaller than the moments is known in advance (it is what Belady's
+farthest-next-use rule converges to on a cyclic sweep): the first pieces that
+fit in the budget minus a small window stay resident (acquired once, held,
+never written back during training), and the rest stream through the window:
 
-``pipeline_read`` starts the read of sub-group i+1 (``acquire_async``) before
-updating i; ``pipeline_write`` leaves the write-back of i to the store, which
-writes a dirty copy back asynchronously before its host space is reused,
-instead of flushing after each update. The store's host budget holds
-``buffer_count`` moment tensors, so host memory for moments is bounded by the
-config, not by the model.
+    read(i+1..i+read_ahead)  |  update(i)  |  write-back(i-1)
+
+Each streamed piece is read once and written once per step, and nothing else
+moves: bytes per step = 2 x (moments - resident). A resident piece is written
+only when the store flushes or closes (checkpoint save reads it from memory).
+LRU on the same sweep would evict exactly the piece needed next and read
+everything every step; holding the head makes the schedule the same whatever
+``tiering.policy`` says (the policy only ever sees the window's one released
+piece as a candidate).
+
+``pipeline_read`` reads the next ``read_ahead`` pieces while piece i is
+updated, and at the end of a step the head of the next step's stream (it loads
+during forward and backward); ``pipeline_write`` starts the write-back of a
+streamed piece as soon as it is updated (``TieredStore.evict``) instead of when
+its space is next needed. Both false (DeepSpeed's defaults) gives a plain
+synchronous swap; with a budget that holds all moments there is no swap I/O
+after the first step either way.
 
 [Note: masters stay on the host]
 The fp32 master shard stays in the partitioner's (pinned) host memory, as with
@@ -28,11 +47,18 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroio.errors import ConfigError
+from zeroio.errors import CapacityError, ConfigError
 from zeroio.optim.adam import AdamState, adam_update
 from zeroio.partition.base import ShardGroup
 
 KINDS = ("exp_avg", "exp_avg_sq")
+MAX_PIECE_ELEMS = 1 << 24
+"""Largest swap piece: 64 MiB per moment. Small enough that reads, updates and writes of
+neighbouring pieces overlap within a step (a 1e9-element sub-group would leave one 4 GB
+transfer per moment with nothing to overlap it), large enough for full-speed disk I/O."""
+READ_AHEAD = 2
+"""Streamed pieces read ahead of the one being updated (with ``pipeline_read``)."""
+_PAGE = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +77,71 @@ def split(groups: list[ShardGroup], sub_group_size: int) -> list[SubGroup]:
             for g in groups for s in range(0, g.padded_numel, size)]
 
 
+def pieces_of(subs: list[SubGroup], piece_elems: int) -> list[SubGroup]:
+    """Each sub-group cut into consecutive pieces of at most ``piece_elems`` elements."""
+    size = max(1, piece_elems)
+    return [SubGroup(group_index=s.group_index, start=o, numel=min(size, s.start + s.numel - o))
+            for s in subs for o in range(s.start, s.start + s.numel, size)]
+
+
+def pair_cost(piece: SubGroup) -> int:
+    """Host bytes of a piece's two moments in the store's CPU tier (whole pages each)."""
+    return len(KINDS) * max(-(-piece.numel * 4 // _PAGE) * _PAGE, _PAGE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapPlan:
+    """How the moments use the host budget ([Note: resident head, streamed tail])."""
+
+    pieces: tuple[SubGroup, ...]
+    resident: int
+    """The first ``resident`` pieces stay in host memory; the others stream."""
+    read_ahead: int
+    """Streamed pieces loaded ahead of the one being updated."""
+    cpu_budget: int
+    """Host bytes of the optimizer's store."""
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Moment bytes read from, and written to, the disk per step in steady state."""
+        return sum(p.numel * 4 * len(KINDS) for p in self.pieces[self.resident:])
+
+    @classmethod
+    def make(cls, subs: list[SubGroup], *, cpu_budget: int | None, buffer_count: int,
+             pipeline_read: bool, piece_elems: int | None = None) -> SwapPlan:
+        ahead = READ_AHEAD if pipeline_read else 0
+        total = sum(pair_cost(s) for s in subs)
+        if piece_elems is None:
+            piece_elems = MAX_PIECE_ELEMS
+            if cpu_budget is not None and cpu_budget < total:
+                # the window (current, read-ahead, previous) takes at most a quarter of the budget
+                piece_elems = min(piece_elems, max(_PAGE // 4, cpu_budget // (4 * 4 * 2 * (2 + ahead))))
+        pieces = tuple(pieces_of(subs, piece_elems))
+        largest = max((pair_cost(p) for p in pieces), default=0)
+        if cpu_budget is None:
+            # DeepSpeed's meaning: buffer_count host buffers of the largest sub-group's moment
+            sub_bytes = max((pair_cost(s) // len(KINDS) for s in subs), default=0)
+            cpu_budget = min(total, max(4, buffer_count) * sub_bytes)
+            cpu_budget = max(cpu_budget, min(total, (2 + ahead) * largest))
+        if cpu_budget >= total:
+            return cls(pieces=pieces, resident=len(pieces), read_ahead=ahead, cpu_budget=cpu_budget)
+        while ahead and (2 + ahead) * largest > cpu_budget:
+            ahead -= 1
+        window = (2 + ahead) * largest if ahead else largest
+        if window > cpu_budget:
+            raise CapacityError(
+                f"offload_optimizer nvme: the host budget of {cpu_budget} bytes cannot hold one "
+                f"piece's two moments ({largest} bytes); raise "
+                f"zero_optimization.tiering.cpu_budget_bytes or lower sub_group_size")
+        room, resident = cpu_budget - window, 0
+        for p in pieces:
+            if pair_cost(p) > room:
+                break
+            room -= pair_cost(p)
+            resident += 1
+        return cls(pieces=pieces, resident=resident, read_ahead=ahead, cpu_budget=cpu_budget)
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -61,7 +152,7 @@ class SwappedAdam:
     """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
-                 cfg, backend=None):
+                 cfg, backend=None, piece_elems: int | None = None):
         from zeroio.tiering import Tier, TieredStore
 
         off = cfg.zero_optimization.offload_optimizer
@@ -74,55 +165,93 @@ class SwappedAdam:
         self.pipeline_read = bool(off.pipeline_read)
         self.pipeline_write = bool(off.pipeline_write)
         self.subs = split(groups, cfg.zero_optimization.sub_group_size)
-        largest = -(-max((s.numel for s in self.subs), default=1) * 4 // 4096) * 4096  # pages
-        tiering = cfg.zero_optimization.tiering
-        # buffer_count host buffers of the largest moment tensor, at least the 4 that the
-        # pipeline holds at once (2 moments of i being updated, 2 of i+1 being read)
-        total = sum(-(-s.numel * 4 // 4096) * 4096 for s in self.subs) * len(KINDS)
-        cpu_budget = tiering.cpu_budget_bytes or min(total, max(4, off.buffer_count) * largest)
+        self.plan = SwapPlan.make(self.subs, cpu_budget=cfg.zero_optimization.tiering.cpu_budget_bytes,
+                                  buffer_count=off.buffer_count, pipeline_read=self.pipeline_read,
+                                  piece_elems=piece_elems)
+        self.pieces = list(self.plan.pieces)
         path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
                                                                f"zeroio-optim-rank{_rank()}")
         if path is not None:
             os.makedirs(path, exist_ok=True)
-        self.store = TieredStore(cfg, cfg.aio, nvme_path=path, backend=backend,
-                                 gpu_budget_bytes=0, cpu_budget_bytes=cpu_budget)
+        # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top.
+        self.store = TieredStore(cfg, cfg.aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
+                                 cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0)
         self._tier = Tier.CPU
-        for sub in self.subs:
+        for piece in self.pieces:
             for kind in KINDS:
-                self.store.register(sub.name(kind), (sub.numel,), torch.float32, home=Tier.NVME)
-        self.steps = {sub: torch.zeros((), dtype=torch.float32) for sub in self.subs}
-        # checkpoint threads pin sub-groups in the store (thread-safe, pin-counted) at most
-        # two at a time, well inside its host budget of >= 4 largest sub-groups
+                self.store.register(piece.name(kind), (piece.numel,), torch.float32, home=Tier.NVME)
+        self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
+        self._last_of_sub = {self._piece_index(s.group_index, s.start + s.numel - 1): s
+                             for s in self.subs}
+        self._held: dict[int, list[torch.Tensor]] = {}  # resident pieces: acquired once, kept
+        self._pending: dict[int, list] = {}  # piece index -> futures of its moments being read
+        # checkpoint threads pin pieces in the store (thread-safe, pin-counted) at most two at
+        # a time, inside the window the plan leaves next to the read-ahead
         self._state_pins = threading.BoundedSemaphore(2)
 
-    def _fetch(self, sub: SubGroup):
-        return [self.store.acquire_async(sub.name(k), self._tier) for k in KINDS]
+    def _piece_index(self, group_index: int, element: int) -> int:
+        for i, p in enumerate(self.pieces):
+            if p.group_index == group_index and p.start <= element < p.start + p.numel:
+                return i
+        raise IndexError(f"no piece holds element {element} of group {group_index}")
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def _read_ahead(self, start: int, count: int) -> None:
+        """Make sure the next ``count`` pieces from ``start`` that are not held are being read."""
+        j, found = start, 0
+        while j < len(self.pieces) and found < count:
+            if j not in self._held:
+                found += 1
+                if j not in self._pending:
+                    p = self.pieces[j]
+                    self._pending[j] = [self.store.acquire_async(p.name(k), self._tier) for k in KINDS]
+            j += 1
+
+    def _take(self, i: int) -> list[torch.Tensor]:
+        held = self._held.get(i)
+        if held is not None:
+            return held
+        futures = self._pending.pop(i, None)
+        if futures is None:
+            p = self.pieces[i]
+            futures = [self.store.acquire_async(p.name(k), self._tier) for k in KINDS]
+        tensors = [f.result() for f in futures]
+        if i < self.plan.resident:
+            self._held[i] = tensors
+        return tensors
+
+    def _put_back(self, i: int) -> None:
+        p = self.pieces[i]
+        for k in KINDS:
+            self.store.mark_dirty(p.name(k), self._tier)
+        if i in self._held:
+            return
+        for k in KINDS:
+            self.store.release(p.name(k), self._tier)
+            if self.pipeline_write:
+                self.store.evict(p.name(k), self._tier)  # write behind: it is used again next step
 
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
         with torch.profiler.record_function("zeroio::optimizer_step_nvme"):
-            pending = self._fetch(self.subs[0]) if self.subs else None
-            for i, sub in enumerate(self.subs):
-                exp_avg, exp_avg_sq = (f.result() for f in pending)
-                nxt = self.subs[i + 1] if i + 1 < len(self.subs) else None
-                if nxt is not None and self.pipeline_read:
-                    pending = self._fetch(nxt)
-                g = self.groups[sub.group_index]
+            for i, p in enumerate(self.pieces):
+                if self.pipeline_read:
+                    self._read_ahead(i + 1, self.plan.read_ahead)
+                exp_avg, exp_avg_sq = self._take(i)
+                g = self.groups[p.group_index]
                 with torch.profiler.record_function("zeroio::adam_subgroup"):
-                    adam_update(master=g.master.narrow(0, sub.start, sub.numel),
-                                grad=g.grad.narrow(0, sub.start, sub.numel),
+                    adam_update(master=g.master.narrow(0, p.start, p.numel),
+                                grad=g.grad.narrow(0, p.start, p.numel),
                                 state=AdamState(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                                                step=self.steps[sub]),
+                                                step=self.steps[p]),
                                 hyper=self.param_groups[g.group_index],
                                 decoupled=self.decoupled, grad_scale=grad_scale)
-                if on_updated is not None:
+                self._put_back(i)
+                sub = self._last_of_sub.get(i)
+                if sub is not None and on_updated is not None:
                     on_updated(sub.group_index, sub.start, sub.numel)
-                for k in KINDS:
-                    self.store.mark_dirty(sub.name(k), self._tier)
-                    self.store.release(sub.name(k), self._tier)
-                if not self.pipeline_write:
-                    self.store.flush()
-                if nxt is not None and not self.pipeline_read:
-                    pending = self._fetch(nxt)
+            if self.pipeline_read:
+                self._read_ahead(0, self.plan.read_ahead)  # the next step's stream starts loading
             self.store.step_boundary()
 
     # ---- state access (checkpoints) --------------------------------------------------------
@@ -134,8 +263,8 @@ class SwappedAdam:
         g = self.groups[group_index]
         if kind == "fp32":
             return g.master
-        out = torch.empty(g.padded_numel, dtype=torch.float32)  # the sub-groups tile it: no fill
-        for sub in self.subs:
+        out = torch.empty(g.padded_numel, dtype=torch.float32)  # the pieces tile it: no fill
+        for sub in self.pieces:
             if sub.group_index == group_index:
                 with self._state_pins:
                     t = self.store.acquire(sub.name(kind), self._tier)
@@ -146,7 +275,7 @@ class SwappedAdam:
     def read_local(self, group_index: int, kind: str, lo: int, n: int) -> torch.Tensor:
         """Elements [lo, lo + n) of the group's local ``kind`` tensor, as a new host tensor.
 
-        Reads only the sub-groups that overlap the range (from the store's CPU or
+        Reads only the pieces that overlap the range (from the store's CPU or
         NVMe tier, never via a GPU), so a checkpoint writer holds one piece per
         thread, not a copy of every moment. Safe to call from several threads.
         """
@@ -162,10 +291,10 @@ class SwappedAdam:
         return out
 
     def _resident_pieces(self, group_index: int, kind: str, lo: int, n: int, *, dirty: bool):
-        """For each sub-group overlapping [lo, lo + n) of the group's ``kind`` state: its
+        """For each piece overlapping [lo, lo + n) of the group's ``kind`` state: its
         overlapping slice, resident and pinned while the caller uses it, and where that slice
         starts within the range. ``dirty``: the caller writes it (written back later)."""
-        for sub in self.subs:
+        for sub in self.pieces:
             if sub.group_index != group_index:
                 continue
             a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
@@ -200,7 +329,7 @@ class SwappedAdam:
         if kind == "fp32":
             g.master.copy_(values)
             return
-        for sub in self.subs:
+        for sub in self.pieces:
             if sub.group_index == group_index:
                 t = self.store.acquire(sub.name(kind), self._tier)
                 t.copy_(values.narrow(0, sub.start, sub.numel))
@@ -220,4 +349,9 @@ class SwappedAdam:
         """Gradients are owned by the engine."""
 
     def close(self) -> None:
+        for futures in self._pending.values():
+            for f in futures:
+                f.exception()  # let reads in flight land before the store goes away
+        self._pending.clear()
+        self._held.clear()
         self.store.close()

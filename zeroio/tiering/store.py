@@ -217,9 +217,25 @@ class TieredStore:
 
     def acquire_async(self, name: str, tier: Tier | str) -> Future:
         """Like ``acquire`` but returns at once; the future's result is the tensor. Time a
-        caller then blocks in ``result()`` counts as stall ([Note: stall and hidden time])."""
+        caller then blocks in ``result()`` counts as stall ([Note: stall and hidden time]).
+
+        [Note: asynchronous acquire] Only the bookkeeping that fixes the access order (the
+        policy's touch, hit or miss, the pin of a copy already there) runs in the caller.
+        Making room (which may wait for a victim's write-back to land, or for another
+        acquire's release) and the load run on the store's acquire thread, in call order:
+        a caller that asks for the next tensor before computing on the current one must
+        not wait there for the write-back of the previous one."""
         with self._lock:
-            entry, copy = self._begin_acquire(name, tier)
+            entry, tier = self._acquirable(name, tier)
+            self._mover.reap()
+            self._spaces[tier].policy.touch(name)  # type: ignore[union-attr]
+            copy = entry.copies.get(tier)
+            if copy is not None:
+                self._stats.hit()
+                self._mover.pin(copy)
+                copy.evict_after = False
+            else:
+                self._stats.miss()
             if self._waiter is None:
                 self._waiter = ThreadPoolExecutor(1, thread_name_prefix="zeroio-tiering-acquire")
         future = _TimedFuture(self._stats)
@@ -228,17 +244,22 @@ class TieredStore:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                future.set_result(self._finish_async(entry, copy))
+                future.set_result(self._finish_async(entry, tier, copy))
             except BaseException as exc:
                 future.set_exception(exc)
 
         self._waiter.submit(finish)
         return future
 
-    def _finish_async(self, entry: Entry, copy: Copy) -> torch.Tensor:
+    def _finish_async(self, entry: Entry, tier: Tier, copy: Copy | None) -> torch.Tensor:
         with self._lock:
-            self._finish_acquire(entry, copy)
-            return copy.tensor
+            if copy is None:
+                self._check_open()
+                copy = self._mover.load(entry, tier, prefetch=False)
+                self._mover.pin(copy)  # type: ignore[arg-type]
+                copy.evict_after = False  # type: ignore[union-attr]
+            self._finish_acquire(entry, copy)  # type: ignore[arg-type]
+            return copy.tensor  # type: ignore[union-attr]
 
     def _begin_overwrite(self, name: str, tier: Tier | str) -> tuple[Entry, Copy]:
         """``acquire(overwrite=True)`` up to a pinned, DIRTY copy in ``tier`` (lock held)."""
@@ -386,6 +407,25 @@ class TieredStore:
         if copy is None or copy.pins == 0:
             raise ResidencyError(f"{what}({entry.name!r}, {tier.value}): it is not acquired there")
         return copy
+
+    def evict(self, name: str, tier: Tier | str) -> None:
+        """A hint that ``name``'s copy in ``tier`` is not needed again soon: start writing it
+        back if it is dirty and free its space once that lands (clean: at once). Returns
+        without waiting; a copy that is acquired, moving or absent is left alone. A caller
+        that knows its sweep (the optimizer) writes behind with it, so a later load does
+        not first wait for the write-back of its victim."""
+        with self._lock:
+            self._check_open()
+            entry = self._entry(name)
+            copy = entry.copies.get(Tier.parse(tier))
+            if copy is None or copy.is_home or not copy.evictable or entry.error is not None:
+                return
+            if copy.tier is Tier.GPU and entry.home is Tier.NVME:
+                return  # its write-back needs a CPU copy first (room to make: may wait)
+            if copy.state is Residency.CLEAN:
+                self._mover.drop(entry, copy)
+            else:
+                self._mover.writeback(entry, copy, evict_after=True)
 
     # -- prefetch -------------------------------------------------------------
 
