@@ -65,6 +65,9 @@ class ParamGroup:
         self._ready: set[int] = set()
         self.trainable = {i for i, (s, p) in enumerate(zip(plan.slots, params, strict=True))
                           if s.opt_group >= 0 and p.requires_grad}
+        self.before_fetch: Callable[[int], None] | None = None
+        """Called with the group index before its shard is fetched: the partitioner waits
+        there for an overlapped optimizer step to publish the shard."""
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -93,6 +96,8 @@ class ParamGroup:
 
     def start_gather(self) -> None:
         check_transition(self.name, self.state, GroupState.GATHERING)
+        if self.before_fetch is not None:
+            self.before_fetch(self.plan.index)
         side = self.streams.comm
         with torch.profiler.record_function("zeroio::stage3::all_gather"):
             fetched = self.store.fetch(self.plan.index, self.streams)

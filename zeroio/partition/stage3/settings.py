@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from zeroio.errors import ConfigError
+
+STEP_CHUNK_ENV = "ZEROIO_STEP_CHUNK_NUMEL"
+"""Environment override of ``Stage3Settings.step_chunk_numel`` (a tuning knob for benchmarks)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +39,15 @@ class Stage3Settings:
     """NVMe offload: parameter elements of this rank's shards kept resident in pinned host memory
     on top of the buffers (``offload_param.max_in_cpu``, DeepSpeed's meaning); 0 = every shard on
     NVMe. Which shards: nvme_store.resident_keys."""
+    overlap_step: bool = False
+    """offload_optimizer cpu: ``step()`` returns while the CPU optimizer still runs and each
+    gather of the next forward waits for the step job that publishes its group
+    (``zero_optimization.tiering.overlap_step`` or ``ZEROIO_OVERLAP_STEP=1``; see
+    [Note: stage-3 host step] in partitioner.py)."""
+    step_chunk_numel: int = 1 << 24
+    """offload_optimizer cpu: most elements one CPU Adam call updates before that chunk is
+    published (cast into the 16-bit shard while still warm in cache). Bigger chunks pay less
+    thread-pool overhead per call, smaller ones find more of the chunk in cache."""
 
     def __post_init__(self) -> None:
         if self.offload_device not in ("none", "cpu", "nvme"):
@@ -45,6 +58,10 @@ class Stage3Settings:
         if self.max_in_cpu < 0:
             raise ConfigError(f"offload_param.max_in_cpu must be >= 0, got {self.max_in_cpu}",
                               key="zero_optimization.offload_param.max_in_cpu")
+        if self.step_chunk_numel < 1:
+            raise ConfigError(f"stage-3 step chunk must be >= 1 element, got "
+                              f"{self.step_chunk_numel} (env {STEP_CHUNK_ENV})",
+                              key=STEP_CHUNK_ENV)
         if self.offload_device == "nvme" and not self.nvme_path:
             raise ConfigError(
                 "offload_param.device is nvme but offload_param.nvme_path is not set; "
@@ -67,4 +84,26 @@ class Stage3Settings:
             pin_memory=bool(op.pin_memory) or device == "cpu",
             host_buffer_bytes=int(op.buffer_count) * int(op.buffer_size) * 2,
             max_in_cpu=int(op.max_in_cpu),
+            overlap_step=_overlap_requested(zero),
+            step_chunk_numel=_env_int(STEP_CHUNK_ENV, Stage3Settings.step_chunk_numel),
         )
+
+
+def _overlap_requested(zero) -> bool:
+    """The same opt-in as stages 1/2 (``zeroio.engine.overlap_step_requested``): the config
+    key (read with getattr until ``TieringConfig.overlap_step`` exists) or the environment."""
+    tiering = getattr(zero, "tiering", None)
+    if bool(getattr(tiering, "overlap_step", False)):
+        return True
+    return os.environ.get("ZEROIO_OVERLAP_STEP", "0").lower() in ("1", "true", "yes")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; unset it or give a number of "
+                          "elements such as 16777216", key=name) from None

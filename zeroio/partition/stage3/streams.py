@@ -1,7 +1,7 @@
 """The CUDA streams of stage 3, made in one place, and the helpers that order them.
 
 [Note: stage-3 streams]
-Two side streams per partitioner (the design of FSDP2's copy-in / all-gather /
+Three side streams per partitioner (the design of FSDP2's copy-in / all-gather /
 reduce-scatter streams, reduced to what stage 3 needs):
 
 - ``h2d``: host -> device copies of offloaded shards (pinned CPU shards, or the
@@ -13,6 +13,13 @@ reduce-scatter streams, reduced to what stage 3 needs):
   into the gradient shard. It overlaps compute: the next groups are gathered
   while the current module runs, a finished bucket is reduced while backward
   goes on.
+- ``d2h``: device -> host copies of reduced gradients into host gradient shards
+  (offload_optimizer cpu/nvme). On ``comm`` they queued every later gather behind
+  them: the backward's next gathers, and so its compute, waited for each group's
+  gradient to cross PCIe (measured: 1.364B Llama, 206 MB per layer, the backward
+  stepped at compute + copy per layer, 8.3 ms instead of ~5). On their own stream
+  they overlap compute and gathers; ``d2h`` waits on ``comm`` where a bucket is
+  consumed, and the host waits on ``d2h`` once, at the end of the backward.
 
 Ordering is by events, never by a device-wide synchronize:
 - comm waits on the event of the H2D copy of the shard it gathers (``Fetched.ready``);
@@ -47,13 +54,16 @@ class Streams:
     """Host -> device shard copies; see [Note: stage-3 streams]."""
     comm: torch.cuda.Stream | None = None
     """All-gathers and reduce-scatters (and their copy-in / consumption)."""
+    d2h: torch.cuda.Stream | None = None
+    """Device -> host copies of reduced gradients."""
 
     @staticmethod
     def for_device(device: torch.device) -> Streams:
-        """Both side streams on a CUDA ``device``; none on CPU."""
+        """The side streams on a CUDA ``device``; none on CPU."""
         if device.type != "cuda" or not torch.cuda.is_available():
             return Streams()
-        return Streams(h2d=torch.cuda.Stream(device), comm=torch.cuda.Stream(device))
+        return Streams(h2d=torch.cuda.Stream(device), comm=torch.cuda.Stream(device),
+                       d2h=torch.cuda.Stream(device))
 
     def current(self) -> torch.cuda.Stream | None:
         """The caller's (compute) stream, or None on CPU."""
