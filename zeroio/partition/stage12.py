@@ -16,6 +16,20 @@ stream right after the collective when CUDA is present — so with CPU offload
 gradients travel to pinned host memory while backward continues — and at
 ``finalize_gradients`` otherwise. Consuming zeroes the bucket's landing zone.
 
+[Note: gradient pieces]
+A bucket's slice is consumed in pieces of at most ``GRAD_PIECE_NUMEL``
+elements: each piece is cast to fp32 (a bounded GPU temporary, not one of the
+whole bucket), normed and copied to its place in ``ShardGroup.grad``. With no
+one to reduce with (a communication world of 1) a piece is consumed as soon
+as every parameter overlapping it has its gradient — a parameter straddling
+two pieces is counted in both — so with CPU offload the device-to-host copies
+run behind the rest of backward instead of after it, and only the last
+pieces' copies are left for ``finalize_gradients``. ``reduce_bucket_size``
+stays the upper bound of a collective, as in DeepSpeed; with world > 1 the
+pieces of a bucket follow its collective. Pieces nobody's hook completed
+(parameters without a gradient this pass) are consumed at
+``finalize_gradients``, as buckets are.
+
 [Note: publishing]
 With a host master the optimizer steps it in chunks and calls ``stage_range``
 after each: the chunk is converted to 16-bit into pinned staging and its
@@ -60,6 +74,20 @@ class StepChunk:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GradPiece:
+    """Part of a bucket's slice consumed at once (see [Note: gradient pieces])."""
+
+    key: int
+    """Index in the partitioner's list of every piece."""
+    bucket: Bucket
+    slice_lo: int
+    """Start inside the bucket's slice (this rank's)."""
+    numel: int
+    params: int
+    """Parameters (non-empty) overlapping it: hooks to wait for before consuming it early."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ShardHome:
     """Where this rank's fp32 master and gradient shards live (policy, not a flag)."""
 
@@ -87,6 +115,11 @@ from 82 to 21 (~15 ms of overhead left, a 64M chunk takes ~11 ms) while staying 
 Llama layer (51M) or the embedding (65M), so the overlapped step's first forward layers
 still wait for one chunk only, and the fp32 GPU landing zones (two chunks) stay 512 MB."""
 
+GRAD_PIECE_NUMEL = 1 << 25
+"""Elements of a bucket's slice consumed at once: [Note: gradient pieces]. 32M elements are a
+128 MB fp32 temporary on the GPU and a 2.3 ms copy at 55 GB/s, so the copy left after the last
+gradient of backward is a few ms instead of a whole bucket's (2 GB, 36 ms at 5e8 elements)."""
+
 
 class Stage12Partitioner:
     """Stages 0, 1 and 2 behind the ``Partitioner`` protocol (partition/base.py)."""
@@ -104,6 +137,7 @@ class Stage12Partitioner:
         group=None,
         step_chunk_numel: int | None = None,
         overlap_forward: bool = False,
+        grad_piece_numel: int | None = None,
     ):
         self.stage = stage
         self.group = group
@@ -134,6 +168,13 @@ class Stage12Partitioner:
         self._inflight: dict[int, comm.CommHandle] = {}
         self._pending_host_add: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._norm_parts: list[torch.Tensor] = []  # see [Note: norm while consuming]
+        # [Note: gradient pieces]: with nobody to reduce with, pieces go as their params are ready
+        self._early = self.comm_world == 1
+        self._pieces, self._pieces_of = self._plan_pieces(
+            max(1, grad_piece_numel or GRAD_PIECE_NUMEL))
+        self._n_pieces = sum(len(ps) for ps in self._pieces)
+        self._left = [0] * self._n_pieces
+        self._consumed = [False] * self._n_pieces
         self._publish_done: torch.cuda.Event | None = None
         self._bucket_of = {id(s.param): b for b in self.layout.buckets for s in b.slots}
         self._slot_of = {id(s.param): s for b in self.layout.buckets for s in b.slots}
@@ -188,6 +229,29 @@ class Stage12Partitioner:
                 numel=sum(s.numel for s in segments), segments=tuple(segments), params=names))
         return groups
 
+    def _plan_pieces(self, piece_numel: int) -> tuple[list[list[GradPiece]],
+                                                      dict[int, list[GradPiece]]]:
+        """Each bucket's pieces, and (consumed early only) the pieces each parameter overlaps."""
+        pieces: list[list[GradPiece]] = []
+        of_param: dict[int, list[GradPiece]] = {}
+        key = 0
+        for b in self.layout.buckets:
+            size, mine = b.slice_numel(self.world), []
+            lo_flat = b.start + self.rank * size
+            for lo in range(0, size, piece_numel):
+                k = min(piece_numel, size - lo)
+                a, z = lo_flat + lo, lo_flat + lo + k
+                over = [s for s in b.slots
+                        if s.numel and s.flat_offset < z and a < s.flat_offset + s.numel]
+                piece = GradPiece(key=key, bucket=b, slice_lo=lo, numel=k, params=len(over))
+                key += 1
+                mine.append(piece)
+                if self._early:
+                    for s in over:
+                        of_param.setdefault(id(s.param), []).append(piece)
+            pieces.append(mine)
+        return pieces, of_param
+
     # ---- backward --------------------------------------------------------------------------
 
     def begin_micro_step(self, boundary: bool) -> None:
@@ -195,6 +259,8 @@ class Stage12Partitioner:
         self._boundary = boundary
         self.phase = Phase.ACCUMULATING
         self._ready = [0] * len(self.layout.buckets)
+        self._left = [p.params for ps in self._pieces for p in ps]
+        self._consumed = [False] * self._n_pieces
         self._pending_host_add = []
         for b in self.layout.buckets:
             for s in b.slots:
@@ -216,12 +282,32 @@ class Stage12Partitioner:
         if param.grad.data_ptr() != view.data_ptr():  # autograd allocated a fresh .grad
             view.copy_(param.grad)
             param.grad = view
+        if self._early:
+            for piece in self._pieces_of.get(id(param), ()):
+                self._left[piece.key] -= 1
+                if self._left[piece.key] == 0:
+                    self._on_side(partial(self._consume_piece, piece))
         self._ready[b.index] += 1
         if self._ready[b.index] == len(b.slots):
             self._launch(b)
 
+    def _on_side(self, consume) -> None:
+        """Run ``consume`` on the side stream behind what the compute stream queued so far (the
+        gradients it reads), or at once without CUDA."""
+        with torch.profiler.record_function("zeroio::consume_gradients"):
+            if self._side is None:
+                consume()
+                return
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                consume()
+
     def _launch(self, b: Bucket) -> None:
         with torch.profiler.record_function("zeroio::reduce_bucket"):
+            if self._early:  # nothing to reduce: the rest of b's pieces go now
+                self._inflight[b.index] = comm.CommHandle(None)
+                self._on_side(partial(self._consume_bucket, b))
+                return
             region = self.grads.narrow(0, b.start, b.numel)
             if self.stage == 2:
                 handle = comm.reduce_scatter_inplace(region, self.group)
@@ -229,18 +315,31 @@ class Stage12Partitioner:
                 handle = comm.all_reduce(region, self.group)
             self._inflight[b.index] = handle
             if self._side is not None:
-                self._side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._side):
-                    handle.wait()
-                    self._consume(b)
+                self._on_side(partial(self._consume_bucket, b))
                 self._inflight[b.index] = comm.CommHandle(None)
 
-    def _consume(self, b: Bucket) -> None:
-        """Move this rank's reduced slice of ``b`` into its ShardGroup.grad (see [Note: gradient flow])."""
+    def _consume_bucket(self, b: Bucket) -> None:
+        """Wait for b's collective, consume its pieces not consumed yet, clear its landing zone
+        (other ranks' slices and padding included)."""
+        self._inflight[b.index].wait()
+        for piece in self._pieces[b.index]:
+            if not self._consumed[piece.key]:
+                self._consume_piece(piece)
+        if not self._early:
+            self.grads.narrow(0, b.start, b.numel).zero_()
+
+    def _consume_piece(self, piece: GradPiece) -> None:
+        """Move a piece of this rank's reduced slice into its ShardGroup.grad ([Note: gradient
+        flow], [Note: gradient pieces]); consumed early, it also clears its landing zone."""
+        self._consumed[piece.key] = True
+        b, k = piece.bucket, piece.numel
         size = b.slice_numel(self.world)
-        src = self.grads.narrow(0, b.start + self.rank * size, size)
-        dst = self.groups[b.group_index].grad.narrow(0, self._local_base[b.index], size)
-        scaled = src.float().mul_(1.0 / self.comm_world)
+        src = self.grads.narrow(0, b.start + self.rank * size + piece.slice_lo, k)
+        dst = self.groups[b.group_index].grad.narrow(0, self._local_base[b.index] + piece.slice_lo,
+                                                     k)
+        scaled = src.float()  # a fresh fp32 piece for 16-bit gradients, src itself for fp32
+        if self.comm_world > 1:
+            scaled = scaled.mul_(1.0 / self.comm_world)
         if self._boundary and (self._first_micro or self.stage != 2):  # the final value
             self._norm_parts.append(torch.linalg.vector_norm(scaled).double().pow(2))
         if self._first_micro or self.stage != 2:
@@ -252,10 +351,12 @@ class Stage12Partitioner:
             stage = self._accum_staging.get(b.index)
             if stage is None:
                 stage = self._accum_staging[b.index] = self.home.empty(size)
+            stage = stage.narrow(0, piece.slice_lo, k)
             count_copy(self.transfers, scaled, stage)
             stage.copy_(scaled, non_blocking=True)
             self._pending_host_add.append((dst, stage))
-        self.grads.narrow(0, b.start, b.numel).zero_()
+        if self._early:  # stream order: the copy above has read src (or scaled aliasing it)
+            src.zero_()
 
     def finalize_gradients(self, boundary: bool) -> None:
         with torch.profiler.record_function("zeroio::finalize_gradients"):
@@ -265,8 +366,7 @@ class Stage12Partitioner:
                         self._launch(b)
                 if self._side is None:
                     for b in self.layout.buckets:
-                        self._inflight[b.index].wait()
-                        self._consume(b)
+                        self._consume_bucket(b)
                 else:
                     torch.cuda.current_stream(self.device).wait_stream(self._side)
                     if self.home.device.type == "cpu":
@@ -286,7 +386,7 @@ class Stage12Partitioner:
         total = torch.zeros((), dtype=torch.float32)
         if self.stage == 0 and comm.rank(self.group) != 0:
             return total  # stage 0 shards are replicas: only rank 0 contributes to the sum
-        if len(self._norm_parts) == len(self.layout.buckets):
+        if len(self._norm_parts) == self._n_pieces:
             return torch.stack(self._norm_parts).sum().float().cpu()
         for g in self.groups:
             if g.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64
