@@ -111,6 +111,10 @@ class TieringConfig:
     """Bytes of (pinned) host memory the tiered store may hold; None = derived at start."""
     nvme_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
     """Bytes the NVMe store may write; None = derived at start."""
+    overlap_step: bool = field(False, coerce=as_bool)
+    """Stages 0-2 with offload_optimizer cpu: ``step()`` returns while the CPU optimizer
+    still runs and the next forward waits per module for its parameters (docs/engine.md).
+    The environment variable ZEROIO_OVERLAP_STEP, when set, overrides it."""
 
 
 def _stage(value, path):
