@@ -19,12 +19,22 @@
 2. Buffers that hold a single largest shard (far below the ~3 shards the
    store needed before): the prefetch of upcoming groups waits or is dropped
    instead of failing, and 2-rank training still matches torch AdamW.
+4. offload_param cpu + offload_optimizer cpu, the host step of
+   [Note: stage-3 host step] (1, 2 ranks; persistent biases and sharded weights):
+   with ``ZEROIO_OVERLAP_STEP=1`` ``step()`` returns before the worker ran its
+   first Adam chunk (each chunk is slowed down), yet losses and parameters match
+   torch AdamW + clip_grad_norm_, parameters read through ``GatheredParameters``
+   right after ``step()`` (no ``synchronize``) are the updated ones, and every
+   value equals the non-overlapped run's exactly; a control run with the
+   gathers' wait removed reads stale parameters (the test can fail).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+
+import pytest
 
 import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
 
@@ -302,3 +312,165 @@ def test_max_in_cpu_keeps_about_half_on_cpu_and_halves_nvme_traffic(tmp_path):
             assert s1["cpu->nvme"] == total - resident_bytes, (s1, resident_bytes)
             assert s1.get("nvme->cpu", 0) >= total - resident_bytes, s1
             assert s0["nvme->cpu"] - s1.get("nvme->cpu", 0) >= resident_bytes, (s0, s1)
+
+
+# -- 4. the host step, overlapped with the next forward ------------------------------------------
+
+HS_STEPS, HS_LR, HS_CLIP = 3, 1e-2, 0.5
+
+
+def _hs_model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _hs_data(step, rank):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
+def _hs_train(overlap: bool, gated: bool):
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import zeroio
+    from zeroio.optim.adam import ShardedAdam
+
+    os.environ["ZEROIO_OVERLAP_STEP"] = "1" if overlap else "0"
+    os.environ["ZEROIO_STEP_CHUNK_NUMEL"] = "40"  # several chunks per weight shard
+    rank = dist.get_rank()
+    cfg = {"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 1,
+           "gradient_clipping": HS_CLIP,
+           "optimizer": {"type": "AdamW", "params": {"lr": HS_LR, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20,
+                                 "stage3_prefetch_bucket_size": 300,
+                                 "offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "cpu"}}}
+    engine, _, _, _ = zeroio.initialize(model=_hs_model(), config=cfg)
+    part = engine.partitioner
+    if not gated:  # control: gathers no longer wait for the step
+        for g in part.pgroups:
+            g.before_fetch = None
+    released = threading.Event()
+    log = {"returned_first": 0, "worker_chunks": 0}
+    begin = ShardedAdam.begin_chunked_step
+
+    def slow_begin(self, grad_scale=1.0):
+        chunked = begin(self, grad_scale)
+        update = chunked.update
+
+        def slow_update(gi, lo, k):
+            if threading.current_thread() is not threading.main_thread():
+                if overlap and log["worker_chunks"] == 0 and released.wait(timeout=30):
+                    log["returned_first"] += 1  # step() returned before this chunk ran
+                log["worker_chunks"] += 1
+                time.sleep(0.01)
+            update(gi, lo, k)
+
+        chunked.update = slow_update
+        return chunked
+
+    ShardedAdam.begin_chunked_step = slow_begin
+    try:
+        losses, at_return = [], []
+        for step in range(HS_STEPS):
+            x, y = _hs_data(step, rank)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            released.clear()
+            log["worker_chunks"] = 0
+            engine.step()
+            at_return.append(log["worker_chunks"])
+            released.set()
+            losses.append(loss.item())
+        params = list(engine.module.parameters())
+        with zeroio.zero.GatheredParameters(params):  # right after step(): must wait per group
+            gathered = [p.detach().reshape(-1).tolist() for p in params]
+        engine.synchronize()
+        masters = [engine.optimizer.local_tensor(g.group_index, "fp32").tolist()
+                   for g in part.groups]
+        chunks = log["worker_chunks"]
+        engine.close()
+    finally:
+        ShardedAdam.begin_chunked_step = begin
+    return dict(losses=losses, gathered=gathered, masters=masters,
+                returned_first=log["returned_first"], worker_chunks=chunks, at_return=at_return)
+
+
+def _hs_body():
+    return dict(overlap=_hs_train(True, True), plain=_hs_train(False, True))
+
+
+def _hs_reference(world):
+    import torch
+
+    model = _hs_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=HS_LR, weight_decay=0.1)
+    losses = []
+    for step in range(HS_STEPS):
+        outs = [torch.nn.functional.mse_loss(model(_hs_data(step, r)[0]), _hs_data(step, r)[1])
+                for r in range(world)]
+        (sum(outs) / world).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), HS_CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append([o.item() for o in outs])
+    return losses, [p.detach().reshape(-1) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_overlapped_host_step_matches_adamw_and_the_plain_step(world):
+    import torch
+
+    results = run_ranks(_hs_body, world)
+    ref_losses, ref_params = _hs_reference(world)
+    for rank, r in enumerate(results):
+        ov, plain = r["overlap"], r["plain"]
+        assert ov["returned_first"] == HS_STEPS, "step() waited for the CPU optimizer"
+        assert ov["worker_chunks"] > 3  # the weights went through the worker, in chunks
+        assert ov["at_return"] == [0] * HS_STEPS
+        # without overlap step() returns once the worker ran every chunk
+        assert plain["at_return"] == [plain["worker_chunks"]] * HS_STEPS
+        for step in range(HS_STEPS):
+            assert ov["losses"][step] == pytest.approx(ref_losses[step][rank], rel=1e-5,
+                                                       abs=1e-6)
+        for p, q in zip(ov["gathered"], ref_params, strict=True):
+            torch.testing.assert_close(torch.tensor(p), q, rtol=1e-5, atol=1e-6)
+        assert ov["losses"] == plain["losses"]
+        assert ov["gathered"] == plain["gathered"]
+        assert ov["masters"] == plain["masters"]
+
+
+def _hs_control_body():
+    return _hs_train(True, False)
+
+
+def test_without_the_gathers_wait_the_next_forward_reads_stale_parameters():
+    results = run_ranks(_hs_control_body, 1)
+    ref_losses, _ = _hs_reference(1)
+    losses = results[0]["losses"]
+    assert any(abs(a - b[0]) > 1e-4 for a, b in zip(losses[1:], ref_losses[1:], strict=True))
+
+
+def test_step_chunk_env_must_be_a_positive_integer(monkeypatch):
+    from zeroio.config import load_config
+    from zeroio.errors import ConfigError
+    from zeroio.partition.stage3.settings import STEP_CHUNK_ENV, Stage3Settings
+
+    zero = load_config({"train_micro_batch_size_per_gpu": 1,
+                        "zero_optimization": {"stage": 3}}, world_size=1).zero_optimization
+    monkeypatch.setenv(STEP_CHUNK_ENV, "4096")
+    assert Stage3Settings.from_zero_config(zero).step_chunk_numel == 4096
+    for bad in ("lots", "0"):
+        monkeypatch.setenv(STEP_CHUNK_ENV, bad)
+        with pytest.raises(ConfigError) as err:
+            Stage3Settings.from_zero_config(zero)
+        assert STEP_CHUNK_ENV in str(err.value)
