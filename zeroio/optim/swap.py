@@ -24,8 +24,9 @@ everything every step; holding the head makes the schedule the same whatever
 ``tiering.policy`` says (the policy only ever sees the window's one released
 piece as a candidate).
 
-``pipeline_read`` reads the next ``read_ahead`` pieces while piece i is
-updated, and at the end of a step the head of the next step's stream (it loads
+``pipeline_read`` asks for the next ``read_ahead`` pieces while piece i is
+updated (the window holds them and piece i; the last one starts reading as
+soon as the write-back of piece i-1 frees its space), and at the end of a step the head of the next step's stream (it loads
 during forward and backward); ``pipeline_write`` starts the write-back of a
 streamed piece as soon as it is updated (``TieredStore.evict``) instead of when
 its space is next needed. Both false (DeepSpeed's defaults) gives a plain
@@ -56,8 +57,10 @@ MAX_PIECE_ELEMS = 1 << 24
 """Largest swap piece: 64 MiB per moment. Small enough that reads, updates and writes of
 neighbouring pieces overlap within a step (a 1e9-element sub-group would leave one 4 GB
 transfer per moment with nothing to overlap it), large enough for full-speed disk I/O."""
-READ_AHEAD = 2
-"""Streamed pieces read ahead of the one being updated (with ``pipeline_read``)."""
+READ_AHEAD = 3
+"""Streamed pieces requested ahead of the one being updated (with ``pipeline_read``): the
+window holds them and the current one; the last of them starts reading as soon as the
+write-back of the previous piece frees its space."""
 _PAGE = 4096
 
 
@@ -97,7 +100,7 @@ class SwapPlan:
     resident: int
     """The first ``resident`` pieces stay in host memory; the others stream."""
     read_ahead: int
-    """Streamed pieces loaded ahead of the one being updated."""
+    """Pieces requested ahead of the one being updated (0: read on demand)."""
     cpu_budget: int
     """Host bytes of the optimizer's store."""
 
@@ -114,20 +117,20 @@ class SwapPlan:
         if piece_elems is None:
             piece_elems = MAX_PIECE_ELEMS
             if cpu_budget is not None and cpu_budget < total:
-                # the window (current, read-ahead, previous) takes at most a quarter of the budget
-                piece_elems = min(piece_elems, max(_PAGE // 4, cpu_budget // (4 * 4 * 2 * (2 + ahead))))
+                # the window (current + read-ahead) takes at most a quarter of the budget
+                piece_elems = min(piece_elems, max(_PAGE // 4, cpu_budget // (4 * 4 * 2 * (1 + ahead))))
         pieces = tuple(pieces_of(subs, piece_elems))
         largest = max((pair_cost(p) for p in pieces), default=0)
         if cpu_budget is None:
             # DeepSpeed's meaning: buffer_count host buffers of the largest sub-group's moment
             sub_bytes = max((pair_cost(s) // len(KINDS) for s in subs), default=0)
             cpu_budget = min(total, max(4, buffer_count) * sub_bytes)
-            cpu_budget = max(cpu_budget, min(total, (2 + ahead) * largest))
+            cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest))
         if cpu_budget >= total:
             return cls(pieces=pieces, resident=len(pieces), read_ahead=ahead, cpu_budget=cpu_budget)
-        while ahead and (2 + ahead) * largest > cpu_budget:
+        while ahead and (1 + ahead) * largest > cpu_budget:
             ahead -= 1
-        window = (2 + ahead) * largest if ahead else largest
+        window = (1 + ahead) * largest
         if window > cpu_budget:
             raise CapacityError(
                 f"offload_optimizer nvme: the host budget of {cpu_budget} bytes cannot hold one "
@@ -235,8 +238,8 @@ class SwappedAdam:
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
         with torch.profiler.record_function("zeroio::optimizer_step_nvme"):
             for i, p in enumerate(self.pieces):
-                if self.pipeline_read:
-                    self._read_ahead(i + 1, self.plan.read_ahead)
+                if self.pipeline_read:  # piece i first: requests are served in order
+                    self._read_ahead(i, 1 + self.plan.read_ahead)
                 exp_avg, exp_avg_sq = self._take(i)
                 g = self.groups[p.group_index]
                 with torch.profiler.record_function("zeroio::adam_subgroup"):
@@ -347,6 +350,14 @@ class SwappedAdam:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine."""
+
+    def drain(self) -> None:
+        """Wait for the swap I/O in flight (read-ahead, write-behind) to land; the store's
+        byte counters are exact afterwards. The read-ahead stays acquired for the next step."""
+        for futures in self._pending.values():
+            for f in futures:
+                f.exception()
+        self.store.drain()
 
     def close(self) -> None:
         for futures in self._pending.values():

@@ -227,6 +227,7 @@ class TieredStore:
         not wait there for the write-back of the previous one."""
         with self._lock:
             entry, tier = self._acquirable(name, tier)
+            self._mover.settle_done()  # a write-back that landed has freed its copy by now
             self._mover.reap()
             self._spaces[tier].policy.touch(name)  # type: ignore[union-attr]
             copy = entry.copies.get(tier)
@@ -483,6 +484,13 @@ class TieredStore:
                 if space.policy is not None:
                     space.policy.step_boundary()
             self._stats.step_boundary()
+
+    def drain(self) -> None:
+        """Wait until every transfer in flight (loads, write-backs) has landed; starts
+        nothing new (``flush`` also writes dirty copies back). Counters are exact after it."""
+        with self._lock:
+            self._check_open()
+            self._mover.quiesce()
 
     def flush(self) -> None:
         """Write every dirty copy back to its home and wait (homes then hold the
