@@ -72,7 +72,7 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
         return Stage12Partitioner(
             module=module, param_groups=spec.param_groups, stage=zc.stage, compute_dtype=dtype,
             device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
-            overlap_forward=off.device == "cpu" and overlap_step_requested())
+            overlap_forward=off.device == "cpu" and overlap_step_requested(cfg))
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
@@ -82,12 +82,16 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
                       key="zero_optimization.stage")
 
 
-def overlap_step_requested() -> bool:
-    """``ZEROIO_OVERLAP_STEP=1``: with offload_optimizer cpu (stages 0-2), ``step()`` returns
-    while the CPU optimizer still runs and the next forward waits per module for its parameters
-    (stage12 / step_overlap notes). Off by default: until the next forward, ``backward`` or
-    ``engine.synchronize()``, parameters read outside a forward may be stale."""
-    return os.environ.get("ZEROIO_OVERLAP_STEP", "0").lower() in ("1", "true", "yes")
+def overlap_step_requested(cfg) -> bool:
+    """``zero_optimization.tiering.overlap_step`` (or ``ZEROIO_OVERLAP_STEP``, which overrides
+    it when set: 1/true/yes on, anything else off): with offload_optimizer cpu (stages 0-2),
+    ``step()`` returns while the CPU optimizer still runs and the next forward waits per module
+    for its parameters (stage12 / step_overlap notes). What reads stale values until then:
+    docs/engine.md, "Overlapped optimizer step"."""
+    env = os.environ.get("ZEROIO_OVERLAP_STEP", "").strip()
+    if env:
+        return env.lower() in ("1", "true", "yes")
+    return cfg.zero_optimization.tiering.overlap_step
 
 
 def build_optimizer(cfg, partitioner, spec: OptimizerSpec):
@@ -179,7 +183,8 @@ class Engine:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def synchronize(self) -> None:
-        """Wait for an overlapped optimizer step (``ZEROIO_OVERLAP_STEP``); a no-op otherwise."""
+        """Wait for an overlapped optimizer step (``zero_optimization.tiering.overlap_step``);
+        a no-op otherwise."""
         wait = getattr(self.partitioner, "wait_step", None)
         if wait is not None:
             wait()

@@ -20,6 +20,23 @@ import common
 import torch
 
 
+ZEROIO_ONLY_KEYS = (("zero_optimization", "tiering"),)
+"""zeroio's own keys (docs/config.md): DeepSpeed's config models forbid unknown keys."""
+
+
+def deepspeed_view(cfg: dict) -> dict:
+    """``cfg`` without zeroio-only keys, so a config written for both engines (say with
+    ``zero_optimization.tiering.overlap_step``) passes DeepSpeed's validation."""
+    out = json.loads(json.dumps(cfg))
+    for path in ZEROIO_ONLY_KEYS:
+        node = out
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_spec_args(parser)
@@ -29,7 +46,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
     spec = common.spec_from_args(args)
-    cfg = json.loads(Path(args.config).read_text())
+    cfg = deepspeed_view(json.loads(Path(args.config).read_text()))
 
     import deepspeed  # not a zeroio dependency: carried to the GPU machine as a wheel
 

@@ -47,6 +47,7 @@ accumulation the norm is taken from the accumulated shards.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -124,6 +125,16 @@ gradient of backward is a few ms instead of a whole bucket's (2 GB, 36 ms at 5e8
 class Stage12Partitioner:
     """Stages 0, 1 and 2 behind the ``Partitioner`` protocol (partition/base.py)."""
 
+    # [Note: readers of an overlapped step]
+    # With ``overlap_forward`` the module's parameters are stale from ``run_step`` until the
+    # step's worker has published them. Readers wait: a forward (any grad mode) per module
+    # through its pre-hook; ``module.state_dict()`` (of any submodule holding parameters)
+    # through a state-dict pre-hook; ``zero.GatheredParameters`` through
+    # ``wait_overlapped_steps``; the next ``backward`` (``begin_micro_step``), every engine
+    # method that reads or writes parameters (checkpoints, ``stats``, ``close``) through
+    # ``engine.synchronize()``. Plain attribute reads (``p.data``, ``named_parameters()``)
+    # cannot be intercepted: docs/engine.md says to call ``engine.synchronize()`` first.
+
     def __init__(
         self,
         *,
@@ -193,12 +204,15 @@ class Stage12Partitioner:
                 n = max(c.numel for c in self._chunks)  # fp32 landing zone, cast on the GPU
                 self._scratch = [torch.empty(n, dtype=torch.float32, device=device)
                                  for _ in range(2)]
-        if overlap_forward:
+        if overlap_forward:  # see [Note: readers of an overlapped step]
             for m in module.modules():
                 need = [ready[id(p)] for p in m.parameters(recurse=False) if id(p) in ready]
                 if need:
                     self._hooks.append(m.register_forward_pre_hook(
                         partial(self._await_params, max(need))))
+                    self._hooks.append(m.register_state_dict_pre_hook(
+                        lambda *_: self.wait_step()))
+            _OVERLAPPED.add(self)
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -548,6 +562,19 @@ class Stage12Partitioner:
 
     def close(self) -> None:
         self.wait_step()
+        _OVERLAPPED.discard(self)
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+_OVERLAPPED: weakref.WeakSet[Stage12Partitioner] = weakref.WeakSet()
+"""Partitioners whose step may still run after ``step()`` returned (``overlap_forward``)."""
+
+
+def wait_overlapped_steps() -> None:
+    """Wait for every overlapped host step in flight (stage 0-2 parameters are plain tensors,
+    so ``zero.GatheredParameters`` cannot tell whose they are): [Note: readers of an
+    overlapped step]."""
+    for part in list(_OVERLAPPED):
+        part.wait_step()

@@ -25,6 +25,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3 import registry
+from zeroio.partition.stage12 import wait_overlapped_steps
 from zeroio.partition.stage3.init import (
     PartitionOnCreate,
     gather_param,
@@ -231,6 +232,8 @@ class GatheredParameters:
         self._init_params: list[nn.Parameter] = []
 
     def __enter__(self):
+        if self.params:  # stage 0-2 parameters may still be written by an overlapped host step
+            wait_overlapped_steps()
         seen = set()
         for p in self.params:
             if id(p) in seen:
