@@ -47,6 +47,7 @@ NVME = Path("/tmp/zeroio-batch-nvme")
 
 PEERS = "python3 benchmarks/train_peers.py --steps 8 --warmup 2 --quiet --nvme-dir {nvme} --out {res}"
 LIBAIO = "--libaio-dir /tmp/libaio"
+LLAMA = "python3 benchmarks/train_llama.py --steps 6 --warmup 2 --quiet --out {res}"
 
 
 class Kind(enum.Enum):
@@ -171,6 +172,42 @@ BATCHES: tuple[Batch, ...] = (
                    shell="python3 benchmarks/probe_largest.py --nvme-dir {nvme}/probe "
                          "--max-tries 1 --timeout 460 --out {res}{probe_layers}",
                    timeout_s=475, sized="fp32 build of 5B ~2 min + partition + 3 steps"),
+          )),
+    Batch(name="speed", kind=Kind.H200,
+          what="1.36B, where the step goes: plain, zeroio z2/z3 + cpu, each with and without "
+               "the overlapped step (tiering.overlap_step), synced phases + profiler op tables",
+          steps=(
+              Step(name="plain", shell=LLAMA + " --mode plain", timeout_s=70,
+                   sized="build 25 s + 9 x 0.22 s"),
+              Step(name="z2-cpu", shell=LLAMA + " --mode zeroio --config configs/zero2-cpu.json "
+                                                "--profile {res}/prof", timeout_s=100,
+                   sized="build 25 s + init 15 s + 9 x 0.7 s + profiler"),
+              Step(name="z2-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero2-cpu.json --set zero_optimization.tiering.overlap_step=true",
+                   timeout_s=85, sized="build 25 s + init 15 s + 6 x 0.7 s"),
+              Step(name="z3-cpu", shell=LLAMA + " --mode zeroio --config configs/zero3-cpu.json "
+                                                "--profile {res}/prof", timeout_s=110,
+                   sized="zero.Init build 40 s + 9 x 0.8 s + profiler"),
+              Step(name="z3-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json --set zero_optimization.tiering.overlap_step=true",
+                   timeout_s=95, sized="zero.Init build 40 s + 6 x 0.8 s"),
+          )),
+    Batch(name="nvme", kind=Kind.H200,
+          what="1.36B through the disk: z3 + nvme (cached; streaming with bench io), z2 + nvme; "
+               "zeroio train --preset 1b on 1 GPU",
+          steps=(
+              Step(name="z3-nvme", shell=LLAMA + " --mode zeroio --config configs/zero3-nvme.json",
+                   timeout_s=90, sized="build 40 s + 6 x 0.75 s"),
+              Step(name="z3-nvme-stream", shell=PEERS + " --only zeroio-z3-nvme-stream "
+                   "--timeout 150 --disk-bench-size 2G", timeout_s=170,
+                   sized="bench io 2 GB ~20 s + build 40 s + 8 x ~10 s (moments through the disk)"),
+              Step(name="z2-nvme", shell=LLAMA + " --mode zeroio --config configs/zero2-cpu.json "
+                   "--offload nvme --nvme-path {nvme}/z2 --steps 4 --warmup 1", timeout_s=100,
+                   sized="build 25 s + 4 x <= 6.6 s"),
+              Step(name="train-1b", shell="python3 benchmarks/bench_train.py --preset 1b "
+                   "--nprocs 1 --steps 6 --seq-len 512 --micro-batch 4 --progress-every 1 "
+                   "--timeout 140 --output {nvme}/train --out {res}", timeout_s=150,
+                   sized="build 30 s + 6 x <= 7.5 s + checkpoint + consolidate"),
           )),
 )
 BY_NAME = {b.name: b for b in BATCHES}
