@@ -474,3 +474,21 @@ def test_step_chunk_env_must_be_a_positive_integer(monkeypatch):
         with pytest.raises(ConfigError) as err:
             Stage3Settings.from_zero_config(zero)
         assert STEP_CHUNK_ENV in str(err.value)
+
+
+def test_overlap_step_from_config_and_env_override(monkeypatch):
+    from zeroio.config import load_config
+    from zeroio.partition.stage3.settings import Stage3Settings
+
+    def overlap(tiering):
+        zero = load_config({"train_micro_batch_size_per_gpu": 1,
+                            "zero_optimization": {"stage": 3, "tiering": tiering}},
+                           world_size=1).zero_optimization
+        return Stage3Settings.from_zero_config(zero).overlap_step
+
+    monkeypatch.delenv("ZEROIO_OVERLAP_STEP", raising=False)
+    assert overlap({"overlap_step": True}) and not overlap({})
+    monkeypatch.setenv("ZEROIO_OVERLAP_STEP", "0")
+    assert not overlap({"overlap_step": True})
+    monkeypatch.setenv("ZEROIO_OVERLAP_STEP", "1")
+    assert overlap({})

@@ -42,8 +42,8 @@ class Stage3Settings:
     overlap_step: bool = False
     """offload_optimizer cpu: ``step()`` returns while the CPU optimizer still runs and each
     gather of the next forward waits for the step job that publishes its group
-    (``zero_optimization.tiering.overlap_step`` or ``ZEROIO_OVERLAP_STEP=1``; see
-    [Note: stage-3 host step] in partitioner.py)."""
+    (``zero_optimization.tiering.overlap_step``; ``ZEROIO_OVERLAP_STEP`` overrides it when
+    set; see [Note: stage-3 host step] in partitioner.py)."""
     step_chunk_numel: int = 1 << 24
     """offload_optimizer cpu: most elements one CPU Adam call updates before that chunk is
     published (cast into the 16-bit shard while still warm in cache). Bigger chunks pay less
@@ -90,12 +90,13 @@ class Stage3Settings:
 
 
 def _overlap_requested(zero) -> bool:
-    """The same opt-in as stages 1/2 (``zeroio.engine.overlap_step_requested``): the config
-    key (read with getattr until ``TieringConfig.overlap_step`` exists) or the environment."""
-    tiering = getattr(zero, "tiering", None)
-    if bool(getattr(tiering, "overlap_step", False)):
-        return True
-    return os.environ.get("ZEROIO_OVERLAP_STEP", "0").lower() in ("1", "true", "yes")
+    """The same opt-in as stages 1/2 (``zeroio.engine.overlap_step_requested``, which takes
+    the whole Config): ``ZEROIO_OVERLAP_STEP`` when set (1/true/yes on, anything else off),
+    else ``zero_optimization.tiering.overlap_step``."""
+    env = os.environ.get("ZEROIO_OVERLAP_STEP", "").strip()
+    if env:
+        return env.lower() in ("1", "true", "yes")
+    return bool(getattr(getattr(zero, "tiering", None), "overlap_step", False))
 
 
 def _env_int(name: str, default: int) -> int:
