@@ -23,10 +23,17 @@ class Setup(enum.Enum):
     Z2_CPU = "z2-cpu"
     Z3_CPU = "z3-cpu"
     Z3_NVME = "z3-nvme"
+    Z3_NVME_STREAM = "z3-nvme-stream"
+    """zeroio only: Z3_NVME with the optimizer's host budget a quarter of the moments, so
+    most of the optimizer state goes through the disk every step (the disk-bound case)."""
+
+    @property
+    def on_nvme(self) -> bool:
+        return self in (Setup.Z3_NVME, Setup.Z3_NVME_STREAM)
 
 
 def ds_config(setup: Setup, spec: ModelSpec, world: int, nvme_dir: Path | None) -> dict[str, Any]:
-    """The config dict for ``setup``; ``nvme_dir`` is required for Z3_NVME."""
+    """The config dict for ``setup``; ``nvme_dir`` is required for the NVMe setups."""
     hyper = adamw_hyper()
     zero: dict[str, Any]
     if setup is Setup.Z2_CPU:
@@ -43,6 +50,11 @@ def ds_config(setup: Setup, spec: ModelSpec, world: int, nvme_dir: Path | None) 
         zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
                 "offload_optimizer": {"device": "nvme", "nvme_path": path, "pin_memory": True},
                 "offload_param": {"device": "nvme", "nvme_path": path, "pin_memory": True}}
+        if setup is Setup.Z3_NVME_STREAM:
+            # a quarter of this rank's Adam moments (8 bytes per parameter) in host memory
+            moments = 8 * -(-spec.num_params // world)
+            zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
+            zero["tiering"] = {"cpu_budget_bytes": moments // 4}
     return {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,

@@ -50,6 +50,8 @@ CONTENDERS: tuple[Contender, ...] = (
               label="zeroio ZeRO-3, params + optimizer on CPU"),
     Contender(name="zeroio-z3-nvme", engine=Engine.ZEROIO, setup=Setup.Z3_NVME,
               label="zeroio ZeRO-3, params + optimizer on NVMe"),
+    Contender(name="zeroio-z3-nvme-stream", engine=Engine.ZEROIO, setup=Setup.Z3_NVME_STREAM,
+              label="zeroio ZeRO-3 on NVMe, optimizer host budget 1/4 of the moments"),
     Contender(name="ds-z2-cpu", engine=Engine.DEEPSPEED, setup=Setup.Z2_CPU,
               label="DeepSpeed ZeRO-2, optimizer on CPU"),
     Contender(name="ds-z3-cpu", engine=Engine.DEEPSPEED, setup=Setup.Z3_CPU,
@@ -111,7 +113,7 @@ def nvme_folder(c: Contender, plan: RunPlan) -> Path:
 def config_path(c: Contender, plan: RunPlan) -> Path:
     """Write the contender's DeepSpeed-schema config into the run folder; return its path."""
     cfg = ds_config(c.setup, plan.spec, world_of(c, plan),
-                    nvme_folder(c, plan) if c.setup is Setup.Z3_NVME else None)
+                    nvme_folder(c, plan) if c.setup is not None and c.setup.on_nvme else None)
     return write_config(cfg, plan.run_dir / "configs" / f"{c.name}.json")
 
 

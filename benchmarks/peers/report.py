@@ -35,6 +35,8 @@ class Row:
     stall_s_per_step: float | None = None
     gb_moved_per_step: dict[str, float] = dataclasses.field(default_factory=dict)
     """Tier pair ("nvme->cpu", ...) -> GB (1e9) per optimizer step, zeroio only."""
+    gb_moved_last_step: dict[str, float] | None = None
+    """GB per tier pair in the last step alone (steady state; None: not reported)."""
     wall_seconds: float = 0.0
 
     @property
@@ -59,6 +61,7 @@ def row_from(*, name: str, label: str, status: str, reason: str = "", world: int
     steps = max(1, int(stats.get("global_steps") or len(result.get("step_times")
                                                           or result.get("step_seconds") or [1])))
     moved = {pair: n / steps / 1e9 for pair, n in (stats.get("bytes_moved") or {}).items()}
+    last = _last_step_moved(stats)
     stall = stats.get("stall_seconds")
     return Row(
         name=name, label=label, status=status, reason=reason,
@@ -66,7 +69,25 @@ def row_from(*, name: str, label: str, status: str, reason: str = "", world: int
         s_per_step=float(result["s_per_step"]), tokens_per_s=float(result["tokens_per_s"]),
         peak_gpu_gib=_gib(result, "peak_gpu"), peak_host_rss_gib=_gib(result, "peak_host_rss"),
         stall_s_per_step=None if stall is None else float(stall) / steps,
-        gb_moved_per_step=moved, wall_seconds=wall_seconds)
+        gb_moved_per_step=moved, wall_seconds=wall_seconds,
+        gb_moved_last_step=None if last is None else {k: n / 1e9 for k, n in last.items()})
+
+
+def _last_step_moved(stats: dict[str, Any]) -> dict[str, int] | None:
+    """Bytes per tier pair of the last step, summed over the stats sources that count steps
+    (the tiered stores): the steady state, where the average over all steps also holds the
+    first step's one-time loads. None when a source that moved bytes has no last step."""
+    sources = stats.get("sources") or {}
+    out: dict[str, int] = {}
+    for src in sources.values():
+        if not src.get("bytes_moved"):
+            continue
+        last = src.get("last_step")
+        if not isinstance(last, dict):
+            return None
+        for pair, n in (last.get("bytes_moved") or {}).items():
+            out[pair] = out.get(pair, 0) + n
+    return out if sources else None
 
 
 def machine(disk_path: Path | None = None) -> dict[str, Any]:
