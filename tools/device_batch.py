@@ -177,20 +177,24 @@ BATCHES: tuple[Batch, ...] = (
           what="1.36B, where the step goes: plain, zeroio z2/z3 + cpu, each with and without "
                "the overlapped step (tiering.overlap_step), synced phases + profiler op tables",
           steps=(
-              Step(name="plain", shell=LLAMA + " --mode plain", timeout_s=70,
+              Step(name="plain", shell=LLAMA + " --mode plain", timeout_s=55,
                    sized="build 25 s + 9 x 0.22 s"),
               Step(name="z2-cpu", shell=LLAMA + " --mode zeroio --config configs/zero2-cpu.json "
-                                                "--profile {res}/prof", timeout_s=100,
+                                                "--profile {res}/prof", timeout_s=90,
                    sized="build 25 s + init 15 s + 9 x 0.7 s + profiler"),
               Step(name="z2-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
                    "configs/zero2-cpu.json --set zero_optimization.tiering.overlap_step=true",
-                   timeout_s=85, sized="build 25 s + init 15 s + 6 x 0.7 s"),
+                   timeout_s=75, sized="build 25 s + init 15 s + 6 x 0.7 s"),
               Step(name="z3-cpu", shell=LLAMA + " --mode zeroio --config configs/zero3-cpu.json "
-                                                "--profile {res}/prof", timeout_s=110,
+                                                "--profile {res}/prof", timeout_s=105,
                    sized="zero.Init build 40 s + 9 x 0.8 s + profiler"),
               Step(name="z3-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
                    "configs/zero3-cpu.json --set zero_optimization.tiering.overlap_step=true",
-                   timeout_s=95, sized="zero.Init build 40 s + 6 x 0.8 s"),
+                   timeout_s=85, sized="zero.Init build 40 s + 6 x 0.8 s"),
+              Step(name="z3-cpu-overlap-64m", shell="ZEROIO_STEP_CHUNK_NUMEL=67108864 " + LLAMA
+                   + " --mode zeroio --config configs/zero3-cpu.json --set "
+                   "zero_optimization.tiering.overlap_step=true", timeout_s=85,
+                   sized="as z3-cpu-overlap, CPU Adam in 64M-element chunks"),
           )),
     Batch(name="nvme", kind=Kind.H200,
           what="1.36B through the disk: z3 + nvme (cached; streaming with bench io), z2 + nvme; "
