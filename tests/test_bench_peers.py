@@ -183,3 +183,18 @@ def test_same_config_file_for_zeroio_and_deepspeed(tmp_path):
     assert "--nproc_per_node=2" in argv
     argv, _ = C.command(C.BY_NAME["plain"], plan)  # train_llama's plain mode is one process
     assert "torch.distributed.run" not in argv
+
+
+def test_deepspeed_alone_gets_the_launcher_environment(tmp_path):
+    """One rank runs without torch.distributed.run; DeepSpeed asserts LOCAL_RANK anyway (the
+    2026-11-29 H200 run failed with exactly that), so the harness sets the launcher's variables
+    while leaving MASTER_ADDR unset (common.init_world then makes a world of one)."""
+    import common
+    import contenders as C
+
+    plan = C.RunPlan(spec=common.ModelSpec(), steps=4, warmup=1, nproc=1, run_dir=tmp_path,
+                     nvme_dir=tmp_path / "nvme")
+    argv, env = C.command(C.BY_NAME["ds-z2-cpu"], plan)
+    assert "torch.distributed.run" not in argv
+    assert (env["LOCAL_RANK"], env["RANK"], env["WORLD_SIZE"]) == ("0", "0", "1")
+    assert "MASTER_ADDR" not in env or "MASTER_ADDR" in __import__("os").environ

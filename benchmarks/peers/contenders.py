@@ -141,6 +141,8 @@ def command(c: Contender, plan: RunPlan) -> tuple[list[str], dict[str, str]]:
         argv = _launcher(plan, world, HERE / "ds_runner.py") + [
             "--config", str(config_path(c, plan)), "--name", c.name, *spec_args, *steps]
         env.setdefault("TORCH_CUDA_ARCH_LIST", plan.ds_cuda_arch)
+        if world == 1:  # no launcher: DeepSpeed still asserts that LOCAL_RANK is set
+            env.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         if plan.libaio_dir is not None:
             env.update(libaio_env(plan.libaio_dir, env))
         return argv, env
