@@ -82,7 +82,6 @@ SEMANTIC: dict[str, Any] = {
     "zero_optimization.pipeline_loading_checkpoint": False,
     "zero_optimization.save_muon_momentum_buffer_in_memory": False,
     "zero_optimization.leaf_module": None,
-    "zero_optimization.offload_optimizer.ratio": 1.0,
     "zero_optimization.offload_optimizer.super_offload": False,
     # precision
     "fp16.auto_cast": False,

@@ -164,6 +164,12 @@ def _check_offload(cfg: Config) -> None:
             f'zero_optimization.offload_param.device = "{zero.offload_param.device.value}" '
             f"needs zero_optimization.stage 3 (stage is {zero.stage}): only stage 3 "
             "partitions parameters", key="zero_optimization.offload_param.device")
+    if zero.offload_optimizer.ratio < 1.0 and zero.stage != 3:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio = {zero.offload_optimizer.ratio:g} "
+            f"needs zero_optimization.stage 3 (stage is {zero.stage}): a partial optimizer "
+            "offload is a stage-3 feature (as in DeepSpeed); set ratio 1.0 or stage 3",
+            key="zero_optimization.offload_optimizer.ratio")
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one",
                           key="bf16.enabled")

@@ -19,6 +19,7 @@ from zeroio.config.fields import (
     enum_coercer,
     fail,
     field,
+    float_coercer,
     int_coercer,
     optional,
     sub,
@@ -65,6 +66,11 @@ class OffloadOptimizerConfig:
     """NVMe: read sub-group i+1 while sub-group i is updated."""
     pipeline_write: bool = field(False, coerce=as_bool)
     """NVMe: write sub-group i-1 while sub-group i is updated."""
+    ratio: float = field(1.0, coerce=float_coercer(gt=0.0, le=1.0))
+    """DeepSpeed's meaning: the fraction of the optimizer state offloaded (stage 3 only).
+    With ratio r < 1 the first (1 - r) of this rank's optimizer elements keep their fp32
+    master, moments and gradient on the compute device and are stepped there by the fused
+    Adam (zeroio/optim/twin.py); the rest lives on ``device`` (cpu or nvme) as before."""
 
     @property
     def pipeline(self) -> bool:
