@@ -47,6 +47,9 @@ def default_config(nvme_path: str | Path, *, cuda: bool) -> dict[str, Any]:
             "stage3_param_persistence_threshold": "auto",
             "stage3_gather_16bit_weights_on_model_save": True,
             "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": cuda},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": cuda},
+            # read ahead / write behind when the moments outgrow the host budget (without
+            # them such a swap is synchronous; state that fits is never written either way)
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": cuda,
+                                  "pipeline_read": True, "pipeline_write": True},
         },
     }
