@@ -315,6 +315,9 @@ class Engine:
         out["last_step"] = self._stats_last_step
         out["step"] = tstats.diff(out, self._stats_at_boundary)
         out["timings"] = dict(self._timings)
+        host = getattr(self.partitioner, "host_step_timings", None)
+        if host is not None:  # the host step's worker: CPU Adam vs publication (step_overlap)
+            out["timings"].update(host())
         out["global_steps"] = self.global_steps
         out["skipped_steps"] = self.skipped_steps
         out["loss_scale"] = self.loss_scaler.scale

@@ -511,7 +511,12 @@ class Stage12Partitioner:
     def _step_job(self, update, i: int) -> None:
         c = self._chunks[i]
         b, lb, size = c.bucket, self._local_base[c.bucket.index], c.bucket.slice_numel(self.world)
-        update(b.group_index, lb + c.slice_lo, c.numel)
+        with self._runner.clock.phase("adam"):
+            update(b.group_index, lb + c.slice_lo, c.numel)
+        with self._runner.clock.phase("publish"):
+            self._publish_chunk(c, i, b, lb, size)
+
+    def _publish_chunk(self, c: StepChunk, i: int, b: Bucket, lb: int, size: int) -> None:
         src = self.groups[b.group_index].master.narrow(0, lb + c.slice_lo, c.numel)
         dst = self.params.narrow(0, b.start + self.rank * size + c.slice_lo, c.numel)
         if self._copy_stream is None:
@@ -552,6 +557,10 @@ class Stage12Partitioner:
     def stats_sources(self) -> dict[str, dict]:
         """Transfer counters for ``engine.stats()``."""
         return {"stage12.copies": self.transfers.as_dict()}
+
+    def host_step_timings(self) -> dict[str, float]:
+        """Seconds in the host step's phases since start (step_overlap.PhaseClock)."""
+        return self._runner.clock.as_dict()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Memory held for ``engine.stats()["tiers"]``: fp32 masters and gradient shards, the

@@ -17,17 +17,48 @@ on the caller's thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+
+
+class PhaseClock:
+    """Seconds per named phase of the host step, summed over jobs and steps (any thread).
+
+    The worker thread is invisible to torch.profiler's op table, so this is where a step's
+    time is split: ``worker`` (the whole job loop), ``adam`` (CPU Adam), ``publish`` (16-bit
+    cast / copies behind each chunk). ``engine.stats()["timings"]`` reports them as
+    ``host_<phase>_s``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t
+            with self._lock:
+                self.seconds[name] += dt
+
+    def as_dict(self) -> dict[str, float]:
+        with self._lock:
+            return {f"host_{k}_s": v for k, v in self.seconds.items()}
 
 
 class StepRunner:
     """Runs ``job(i)`` for i in 0..n-1 on one worker thread; ``wait_for(i)`` blocks until job i
     is done. ``events[i]`` (CUDA only) is recorded by job i behind its copies."""
 
-    def __init__(self, n_jobs: int, device: torch.device):
+    def __init__(self, n_jobs: int, device: torch.device, clock: PhaseClock | None = None):
         self.n_jobs = n_jobs
+        self.clock = clock or PhaseClock()
         self.events = ([torch.cuda.Event() for _ in range(n_jobs)]
                        if device.type == "cuda" else None)
         self._cond = threading.Condition()
@@ -53,11 +84,12 @@ class StepRunner:
     def _run(self, job: Callable[[int], None], threads: int) -> None:
         torch.set_num_threads(threads)
         try:
-            for i in range(self.n_jobs):
-                job(i)
-                with self._cond:
-                    self._done = i + 1
-                    self._cond.notify_all()
+            with self.clock.phase("worker"):
+                for i in range(self.n_jobs):
+                    job(i)
+                    with self._cond:
+                        self._done = i + 1
+                        self._cond.notify_all()
         except BaseException as e:  # handed to the waiting thread
             with self._cond:
                 self._error = e

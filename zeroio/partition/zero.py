@@ -25,7 +25,6 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3 import registry
-from zeroio.partition.stage12 import wait_overlapped_steps
 from zeroio.partition.stage3.init import (
     PartitionOnCreate,
     gather_param,
@@ -33,6 +32,7 @@ from zeroio.partition.stage3.init import (
     return_freed_memory,
     write_back_param,
 )
+from zeroio.partition.stage12 import wait_overlapped_steps
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -54,7 +54,7 @@ from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
 from zeroio.partition.stage3.store import DeviceShards, HostShards, make_store
 from zeroio.partition.stage3.streams import Streams, wait_stream
-from zeroio.partition.step_overlap import StepRunner
+from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
@@ -120,6 +120,7 @@ class Stage3Partitioner:
         # the gradient's D2H starts as soon as it is reduced; gloo (CPU) waits on the host
         self._max_inflight = 0 if self.streams.comm is not None else _MAX_INFLIGHT_REDUCES
         self._runner: StepRunner | None = None  # [Note: stage-3 host step]
+        self._clock = PhaseClock()  # host step phases for engine.stats()["timings"]
         self._job_of: dict[int, int] = {}
         self._unpublished: set[int] = set()
         for g in self.pgroups:
@@ -315,6 +316,10 @@ class Stage3Partitioner:
         self.hooks.remove()
         self.store.close()
 
+    def host_step_timings(self) -> dict[str, float]:
+        """Seconds in the host step's phases since start (step_overlap.PhaseClock)."""
+        return self._clock.as_dict()
+
     def stats_sources(self) -> dict[str, dict]:
         """Transfer counters for ``engine.stats()``: host <-> device copies of shards and
         gradients, and the NVMe parameter store's own swapping (offload_param nvme)."""
@@ -360,7 +365,8 @@ class Stage3Partitioner:
                 self.pgroups[gi].refresh()
         self._job_of = {gi: i for i, gi in enumerate(later)}
         self._unpublished = set(later)
-        self._runner = StepRunner(len(later), torch.device("cpu"))  # host writes: no events
+        self._runner = StepRunner(len(later), torch.device("cpu"),  # host writes: no events
+                                  clock=self._clock)
         self._runner.start(lambda i: self._step_group(update, later[i]))
         if not self.settings.overlap_step:
             self.wait_step()
@@ -378,8 +384,10 @@ class Stage3Partitioner:
                     lo, hi = n * j // parts, n * (j + 1) // parts
                     if hi == lo:
                         continue
-                    update(ref.piece.opt_group, ref.base + lo, hi - lo)
-                    g.update_shard(ref.piece.lo + lo, master.narrow(0, ref.base + lo, hi - lo))
+                    with self._clock.phase("adam"):
+                        update(ref.piece.opt_group, ref.base + lo, hi - lo)
+                    with self._clock.phase("publish"):
+                        g.update_shard(ref.piece.lo + lo, master.narrow(0, ref.base + lo, hi - lo))
         self._unpublished.discard(gi)
 
     def _await_shard(self, gi: int) -> None:

@@ -1,0 +1,58 @@
+"""engine.stats()["timings"] splits the host optimizer step (offload_optimizer cpu) into the
+worker's CPU Adam and publication phases, for stages 2 and 3: the worker thread is invisible
+to torch.profiler, so these are what tell a slow step apart. CPU Adam is slowed by a known
+amount per chunk here, so the Adam phase must account for at least that much."""
+
+import pytest
+
+from zeroio.testing import run_ranks
+
+DELAY = 0.02
+
+
+def _body(stage):
+    import time
+
+    import torch
+
+    import zeroio
+    from zeroio.optim.adam import ChunkedStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    if stage == 3:
+        zero.update(offload_param={"device": "cpu"}, stage3_param_persistence_threshold=0)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+    engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+    calls = []
+    update = ChunkedStep.update
+
+    def slow(self, gi, lo, n):
+        time.sleep(DELAY)
+        calls.append(n)
+        return update(self, gi, lo, n)
+
+    ChunkedStep.update = slow
+    try:
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+    finally:
+        ChunkedStep.update = update
+    t = engine.stats()["timings"]
+    engine.close()
+    return t, len(calls)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_step_phases_account_for_cpu_adam(stage):
+    (t, n_calls), = run_ranks(_body, 1, stage)
+    assert n_calls > 0
+    assert t["host_adam_s"] >= n_calls * DELAY * 0.95
+    assert t["host_publish_s"] > 0
+    # the phases happen inside the step the training thread waits for
+    assert t["host_adam_s"] + t["host_publish_s"] <= t["step_s"] + 0.05
