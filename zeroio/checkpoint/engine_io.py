@@ -292,12 +292,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     for n, buf in frozen_buf.items():
         if n in res.loaded_names:
             params[n].data.copy_(buf.view(params[n].shape))
-    engine.partitioner.publish_params()
     _apply_scalars(engine, res, load_optimizer_states, load_lr_scheduler_states)
     write_local = getattr(engine.optimizer, "write_local", None)
-    if write_local is not None:  # local tensors were copies (NVMe-resident state): hand them back
+    if write_local is not None:  # local tensors were copies (NVMe-resident state, or fp32 of a
+        # TwinAdam group split between device and host): hand them back before publishing
         for (gi, kind), t in locals_.items():
             write_local(gi, kind, t)
+    engine.partitioner.publish_params()
     if not comm.all_ok(True):
         raise CheckpointError("checkpoint load failed on another rank")
     return str(res.path), res.client_state
