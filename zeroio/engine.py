@@ -95,12 +95,23 @@ def overlap_step_requested(cfg) -> bool:
 
 
 def build_optimizer(cfg, partitioner, spec: OptimizerSpec):
+    split = getattr(partitioner, "optimizer_split", None)
+    if split is not None:  # offload_optimizer.ratio < 1 (stage 3): partition/stage3/twin.py
+        from zeroio.optim.twin import TwinAdam
+
+        return TwinAdam(device=ShardedAdam(split.device, spec.hyper, decoupled=spec.decoupled),
+                        host=_offloaded_optimizer(cfg, split.host, spec),
+                        groups=partitioner.groups)
+    return _offloaded_optimizer(cfg, partitioner.groups, spec)
+
+
+def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec):
     off = cfg.zero_optimization.offload_optimizer
     if off.device == "nvme":
         from zeroio.optim.swap import SwappedAdam
 
-        return SwappedAdam(partitioner.groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg)
-    return ShardedAdam(partitioner.groups, spec.hyper, decoupled=spec.decoupled)
+        return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg)
+    return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled)
 
 
 class Engine:
@@ -239,9 +250,10 @@ class Engine:
             stage_range = getattr(self.partitioner, "stage_range", None)
             offload = self.config.zero_optimization.offload_optimizer.device
             run_step = getattr(self.partitioner, "run_step", None)
-            if run_step is not None and offload == "cpu" and isinstance(self.optimizer,
-                                                                          ShardedAdam):
-                # CPU Adam chunk by chunk on a worker, each chunk published behind it
+            if run_step is not None and offload == "cpu" and hasattr(self.optimizer,
+                                                                       "begin_chunked_step"):
+                # CPU Adam chunk by chunk on a worker, each chunk published behind it (a
+                # TwinAdam steps its device side first: partition/stage3/twin.py)
                 run_step(self.optimizer.begin_chunked_step(grad_scale=scale / coef).update)
             elif stage_range is not None and offload != "none":
                 # host masters: publish chunk by chunk behind the CPU optimizer
@@ -288,6 +300,8 @@ class Engine:
             t for sg in self.partitioner.groups for t in (sg.master, sg.grad)]
         if isinstance(self.optimizer, ShardedAdam):
             out += [t for st in self.optimizer.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
+        elif hasattr(self.optimizer, "held_tensors"):  # TwinAdam
+            out += self.optimizer.held_tensors()
         return out
 
     def _stats_boundary(self) -> None:

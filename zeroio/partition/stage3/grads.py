@@ -49,9 +49,11 @@ class Landing:
     lo: int
     """Start inside the rank's shard of the group."""
     numel: int
-    opt_group: int
+    target: int
+    """Index of the ShardGroup (in ``GradLanding.groups``) whose gradient holds it: the optimizer
+    group, or with twin placement (twin.py) that group's host or device side."""
     base: int
-    """Start inside ``ShardGroup.grad`` of ``opt_group``."""
+    """Start inside ``ShardGroup.grad`` of ``target``."""
 
 
 class GradLanding:
@@ -68,7 +70,8 @@ class GradLanding:
         self.pin = pin and torch.cuda.is_available()
         self._written: dict[int, int] = {}          # group -> writes this accumulation
         self._staging: dict[int, torch.Tensor] = {}  # group -> pinned fp32, allocated once
-        self._host_adds: dict[int, torch.cuda.Event | None] = {}  # staged adds not yet applied
+        # staged adds not yet applied: group -> (copy event, the landings staged)
+        self._host_adds: dict[int, tuple[torch.cuda.Event | None, list[Landing]]] = {}
         self._norm_parts: list[torch.Tensor] = []
         self._norm_valid = True
         self.host_allocations = 0
@@ -79,7 +82,7 @@ class GradLanding:
         return list(self._staging.values())
 
     def _dst(self, ld: Landing) -> torch.Tensor:
-        return self.groups[ld.opt_group].grad.narrow(0, ld.base, ld.numel)
+        return self.groups[ld.target].grad.narrow(0, ld.base, ld.numel)
 
     def consume(self, gi: int, shard: torch.Tensor, scale: float, boundary: bool) -> None:
         """``shard``: the group's reduced slice (this rank's, device, fp32); runs on the comm
@@ -94,13 +97,16 @@ class GradLanding:
         else:  # accumulated over writes: the final value is only known on the host
             self._norm_valid = False
         lds = self.pieces.get(gi, [])
-        to_host = bool(lds) and shard.is_cuda and self._dst(lds[0]).device.type == "cpu"
-        side = self.d2h if to_host else None
+        # with twin placement one group may land on both sides: device pieces on comm, host
+        # pieces on d2h
+        host = [ld for ld in lds if shard.is_cuda and self._dst(ld).device.type == "cpu"]
+        side = self.d2h if host else None
         if side is not None:  # after the scaling above, on comm; see the note
             wait_stream(side, torch.cuda.current_stream(shard.device))
             keep_for(shard, side)
-        with on(side):
-            for ld in lds:
+        staged = []
+        for ld in lds:
+            with on(side if ld in host else None):
                 src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
                 if writes == 0:
                     count_copy(self.transfers, src, dst)
@@ -108,9 +114,13 @@ class GradLanding:
                 elif dst.device == src.device:
                     dst.add_(src)
                 else:
-                    self._stage_add(gi, ld, src)
+                    staged.append(ld)
+        if staged:
+            with on(side):
+                self._stage_add(gi, staged, shard)
 
-    def _stage_add(self, gi: int, ld: Landing, src: torch.Tensor) -> None:
+    def _stage_add(self, gi: int, lds: list[Landing], shard: torch.Tensor) -> None:
+        """Copy the slices of ``lds`` into the group's staging buffer; added in ``_apply``."""
         if gi in self._host_adds:  # the staging still holds an earlier, unapplied write
             self._apply(gi)
         stage = self._staging.get(gi)
@@ -118,18 +128,20 @@ class GradLanding:
             n = max(p.lo + p.numel for p in self.pieces[gi])
             stage = self._staging[gi] = host_empty(n, torch.float32, pin=self.pin)
             self.host_allocations += 1
-        count_copy(self.transfers, src, stage)
-        stage.narrow(0, ld.lo, ld.numel).copy_(src, non_blocking=True)
-        self._host_adds[gi] = record(torch.cuda.current_stream(src.device)) if src.is_cuda \
-            else None
+        for ld in lds:
+            src = shard.narrow(0, ld.lo, ld.numel)
+            count_copy(self.transfers, src, stage)
+            stage.narrow(0, ld.lo, ld.numel).copy_(src, non_blocking=True)
+        event = record(torch.cuda.current_stream(shard.device)) if shard.is_cuda else None
+        self._host_adds[gi] = (event, lds)
 
     def _apply(self, gi: int) -> None:
-        event = self._host_adds.pop(gi)
+        event, lds = self._host_adds.pop(gi)
         if event is not None:
             with StallTimer(self.transfers):
                 event.synchronize()
         stage = self._staging[gi]
-        for ld in self.pieces[gi]:
+        for ld in lds:
             self._dst(ld).add_(stage.narrow(0, ld.lo, ld.numel))
 
     def settle(self, boundary: bool, stream: torch.cuda.Stream | None) -> None:

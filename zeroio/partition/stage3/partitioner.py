@@ -32,6 +32,10 @@ the same order): groups that are gathered at step time (persistent ones)
 are stepped on the calling thread first and re-gathered there. A store that
 is not plain memory (NVMe shards: its tiered store is driven from the
 training thread) takes the whole-group path: Adam, then ``publish_params``.
+With ``offload_optimizer.ratio`` < 1 ([Note: twin placement] in twin.py) the
+device side was stepped before ``run_step`` (``TwinAdam.begin_chunked_step``):
+``run_step`` publishes its pieces first, on the calling thread, and the jobs
+update and publish only host pieces.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
 from zeroio.partition.stage3.store import DeviceShards, HostShards, make_store
 from zeroio.partition.stage3.streams import Streams, wait_stream
+from zeroio.partition.stage3.twin import OptimizerSplit, Side, device_numel, logical_group, place
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.tiering.stats import TierStats
 
@@ -65,7 +70,9 @@ class _PieceRef:
     group: int
     piece: ShardPiece
     base: int
-    """Start of this piece inside its ShardGroup's master/grad."""
+    """Start of this piece inside its side's ShardGroup's master/grad."""
+    side: Side = Side.HOST
+    """Which side's ShardGroup holds it ([Note: twin placement] in twin.py)."""
 
 
 class Stage3Partitioner:
@@ -99,11 +106,22 @@ class Stage3Partitioner:
             self.pgroups.append(ParamGroup(gp, params, rank=self.rank, world=self.world,
                                            device=device, dtype=compute_dtype,
                                            store=self.store, pg=group, streams=self.streams))
-        self.groups, self._pieces = self._build_shards(len(param_groups))
+        n_opt = len(param_groups)
+        self._sides, self._pieces = self._build_shards(n_opt)
+        host, dev = self._sides[Side.HOST], self._sides[Side.DEVICE]
+        self.optimizer_split: OptimizerSplit | None = None
+        """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine.build_optimizer)."""
+        if settings.optimizer_ratio < 1.0:
+            self.optimizer_split = OptimizerSplit(device=dev, host=host)
+            self.groups = [logical_group(d, h) for d, h in zip(dev, host, strict=True)]
+        else:
+            self.groups = host
+        physical = host + dev  # the landing's targets: host og -> og, device og -> n_opt + og
         self.landing = GradLanding(  # [Note: landing reduced gradients] in grads.py
-            self.groups,
+            physical,
             {gi: [Landing(lo=r.piece.lo, numel=r.piece.hi - r.piece.lo,
-                          opt_group=r.piece.opt_group, base=r.base) for r in refs]
+                          target=r.piece.opt_group + (n_opt if r.side is Side.DEVICE else 0),
+                          base=r.base) for r in refs]
              for gi, refs in self._pieces.items()},
             device, pin=getattr(home, "pin_memory", False), transfers=self.transfers,
             d2h=self.streams.d2h)
@@ -149,40 +167,57 @@ class Stage3Partitioner:
         return flat
 
     def _build_shards(self, n_opt_groups: int):
-        pieces: list[list[_PieceRef]] = [[] for _ in range(n_opt_groups)]
-        sizes = [0] * n_opt_groups
-        for g in self.pgroups:
-            for pc in shard_pieces(g.plan, self.rank):
-                pieces[pc.opt_group].append(_PieceRef(group=g.plan.index, piece=pc,
-                                                      base=sizes[pc.opt_group]))
-                sizes[pc.opt_group] += pc.hi - pc.lo
-        masters = [self.home.empty(n) for n in sizes]
+        """Each side's ShardGroups (one per optimizer group) and every group's pieces."""
+        ordered = [(g.plan.index, pc) for g in self.pgroups
+                   for pc in shard_pieces(g.plan, self.rank)]
+        total = sum(pc.hi - pc.lo for _, pc in ordered)
+        placed = place(ordered, device_numel(total, self.settings.optimizer_ratio))
+        pieces = {side: [[] for _ in range(n_opt_groups)] for side in Side}
+        sizes = {side: [0] * n_opt_groups for side in Side}
         by_group: dict[int, list[_PieceRef]] = {}
-        for og in pieces:
-            for ref in og:
-                by_group.setdefault(ref.group, []).append(ref)
+        for gi, pc, side in placed:
+            ref = _PieceRef(group=gi, piece=pc, base=sizes[side][pc.opt_group], side=side)
+            pieces[side][pc.opt_group].append(ref)
+            by_group.setdefault(gi, []).append(ref)
+            sizes[side][pc.opt_group] += pc.hi - pc.lo
+        homes = {Side.HOST: self.home.empty, Side.DEVICE: lambda n: torch.zeros(
+            n, dtype=torch.float32, device=self.device)}
+        masters = {side: [homes[side](n) for n in sizes[side]] for side in Side}
         for g in self.pgroups:
             flat = self._full_flat(g)
             for ref in by_group.get(g.plan.index, []):
                 src = flat.narrow(0, g.shard_lo + ref.piece.lo, ref.piece.hi - ref.piece.lo)
-                masters[ref.piece.opt_group].narrow(0, ref.base, src.numel()).copy_(src)
+                masters[ref.side][ref.piece.opt_group].narrow(0, ref.base, src.numel()).copy_(src)
             g.load_full(flat)
             del flat
         for p in {id(p): p for g in self.pgroups for p in g.params}.values():
             registry.INIT_SHARDS.pop(p, None)
-        groups = []
-        for og in range(n_opt_groups):
-            segs = []
-            for ref in pieces[og]:
-                segs += [type(s)(local_offset=s.local_offset + ref.base,
-                                 global_offset=s.global_offset, numel=s.numel)
-                         for s in ref.piece.segments]
-            names = tuple(dict.fromkeys(n for ref in pieces[og] for n in ref.piece.names))
-            groups.append(ShardGroup(group_index=og, master=masters[og],
-                                     grad=self.home.empty(sizes[og]),
-                                     numel=sum(s.numel for s in segs), segments=tuple(segs),
-                                     params=names))
+        groups: dict[Side, list[ShardGroup]] = {}
+        for side in Side:
+            groups[side] = []
+            for og in range(n_opt_groups):
+                segs = []
+                for ref in pieces[side][og]:
+                    segs += [type(s)(local_offset=s.local_offset + ref.base,
+                                     global_offset=s.global_offset, numel=s.numel)
+                             for s in ref.piece.segments]
+                names = tuple(dict.fromkeys(n for ref in pieces[side][og]
+                                            for n in ref.piece.names))
+                groups[side].append(ShardGroup(
+                    group_index=og, master=masters[side][og],
+                    grad=homes[side](sizes[side][og]), numel=sum(s.numel for s in segs),
+                    segments=tuple(segs), params=names))
         return groups, by_group
+
+    def _master(self, ref: _PieceRef) -> torch.Tensor:
+        """The fp32 masters of one piece, on its side."""
+        return self._sides[ref.side][ref.piece.opt_group].master.narrow(
+            0, ref.base, ref.piece.hi - ref.piece.lo)
+
+    @property
+    def _physical(self) -> list[ShardGroup]:
+        """Both sides' ShardGroups (the logical ones of twin placement hold no data)."""
+        return self._sides[Side.HOST] + self._sides[Side.DEVICE]
 
     # -- gathering (called by hooks and GatheredParameters) --------------------------------
     def live_numel(self) -> int:
@@ -281,22 +316,21 @@ class Stage3Partitioner:
         if taken is not None:
             return taken
         total = torch.zeros((), dtype=torch.float32)
-        for sg in self.groups:
+        for sg in self._physical:
             if sg.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64;
                 # no float64 copy of the shard (that doubled host memory and took seconds)
                 total += torch.linalg.vector_norm(sg.grad).double().pow(2).float().cpu()
         return total
 
     def local_overflow(self) -> bool:
-        return any(not bool(torch.isfinite(sg.grad).all()) for sg in self.groups)
+        return any(not bool(torch.isfinite(sg.grad).all()) for sg in self._physical)
 
     def publish_params(self) -> None:
         """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
         self.wait_step()
         with torch.profiler.record_function("zeroio::stage3::publish_params"):
             for gi, refs in self._pieces.items():
-                pieces = [(ref.piece.lo, self.groups[ref.piece.opt_group].master.narrow(
-                    0, ref.base, ref.piece.hi - ref.piece.lo)) for ref in refs]
+                pieces = [(ref.piece.lo, self._master(ref)) for ref in refs]
                 self.pgroups[gi].update_shard_pieces(pieces, whole=self._whole[gi])
             for g in self.pgroups:
                 g.refresh()
@@ -334,7 +368,7 @@ class Stage3Partitioner:
         the ShardGroups' fp32 masters and gradients, shards of the device/host stores (an NVMe
         store's tensors are reported by that store), gathered groups (persistent ones), and the
         gradient landing's staging buffers."""
-        out = [t for sg in self.groups for t in (sg.master, sg.grad)]
+        out = [t for sg in self._physical for t in (sg.master, sg.grad)]
         out += self.store.held_tensors()
         out += [g.full_flat() for g in self.pgroups if g.state is not GroupState.SHARDED]
         out += self.landing.held_tensors()
@@ -347,11 +381,12 @@ class Stage3Partitioner:
         the note for the threads and when it returns."""
         self.wait_step()
         if not isinstance(self.store, (HostShards, DeviceShards)):
-            for sg in self.groups:
+            for sg in self._sides[Side.HOST]:
                 if sg.master.numel():
                     update(sg.group_index, 0, sg.master.numel())
             self.publish_params()
             return
+        self._publish_device_side()
         order = list(dict.fromkeys(gi for gi in self.trace.order if gi in self._pieces))
         order += [gi for gi in sorted(self._pieces) if gi not in order]
         # every rank has the same groups gathered and re-gathers them in the same order, also
@@ -372,13 +407,27 @@ class Stage3Partitioner:
             self.wait_step()
         self.phase = Phase.IDLE
 
+    def _publish_device_side(self) -> None:
+        """Twin placement: the device side's pieces (stepped already) into the 16-bit shards."""
+        if self.optimizer_split is None:
+            return
+        with torch.profiler.record_function("zeroio::stage3::publish_device_side"):
+            for gi, refs in self._pieces.items():
+                pieces = [(ref.piece.lo, self._master(ref)) for ref in refs
+                          if ref.side is Side.DEVICE]
+                if pieces:
+                    self.pgroups[gi].update_shard_pieces(pieces, whole=False)
+
     def _step_group(self, update, gi: int) -> None:
-        """Adam over group ``gi``'s pieces, chunk by chunk, each chunk cast into the shard."""
+        """Adam over group ``gi``'s host pieces, chunk by chunk, each chunk cast into the
+        shard."""
         g, chunk = self.pgroups[gi], self.settings.step_chunk_numel
         with torch.profiler.record_function("zeroio::stage3::step_group"):
             for ref in self._pieces[gi]:
+                if ref.side is Side.DEVICE:
+                    continue  # stepped and published before the jobs started
                 n = ref.piece.hi - ref.piece.lo
-                master = self.groups[ref.piece.opt_group].master
+                master = self._sides[Side.HOST][ref.piece.opt_group].master
                 parts = -(-n // chunk)
                 for j in range(parts):  # equal parts: no small tail call
                     lo, hi = n * j // parts, n * (j + 1) // parts
@@ -430,8 +479,7 @@ class Stage3Partitioner:
         flat = g.full_flat()
         for ref in self._pieces.get(gi, []):
             n = ref.piece.hi - ref.piece.lo
-            self.groups[ref.piece.opt_group].master.narrow(0, ref.base, n).copy_(
-                flat.narrow(0, g.shard_lo + ref.piece.lo, n))
+            self._master(ref).copy_(flat.narrow(0, g.shard_lo + ref.piece.lo, n))
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameter storage this rank holds now, per place (shards + gathered)."""

@@ -44,12 +44,20 @@ class Stage3Settings:
     gather of the next forward waits for the step job that publishes its group
     (``zero_optimization.tiering.overlap_step``; ``ZEROIO_OVERLAP_STEP`` overrides it when
     set; see [Note: stage-3 host step] in partitioner.py)."""
+    optimizer_ratio: float = 1.0
+    """``offload_optimizer.ratio`` when the optimizer is offloaded (1.0 otherwise): the
+    fraction of this rank's optimizer elements on the host side ([Note: twin placement] in
+    twin.py); the rest stays on the compute device."""
     step_chunk_numel: int = 1 << 24
     """offload_optimizer cpu: most elements one CPU Adam call updates before that chunk is
     published (cast into the 16-bit shard while still warm in cache). Bigger chunks pay less
     thread-pool overhead per call, smaller ones find more of the chunk in cache."""
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.optimizer_ratio <= 1.0:
+            raise ConfigError(f"offload_optimizer.ratio must be in (0, 1], got "
+                              f"{self.optimizer_ratio}",
+                              key="zero_optimization.offload_optimizer.ratio")
         if self.offload_device not in ("none", "cpu", "nvme"):
             raise ConfigError(
                 f"offload_param.device must be none, cpu or nvme, got {self.offload_device!r}",
@@ -86,7 +94,15 @@ class Stage3Settings:
             max_in_cpu=int(op.max_in_cpu),
             overlap_step=_overlap_requested(zero),
             step_chunk_numel=_env_int(STEP_CHUNK_ENV, Stage3Settings.step_chunk_numel),
+            optimizer_ratio=_optimizer_ratio(zero),
         )
+
+
+def _optimizer_ratio(zero) -> float:
+    off = getattr(zero, "offload_optimizer", None)
+    if off is None or str(getattr(off.device, "value", off.device)) == "none":
+        return 1.0  # everything is on the device already
+    return float(getattr(off, "ratio", 1.0))
 
 
 def _overlap_requested(zero) -> bool:

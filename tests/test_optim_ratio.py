@@ -1,0 +1,307 @@
+"""zero_optimization.offload_optimizer.ratio: part of the stage-3 optimizer state on the device.
+
+Tiny Hugging Face Llama (tied embeddings, gradient checkpointing) on 1 and 2
+gloo ranks, 10 steps of 2 micro steps with clipping, against single-process
+torch.optim.AdamW (zeroio.testing.reference). On this CPU-only machine the
+"device" side lives on the engine's device (cpu) but takes the same path as on
+a GPU: its own ShardGroups, gradients landed there, stepped by the device-side
+``ShardedAdam``, published by ``run_step`` before the host jobs.
+
+Tolerances as in test_stage3_equivalence (fp32): 2e-5 relative on the loss,
+2e-5 absolute on the fp32 masters, and what ``GatheredParameters`` sees equals
+the masters exactly. Element counts are checked against a hand count:
+``floor((1 - ratio) * local elements)`` on the device side.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from zeroio.testing import run_ranks
+
+STEPS, GAS, MICRO, LR, CLIP = 10, 2, 2, 1e-3, 0.05
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      max_position_embeddings=64, tie_word_embeddings=True, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable()
+    model.train()
+    return model
+
+
+def _batches(world, steps=STEPS, seed=1234):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 128, (world, MICRO, 12), generator=g) for _ in range(GAS)]
+            for _ in range(steps)]
+
+
+def _lm_loss(model, ids):
+    batch = ids.reshape(-1, ids.shape[-1])
+    return model(input_ids=batch, labels=batch).loss
+
+
+def _config(*, off_param="none", off_opt="cpu", ratio=None, overlap=False, nvme_dir=None):
+    opt = {"device": off_opt}
+    if off_opt == "nvme":
+        opt["nvme_path"] = os.path.join(nvme_dir, "optim")
+    if ratio is not None:
+        opt["ratio"] = ratio
+    return {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3, "sub_group_size": 3000, "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 6000, "stage3_max_live_parameters": 30000,
+            "stage3_max_reuse_distance": 5000,
+            "offload_param": {"device": off_param}, "offload_optimizer": opt,
+            "tiering": {"overlap_step": overlap}},
+    }
+
+
+def _engine(init, cfg):
+    import zeroio
+
+    model = _llama()
+    model.load_state_dict(init)
+    engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+    return engine
+
+
+def _run(engine, batches):
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in batches:
+        total = torch.zeros(1, dtype=torch.float64)
+        for ids in step:
+            loss = engine(input_ids=ids[rank], labels=ids[rank]).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        dist.all_reduce(total)
+        losses.append(total.item() / (GAS * world))
+    return losses
+
+
+def _gather(engine, kind="fp32"):
+    """The global flat ``kind`` array (every rank's segments, summed over ranks) by name."""
+    import torch
+    import torch.distributed as dist
+
+    engine.synchronize()  # an overlapped step (tiering.overlap_step) may still write them
+    flat = torch.zeros(engine.partitioner.index.total_numel, dtype=torch.float64)
+    for g in engine.partitioner.groups:
+        local = engine.optimizer.local_tensor(g.group_index, kind)
+        for s in g.segments:
+            flat[s.global_offset:s.global_offset + s.numel] = \
+                local[s.local_offset:s.local_offset + s.numel].double()
+    dist.all_reduce(flat)
+    return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
+            for e in engine.partitioner.index.entries}
+
+
+def _published(engine):
+    import zeroio
+
+    params = dict(engine.module.named_parameters())
+    with zeroio.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().float().clone() for n, p in params.items()}
+
+
+def _sides(engine):
+    """(device elements, host elements, local elements) of this rank."""
+    split = engine.partitioner.optimizer_split
+    total = sum(g.numel for g in engine.partitioner.groups)
+    if split is None:
+        return 0, total, total
+    return sum(g.numel for g in split.device), sum(g.numel for g in split.host), total
+
+
+# ---- equivalence with plain AdamW ------------------------------------------------------------
+
+CASES = {
+    1: [dict(ratio=0.5), dict(ratio=0.3, off_param="cpu"), dict(ratio=0.5, off_opt="nvme"),
+        dict(ratio=1.0, off_param="cpu")],
+    2: [dict(ratio=0.5), dict(ratio=0.3, off_param="cpu"),
+        dict(ratio=0.5, off_param="cpu", overlap=True)],
+}
+
+
+def _equivalence_body(tmpdir):
+    import torch
+    import torch.distributed as dist
+
+    from zeroio.optim.adam import ShardedAdam
+    from zeroio.optim.twin import TwinAdam
+    from zeroio.testing.reference import adamw_reference
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in _llama().state_dict().items()}
+    n_params = sum(v.numel() for k, v in _llama().named_parameters())
+    batches = _batches(world)
+    ref = _llama()
+    ref.load_state_dict(init)
+    ref_losses, ref_params = adamw_reference(ref, batches, _lm_loss, lr=LR, weight_decay=0.01,
+                                             clip=CLIP)
+    out = []
+    for i, case in enumerate(CASES[world]):
+        engine = _engine(init, _config(**case, nvme_dir=os.path.join(tmpdir, f"{i}-r{rank}")))
+        twin = isinstance(engine.optimizer, TwinAdam)
+        dev, host, total = _sides(engine)
+        devices = set()
+        if twin:  # where each side's state lives
+            split = engine.partitioner.optimizer_split
+            devices = {(g.master.device.type, g.grad.device.type) for g in split.device}
+        losses = _run(engine, batches)
+        masters = _gather(engine)
+        published = _published(engine)
+        totals = torch.tensor([total], dtype=torch.int64)
+        dist.all_reduce(totals)
+        engine.close()
+        out.append(dict(
+            case=case, twin=twin, plain=isinstance(engine.optimizer, ShardedAdam),
+            dev=dev, host=host, total=total, global_total=int(totals.item()),
+            n_params=n_params, devices=devices,
+            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+            max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
+            published_diff=max((published[n] - masters[n]).abs().max().item()
+                               for n in ref_params)))
+    return out
+
+
+def _check_equivalence(results):
+    for rank_results in results:
+        for r in rank_results:
+            ratio = r["case"]["ratio"]
+            assert r["global_total"] == r["n_params"], r  # every element on one rank, once
+            assert r["dev"] + r["host"] == r["total"], r
+            # hand count: floor((1 - ratio) * local elements) on the device side
+            assert r["dev"] == (0 if ratio == 1.0 else math.floor(r["total"] * (1 - ratio))), r
+            if ratio < 1.0:
+                assert r["twin"] and r["dev"] > 0 and r["host"] > 0, r
+                assert r["devices"] == {("cpu", "cpu")}, r  # the engine device of this machine
+            else:  # ratio 1.0: the optimizer and shards are what they were before the ratio
+                assert r["plain"] and not r["twin"], r
+            assert r["published_diff"] == 0.0, r
+            assert r["loss_rel"] < 2e-5, r
+            assert r["max_diff"] < 2e-5, r
+
+
+def test_ratio_matches_adamw_world_1(tmp_path):
+    _check_equivalence(run_ranks(_equivalence_body, 1, str(tmp_path), timeout=240))
+
+
+def test_ratio_matches_adamw_world_2(tmp_path):
+    _check_equivalence(run_ranks(_equivalence_body, 2, str(tmp_path), timeout=240))
+
+
+# ---- checkpoints across ratios ---------------------------------------------------------------
+
+def _checkpoint_body(tmpdir, save_ratio, load_ratio):
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in _llama().state_dict().items()}
+    first, rest = _batches(world, 4, seed=7), _batches(world, 4, seed=8)
+    engine = _engine(init, _config(ratio=save_ratio))
+    _run(engine, first)
+    engine.save_checkpoint(os.path.join(tmpdir, "ckpt"), tag="t")
+    saved = {k: _gather(engine, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    steps = [engine.optimizer.steps_taken(i) for i in range(len(engine.partitioner.groups))]
+    cont_losses = _run(engine, rest)
+    cont = _gather(engine)
+    engine.close()
+
+    other = _engine({k: torch.zeros_like(v) for k, v in init.items()}, _config(ratio=load_ratio))
+    other.load_checkpoint(os.path.join(tmpdir, "ckpt"), tag="t")
+    loaded = {k: _gather(other, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    loaded_steps = [other.optimizer.steps_taken(i) for i in range(len(other.partitioner.groups))]
+    loaded_published = _published(other)
+    resumed_losses = _run(other, rest)
+    resumed = _gather(other)
+    other.close()
+    return dict(
+        state_diff=max((saved[k][n] - loaded[k][n]).abs().max().item()
+                       for k in saved for n in saved[k]),
+        steps=(steps, loaded_steps),
+        published_diff=max((loaded_published[n] - loaded["fp32"][n]).abs().max().item()
+                           for n in loaded["fp32"]),
+        loss_diff=max(abs(a - b) for a, b in zip(cont_losses, resumed_losses, strict=True)),
+        param_diff=max((cont[n] - resumed[n]).abs().max().item() for n in cont))
+
+
+@pytest.mark.parametrize("world,save_ratio,load_ratio", [(1, 0.5, 1.0), (2, 1.0, 0.5),
+                                                         (2, 0.5, 0.3)])
+def test_checkpoint_across_ratios(tmp_path, world, save_ratio, load_ratio):
+    for r in run_ranks(_checkpoint_body, world, str(tmp_path), save_ratio, load_ratio,
+                       timeout=200):
+        assert r["state_diff"] == 0.0, r  # masters and both moments, bit for bit
+        assert r["steps"][0] == r["steps"][1], r
+        assert r["published_diff"] == 0.0, r  # the 16-bit params republished from them
+        # the same math from the same state; only the norm's summation order may differ
+        assert r["loss_diff"] < 1e-6, r
+        assert r["param_diff"] < 1e-6, r
+
+
+# ---- placement and config --------------------------------------------------------------------
+
+def test_place_cuts_the_straddling_piece_and_keeps_every_element():
+    from zeroio.partition.base import Segment
+    from zeroio.partition.stage3.layout import ShardPiece
+    from zeroio.partition.stage3.twin import Side, device_numel, place
+
+    a = ShardPiece(opt_group=0, lo=0, hi=10, names=("w", "b"),
+                   segments=(Segment(local_offset=0, global_offset=100, numel=6),
+                             Segment(local_offset=6, global_offset=300, numel=4)))
+    b = ShardPiece(opt_group=1, lo=10, hi=15, names=("n",),
+                   segments=(Segment(local_offset=0, global_offset=500, numel=5),))
+    assert device_numel(15, 0.6) == 6 and device_numel(15, 1.0) == 0
+    out = place([(0, a), (1, b)], 8)
+    assert [(gi, p.lo, p.hi, s) for gi, p, s in out] == [
+        (0, 0, 8, Side.DEVICE), (0, 8, 10, Side.HOST), (1, 10, 15, Side.HOST)]
+    head, tail = out[0][1], out[1][1]
+    assert head.segments == (Segment(local_offset=0, global_offset=100, numel=6),
+                             Segment(local_offset=6, global_offset=300, numel=2))
+    assert tail.segments == (Segment(local_offset=0, global_offset=302, numel=2),)
+    assert head.names == ("w", "b") and tail.names == ("b",)
+    covered = sorted((s.global_offset, s.numel) for _, p, _ in out for s in p.segments)
+    assert covered == [(100, 6), (300, 2), (302, 2), (500, 5)]
+
+
+@pytest.mark.parametrize("value", [0, 1.5, "x", -0.2, True, float("nan")])
+def test_invalid_ratio_is_a_config_error_naming_the_key(value):
+    import zeroio
+
+    cfg = _config(ratio=value)
+    with pytest.raises(zeroio.ConfigError) as e:
+        zeroio.load_config(cfg)
+    assert e.value.key == "zero_optimization.offload_optimizer.ratio"
+    assert "zero_optimization.offload_optimizer.ratio" in str(e.value)
+
+
+def test_ratio_below_one_needs_stage_3():
+    import zeroio
+
+    cfg = _config(ratio=0.5)
+    cfg["zero_optimization"]["stage"] = 2
+    with pytest.raises(zeroio.ConfigError, match="needs zero_optimization.stage 3") as e:
+        zeroio.load_config(cfg)
+    assert e.value.key == "zero_optimization.offload_optimizer.ratio"
+    cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 1.0
+    assert zeroio.load_config(cfg).zero_optimization.offload_optimizer.ratio == 1.0

@@ -1,0 +1,154 @@
+"""``TwinAdam``: one optimizer over a stage-3 shard split between device and host.
+
+With ``zero_optimization.offload_optimizer.ratio`` < 1 the partitioner splits
+each optimizer group's shard into a device side and a host side
+(partition/stage3/twin.py, [Note: twin placement]). ``TwinAdam`` steps the
+device side with a ``ShardedAdam`` on the compute device (torch's fused Adam)
+and the host side with the optimizer offload_optimizer.device picks
+(``ShardedAdam`` over pinned host memory, or ``SwappedAdam`` over NVMe), with
+the same hyperparameter dicts (``param_groups`` is one list both share, so LR
+schedules reach both).
+
+To the engine and the checkpoint layer it is one optimizer over the logical
+ShardGroups, whose local layout is ``[device part | host part]``: state is
+read and written through ``local_tensor`` / ``read_local`` /
+``write_local_range`` / ``write_local``, which split each range at the
+boundary. ``local_tensor`` of a group with elements on both sides is a host
+copy (the checkpoint layer hands such copies back through ``write_local``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroio.optim.adam import ShardedAdam
+from zeroio.partition.base import ShardGroup
+
+
+class TwinAdam:
+    def __init__(self, *, device: ShardedAdam, host, groups: list[ShardGroup]):
+        if device.param_groups is not host.param_groups:
+            raise ValueError("TwinAdam: both sides must share one param_groups list")
+        self.device, self.host = device, host
+        self.groups = groups
+        """The logical ShardGroups (the partitioner's ``groups``)."""
+        self.param_groups = device.param_groups
+        self.decoupled = device.decoupled
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
+        """Both sides, device first (its kernels queue while the host side runs)."""
+        if on_updated is not None:
+            raise ValueError("TwinAdam.step: on_updated is a stage 1/2 hook; stage 3 publishes "
+                             "through run_step or publish_params")
+        self.device.step(grad_scale=grad_scale)
+        self.host.step(grad_scale=grad_scale)
+
+    def begin_chunked_step(self, grad_scale: float = 1.0):
+        """Steps the device side now (fused, on the device) and returns the host side's
+        ``ChunkedStep``, whose chunks the stage-3 partitioner runs ([Note: stage-3 host step])."""
+        with torch.profiler.record_function("zeroio::twin::device_step"):
+            self.device.step(grad_scale=grad_scale)
+        return self.host.begin_chunked_step(grad_scale)
+
+    # ---- state access (checkpoints) ----------------------------------------------------------
+
+    def _split(self, group_index: int) -> int:
+        """Length of the device part: logical local offsets below it are on the device."""
+        return self.device.groups[group_index].padded_numel
+
+    def _host_numel(self, group_index: int) -> int:
+        return self.host.groups[group_index].padded_numel
+
+    def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
+        """The logical local ``kind`` tensor: a view where one side holds the whole group, else
+        a host copy of both parts."""
+        d, h = self._split(group_index), self._host_numel(group_index)
+        if d == 0:
+            return self.host.local_tensor(group_index, kind)
+        if h == 0:
+            return self.device.local_tensor(group_index, kind)
+        return torch.cat([self.device.local_tensor(group_index, kind).cpu(),
+                          self.host.local_tensor(group_index, kind).cpu()])
+
+    def read_local(self, group_index: int, kind: str, lo: int, n: int) -> torch.Tensor:
+        """Elements [lo, lo + n) of the logical ``kind`` tensor as a host tensor; only the
+        overlapped parts are read (NVMe moments piece by piece, through the host optimizer)."""
+        d = self._split(group_index)
+        if lo < 0 or n < 0 or lo + n > d + self._host_numel(group_index):
+            raise IndexError(f"read_local: [{lo}, {lo + n}) outside group {group_index}'s "
+                             f"{d + self._host_numel(group_index)} elements")
+        parts = []
+        if lo < d:
+            k = min(n, d - lo)
+            parts.append(self.device.local_tensor(group_index, kind).narrow(0, lo, k).cpu())
+        if lo + n > d:
+            a = max(lo, d) - d
+            k = lo + n - max(lo, d)
+            reader = getattr(self.host, "read_local", None)
+            parts.append(reader(group_index, kind, a, k) if reader is not None else
+                         self.host.local_tensor(group_index, kind).narrow(0, a, k))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def write_local_range(self, group_index: int, kind: str, lo: int,
+                          values: torch.Tensor) -> None:
+        """Overwrite elements [lo, lo + len(values)) of the logical ``kind`` tensor."""
+        d, n = self._split(group_index), values.numel()
+        if lo < 0 or lo + n > d + self._host_numel(group_index):
+            raise IndexError(f"write_local_range: [{lo}, {lo + n}) outside group "
+                             f"{group_index}'s {d + self._host_numel(group_index)} elements")
+        if lo < d:
+            k = min(n, d - lo)
+            self.device.local_tensor(group_index, kind).narrow(0, lo, k).copy_(
+                values.narrow(0, 0, k))
+        if lo + n > d:
+            a = max(lo, d)
+            rest = values.narrow(0, a - lo, lo + n - a)
+            writer = getattr(self.host, "write_local_range", None)
+            if writer is not None:
+                writer(group_index, kind, a - d, rest)
+            else:
+                self.host.local_tensor(group_index, kind).narrow(0, a - d, rest.numel()).copy_(rest)
+
+    def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
+        """Overwrite the logical local ``kind`` tensor (checkpoint load)."""
+        d = self._split(group_index)
+        dev = self.device.local_tensor(group_index, kind)
+        if dev.data_ptr() != values.data_ptr():  # not the view local_tensor handed out
+            dev.copy_(values.narrow(0, 0, d))
+        self.host.write_local(group_index, kind, values.narrow(0, d, values.numel() - d))
+
+    def steps_taken(self, group_index: int) -> int:
+        return max(self.device.steps_taken(group_index), self.host.steps_taken(group_index))
+
+    def set_steps(self, group_index: int, steps: int) -> None:
+        self.device.set_steps(group_index, steps)
+        self.host.set_steps(group_index, steps)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are owned by the engine."""
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Moments held outside a tiered store (``engine.stats()["tiers"]``): the device
+        side's, and the host side's when it is a ``ShardedAdam`` (a ``SwappedAdam``'s are in
+        its store, reported by it)."""
+        out = [t for st in self.device.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
+        if isinstance(self.host, ShardedAdam):
+            out += [t for st in self.host.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
+        return out
+
+    @property
+    def store(self):
+        """The host side's tiered store (NVMe moments), for ``engine.stats()``; else None."""
+        return getattr(self.host, "store", None)
+
+    def drain(self) -> None:
+        drain = getattr(self.host, "drain", None)
+        if drain is not None:
+            drain()
+
+    def close(self) -> None:
+        closer = getattr(self.host, "close", None)
+        if closer is not None:
+            closer()

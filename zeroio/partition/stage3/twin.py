@@ -1,0 +1,130 @@
+"""Which of this rank's optimizer elements stay on the compute device (offload_optimizer.ratio).
+
+[Note: twin placement]
+DeepSpeed's ``offload_optimizer.ratio`` r is the fraction of the optimizer
+state that is offloaded. The partitioner walks this rank's shard pieces in its
+group order (the flat groups of layout.py, in module order, which is about the
+order the forward uses them; each group's pieces by optimizer group) and puts
+the first ``device_numel(total, r) = floor((1 - r) * total)`` elements on the
+device side, cutting the one piece that straddles the boundary, and the rest
+on the host side. Each side has its own ``ShardGroup`` per optimizer param
+group (an empty one where the side holds none of it): the device side's fp32
+master, gradient shard (and, in the optimizer, moments) live on the compute
+device and are stepped there by the fused Adam; the host side is what the
+partitioner had before (pinned host memory, CPU Adam, or the NVMe swapper).
+The earliest groups go to the device because the device part is stepped and
+published first: with the overlapped host step, the next forward starts on
+them while the CPU still works on the later ones.
+
+The engine and the checkpoint layer see one *logical* ``ShardGroup`` per
+optimizer group whose local layout is ``[device part | host part]``: its
+segments map both parts to the global flat order. Its ``master`` and
+``grad`` are meta tensors of the logical length (no memory; any access to
+their data fails loudly); their values are read through the optimizer
+(``zeroio.optim.twin.TwinAdam``: ``local_tensor`` / ``read_local``).
+Every element is on exactly one side, so the gradient norm over both sides'
+gradient shards counts it once.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from zeroio.partition.base import Segment, ShardGroup
+from zeroio.partition.stage3.layout import ShardPiece
+
+
+class Side(enum.Enum):
+    """Where one piece of the optimizer state lives and is stepped."""
+
+    HOST = "host"
+    """The offload device (pinned CPU memory, or NVMe through the swapper)."""
+    DEVICE = "device"
+    """The compute device (the GPU; the CPU on a CPU-only machine, same code path)."""
+
+
+def device_numel(total: int, ratio: float) -> int:
+    """Elements of ``total`` kept on the device for ``offload_optimizer.ratio`` = ``ratio``."""
+    if ratio >= 1.0:
+        return 0
+    return min(total, math.floor(total * (1.0 - ratio)))
+
+
+def split_piece(piece: ShardPiece, k: int) -> tuple[ShardPiece, ShardPiece]:
+    """``piece`` cut after its first ``k`` elements (0 < k < its length), segments and names
+    cut with it; offsets of the second part are relative to its own ``lo``."""
+    n = piece.hi - piece.lo
+    if not 0 < k < n:
+        raise ValueError(f"split_piece: cut {k} outside (0, {n})")
+    head_segs, tail_segs, head_names, tail_names = [], [], [], []
+    for seg, name in zip(piece.segments, piece.names, strict=True):
+        a, b = seg.local_offset, seg.local_offset + seg.numel
+        if b <= k:
+            head_segs.append(seg)
+            head_names.append(name)
+        elif a >= k:
+            tail_segs.append(replace(seg, local_offset=a - k))
+            tail_names.append(name)
+        else:  # this parameter's run straddles the cut
+            head_segs.append(replace(seg, numel=k - a))
+            tail_segs.append(Segment(local_offset=0, global_offset=seg.global_offset + k - a,
+                                     numel=b - k))
+            head_names.append(name)
+            tail_names.append(name)
+    head = ShardPiece(opt_group=piece.opt_group, lo=piece.lo, hi=piece.lo + k,
+                      segments=tuple(head_segs), names=tuple(head_names))
+    tail = ShardPiece(opt_group=piece.opt_group, lo=piece.lo + k, hi=piece.hi,
+                      segments=tuple(tail_segs), names=tuple(tail_names))
+    return head, tail
+
+
+def place(pieces: list[tuple[int, ShardPiece]], on_device: int
+          ) -> list[tuple[int, ShardPiece, Side]]:
+    """``(group, piece)`` in order -> ``(group, piece, side)``: the first ``on_device``
+    elements on the device side ([Note: twin placement])."""
+    out, taken = [], 0
+    for gi, pc in pieces:
+        n = pc.hi - pc.lo
+        room = on_device - taken
+        if room >= n:
+            out.append((gi, pc, Side.DEVICE))
+            taken += n
+        elif room > 0:
+            head, tail = split_piece(pc, room)
+            out += [(gi, head, Side.DEVICE), (gi, tail, Side.HOST)]
+            taken += room
+        else:
+            out.append((gi, pc, Side.HOST))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSplit:
+    """The physical ShardGroups of both sides, one per optimizer param group each (position ==
+    ``group_index``); ``build_optimizer`` steps ``device`` on the compute device and ``host``
+    where offload_optimizer.device says."""
+
+    device: list[ShardGroup]
+    host: list[ShardGroup]
+
+    def numel(self, side: Side) -> int:
+        groups = self.device if side is Side.DEVICE else self.host
+        return sum(g.numel for g in groups)
+
+
+def logical_group(dev: ShardGroup, host: ShardGroup) -> ShardGroup:
+    """One optimizer group's ShardGroup as the engine and checkpoints see it: local layout
+    ``[device part | host part]``, meta ``master``/``grad`` (see the note)."""
+    d = dev.padded_numel
+    segs = dev.segments + tuple(replace(s, local_offset=s.local_offset + d)
+                                for s in host.segments)
+    n = d + host.padded_numel
+    return ShardGroup(group_index=dev.group_index,
+                      master=torch.empty(n, dtype=torch.float32, device="meta"),
+                      grad=torch.empty(n, dtype=torch.float32, device="meta"),
+                      numel=dev.numel + host.numel, segments=segs,
+                      params=tuple(dict.fromkeys(dev.params + host.params)))
