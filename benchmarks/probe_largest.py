@@ -2,21 +2,29 @@
 
     python benchmarks/probe_largest.py --nvme-dir /tmp/probe-nvme            # the H200 run
     python benchmarks/probe_largest.py --plan-only --ram-gib 125 --gpu-gib 139 --disk-gib 64
+    python benchmarks/probe_largest.py --plan-only --gpu-gib 139 --ram-gib 125 --disk-gib 60 \
+        --hidden 5120 --intermediate 13824 --heads 40 --start-layers 40 --fraction 0.95  # 13B
 
-Width 4096, 32 heads, intermediate 11008, vocab 32000 (untied); the probe
-grows depth. For each depth it picks where the state goes with
-``zeroio.estimate_memory`` (stage 3; parameters and optimizer on the CPU,
-then the optimizer on NVMe, then both on NVMe: the first placement whose
-estimate fits the machine), trains 3 steps through train_llama.py in a
+Width 4096, 32 heads, intermediate 11008, vocab 32000 (untied) unless
+--hidden/--intermediate/--heads/--vocab say otherwise; the probe grows depth.
+For each depth it picks where the state goes with ``zeroio.estimate_memory``
+(stage 3; parameters and optimizer on the CPU, then the optimizer on NVMe,
+then both on NVMe; for each, the smallest ``offload_optimizer.ratio`` on a
+0.01 grid whose estimate fits, i.e. as much optimizer state on the GPU as it
+holds, ratio 1 first when --no-ratio: the first placement that fits the
+machine), trains 3 steps through train_llama.py in a
 subprocess, and steps up or down by --layer-step until one depth trains and
 the next does not. It records the largest that trained and how the next one
 failed (GPU or host out of memory, disk full, timeout), and writes
 ``probe-<host>-<stamp>.json`` / ``.md`` to --out.
 
 [Note: host memory beyond the estimate] train_llama.py builds the whole
-model in fp32 on the CPU before ``zeroio.initialize`` partitions it, so the
-host needs 4 bytes per parameter more than the training-state estimate at
-start-up; ``fits`` adds it (HOST_BUILD_BYTES_PER_PARAM).
+model in fp32 on the CPU before ``zeroio.initialize`` partitions it
+(HOST_BUILD_BYTES_PER_PARAM). On a GPU machine the engine moves that model to
+the GPU (``model.to(device)``) before it allocates any host state, so the
+host needs max(build, training state), and the GPU, while the partitioner
+builds the shards, the fp32 model plus the fp32 masters kept there by
+``ratio`` (4 bytes per parameter + 4 per device-side element) at most.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ HIDDEN, HEADS, INTER, VOCAB = 4096, 32, 11008, 32000
 HOST_BUILD_BYTES_PER_PARAM = 4
 PLACEMENTS = (("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme"))
 """(offload_param, offload_optimizer), cheapest first."""
+RATIOS = tuple(round(0.01 * i, 2) for i in range(1, 101))
+"""offload_optimizer.ratio candidates, smallest (most optimizer state on the GPU) first."""
 
 
 def llama_params(layers: int, hidden: int = HIDDEN, inter: int = INTER, vocab: int = VOCAB) -> int:
@@ -57,31 +67,67 @@ class Capacity:
     disk: int
 
 
-def needs(num_params: int, placement: tuple[str, str]) -> dict[str, int]:
-    """Bytes per tier for stage 3 with this placement (estimate + the fp32 build on the host)."""
+def needs(num_params: int, placement: tuple[str, str], ratio: float = 1.0) -> dict[str, int]:
+    """Bytes per tier for stage 3 with this placement and ``offload_optimizer.ratio``: the
+    estimate, and the fp32 build ([Note: host memory beyond the estimate])."""
     from zeroio.estimate import estimate_memory
 
     est = estimate_memory(num_params, stage=3, offload_param=placement[0],
-                          offload_optimizer=placement[1], dtype="bf16")
-    return {"gpu": est.gpu_bytes_per_gpu,
-            "host": est.cpu_bytes_per_node + HOST_BUILD_BYTES_PER_PARAM * num_params,
+                          offload_optimizer=placement[1], dtype="bf16", ratio=ratio)
+    build = HOST_BUILD_BYTES_PER_PARAM * num_params
+    return {"gpu": max(est.gpu_bytes_per_gpu, build + FP32_MASTER_BYTES * est.device_elements),
+            "host": max(est.cpu_bytes_per_node, build),
             "disk": est.nvme_bytes_per_node}
 
 
+FP32_MASTER_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Where the state goes: offload_param and offload_optimizer devices, and the ratio."""
+
+    param: str
+    optimizer: str
+    ratio: float = 1.0
+
+    @property
+    def placement(self) -> tuple[str, str]:
+        return (self.param, self.optimizer)
+
+    def label(self) -> str:
+        tail = f" ratio {self.ratio:g}" if self.ratio < 1.0 else ""
+        return f"{self.param}/{self.optimizer}{tail}"
+
+
+def _fits(n: dict[str, int], cap: Capacity) -> bool:
+    return n["gpu"] <= cap.gpu and n["host"] <= cap.host and n["disk"] <= cap.disk
+
+
 def placement_for(num_params: int, cap: Capacity) -> tuple[str, str] | None:
-    """The first placement (PLACEMENTS order) whose estimate fits ``cap``, or None."""
+    """The first placement (PLACEMENTS order) whose estimate fits ``cap`` at ratio 1, or None."""
     for placement in PLACEMENTS:
-        n = needs(num_params, placement)
-        if n["gpu"] <= cap.gpu and n["host"] <= cap.host and n["disk"] <= cap.disk:
+        if _fits(needs(num_params, placement), cap):
             return placement
     return None
 
 
-def largest_fitting_layers(cap: Capacity, max_layers: int = 400) -> int | None:
+def plan_for(num_params: int, cap: Capacity, ratios=RATIOS) -> Plan | None:
+    """The first placement (PLACEMENTS order) with some ratio that fits, at the smallest such
+    ratio (the most optimizer state on the GPU: the least CPU work per step), or None."""
+    for placement in PLACEMENTS:
+        for ratio in ratios:
+            if _fits(needs(num_params, placement, ratio), cap):
+                return Plan(param=placement[0], optimizer=placement[1], ratio=ratio)
+    return None
+
+
+def largest_fitting_layers(cap: Capacity, max_layers: int = 400, ratios=(1.0,),
+                           params=llama_params) -> int | None:
     """The deepest model whose estimate fits some placement (the probe's first try)."""
     best = None
     for layers in range(1, max_layers + 1):
-        if placement_for(llama_params(layers), cap) is None:
+        if plan_for(params(layers), cap, ratios) is None:
             break
         best = layers
     return best
@@ -109,19 +155,24 @@ def next_layers(history: list[tuple[int, bool]], start: int, step: int,
     return best + step
 
 
-def probe_config(placement: tuple[str, str], nvme_dir: Path, micro_batch: int) -> dict:
+def probe_config(placement: tuple[str, str], nvme_dir: Path, micro_batch: int,
+                 ratio: float = 1.0) -> dict:
     def off(device: str, sub: str) -> dict:
         d = {"device": device, "pin_memory": True}
         if device == "nvme":
             d["nvme_path"] = str(nvme_dir / sub)
         return d
 
+    opt = off(placement[1], "optim")
+    if ratio < 1.0:
+        opt["ratio"] = ratio
+
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": 1.0, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
             "zero_optimization": {"stage": 3, "overlap_comm": True,
                                   "offload_param": off(placement[0], "param"),
-                                  "offload_optimizer": off(placement[1], "optim")}}
+                                  "offload_optimizer": opt}}
 
 
 def machine_capacity(nvme_dir: Path, fraction: float, gpu_gib=None, ram_gib=None,
@@ -137,16 +188,18 @@ def machine_capacity(nvme_dir: Path, fraction: float, gpu_gib=None, ram_gib=None
     return Capacity(gpu=int(gpu * fraction), host=int(host * fraction), disk=int(disk * fraction))
 
 
-def try_size(layers: int, placement, args, run_dir: Path) -> dict:
+def try_size(layers: int, plan: Plan, args, run_dir: Path) -> dict:
     cfg_path = run_dir / "configs" / f"layers{layers}.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     nvme = args.nvme_dir / f"layers{layers}"
     shutil.rmtree(nvme, ignore_errors=True)
-    cfg_path.write_text(json.dumps(probe_config(placement, nvme, args.micro_batch), indent=2))
+    cfg_path.write_text(json.dumps(probe_config(plan.placement, nvme, args.micro_batch,
+                                                plan.ratio), indent=2))
     bench = Path(__file__).resolve().parent
     argv = [sys.executable, str(bench / "train_llama.py"), "--mode", "zeroio", "--config",
-            str(cfg_path), "--hidden", str(HIDDEN), "--heads", str(HEADS), "--intermediate",
-            str(INTER), "--vocab", str(VOCAB), "--layers", str(layers), "--seq", str(args.seq),
+            str(cfg_path), "--hidden", str(args.hidden), "--heads", str(args.heads),
+            "--intermediate", str(args.intermediate), "--vocab", str(args.vocab),
+            "--layers", str(layers), "--seq", str(args.seq),
             "--micro-batch", str(args.micro_batch), "--steps", "3", "--warmup", "1", "--json",
             "--quiet", "--out", str(run_dir / "train_llama")]
     try:
@@ -156,11 +209,17 @@ def try_size(layers: int, placement, args, run_dir: Path) -> dict:
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
     res = out.result or {}
-    return {"layers": layers, "params": llama_params(layers), "placement": list(placement),
-            "estimate": needs(llama_params(layers), placement), "status": out.status.value,
+    n = _params(args)(layers)
+    return {"layers": layers, "params": n, "placement": list(plan.placement),
+            "ratio": plan.ratio, "estimate": needs(n, plan.placement, plan.ratio),
+            "status": out.status.value,
             "reason": out.reason, "s_per_step": res.get("s_per_step"),
             "peak_gpu_gib": res.get("peak_gpu_gib"),
             "peak_host_rss_gib": res.get("peak_host_rss_gib"), "wall_seconds": out.wall_seconds}
+
+
+def _params(args):
+    return lambda layers: llama_params(layers, args.hidden, args.intermediate, args.vocab)
 
 
 def main(argv=None) -> dict:
@@ -177,16 +236,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--ram-gib", type=float)
     ap.add_argument("--disk-gib", type=float)
     ap.add_argument("--plan-only", action="store_true", help="print the estimate's plan, train nothing")
+    ap.add_argument("--hidden", type=int, default=HIDDEN)
+    ap.add_argument("--intermediate", type=int, default=INTER)
+    ap.add_argument("--heads", type=int, default=HEADS)
+    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--no-ratio", action="store_true",
+                    help="plan with offload_optimizer.ratio 1 only (all optimizer state offloaded)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     args.nvme_dir.mkdir(parents=True, exist_ok=True)
     cap = machine_capacity(args.nvme_dir, args.fraction, args.gpu_gib, args.ram_gib,
                            args.disk_gib)
-    start = args.start_layers or largest_fitting_layers(cap)
+    ratios = (1.0,) if args.no_ratio else RATIOS
+    params = _params(args)
+    start = args.start_layers or largest_fitting_layers(cap, ratios=ratios, params=params)
+    first = plan_for(params(start), cap, ratios) if start else None
     plan = {"capacity_gib": {k: v / GIB for k, v in vars(cap).items()}, "start_layers": start,
-            "start_params": llama_params(start) if start else None,
-            "placement": placement_for(llama_params(start), cap) if start else None}
-    if args.plan_only or start is None:
+            "start_params": params(start) if start else None,
+            "shape": {"hidden": args.hidden, "intermediate": args.intermediate,
+                      "heads": args.heads, "vocab": args.vocab},
+            "placement": list(first.placement) if first else None,
+            "ratio": first.ratio if first else None,
+            "estimate_bytes": needs(params(start), first.placement, first.ratio)
+            if first else None}
+    if args.plan_only or start is None or first is None:
         print(json.dumps(plan))
         return plan
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -196,10 +269,11 @@ def main(argv=None) -> dict:
     tries = []
     layers = start
     while layers is not None and len(tries) < args.max_tries:
-        placement = placement_for(llama_params(layers), cap) or PLACEMENTS[-1]
-        print(f"trying {layers} layers ({llama_params(layers) / 1e9:.2f} B params), "
-              f"param/optimizer on {placement}", flush=True)
-        t = try_size(layers, placement, args, run_dir)
+        chosen = plan_for(params(layers), cap, ratios) or Plan(param="nvme", optimizer="nvme",
+                                                               ratio=min(ratios))
+        print(f"trying {layers} layers ({params(layers) / 1e9:.2f} B params), "
+              f"param/optimizer on {chosen.label()}", flush=True)
+        t = try_size(layers, chosen, args, run_dir)
         print(f"  -> {t['status']} {t['reason']}", flush=True)
         tries.append(t)
         history.append((layers, t["status"] == "ok"))
@@ -214,10 +288,11 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     lines = [f"# largest model probe ({doc['provenance']['date']}, commit {doc['provenance']['commit']})",
-             "", "| layers | params (B) | param/optimizer | status | s/step | peak GPU GiB | peak host GiB |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| layers | params (B) | param/optimizer | ratio | status | s/step | peak GPU GiB | "
+             "peak host GiB |", "|---|---|---|---|---|---|---|---|"]
     for t in tries:
         lines.append(f"| {t['layers']} | {t['params'] / 1e9:.2f} | {'/'.join(t['placement'])} | "
+                     f"{t['ratio']:g} | "
                      f"{t['status']}{': ' + t['reason'] if t['reason'] else ''} | "
                      f"{t['s_per_step'] or ''} | {t['peak_gpu_gib'] or ''} | {t['peak_host_rss_gib'] or ''} |")
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")

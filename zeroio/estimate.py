@@ -29,6 +29,12 @@ Two layers, reported separately in the breakdown:
      min(sub_group_size, Psi / N) x 4 bytes.
    - NVMe parameter swap buffers (pinned CPU): buffer_count x buffer_size x b.
 
+3. ``offload_optimizer.ratio`` r < 1 (stage 3, DeepSpeed's partial offload;
+   zeroio/partition/stage3/twin.py): the first D = floor((1 - r) x Psi/N)
+   elements of each rank's shard keep their optimizer state, gradient and
+   fp32 gradient on the GPU; the other Psi/N - D are placed as offload says.
+   Every per-shard term above is split into a GPU item and an offload item.
+
 Not counted: activations, the CUDA context and allocator fragmentation, the
 dataloader, and the temporary buffers of a checkpoint save. GB in reports
 is 1e9 bytes, the paper's unit.
@@ -73,6 +79,10 @@ class MemoryEstimate:
     offload_param: str
     dtype: str
     items: tuple[MemoryItem, ...] = field(default_factory=tuple)
+    ratio: float = 1.0
+    """offload_optimizer.ratio: the fraction of each rank's optimizer elements offloaded."""
+    device_elements: int = 0
+    """Optimizer elements per rank kept on the GPU by ``ratio`` (0 at ratio 1)."""
 
     @property
     def world_size(self) -> int:
@@ -99,6 +109,13 @@ class MemoryEstimate:
         """The ZeRO paper's per-GPU model-state figure (no zeroio buffers)."""
         return self.per_gpu("gpu", "model_state")
 
+    def placement(self) -> dict[str, int]:
+        """Optimizer elements per rank on the GPU and on the offload device."""
+        shard = math.ceil(self.num_params / self.world_size)
+        offloaded = shard - self.device_elements if self.offload_optimizer != "none" else 0
+        return {"gpu_elements_per_gpu": shard - offloaded,
+                "offloaded_elements_per_gpu": offloaded}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "num_params": self.num_params,
@@ -109,6 +126,8 @@ class MemoryEstimate:
             "offload_optimizer": self.offload_optimizer,
             "offload_param": self.offload_param,
             "dtype": self.dtype,
+            "offload_optimizer_ratio": self.ratio,
+            "optimizer_placement": self.placement(),
             "gpu_bytes_per_gpu": self.gpu_bytes_per_gpu,
             "cpu_bytes_per_node": self.cpu_bytes_per_node,
             "nvme_bytes_per_node": self.nvme_bytes_per_node,
@@ -163,12 +182,15 @@ def estimate_memory(
     *,
     config: Config | None = None,
     zeroio_buffers: bool = True,
+    ratio: float | None = None,
 ) -> MemoryEstimate:
     """Estimate training-state memory for ``num_params`` parameters (see module doc).
 
     stage, offload_optimizer, offload_param and dtype default to the config's
     values when ``config`` is given, else to stage 3, "none", "none", "bf16".
     Bucket and swap-buffer sizes come from ``config`` (DeepSpeed defaults without one).
+    ``ratio`` (offload_optimizer.ratio, default the config's or 1.0): below 1 at stage 3 with
+    the optimizer offloaded, the first (1 - ratio) of each shard stays on the GPU (module doc).
     """
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
@@ -182,6 +204,12 @@ def estimate_memory(
         offload_param = zero.offload_param.device if config is not None else "none"
     if dtype is None:
         dtype = config.compute_dtype if config is not None else "bf16"
+    if ratio is None:
+        ratio = zero.offload_optimizer.ratio if config is not None else 1.0
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or \
+            not 0.0 < ratio <= 1.0:
+        raise ConfigError(f"ratio = {ratio!r}: expected a number in (0, 1] (the fraction of the "
+                          "optimizer state offloaded)", key="offload_optimizer.ratio")
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"stage = {stage!r}: expected 0, 1, 2 or 3", key="stage")
     opt_dev = _device(offload_optimizer, "offload_optimizer")
@@ -195,15 +223,32 @@ def estimate_memory(
         raise ConfigError(f"offload_optimizer = {opt_dev} needs stage 1, 2 or 3 (got stage 0)",
                           key="offload_optimizer")
 
+    if ratio < 1.0 and stage != 3:
+        raise ConfigError(f"offload_optimizer.ratio = {ratio:g} needs stage 3 (got stage "
+                          f"{stage})", key="offload_optimizer.ratio")
+
     n = gpus_per_node * nodes
     b = DTYPE_BYTES[dtype]
     shard = math.ceil(psi / n)
     items: list[MemoryItem] = []
+    # ratio < 1: D elements of the shard stay on the GPU (same floor as twin.device_numel)
+    dev = min(shard, math.floor(shard * (1.0 - ratio))) if opt_dev != "none" and \
+        ratio < 1.0 else 0
 
     def add(name: str, tier: str, nbytes: int, kind: str, formula: str) -> None:
         if nbytes > 0:
             items.append(MemoryItem(name=name, tier=tier, bytes_per_gpu=int(nbytes), kind=kind,
                                     formula=formula))
+
+    def add_shard(name: str, tier: str, per_elem: int, kind: str, unit: str) -> None:
+        """A per-shard term (``per_elem`` bytes per element), split by ``ratio``."""
+        if dev == 0:
+            add(name, tier, per_elem * shard, kind, f"{unit} * Psi / N")
+            return
+        add(f"{name} (ratio: on GPU)", "gpu", per_elem * dev, kind,
+            f"{unit} * floor((1 - ratio) * Psi / N)")
+        add(name, tier, per_elem * (shard - dev), kind,
+            f"{unit} * (Psi / N - floor((1 - ratio) * Psi / N))")
 
     state = "model_state"
     # 16-bit parameters: replicated below stage 3.
@@ -219,13 +264,13 @@ def estimate_memory(
         if opt_dev != "none":
             add("gradient shard for the CPU optimizer", "cpu", b * shard, state, f"{b} * Psi / N")
     else:
-        add("gradients", grad_tier, b * shard, state, f"{b} * Psi / N")
+        add_shard("gradients", grad_tier, b, state, f"{b}")
     # Optimizer state: K bytes per parameter, partitioned from stage 1.
     if stage == 0:
         add("optimizer states", "gpu", K_ADAM * psi, state, f"{K_ADAM} * Psi")
     else:
-        add("optimizer states", "gpu" if opt_dev == "none" else opt_dev, K_ADAM * shard, state,
-            f"{K_ADAM} * Psi / N")
+        add_shard("optimizer states", "gpu" if opt_dev == "none" else opt_dev, K_ADAM, state,
+                  f"{K_ADAM}")
 
     if zeroio_buffers:
         buf = "zeroio_buffer"
@@ -233,7 +278,7 @@ def estimate_memory(
             if stage == 0:
                 add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")
             else:
-                add("fp32 gradient shard", grad_tier, FP32 * shard, buf, "4 * Psi / N")
+                add_shard("fp32 gradient shard", grad_tier, FP32, buf, "4")
         copies = 2 if (zero.overlap_comm if zero.overlap_comm is not None else stage == 3) else 1
         add("gradient reduce buckets", "gpu", copies * b * min(zero.reduce_bucket_size, psi), buf,
             f"{copies} * {b} * min(reduce_bucket_size, Psi)")
@@ -247,8 +292,8 @@ def estimate_memory(
         if opt_dev == "nvme":
             oo = zero.offload_optimizer
             add("optimizer swap buffers (pinned)", "cpu",
-                oo.buffer_count * min(zero.sub_group_size, shard) * FP32, buf,
-                "buffer_count * min(sub_group_size, Psi / N) * 4")
+                oo.buffer_count * min(zero.sub_group_size, shard - dev) * FP32, buf,
+                "buffer_count * min(sub_group_size, offloaded elements per GPU) * 4")
         if par_dev == "nvme":
             op = zero.offload_param
             add("parameter swap buffers (pinned)", "cpu", op.buffer_count * op.buffer_size * b,
@@ -256,7 +301,7 @@ def estimate_memory(
 
     return MemoryEstimate(num_params=psi, gpus_per_node=gpus_per_node, nodes=nodes, stage=stage,
                           offload_optimizer=opt_dev, offload_param=par_dev, dtype=dtype,
-                          items=tuple(items))
+                          items=tuple(items), ratio=float(ratio), device_elements=dev)
 
 
 __all__ = ["estimate_memory", "MemoryEstimate", "MemoryItem", "parse_count"]
