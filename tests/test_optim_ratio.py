@@ -69,13 +69,47 @@ def _config(*, off_param="none", off_opt="cpu", ratio=None, overlap=False, nvme_
     }
 
 
-def _engine(init, cfg):
+def _param_groups(model):
+    """Two optimizer groups as Hugging Face's Trainer makes them: decay for matrices only."""
+    named = list(model.named_parameters())
+    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _engine(init, cfg, groups=False):
+    import torch
+
     import zeroio
 
     model = _llama()
     model.load_state_dict(init)
-    engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+    client = None
+    if groups:  # a client AdamW with two param groups instead of the config's optimizer
+        cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
+        client = torch.optim.AdamW(_param_groups(model), lr=LR)
+    engine, _, _, _ = zeroio.initialize(model=model, config=cfg, optimizer=client)
     return engine
+
+
+def _grouped_reference(init, batches):
+    """torch.optim.AdamW over ``_param_groups`` (the loop of zeroio.testing.reference)."""
+    import torch
+
+    model = _llama()
+    model.load_state_dict(init)
+    opt = torch.optim.AdamW(_param_groups(model), lr=LR)
+    losses = []
+    for step in batches:
+        total = 0.0
+        for micro in step:
+            loss = _lm_loss(model, micro)
+            (loss / len(step)).backward()
+            total += loss.item() / len(step)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _run(engine, batches):
@@ -136,7 +170,7 @@ CASES = {
     1: [dict(ratio=0.5), dict(ratio=0.3, off_param="cpu"), dict(ratio=0.5, off_opt="nvme"),
         dict(ratio=1.0, off_param="cpu")],
     2: [dict(ratio=0.5), dict(ratio=0.3, off_param="cpu"),
-        dict(ratio=0.5, off_param="cpu", overlap=True)],
+        dict(ratio=0.5, off_param="cpu", overlap=True), dict(ratio=0.6, groups=True)],
 }
 
 
@@ -155,11 +189,15 @@ def _equivalence_body(tmpdir):
     batches = _batches(world)
     ref = _llama()
     ref.load_state_dict(init)
-    ref_losses, ref_params = adamw_reference(ref, batches, _lm_loss, lr=LR, weight_decay=0.01,
-                                             clip=CLIP)
+    plain_ref = adamw_reference(ref, batches, _lm_loss, lr=LR, weight_decay=0.01, clip=CLIP)
     out = []
     for i, case in enumerate(CASES[world]):
-        engine = _engine(init, _config(**case, nvme_dir=os.path.join(tmpdir, f"{i}-r{rank}")))
+        case = dict(case)
+        groups = case.pop("groups", False)
+        ref_losses, ref_params = _grouped_reference(init, batches) if groups else plain_ref
+        engine = _engine(init, _config(**case, nvme_dir=os.path.join(tmpdir, f"{i}-r{rank}")),
+                         groups=groups)
+        n_groups = len(engine.partitioner.groups)
         twin = isinstance(engine.optimizer, TwinAdam)
         dev, host, total = _sides(engine)
         devices = set()
@@ -173,7 +211,7 @@ def _equivalence_body(tmpdir):
         dist.all_reduce(totals)
         engine.close()
         out.append(dict(
-            case=case, twin=twin, plain=isinstance(engine.optimizer, ShardedAdam),
+            case={**case, "groups": groups}, groups=n_groups, twin=twin, plain=isinstance(engine.optimizer, ShardedAdam),
             dev=dev, host=host, total=total, global_total=int(totals.item()),
             n_params=n_params, devices=devices,
             loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -189,6 +227,7 @@ def _check_equivalence(results):
             ratio = r["case"]["ratio"]
             assert r["global_total"] == r["n_params"], r  # every element on one rank, once
             assert r["dev"] + r["host"] == r["total"], r
+            assert r["groups"] == (2 if r["case"].get("groups") else 1), r
             # hand count: floor((1 - ratio) * local elements) on the device side
             assert r["dev"] == (0 if ratio == 1.0 else math.floor(r["total"] * (1 - ratio))), r
             if ratio < 1.0:
