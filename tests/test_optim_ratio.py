@@ -56,6 +56,10 @@ def _config(*, off_param="none", off_opt="cpu", ratio=None, overlap=False, nvme_
         opt["nvme_path"] = os.path.join(nvme_dir, "optim")
     if ratio is not None:
         opt["ratio"] = ratio
+    param = {"device": off_param}
+    if off_param == "nvme":  # every shard through the swap buffers (as test_stage3_equivalence)
+        param.update(nvme_path=os.path.join(nvme_dir, "param"), buffer_count=2,
+                     buffer_size=40_000, max_in_cpu=0)
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
         "gradient_clipping": CLIP,
@@ -64,7 +68,7 @@ def _config(*, off_param="none", off_opt="cpu", ratio=None, overlap=False, nvme_
             "stage": 3, "sub_group_size": 3000, "stage3_param_persistence_threshold": 0,
             "stage3_prefetch_bucket_size": 6000, "stage3_max_live_parameters": 30000,
             "stage3_max_reuse_distance": 5000,
-            "offload_param": {"device": off_param}, "offload_optimizer": opt,
+            "offload_param": param, "offload_optimizer": opt,
             "tiering": {"overlap_step": overlap}},
     }
 
@@ -168,7 +172,7 @@ def _sides(engine):
 
 CASES = {
     1: [dict(ratio=0.5), dict(ratio=0.3, off_param="cpu"), dict(ratio=0.5, off_opt="nvme"),
-        dict(ratio=1.0, off_param="cpu")],
+        dict(ratio=0.4, off_param="nvme"), dict(ratio=1.0, off_param="cpu")],
     2: [dict(ratio=0.5), dict(ratio=0.3, off_param="cpu"),
         dict(ratio=0.5, off_param="cpu", overlap=True), dict(ratio=0.6, groups=True)],
 }
