@@ -170,36 +170,68 @@ def test_moments_that_fit_are_never_written_during_training(tmp_path):
     swapped.close()
 
 
-def test_step_is_disk_bound_not_disk_plus_adam(tmp_path, monkeypatch):
-    """Adam takes ``t_adam`` per piece and the disk ``t_io`` per moment transfer: a step must
-    take about max(Adam, disk), well under their sum (the un-overlapped schedule)."""
+def test_disk_transfers_run_while_adam_runs(tmp_path, monkeypatch):
+    """The streamed step overlaps the disk with CPU Adam: reads of the next pieces and
+    write-backs of the previous ones are in flight while a piece is updated. Checked on the
+    order of events (a timeline of Adam calls and disk transfers), not on wall-clock totals,
+    so a loaded CI machine cannot flip it; the step time against the disk bound is measured
+    on the GPU machine (benchmarks/train_peers.py, zeroio-z3-nvme-stream)."""
     import zeroio.optim.swap as swap
 
-    t_adam, t_io = 0.006, 0.003
+    timeline: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    io_busy = [0]
+
+    def mark(kind):
+        with lock:
+            timeline.append((kind, io_busy[0]))
+
     real = swap.adam_update
 
     def slow_adam(**kw):
-        time.sleep(t_adam)
+        mark("adam_begin")
+        time.sleep(0.006)
         real(**kw)
+        mark("adam_end")
+
+    class TimedDisk(DiskModel):
+        def _busy(self, nbytes):
+            with lock:
+                io_busy[0] += 1
+                timeline.append(("io_begin", io_busy[0]))
+            try:
+                super()._busy(nbytes)
+            finally:
+                with lock:
+                    io_busy[0] -= 1
 
     monkeypatch.setattr(swap, "adam_update", slow_adam)
     pieces, pair = 32, 2 * PAGE
-    disk = DiskModel(bandwidth=PAGE / t_io)
+    disk = TimedDisk(bandwidth=PAGE / 0.003)
     a = _groups((32 * PIECE,))
     swapped = SwappedAdam(a, HYPER[:1], decoupled=True, backend=disk, piece_elems=PIECE,
                           cfg=_cfg(tmp_path, budget=pieces * pair // 4, sub_group_size=10**9))
     streamed = pieces - swapped.plan.resident
-    adam_s, disk_s = pieces * t_adam, 2 * 2 * streamed * t_io  # 2 moments, read + write
+    assert streamed > pieces // 2
     _steps([(swapped, a)], 2)  # step 1 reads zeros for every piece: not steady state
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        _steps([(swapped, a)], 1)
-        times.append(time.perf_counter() - t0)
-    best = min(times)
-    bound = max(adam_s, disk_s)
-    assert best < 1.25 * bound + 0.03, (best, adam_s, disk_s)
-    assert best < 0.8 * (adam_s + disk_s), (best, adam_s, disk_s)
+    timeline.clear()
+    _steps([(swapped, a)], 1)
+    swapped.drain()
+    # an Adam call overlaps the disk when a transfer is in flight as it starts, or one
+    # starts before it ends
+    overlapped, calls, inside = 0, 0, None
+    for kind, busy in timeline:
+        if kind == "adam_begin":
+            calls += 1
+            inside = busy > 0
+        elif kind == "io_begin" and inside is False:
+            inside = True
+        elif kind == "adam_end":
+            overlapped += bool(inside)
+            inside = None
+    assert calls == pieces
+    # the streamed pieces' updates have disk work beside them (a serial swap would have none)
+    assert overlapped >= streamed // 2, (overlapped, streamed, calls)
     swapped.close()
 
 
