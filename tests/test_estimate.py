@@ -146,3 +146,17 @@ def test_cli_table_and_error():
     assert out.returncode == 0 and "NVMe space per node" in out.stdout
     bad = _cli("--params", "lots", "--gpus-per-node", "2", "--stage", "3")
     assert bad.returncode == 1 and "parameter count" in bad.stderr
+
+
+def test_cli_ratio_matches_the_library():
+    args = ("--params", "13B", "--stage", "3", "--offload-optimizer", "cpu",
+            "--offload-param", "cpu", "--dtype", "bf16", "--json")
+    half = _cli(*args, "--ratio", "0.5")
+    assert half.returncode == 0, half.stderr
+    d = json.loads(half.stdout)
+    r = estimate_memory(13e9, stage=3, offload_optimizer="cpu", offload_param="cpu",
+                        dtype="bf16", ratio=0.5)
+    assert d == r.to_dict()
+    full = json.loads(_cli(*args).stdout)
+    assert d["gpu_bytes_per_gpu"] > full["gpu_bytes_per_gpu"]
+    assert d["cpu_bytes_per_node"] < full["cpu_bytes_per_node"]

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default=None)
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="16-bit training dtype (default: the config's, else bf16)")
+    p.add_argument("--ratio", type=float, default=None,
+                   help="offload_optimizer.ratio: the fraction of the optimizer state offloaded "
+                        "(stage 3; the rest stays on the GPU); default the config's or 1.0")
     p.add_argument("--config", default=None, help="a DeepSpeed/zeroio JSON config")
     p.add_argument("--no-buffers", action="store_true",
                    help="model states only, as the ZeRO paper counts them")
@@ -48,7 +51,7 @@ def run(args) -> int:
     report = estimate_memory(
         args.params, args.gpus_per_node, args.nodes, stage=args.stage,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-        dtype=args.dtype, config=config, zeroio_buffers=not args.no_buffers)
+        dtype=args.dtype, config=config, zeroio_buffers=not args.no_buffers, ratio=args.ratio)
     if args.json:
         print(json.dumps(report.to_dict()))
         return 0
