@@ -18,13 +18,19 @@ the next does not. It records the largest that trained and how the next one
 failed (GPU or host out of memory, disk full, timeout), and writes
 ``probe-<host>-<stamp>.json`` / ``.md`` to --out.
 
-[Note: host memory beyond the estimate] train_llama.py builds the whole
-model in fp32 on the CPU before ``zeroio.initialize`` partitions it
-(HOST_BUILD_BYTES_PER_PARAM). On a GPU machine the engine moves that model to
-the GPU (``model.to(device)``) before it allocates any host state, so the
-host needs max(build, training state), and the GPU, while the partitioner
-builds the shards, the fp32 model plus the fp32 masters kept there by
-``ratio`` (4 bytes per parameter + 4 per device-side element) at most.
+[Note: host memory beyond the estimate] train_llama.py builds the model
+inside ``zeroio.zero.Init`` (``--zero-init``, what the probe passes): each
+module's parameters become bf16 shards in host memory as it is created, so
+no fp32 model exists (52 GB at 13B). Those shards (2 bytes per parameter)
+are dropped only after the partitioner built every group, while it has
+already allocated the 16-bit host shards (offload_param cpu) and the host
+side's fp32 masters and gradients (8 bytes per host-side element; the
+moments come later, with the optimizer): the host needs the larger of that
+and the training state, plus HOST_BASELINE for the process itself. The GPU
+needs the estimate (with the largest flat group, one decoder layer, and
+``zeroio.estimate.llama_activation_bytes`` for --seq x --micro-batch) plus
+GPU_BASELINE (CUDA context, cuBLAS workspace, allocator slack: none of it is
+in the estimate).
 """
 
 from __future__ import annotations
@@ -46,7 +52,6 @@ import report  # noqa: E402
 
 GIB = 1024**3
 HIDDEN, HEADS, INTER, VOCAB = 4096, 32, 11008, 32000
-HOST_BUILD_BYTES_PER_PARAM = 4
 PLACEMENTS = (("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme"))
 """(offload_param, offload_optimizer), cheapest first."""
 RATIOS = tuple(round(0.01 * i, 2) for i in range(1, 101))
@@ -67,20 +72,60 @@ class Capacity:
     disk: int
 
 
-def needs(num_params: int, placement: tuple[str, str], ratio: float = 1.0) -> dict[str, int]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape:
+    """The Llama being probed, for the estimate's group size and activations."""
+
+    hidden: int = HIDDEN
+    intermediate: int = INTER
+    vocab: int = VOCAB
+    layers: int = 32
+    seq: int = 1024
+    micro_batch: int = 1
+
+    @property
+    def largest_group(self) -> int:
+        """Stage 3's largest flat group: a decoder layer, or the embedding / head."""
+        h = self.hidden
+        return max(4 * h * h + 3 * h * self.intermediate + 2 * h, self.vocab * h)
+
+    @property
+    def activation_bytes(self) -> int:
+        from zeroio.estimate import llama_activation_bytes
+
+        return llama_activation_bytes(hidden=self.hidden, intermediate=self.intermediate,
+                                      layers=self.layers, vocab=self.vocab, seq=self.seq,
+                                      micro_batch=self.micro_batch)
+
+
+HOST_BASELINE = 3_000_000_000
+"""Host bytes of the process itself (torch, CUDA libraries, Python), not in the estimate."""
+GPU_BASELINE = 3_000_000_000
+"""GPU bytes outside the estimate: CUDA context, cuBLAS workspace, allocator slack."""
+
+
+def needs(num_params: int, placement: tuple[str, str], ratio: float = 1.0,
+          shape: Shape | None = None) -> dict[str, int]:
     """Bytes per tier for stage 3 with this placement and ``offload_optimizer.ratio``: the
-    estimate, and the fp32 build ([Note: host memory beyond the estimate])."""
+    estimate, the zero.Init build and the baselines ([Note: host memory beyond the estimate]).
+    ``shape`` None: no activations, DeepSpeed's reduce bucket for the group size."""
     from zeroio.estimate import estimate_memory
 
     est = estimate_memory(num_params, stage=3, offload_param=placement[0],
-                          offload_optimizer=placement[1], dtype="bf16", ratio=ratio)
-    build = HOST_BUILD_BYTES_PER_PARAM * num_params
-    return {"gpu": max(est.gpu_bytes_per_gpu, build + FP32_MASTER_BYTES * est.device_elements),
-            "host": max(est.cpu_bytes_per_node, build),
+                          offload_optimizer=placement[1], dtype="bf16", ratio=ratio,
+                          largest_group=shape.largest_group if shape else None,
+                          activation_bytes=shape.activation_bytes if shape else 0)
+    host_side = num_params - est.device_elements
+    build = (INIT_SHARD_BYTES * num_params
+             + (BF16 * num_params if placement[0] == "cpu" else 0)
+             + 2 * FP32 * host_side)  # init shards + host shards + masters and fp32 gradients
+    return {"gpu": est.gpu_bytes_per_gpu + GPU_BASELINE,
+            "host": max(est.cpu_bytes_per_node, build) + HOST_BASELINE,
             "disk": est.nvme_bytes_per_node}
 
 
-FP32_MASTER_BYTES = 4
+INIT_SHARD_BYTES = BF16 = 2
+FP32 = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,34 +145,48 @@ class Plan:
         return f"{self.param}/{self.optimizer}{tail}"
 
 
+def _breakdown(num_params: int, plan: Plan, shape: Shape) -> list[dict]:
+    """The estimate's items (GB) for the plan, so the printed plan shows where memory goes."""
+    from zeroio.estimate import estimate_memory
+
+    est = estimate_memory(num_params, stage=3, offload_param=plan.param,
+                          offload_optimizer=plan.optimizer, dtype="bf16", ratio=plan.ratio,
+                          largest_group=shape.largest_group,
+                          activation_bytes=shape.activation_bytes)
+    return [{"name": i.name, "tier": i.tier, "gb": round(i.bytes_per_gpu / 1e9, 2)}
+            for i in est.items]
+
+
 def _fits(n: dict[str, int], cap: Capacity) -> bool:
     return n["gpu"] <= cap.gpu and n["host"] <= cap.host and n["disk"] <= cap.disk
 
 
-def placement_for(num_params: int, cap: Capacity) -> tuple[str, str] | None:
+def placement_for(num_params: int, cap: Capacity,
+                  shape: Shape | None = None) -> tuple[str, str] | None:
     """The first placement (PLACEMENTS order) whose estimate fits ``cap`` at ratio 1, or None."""
     for placement in PLACEMENTS:
-        if _fits(needs(num_params, placement), cap):
+        if _fits(needs(num_params, placement, shape=shape), cap):
             return placement
     return None
 
 
-def plan_for(num_params: int, cap: Capacity, ratios=RATIOS) -> Plan | None:
+def plan_for(num_params: int, cap: Capacity, ratios=RATIOS,
+             shape: Shape | None = None) -> Plan | None:
     """The first placement (PLACEMENTS order) with some ratio that fits, at the smallest such
     ratio (the most optimizer state on the GPU: the least CPU work per step), or None."""
     for placement in PLACEMENTS:
         for ratio in ratios:
-            if _fits(needs(num_params, placement, ratio), cap):
+            if _fits(needs(num_params, placement, ratio, shape), cap):
                 return Plan(param=placement[0], optimizer=placement[1], ratio=ratio)
     return None
 
 
 def largest_fitting_layers(cap: Capacity, max_layers: int = 400, ratios=(1.0,),
-                           params=llama_params) -> int | None:
+                           params=llama_params, shape_of=lambda layers: None) -> int | None:
     """The deepest model whose estimate fits some placement (the probe's first try)."""
     best = None
     for layers in range(1, max_layers + 1):
-        if plan_for(params(layers), cap, ratios) is None:
+        if plan_for(params(layers), cap, ratios, shape_of(layers)) is None:
             break
         best = layers
     return best
@@ -201,7 +260,7 @@ def try_size(layers: int, plan: Plan, args, run_dir: Path) -> dict:
             "--intermediate", str(args.intermediate), "--vocab", str(args.vocab),
             "--layers", str(layers), "--seq", str(args.seq),
             "--micro-batch", str(args.micro_batch), "--steps", "3", "--warmup", "1", "--json",
-            "--quiet", "--out", str(run_dir / "train_llama")]
+            "--quiet", "--zero-init", "--mem-log", "--out", str(run_dir / "train_llama")]
     try:
         out = launch.run(argv, env=dict(os.environ), timeout=args.timeout,
                          log_dir=run_dir / "logs", name=f"layers{layers}",
@@ -211,7 +270,8 @@ def try_size(layers: int, plan: Plan, args, run_dir: Path) -> dict:
     res = out.result or {}
     n = _params(args)(layers)
     return {"layers": layers, "params": n, "placement": list(plan.placement),
-            "ratio": plan.ratio, "estimate": needs(n, plan.placement, plan.ratio),
+            "ratio": plan.ratio,
+            "estimate": needs(n, plan.placement, plan.ratio, _shape(args)(layers)),
             "status": out.status.value,
             "reason": out.reason, "s_per_step": res.get("s_per_step"),
             "peak_gpu_gib": res.get("peak_gpu_gib"),
@@ -220,6 +280,12 @@ def try_size(layers: int, plan: Plan, args, run_dir: Path) -> dict:
 
 def _params(args):
     return lambda layers: llama_params(layers, args.hidden, args.intermediate, args.vocab)
+
+
+def _shape(args):
+    return lambda layers: Shape(hidden=args.hidden, intermediate=args.intermediate,
+                                vocab=args.vocab, layers=layers, seq=args.seq,
+                                micro_batch=args.micro_batch)
 
 
 def main(argv=None) -> dict:
@@ -231,7 +297,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--start-layers", type=int, help="first depth (default: the estimate's)")
     ap.add_argument("--max-tries", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=540, help="seconds per try")
-    ap.add_argument("--fraction", type=float, default=0.9, help="of GPU/RAM/disk the estimate may use")
+    ap.add_argument("--fraction", type=float, default=0.95,
+                    help="of GPU/RAM/disk the estimate may use (baselines are counted apart)")
     ap.add_argument("--gpu-gib", type=float)
     ap.add_argument("--ram-gib", type=float)
     ap.add_argument("--disk-gib", type=float)
@@ -248,16 +315,19 @@ def main(argv=None) -> dict:
     cap = machine_capacity(args.nvme_dir, args.fraction, args.gpu_gib, args.ram_gib,
                            args.disk_gib)
     ratios = (1.0,) if args.no_ratio else RATIOS
-    params = _params(args)
-    start = args.start_layers or largest_fitting_layers(cap, ratios=ratios, params=params)
-    first = plan_for(params(start), cap, ratios) if start else None
+    params, shape_of = _params(args), _shape(args)
+    start = args.start_layers or largest_fitting_layers(cap, ratios=ratios, params=params,
+                                                        shape_of=shape_of)
+    first = plan_for(params(start), cap, ratios, shape_of(start)) if start else None
     plan = {"capacity_gib": {k: v / GIB for k, v in vars(cap).items()}, "start_layers": start,
             "start_params": params(start) if start else None,
             "shape": {"hidden": args.hidden, "intermediate": args.intermediate,
                       "heads": args.heads, "vocab": args.vocab},
             "placement": list(first.placement) if first else None,
             "ratio": first.ratio if first else None,
-            "estimate_bytes": needs(params(start), first.placement, first.ratio)
+            "estimate_bytes": needs(params(start), first.placement, first.ratio, shape_of(start))
+            if first else None,
+            "estimate_breakdown": _breakdown(params(start), first, shape_of(start))
             if first else None}
     if args.plan_only or start is None or first is None:
         print(json.dumps(plan))
@@ -269,7 +339,7 @@ def main(argv=None) -> dict:
     tries = []
     layers = start
     while layers is not None and len(tries) < args.max_tries:
-        chosen = plan_for(params(layers), cap, ratios) or Plan(param="nvme", optimizer="nvme",
+        chosen = plan_for(params(layers), cap, ratios, shape_of(layers)) or Plan(param="nvme", optimizer="nvme",
                                                                ratio=min(ratios))
         print(f"trying {layers} layers ({params(layers) / 1e9:.2f} B params), "
               f"param/optimizer on {chosen.label()}", flush=True)

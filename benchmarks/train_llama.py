@@ -26,6 +26,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 
@@ -63,6 +64,13 @@ def _args():
                     help="after the timed steps: 2 steps with device syncs between forward, "
                          "backward and step (phase seconds in the JSON), then 1 step under "
                          "torch.profiler (chrome trace + op table in DIR)")
+    ap.add_argument("--zero-init", action="store_true",
+                    help="--mode zeroio, stage 3: build the model inside zeroio.zero.Init(config) "
+                         "(bf16 shards as modules are created; no whole fp32 model anywhere)")
+    ap.add_argument("--mem-log", action="store_true",
+                    help="print GPU (allocated, peak, reserved) and host RSS (now, peak) on stderr "
+                         "after the build, the engine init and every step (a killed run still "
+                         "shows where memory went)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = ap.parse_args()
     if a.tiny:
@@ -71,7 +79,9 @@ def _args():
     return a
 
 
-def build_model(a):
+def build_model(a, zero_config: dict | None = None):
+    """The Llama; inside ``zeroio.zero.Init(config=zero_config)`` when that is given (stage 3:
+    parameters become 16-bit shards as each module is created, as ``zeroio train`` builds)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=a.hidden, num_hidden_layers=a.layers,
@@ -79,7 +89,26 @@ def build_model(a):
                       num_key_value_heads=a.kv_heads or a.heads, vocab_size=a.vocab,
                       max_position_embeddings=max(a.seq, 2048), tie_word_embeddings=False)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    if zero_config is None:
+        return LlamaForCausalLM(cfg)
+    import zeroio
+
+    with zeroio.zero.Init(config=zero_config):
+        return LlamaForCausalLM(cfg)
+
+
+def mem_line(what: str, rss: RssSampler | None) -> str:
+    """One line of where memory is now (``--mem-log``)."""
+    gib = 2**30
+    parts = [f"mem {what}:"]
+    if torch.cuda.is_available():
+        parts.append(f"gpu alloc {torch.cuda.memory_allocated() / gib:.1f} peak "
+                     f"{torch.cuda.max_memory_allocated() / gib:.1f} reserved "
+                     f"{torch.cuda.memory_reserved() / gib:.1f} GiB;")
+    now = psutil.Process().memory_info().rss
+    parts.append(f"host rss {now / gib:.1f} peak {max(now, rss.peak if rss else 0) / gib:.1f} GiB"
+                 f", available {psutil.virtual_memory().available / gib:.1f} GiB")
+    return " ".join(parts)
 
 
 class RssSampler:
@@ -106,6 +135,16 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
         return self.peak
+
+
+def _num_params(model) -> int:
+    """Parameter count, also of a model built under zero.Init (whose parameters are empty
+    placeholders: the partition registry keeps their true shapes)."""
+    from math import prod
+
+    from zeroio.partition.stage3.registry import true_shape
+
+    return sum(prod(true_shape(p)) for p in model.parameters())
 
 
 def _set(cfg: dict, path: str, value) -> None:
@@ -202,8 +241,13 @@ def main() -> None:
     a = _args()
     cuda = torch.cuda.is_available()
     rss = RssSampler()
-    model = build_model(a)
-    n_params = sum(p.numel() for p in model.parameters())
+    log = (lambda what: print(mem_line(what, rss), file=sys.stderr, flush=True)) \
+        if a.mem_log else (lambda what: None)
+    if a.zero_init and a.mode != "zeroio":
+        raise SystemExit("--zero-init needs --mode zeroio (and zero_optimization.stage 3)")
+    model = build_model(a, zeroio_config(a) if a.zero_init else None)
+    n_params = _num_params(model)
+    log(f"built {n_params / 1e9:.3f} B params")
     engine = None
     opt = None
     if a.mode == "plain":
@@ -218,6 +262,7 @@ def main() -> None:
         cfg = zeroio_config(a)
         engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
         device, rank, world = engine.device, engine.global_rank, engine.world_size
+        log("engine initialized")
     gen = torch.Generator().manual_seed(rank)
     times = []
     show = not (a.json or a.quiet) and rank == 0
@@ -237,6 +282,7 @@ def main() -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         loss_val = loss.item()
+        log(f"step {len(times)} {times[-1]:.2f} s loss {loss_val:.3f}")
     phases = _profile(a, engine, model, opt, device, gen) \
         if a.profile else None
     host_peak = rss.stop()

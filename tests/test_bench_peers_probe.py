@@ -21,49 +21,63 @@ def test_llama_params_matches_llama2_7b():
 
 def test_needs_by_hand():
     psi = 5_000_000_000  # above DeepSpeed's default buckets, so those are capped
-    gpu = 2 * 2 * 500_000_000 + 2 * 1_000_000_000  # two reduce buckets + live params (bf16)
-    # the fp32 model (4 per param) is on the GPU while the shards are built, then leaves it
-    # ([Note: host memory beyond the estimate]): the host needs max(build, state)
-    init = 4 * psi
-    assert P.needs(psi, ("cpu", "cpu")) == {"gpu": init, "host": 20 * psi, "disk": 0}
-    # params 2 + bf16 grads 2 + fp32 grads 4 (per param), and 4 pinned optimizer swap
+    # no shape: reduce_bucket_size (5e8) stands in for the largest group G; two fp32 group
+    # buckets + bf16 autograd gradients of one group + live params (max_live 1e9 + G) and, with
+    # offload_param, their shards copied in; plus GPU_BASELINE
+    gpu = 2 * 4 * 500_000_000 + 2 * 500_000_000 + 2 * 2 * 1_500_000_000 + P.GPU_BASELINE
+    base = P.HOST_BASELINE
+    # bf16 shards 2 + fp32 master 4 + moments 8 + fp32 gradient 4 (no bf16 gradient shard);
+    # the zero.Init build (bf16 init shards 2 + host shards 2 + masters and gradients 8) is less
+    assert P.needs(psi, ("cpu", "cpu")) == {"gpu": gpu, "host": 18 * psi + base, "disk": 0}
+    # nvme optimizer: masters stay on the host (4), moments (8) on the disk, 4 pinned swap
     # buffers of sub_group_size (1e9) fp32 values
-    assert P.needs(psi, ("cpu", "nvme")) == {"gpu": init, "host": 8 * psi + 16_000_000_000,
-                                             "disk": 12 * psi}
+    assert P.needs(psi, ("cpu", "nvme")) == {"gpu": gpu, "host": 10 * psi + 16 * 10**9 + base,
+                                             "disk": 8 * psi}
     # + 5 parameter swap buffers of 1e8 bf16 values; params move to the disk
     assert P.needs(psi, ("nvme", "nvme")) == {
-        "gpu": init, "host": 6 * psi + 17_000_000_000, "disk": 14 * psi}
-    # ratio 0.5: 2.5e9 elements keep 12 (optimizer) + 2 + 4 (gradients) bytes on the GPU
+        "gpu": gpu, "host": 8 * psi + 17 * 10**9 + base, "disk": 10 * psi}
+    # ratio 0.5: 2.5e9 elements keep 12 (optimizer) + 4 (fp32 gradient) bytes on the GPU, with
+    # the staging buffer of the device side's bf16 publish (2^26 bf16)
     dev = psi // 2
-    assert P.needs(psi, ("cpu", "cpu"), 0.5) == {"gpu": gpu + 18 * dev,
-                                                 "host": 2 * psi + 18 * (psi - dev), "disk": 0}
+    assert P.needs(psi, ("cpu", "cpu"), 0.5) == {"gpu": gpu + 16 * dev + 2 * (1 << 26),
+                                                 "host": 2 * psi + 16 * (psi - dev) + base,
+                                                 "disk": 0}
+    # with the shape: a decoder layer is the largest group, activations on the GPU
+    shape = P.Shape(hidden=64, intermediate=128, vocab=100, layers=2, seq=8, micro_batch=2)
+    layer = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
+    n = P.llama_params(2, 64, 128, 100)
+    acts = 16 * (2 * (30 * 64 + 6 * 128) + 10 * 100)
+    got = P.needs(n, ("cpu", "cpu"), 1.0, shape)
+    assert got["gpu"] == 2 * 4 * layer + 2 * layer + 2 * 2 * n + acts + P.GPU_BASELINE
+    assert got["host"] == 18 * n + base
 
 
 def test_placement_picks_cheapest_that_fits():
     psi, big = 5_000_000_000, 10**15
-    assert P.placement_for(psi, P.Capacity(gpu=big, host=100 * 10**9, disk=0)) == ("cpu", "cpu")
-    cap = P.Capacity(gpu=big, host=99 * 10**9, disk=60 * 10**9)
+    assert P.placement_for(psi, P.Capacity(gpu=big, host=93 * 10**9, disk=0)) == ("cpu", "cpu")
+    cap = P.Capacity(gpu=big, host=93 * 10**9 - 1, disk=40 * 10**9)
     assert P.placement_for(psi, cap) == ("cpu", "nvme")
-    cap = P.Capacity(gpu=big, host=56 * 10**9 - 1, disk=70 * 10**9)
+    cap = P.Capacity(gpu=big, host=69 * 10**9 - 1, disk=50 * 10**9)
     assert P.placement_for(psi, cap) == ("nvme", "nvme")
-    assert P.placement_for(psi, P.Capacity(gpu=big, host=46 * 10**9, disk=big)) is None
+    assert P.placement_for(psi, P.Capacity(gpu=big, host=60 * 10**9 - 1, disk=big)) is None
     assert P.placement_for(psi, P.Capacity(gpu=3 * 10**9, host=big, disk=big)) is None
 
 
 def test_plan_takes_the_smallest_ratio_the_gpu_holds():
     psi = 5_000_000_000
-    gpu = 4 * 10**9 + 18 * psi // 2  # exactly ratio 0.5's device side
-    cap = P.Capacity(gpu=gpu, host=99 * 10**9, disk=0)
-    assert P.placement_for(psi, cap) is None  # ratio 1: 100e9 of host state does not fit
+    gpu = P.needs(psi, ("cpu", "cpu"))["gpu"] + 16 * psi // 2 + 2 * (1 << 26)  # ratio 0.5's
+    cap = P.Capacity(gpu=gpu, host=92 * 10**9, disk=0)
+    assert P.placement_for(psi, cap) is None  # ratio 1: 93e9 of host state does not fit
     assert P.plan_for(psi, cap) == P.Plan(param="cpu", optimizer="cpu", ratio=0.5)
-    assert P.plan_for(psi, P.Capacity(gpu=gpu - 1, host=99 * 10**9, disk=0)).ratio == 0.51
+    assert P.plan_for(psi, P.Capacity(gpu=gpu - 1, host=92 * 10**9, disk=0)).ratio == 0.51
     cfg = P.probe_config(("cpu", "cpu"), Path("/x"), 1, ratio=0.5)
     assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True,
                                                              "ratio": 0.5}
 
 
 def test_largest_fitting_layers_is_the_last_that_fits():
-    cap = P.Capacity(gpu=10**15, host=20 * P.llama_params(10), disk=0)  # cpu/cpu up to 10 layers
+    host = 18 * P.llama_params(10) + P.HOST_BASELINE  # cpu/cpu up to 10 layers
+    cap = P.Capacity(gpu=10**15, host=host, disk=0)
     assert P.largest_fitting_layers(cap) == 10
     assert P.placement_for(P.llama_params(11), cap) is None
 

@@ -85,10 +85,14 @@ def test_zeroio_buffers_hand_computation_nvme():
     cfg = load_config(ROOT / "configs" / "zero3-nvme.json")
     r = estimate_memory(PSI, gpus_per_node=2, nodes=2, config=cfg)
     shard = PSI // 4
-    gpu = 2 * 2 * 500_000_000 + 2 * PSI          # reduce buckets x2 + live params (cap Psi)
-    cpu = 2 * shard + 4 * shard + 4 * shard * 4 + 5 * 100_000_000 * 2
-    #     grads16   fp32 grads  opt swap buffers   param swap buffers
-    nvme = 2 * shard + 12 * shard
+    # stage 3 reduces one group in fp32 (reduce_bucket_size stands in for the unknown group
+    # size G = 5e8): two fp32 buckets + autograd's bf16 gradients of one group; live params
+    # max_live + G capped at Psi, and with offload_param each gathered group's shard copied in
+    gpu = 2 * 4 * 500_000_000 + 2 * 500_000_000 + 2 * PSI + 2 * PSI // 4
+    # no bf16 gradient shard at stage 3: the fp32 one is the gradient
+    cpu = 4 * shard + 4 * shard + 4 * shard * 4 + 5 * 100_000_000 * 2
+    #     fp32 grads  fp32 masters  opt swap buffers  param swap buffers
+    nvme = 2 * shard + 8 * shard  # parameters, moments (the masters stay on the host)
     assert (r.stage, r.offload_optimizer, r.offload_param, r.dtype) == (3, "nvme", "nvme", "bf16")
     assert r.gpu_bytes_per_gpu == gpu
     assert r.cpu_bytes_per_node == 2 * cpu
@@ -160,3 +164,41 @@ def test_cli_ratio_matches_the_library():
     full = json.loads(_cli(*args).stdout)
     assert d["gpu_bytes_per_gpu"] > full["gpu_bytes_per_gpu"]
     assert d["cpu_bytes_per_node"] < full["cpu_bytes_per_node"]
+
+
+def test_stage3_ratio_buffers_by_hand():
+    """What zeroio's stage 3 allocates with offload_param cpu, optimizer cpu, ratio 0.25, a known
+    layer size, activations and gradient accumulation (partitioner.py, grads.py, twin.py)."""
+    psi, group, act = 1_000_000_000, 50_000_000, 7_000_000_000
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+                       "bf16": {"enabled": True},
+                       "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                             "offload_optimizer": {"device": "cpu",
+                                                                   "ratio": 0.25}}})
+    r = estimate_memory(psi, config=cfg, largest_group=group, activation_bytes=act)
+    dev = 750_000_000  # floor(0.75 * Psi) elements stepped on the GPU
+    gpu = (16 * dev                     # fp32 master + moments (12) and fp32 gradient (4)
+           + 2 * 4 * group + 2 * group  # two fp32 group buckets, bf16 autograd gradients
+           + 2 * 2 * psi                # live params (max_live + G, capped at Psi), shard copies
+           + 2 * (1 << 26)              # publish staging of the device side's bf16 values
+           + act)
+    host = 2 * psi + 16 * (psi - dev) + 4 * (psi - dev)  # bf16 shards, state, GA staging
+    assert r.gpu_bytes_per_gpu == gpu
+    assert r.cpu_bytes_per_node == host
+    assert r.to_dict()["activations"] == act
+    names = {i.name for i in r.items}
+    assert not any(n.startswith("gradients") for n in names)  # no 16-bit gradient shard
+    # without zeroio buffers the ZeRO paper's terms stay, 16-bit gradients included
+    paper = estimate_memory(psi, config=cfg, zeroio_buffers=False)
+    assert paper.gpu_bytes_per_gpu == (12 + 2) * dev
+    assert paper.cpu_bytes_per_node == 2 * psi + (12 + 2) * (psi - dev)
+
+
+def test_llama_activation_bytes_by_hand():
+    from zeroio.estimate import llama_activation_bytes
+
+    # the 1.364B fit: 8 x 1024 tokens x (24 x (30 x 2048 + 6 x 5632) + 10 x 32000)
+    got = llama_activation_bytes(hidden=2048, intermediate=5632, layers=24, vocab=32000,
+                                 seq=1024, micro_batch=8)
+    assert got == 8192 * (24 * (30 * 2048 + 6 * 5632) + 320_000)
+    assert 20e9 < got < 22e9  # the measured ~18.7 GB of layers + ~2.6 GB of logits

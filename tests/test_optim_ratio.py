@@ -356,29 +356,30 @@ def test_estimate_with_ratio_by_hand():
     import zeroio
 
     # 4000 parameters on one GPU, bf16, ratio 0.25: floor(0.75 * 4000) = 3000 elements keep
-    # their optimizer state (12 B), bf16 gradient (2 B) and fp32 gradient (4 B) on the GPU
+    # their optimizer state (12 B) and fp32 gradient (4 B) on the GPU; stage 3 keeps no bf16
+    # gradient shard (the reduced bucket lands in the fp32 one)
     est = zeroio.estimate_memory(4000, stage=3, offload_optimizer="cpu", offload_param="none",
                                  dtype="bf16", ratio=0.25)
-    live = 2 * 4000  # stage3_max_live_parameters capped at Psi, bf16
-    buckets = 2 * 2 * 4000  # two reduce buckets (overlap_comm at stage 3), capped at Psi
-    assert est.gpu_bytes_per_gpu == 2 * 4000 + 18 * 3000 + live + buckets
-    assert est.cpu_bytes_per_node == 18 * 1000
+    live = 2 * 4000  # stage3_max_live_parameters + group, capped at Psi, bf16
+    buckets = 2 * 4 * 4000 + 2 * 4000  # two fp32 group buckets + bf16 autograd gradients
+    assert est.gpu_bytes_per_gpu == 2 * 4000 + 16 * 3000 + live + buckets
+    assert est.cpu_bytes_per_node == 16 * 1000
     assert est.nvme_bytes_per_node == 0
     assert est.to_dict()["optimizer_placement"] == {"gpu_elements_per_gpu": 3000,
                                                     "offloaded_elements_per_gpu": 1000}
-    # nvme: the offloaded optimizer state goes to the disk, its gradients stay in CPU memory,
+    # nvme: the offloaded moments go to the disk, masters and gradients stay in CPU memory,
     # swap buffers are sized by the offloaded elements (4 x min(sub_group_size, 1000) x 4 B)
     est = zeroio.estimate_memory(4000, stage=3, offload_optimizer="nvme", dtype="bf16",
                                  ratio=0.25)
-    assert est.nvme_bytes_per_node == 12 * 1000
-    assert est.cpu_bytes_per_node == 6 * 1000 + 4 * 1000 * 4
+    assert est.nvme_bytes_per_node == 8 * 1000  # moments; the fp32 masters stay on the host
+    assert est.cpu_bytes_per_node == (4 + 4) * 1000 + 4 * 1000 * 4
     # two GPUs: the shard is 2000, 1500 of it on the GPU; ratio 1 is the plain estimate
     est = zeroio.estimate_memory(4000, gpus_per_node=2, stage=3, offload_optimizer="cpu",
                                  dtype="bf16", ratio=0.25)
-    assert est.cpu_bytes_per_node == 2 * 18 * 500
+    assert est.cpu_bytes_per_node == 2 * 16 * 500
     plain = zeroio.estimate_memory(4000, stage=3, offload_optimizer="cpu", dtype="bf16")
     same = zeroio.estimate_memory(4000, stage=3, offload_optimizer="cpu", dtype="bf16", ratio=1)
-    assert plain.to_dict() == same.to_dict() and plain.cpu_bytes_per_node == 18 * 4000
+    assert plain.to_dict() == same.to_dict() and plain.cpu_bytes_per_node == 16 * 4000
 
 
 def test_estimate_ratio_from_config_and_errors():

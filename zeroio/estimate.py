@@ -20,11 +20,28 @@ Two layers, reported separately in the breakdown:
    - fp32 gradient shard: gradients are accumulated in fp32 over the local
      shard (4 Psi / N; 4 Psi at stage 0), on the CPU when the optimizer is
      offloaded; not counted for fp32 training, where the gradients already are fp32.
-   - gradient reduce buckets: reduce_bucket_size elements of b bytes, two when
-     overlap_comm double-buffers them; capped at Psi.
+     At stage 3 this fp32 shard *is* the gradient: the reduced bucket lands in it
+     straight from the device (partition/stage3/grads.py), no 16-bit gradient
+     shard exists, so the paper's b Psi / N gradient term is left out.
+   - gradient reduce buckets: stages 0-2, reduce_bucket_size elements of b
+     bytes, two when overlap_comm double-buffers them; capped at Psi. Stage 3
+     reduces one flat group (a transformer layer, ``largest_group`` elements;
+     reduce_bucket_size stands in when the caller does not know it) in an fp32
+     bucket, one being filled while the previous one is reduced and landed
+     (2 x 4 x G), plus autograd's 16-bit gradients of one group (b x G).
    - stage 1/2 all-gather bucket: allgather_bucket_size x b, capped at Psi.
    - stage 3 live parameters: at most stage3_max_live_parameters gathered
-     elements (b bytes each), capped at Psi. An upper bound, not a typical value.
+     elements plus the group in use (b bytes each), capped at Psi; with
+     offload_param the shard of each of those groups is first copied to the
+     GPU (b x that / N). An upper bound, not a typical value.
+   - stage 3 with ratio < 1 and offload_param: the device side's 16-bit
+     values go to the host shards through one GPU staging buffer of
+     PUBLISH_CHUNK_NUMEL elements (b bytes each).
+   - gradient accumulation (gradient_accumulation_steps > 1 in the config)
+     with gradients on the host: pinned fp32 staging of the offloaded elements
+     (the second write of a group is added on the host).
+   - offload_optimizer nvme: the fp32 masters (4 of the K bytes) stay in host
+     memory, only the moments (8) go to the disk (zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU): buffer_count x
      min(sub_group_size, Psi / N) x 4 bytes.
    - NVMe parameter swap buffers (pinned CPU): buffer_count x buffer_size x b.
@@ -35,8 +52,12 @@ Two layers, reported separately in the breakdown:
    fp32 gradient on the GPU; the other Psi/N - D are placed as offload says.
    Every per-shard term above is split into a GPU item and an offload item.
 
-Not counted: activations, the CUDA context and allocator fragmentation, the
-dataloader, and the temporary buffers of a checkpoint save. GB in reports
+4. Activations (``activation_bytes``, the caller's figure, e.g.
+   ``llama_activation_bytes``): kind "activations", on the GPU.
+
+Not counted: the CUDA context and allocator fragmentation, the dataloader,
+the process's own host memory (libraries), a model built outside
+``zero.Init`` and the temporary buffers of a checkpoint save. GB in reports
 is 1e9 bytes, the paper's unit.
 """
 
@@ -54,6 +75,16 @@ K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
 FP32 = 4
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TIERS = ("gpu", "cpu", "nvme")
+PUBLISH_CHUNK_NUMEL = 1 << 26
+"""Elements of the GPU staging buffer through which stage 3 with ratio < 1 publishes the
+device side's 16-bit values to the host shards (``Stage3Partitioner``'s publisher; the same
+number, checked by tests/test_optim_ratio.py)."""
+ACT_PER_TOKEN_LAYER = (30, 6)
+"""Activation bytes per token and decoder layer of a Llama under bf16 without activation
+checkpointing: 30 x hidden + 6 x intermediate, fitted to zeroio stage 3 + cpu on the H200
+(1.364B, hidden 2048, intermediate 5632, 24 layers, 8 x 1024 tokens: peak 22.8 GiB, of which
+~2.7 GB live parameters and buckets, ~2.6 GB logits); the logits add 10 x vocab bytes per
+token (bf16 logits, their fp32 copy and its gradient)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +94,7 @@ class MemoryItem:
     name: str
     tier: str
     bytes_per_gpu: int
-    kind: str  # "model_state" (ZeRO paper) or "zeroio_buffer"
+    kind: str  # "model_state" (ZeRO paper), "zeroio_buffer" or "activations"
     formula: str
 
 
@@ -133,6 +164,7 @@ class MemoryEstimate:
             "nvme_bytes_per_node": self.nvme_bytes_per_node,
             "model_states": {t: self.per_gpu(t, "model_state") for t in TIERS},
             "zeroio_buffers": {t: self.per_gpu(t, "zeroio_buffer") for t in TIERS},
+            "activations": self.per_gpu("gpu", "activations"),
             "breakdown": [
                 {"name": i.name, "tier": i.tier, "bytes_per_gpu": i.bytes_per_gpu,
                  "kind": i.kind, "formula": i.formula} for i in self.items
@@ -183,6 +215,8 @@ def estimate_memory(
     config: Config | None = None,
     zeroio_buffers: bool = True,
     ratio: float | None = None,
+    largest_group: int | None = None,
+    activation_bytes: int = 0,
 ) -> MemoryEstimate:
     """Estimate training-state memory for ``num_params`` parameters (see module doc).
 
@@ -191,6 +225,9 @@ def estimate_memory(
     Bucket and swap-buffer sizes come from ``config`` (DeepSpeed defaults without one).
     ``ratio`` (offload_optimizer.ratio, default the config's or 1.0): below 1 at stage 3 with
     the optimizer offloaded, the first (1 - ratio) of each shard stays on the GPU (module doc).
+    ``largest_group``: elements of stage 3's largest flat group (one transformer layer), which
+    sizes its gradient buckets and live parameters (None: reduce_bucket_size stands in).
+    ``activation_bytes``: activation memory per GPU (e.g. ``llama_activation_bytes``).
     """
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
@@ -259,15 +296,22 @@ def estimate_memory(
             f"{b} * Psi / N")
     # Gradients: replicated at stages 0/1, the reduced shard from stage 2.
     grad_tier = "gpu" if opt_dev == "none" else "cpu"
+    # zeroio's stage 3 keeps no 16-bit gradient shard (module doc, 2.): its fp32 one is below
+    no_grad16 = stage == 3 and zeroio_buffers and dtype != "fp32"
     if stage < 2:
         add("gradients", "gpu", b * psi, state, f"{b} * Psi")
         if opt_dev != "none":
             add("gradient shard for the CPU optimizer", "cpu", b * shard, state, f"{b} * Psi / N")
-    else:
+    elif not no_grad16:
         add_shard("gradients", grad_tier, b, state, f"{b}")
     # Optimizer state: K bytes per parameter, partitioned from stage 1.
     if stage == 0:
         add("optimizer states", "gpu", K_ADAM * psi, state, f"{K_ADAM} * Psi")
+    elif opt_dev == "nvme" and zeroio_buffers:
+        # zeroio's swapper keeps the fp32 masters in host memory (optim/swap.py, [Note:
+        # masters stay on the host]); only the moments go to the disk
+        add_shard("optimizer fp32 masters", "cpu", FP32, state, "4")
+        add_shard("optimizer moments", "nvme", K_ADAM - FP32, state, f"{K_ADAM - FP32}")
     else:
         add_shard("optimizer states", "gpu" if opt_dev == "none" else opt_dev, K_ADAM, state,
                   f"{K_ADAM}")
@@ -280,15 +324,34 @@ def estimate_memory(
             else:
                 add_shard("fp32 gradient shard", grad_tier, FP32, buf, "4")
         copies = 2 if (zero.overlap_comm if zero.overlap_comm is not None else stage == 3) else 1
-        add("gradient reduce buckets", "gpu", copies * b * min(zero.reduce_bucket_size, psi), buf,
-            f"{copies} * {b} * min(reduce_bucket_size, Psi)")
+        if stage < 3:
+            add("gradient reduce buckets", "gpu", copies * b * min(zero.reduce_bucket_size, psi),
+                buf, f"{copies} * {b} * min(reduce_bucket_size, Psi)")
         if stage in (1, 2):
             add("all-gather bucket", "gpu", b * min(zero.allgather_bucket_size, psi), buf,
                 f"{b} * min(allgather_bucket_size, Psi)")
         if stage == 3:
-            add("live gathered parameters (upper bound)", "gpu",
-                b * min(zero.stage3_max_live_parameters, psi), buf,
-                f"{b} * min(stage3_max_live_parameters, Psi)")
+            grp = min(psi, largest_group if largest_group else zero.reduce_bucket_size)
+            gname = "largest_group" if largest_group else "reduce_bucket_size"
+            add("gradient buckets (fp32, one group each)", "gpu", 2 * FP32 * grp, buf,
+                f"2 * 4 * min({gname}, Psi)")
+            add("autograd's 16-bit gradients of one group", "gpu", b * grp, buf,
+                f"{b} * min({gname}, Psi)")
+            live = min(zero.stage3_max_live_parameters + grp, psi)
+            add("live gathered parameters (upper bound)", "gpu", b * live, buf,
+                f"{b} * min(stage3_max_live_parameters + {gname}, Psi)")
+            if par_dev != "none":
+                add("offloaded shards copied in before their all-gather", "gpu",
+                    b * math.ceil(live / n), buf,
+                    f"{b} * min(stage3_max_live_parameters + {gname}, Psi) / N")
+            if dev and par_dev != "none":
+                add("device-side publish staging (ratio)", "gpu",
+                    b * min(PUBLISH_CHUNK_NUMEL, dev), buf,
+                    f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
+        gas = getattr(config, "gradient_accumulation_steps", None) or 1
+        if gas > 1 and grad_tier == "cpu" and stage == 3 and dtype != "fp32":
+            add("gradient accumulation staging (pinned fp32)", "cpu", FP32 * (shard - dev), buf,
+                "4 * offloaded elements per GPU")
         if opt_dev == "nvme":
             oo = zero.offload_optimizer
             add("optimizer swap buffers (pinned)", "cpu",
@@ -299,9 +362,22 @@ def estimate_memory(
             add("parameter swap buffers (pinned)", "cpu", op.buffer_count * op.buffer_size * b,
                 buf, f"buffer_count * buffer_size * {b}")
 
+    if activation_bytes:
+        add("activations (caller's estimate)", "gpu", activation_bytes, "activations",
+            "activation_bytes")
+
     return MemoryEstimate(num_params=psi, gpus_per_node=gpus_per_node, nodes=nodes, stage=stage,
                           offload_optimizer=opt_dev, offload_param=par_dev, dtype=dtype,
                           items=tuple(items), ratio=float(ratio), device_elements=dev)
 
 
-__all__ = ["estimate_memory", "MemoryEstimate", "MemoryItem", "parse_count"]
+def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab: int,
+                           seq: int, micro_batch: int) -> int:
+    """Activation bytes of one micro batch of a Llama in bf16 without activation checkpointing
+    (``ACT_PER_TOKEN_LAYER``: a fit to a measured run, not a derivation)."""
+    a, c = ACT_PER_TOKEN_LAYER
+    tokens = seq * micro_batch
+    return tokens * (layers * (a * hidden + c * intermediate) + 10 * vocab)
+
+
+__all__ = ["estimate_memory", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count"]
