@@ -141,6 +141,12 @@ class HostShards:
     def update_pieces(self, key, pieces, *, whole):
         update_each(self, key, pieces)
 
+    def host_shard(self, key) -> torch.Tensor:
+        """The pinned host shard itself, for a writer that orders its own copies against
+        ``fetch`` (the stage-3 device-side publish, [Note: asynchronous device-side publish]
+        in twin.py)."""
+        return self._shards[key]
+
     def prefetch(self, keys):
         pass
 
