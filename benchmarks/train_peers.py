@@ -42,7 +42,6 @@ import launch  # noqa: E402
 import report  # noqa: E402
 
 
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_spec_args(ap)
@@ -61,12 +60,21 @@ def parse_args(argv=None):
                     help="TORCH_CUDA_ARCH_LIST for DeepSpeed's JIT ops when unset (9.0a breaks)")
     ap.add_argument("--disk-bench-size", default="4G",
                     help="bytes for the raw disk measurement before NVMe contenders; 0 = skip")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY.PATH=JSON",
+                    help="set a key in every contender's config (zeroio and DeepSpeed read the "
+                         "same file), e.g. zero_optimization.tiering.overlap_step=true or "
+                         "zero_optimization.offload_optimizer.ratio=0.5; repeatable")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--json", action="store_true", help="print only the JSON document")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    try:
+        args.overrides = tuple((k, json.loads(v)) for k, _, v in
+                               (item.partition("=") for item in args.set))
+    except json.JSONDecodeError as e:
+        ap.error(f"--set expects KEY.PATH=JSON: {e}")
     if args.nproc < 1:
         ap.error("--nproc must be >= 1")
     return args
@@ -132,7 +140,8 @@ def main(argv=None) -> dict:
     stem = f"peers-{platform.node()}-n{args.nproc}-{stamp}"
     plan = C.RunPlan(spec=spec, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
                      run_dir=args.out / stem, nvme_dir=args.nvme_dir,
-                     libaio_dir=args.libaio_dir, ds_cuda_arch=args.ds_cuda_arch)
+                     libaio_dir=args.libaio_dir, ds_cuda_arch=args.ds_cuda_arch,
+                     overrides=args.overrides)
     disk = None
     if any(c.setup is not None and c.setup.on_nvme for c in chosen):
         disk = disk_bench(plan, args.disk_bench_size, args.timeout)
@@ -158,7 +167,7 @@ def main(argv=None) -> dict:
         "machine": report.machine(args.nvme_dir),
         "provenance": report.provenance(C.REPO),
         "run": {"model": {**vars(spec)}, "num_params": spec.num_params, "steps": args.steps,
-                "warmup": args.warmup, "nproc": args.nproc,
+                "warmup": args.warmup, "nproc": args.nproc, "set": args.set,
                 "tokens_per_step_per_rank": spec.tokens_per_step(1)},
         "disk": disk,
         "rows": [vars(r) | {} for r in rows],

@@ -198,3 +198,23 @@ def test_deepspeed_alone_gets_the_launcher_environment(tmp_path):
     assert "torch.distributed.run" not in argv
     assert (env["LOCAL_RANK"], env["RANK"], env["WORLD_SIZE"]) == ("0", "0", "1")
     assert "MASTER_ADDR" not in env or "MASTER_ADDR" in __import__("os").environ
+
+
+def test_set_applies_to_every_contender_config(tmp_path):
+    """train_peers --set: the same key lands in zeroio's and DeepSpeed's config file."""
+    import common
+    import contenders as C
+    import train_peers
+
+    args = train_peers.parse_args(["--set", "zero_optimization.offload_optimizer.ratio=0.5",
+                                   "--set", "zero_optimization.tiering.overlap_step=true"])
+    plan = C.RunPlan(spec=common.ModelSpec(), steps=4, warmup=1, nproc=1, run_dir=tmp_path,
+                     nvme_dir=tmp_path / "nvme", overrides=args.overrides)
+    for name in ("zeroio-z3-cpu", "ds-z3-cpu"):
+        cfg = json.loads(C.config_path(C.BY_NAME[name], plan).read_text())
+        zero = cfg["zero_optimization"]
+        assert zero["offload_optimizer"]["ratio"] == 0.5
+        assert zero["offload_optimizer"]["device"] == "cpu"  # the rest of the section kept
+        assert zero["tiering"]["overlap_step"] is True
+    with pytest.raises(SystemExit):
+        train_peers.parse_args(["--set", "zero_optimization.stage=three"])

@@ -35,7 +35,6 @@ import gc
 import os
 
 import pytest
-
 import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
 
 from zeroio.testing import run_ranks

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from common import ModelSpec
 
@@ -91,6 +92,10 @@ class RunPlan:
     python: str = sys.executable
     libaio_dir: Path | None = None
     ds_cuda_arch: str = "9.0"
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """``--set KEY.PATH=JSON`` pairs applied to every contender's config file (zeroio and
+    DeepSpeed read the same file; ds_runner drops zeroio-only keys such as
+    zero_optimization.tiering), so e.g. offload_optimizer.ratio applies to both."""
 
 
 def world_of(c: Contender, plan: RunPlan) -> int:
@@ -114,6 +119,12 @@ def config_path(c: Contender, plan: RunPlan) -> Path:
     """Write the contender's DeepSpeed-schema config into the run folder; return its path."""
     cfg = ds_config(c.setup, plan.spec, world_of(c, plan),
                     nvme_folder(c, plan) if c.setup is not None and c.setup.on_nvme else None)
+    for key, value in plan.overrides:
+        node = cfg
+        *parents, leaf = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
     return write_config(cfg, plan.run_dir / "configs" / f"{c.name}.json")
 
 

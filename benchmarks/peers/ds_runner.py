@@ -19,7 +19,6 @@ from pathlib import Path
 import common
 import torch
 
-
 ZEROIO_ONLY_KEYS = (("zero_optimization", "tiering"),)
 """zeroio's own keys (docs/config.md): DeepSpeed's config models forbid unknown keys."""
 
