@@ -34,8 +34,9 @@ is not plain memory (NVMe shards: its tiered store is driven from the
 training thread) takes the whole-group path: Adam, then ``publish_params``.
 With ``offload_optimizer.ratio`` < 1 ([Note: twin placement] in twin.py) the
 device side was stepped before ``run_step`` (``TwinAdam.begin_chunked_step``):
-``run_step`` publishes its pieces first, on the calling thread, and the jobs
-update and publish only host pieces.
+``run_step`` publishes its pieces first, on the calling thread (on CUDA with
+host shards without a host wait: [Note: asynchronous device-side publish] in
+twin.py), and the jobs update and publish only host pieces.
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
 from zeroio.partition.stage3.store import DeviceShards, HostShards, make_store
 from zeroio.partition.stage3.streams import Streams, wait_stream
-from zeroio.partition.stage3.twin import OptimizerSplit, Side, device_numel, logical_group, place
+from zeroio.partition.stage3.twin import (
+    DevicePublish,
+    OptimizerSplit,
+    Side,
+    device_numel,
+    logical_group,
+    place,
+)
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.tiering.stats import TierStats
 
@@ -141,6 +149,11 @@ class Stage3Partitioner:
         self._clock = PhaseClock()  # host step phases for engine.stats()["timings"]
         self._job_of: dict[int, int] = {}
         self._unpublished: set[int] = set()
+        self._publisher: DevicePublish | None = None  # [Note: asynchronous device-side publish]
+        if self.optimizer_split is not None and self.streams.d2h is not None and \
+                isinstance(self.store, HostShards):
+            self._publisher = DevicePublish(stream=self.streams.d2h, dtype=compute_dtype,
+                                            transfers=self.transfers)
         for g in self.pgroups:
             g.before_fetch = self._await_shard
         for g in self.pgroups:
@@ -304,6 +317,8 @@ class Stage3Partitioner:
                 pr.wait()
             self._pending = []
             wait_stream(self.streams.current(), self.streams.comm)  # gradients land on comm
+            if self._publisher is not None:  # the step writes masters the last publish reads
+                self._publisher.order_writers(self.streams.current())
             self.landing.settle(boundary, self.streams.comm)
             self.release_all()
             self.pass_state = PassState.IDLE
@@ -328,6 +343,7 @@ class Stage3Partitioner:
     def publish_params(self) -> None:
         """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
         self.wait_step()
+        self._settle_publish()
         with torch.profiler.record_function("zeroio::stage3::publish_params"):
             for gi, refs in self._pieces.items():
                 pieces = [(ref.piece.lo, self._master(ref)) for ref in refs]
@@ -347,6 +363,7 @@ class Stage3Partitioner:
 
     def close(self) -> None:
         self.wait_step()
+        self._settle_publish()
         self.hooks.remove()
         self.store.close()
 
@@ -372,6 +389,8 @@ class Stage3Partitioner:
         out += self.store.held_tensors()
         out += [g.full_flat() for g in self.pgroups if g.state is not GroupState.SHARDED]
         out += self.landing.held_tensors()
+        if self._publisher is not None:
+            out += self._publisher.held_tensors()
         return out
 
     # -- host step ([Note: stage-3 host step]) ---------------------------------------------
@@ -415,8 +434,18 @@ class Stage3Partitioner:
             for gi, refs in self._pieces.items():
                 pieces = [(ref.piece.lo, self._master(ref)) for ref in refs
                           if ref.side is Side.DEVICE]
-                if pieces:
+                if not pieces:
+                    continue
+                if self._publisher is not None:  # no host wait: [Note: asynchronous ...]
+                    self._publisher.publish(gi, self.store.host_shard(gi), pieces,
+                                            after=self.streams.current())
+                else:
                     self.pgroups[gi].update_shard_pieces(pieces, whole=False)
+
+    def _settle_publish(self) -> None:
+        """Host wait for the device-side publish (host code is about to touch host shards)."""
+        if self._publisher is not None:
+            self._publisher.settle()
 
     def _step_group(self, update, gi: int) -> None:
         """Adam over group ``gi``'s host pieces, chunk by chunk, each chunk cast into the
@@ -440,7 +469,10 @@ class Stage3Partitioner:
         self._unpublished.discard(gi)
 
     def _await_shard(self, gi: int) -> None:
-        """``ParamGroup.before_fetch``: the overlapped step's job of ``gi`` has finished."""
+        """``ParamGroup.before_fetch``: the device side's copies of ``gi`` are ordered before
+        its fetch, and the overlapped step's job of ``gi`` has finished."""
+        if self._publisher is not None:
+            self._publisher.before_fetch(gi, self.streams.h2d)
         runner = self._runner
         if runner is None or gi not in self._unpublished:
             return
@@ -448,7 +480,10 @@ class Stage3Partitioner:
             runner.wait_for(self._job_of[gi])
 
     def wait_step(self) -> None:
-        """Wait for a step started by ``run_step`` (re-raising its worker's error)."""
+        """Wait for a step started by ``run_step`` (re-raising its worker's error); later
+        writes of the device masters on the caller's stream follow the device-side publish."""
+        if self._publisher is not None:
+            self._publisher.order_writers(self.streams.current())
         runner, self._runner = self._runner, None
         if runner is None:
             return
@@ -474,6 +509,7 @@ class Stage3Partitioner:
     def write_back(self, gi: int) -> None:
         """After a modifier changed the gathered group: new shard and new fp32 masters."""
         self.wait_step()
+        self._settle_publish()
         g = self.pgroups[gi]
         g.write_back_full()
         flat = g.full_flat()
