@@ -47,6 +47,8 @@ NVME = Path("/tmp/zeroio-batch-nvme")
 
 PEERS = "python3 benchmarks/train_peers.py --steps 8 --warmup 2 --quiet --nvme-dir {nvme} --out {res}"
 LIBAIO = "--libaio-dir /tmp/libaio"
+PEERS6 = PEERS.replace("--steps 8", "--steps 6")
+OVERLAP = "--set zero_optimization.tiering.overlap_step=true"
 LLAMA = "python3 benchmarks/train_llama.py --steps 6 --warmup 2 --quiet --out {res}"
 
 
@@ -212,6 +214,23 @@ BATCHES: tuple[Batch, ...] = (
                    "--nprocs 1 --steps 6 --seq-len 512 --micro-batch 4 --progress-every 1 "
                    "--timeout 140 --output {nvme}/train --out {res}", timeout_s=150,
                    sized="build 30 s + 6 x <= 7.5 s + checkpoint + consolidate"),
+          )),
+    Batch(name="peers-1gpu", kind=Kind.H200, peers=True,
+          what="issue 9's table in one call: plain, zeroio z2/z3 + cpu (overlap_step), FSDP2, "
+               "DeepSpeed z2/z3 + cpu, 6 steps each (ratios within one run are what count)",
+          steps=(
+              Step(name="plain", shell=PEERS6 + " --only plain --timeout 40", timeout_s=45,
+                   sized="build 25 s + 6 x 0.22 s"),
+              Step(name="zeroio-z2-cpu", shell=PEERS6 + " --only zeroio-z2-cpu --timeout 60 "
+                   f"{OVERLAP}", timeout_s=65, sized="build 25 s + init 10 s + 6 x 0.55 s"),
+              Step(name="zeroio-z3-cpu", shell=PEERS6 + " --only zeroio-z3-cpu --timeout 65 "
+                   f"{OVERLAP}", timeout_s=70, sized="build 30 s + init 10 s + 6 x 0.71 s"),
+              Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 70",
+                   timeout_s=75, sized="build 30 s + 6 x 1.4 s + start (53 s measured)"),
+              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 155 {LIBAIO}",
+                   timeout_s=160, sized="CPU-Adam JIT 1-2 min + build 30 s + 6 x 0.9 s"),
+              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 60 {LIBAIO}",
+                   timeout_s=65, sized="JIT cached + build 30 s + 6 x 1.1 s"),
           )),
 )
 BY_NAME = {b.name: b for b in BATCHES}
