@@ -64,9 +64,11 @@ def _segments(engine, kind: str, comm: Comm) -> list[Segment]:
 
 def _save_segments(engine, kind: str, comm: Comm) -> list[Segment | LazySegment]:
     """As `_segments`, but state the optimizer keeps off-host (``read_local``: NVMe-resident
-    moments) is read piece by piece while it is written: no whole host copy per state."""
+    moments; fp32 masters of a stage-3 group split between device and host by
+    offload_optimizer.ratio) is read piece by piece while it is written: no whole host copy
+    per state."""
     read_local = getattr(engine.optimizer, "read_local", None)
-    if read_local is None or kind == "fp32" or not _owns_shards(engine, comm):
+    if read_local is None or not _owns_shards(engine, comm):
         return _segments(engine, kind, comm)
     out: list[Segment | LazySegment] = []
     for g in engine.partitioner.groups:
