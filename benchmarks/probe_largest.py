@@ -3,7 +3,8 @@
     python benchmarks/probe_largest.py --nvme-dir /tmp/probe-nvme            # the H200 run
     python benchmarks/probe_largest.py --plan-only --ram-gib 125 --gpu-gib 139 --disk-gib 64
     python benchmarks/probe_largest.py --plan-only --gpu-gib 139 --ram-gib 125 --disk-gib 60 \
-        --hidden 5120 --intermediate 13824 --heads 40 --start-layers 40 --fraction 0.95  # 13B
+        --hidden 5120 --intermediate 13824 --heads 40 --start-layers 40 --fraction 0.95 \
+        --write-config /tmp/cfg13b.json  # 13B: the plan, and its config for train_llama.py
 
 Width 4096, 32 heads, intermediate 11008, vocab 32000 (untied) unless
 --hidden/--intermediate/--heads/--vocab say otherwise; the probe grows depth.
@@ -303,6 +304,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--ram-gib", type=float)
     ap.add_argument("--disk-gib", type=float)
     ap.add_argument("--plan-only", action="store_true", help="print the estimate's plan, train nothing")
+    ap.add_argument("--write-config", type=Path, metavar="JSON",
+                    help="also write the plan's zeroio config (start depth) to this file")
     ap.add_argument("--hidden", type=int, default=HIDDEN)
     ap.add_argument("--intermediate", type=int, default=INTER)
     ap.add_argument("--heads", type=int, default=HEADS)
@@ -329,6 +332,11 @@ def main(argv=None) -> dict:
             if first else None,
             "estimate_breakdown": _breakdown(params(start), first, shape_of(start))
             if first else None}
+    if args.write_config and first is not None:  # the plan's config, for one direct run
+        args.write_config.parent.mkdir(parents=True, exist_ok=True)
+        args.write_config.write_text(json.dumps(probe_config(
+            first.placement, args.nvme_dir / f"layers{start}", args.micro_batch, first.ratio),
+            indent=2) + "\n")
     if args.plan_only or start is None or first is None:
         print(json.dumps(plan))
         return plan

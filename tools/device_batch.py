@@ -102,10 +102,13 @@ BATCHES: tuple[Batch, ...] = (
                    sized="one spawned rank, tiny model"),
               Step(name="hotpath", shell=_pytest("tests/test_stage3_hotpath.py"), timeout_s=90,
                    sized="small model, a few steps"),
-              Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=200,
-                   sized="stage 3 equivalence cases on 1 GPU (two-GPU test skips)"),
+              Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=150,
+                   sized="stage 3 equivalence cases on 1 GPU (two-GPU test skips); the 2-GPU "
+                         "run of the same cases took 40 s"),
+              Step(name="ratio-1gpu", shell=_pytest("tests/test_ratio_gpu.py"), timeout_s=90,
+                   sized="offload_optimizer.ratio 0.5, 3 cases on 1 GPU (two-GPU test skips)"),
               Step(name="stage12", shell=_pytest("tests/test_stage12_equivalence.py"),
-                   timeout_s=60, sized="skips on 1 GPU; collection only"),
+                   timeout_s=30, sized="skips on 1 GPU; collection only"),
           )),
     Batch(name="gpu2-tests", kind=Kind.H200_X2,
           what="NCCL equivalence stage 1/2 and 3 on 2 GPUs, zeroio train 1b on 2 GPUs",
@@ -113,10 +116,13 @@ BATCHES: tuple[Batch, ...] = (
               Step(name="stage12-nccl",
                    shell=_pytest("tests/test_stage12_equivalence.py::"
                                  "test_matches_single_process_adamw_nccl"),
-                   timeout_s=150, sized="stages 0/1/2 x cases on 2 ranks"),
+                   timeout_s=115, sized="stages 0/1/2 x cases on 2 ranks (41 s in session 2)"),
               Step(name="stage3-nccl",
                    shell=_pytest("tests/test_stage3_gpu.py::test_stage3_two_gpus_nccl"),
-                   timeout_s=150, sized="stage 3 cases on 2 ranks"),
+                   timeout_s=115, sized="stage 3 cases on 2 ranks (40 s in session 2)"),
+              Step(name="ratio-nccl",
+                   shell=_pytest("tests/test_ratio_gpu.py::test_ratio_two_gpus_nccl"),
+                   timeout_s=80, sized="ratio 0.5, 3 cases on 2 ranks"),
               Step(name="train-1b-2gpu",
                    shell="python3 benchmarks/bench_train.py --preset 1b --nprocs 2 --steps 8 "
                          "--seq-len 512 --micro-batch 4 --progress-every 1 --timeout 190 "
@@ -233,6 +239,48 @@ BATCHES: tuple[Batch, ...] = (
                    timeout_s=65, sized="JIT cached + build 30 s + 6 x 1.1 s"),
           )),
 )
+RATIO_SET = ("--set zero_optimization.offload_optimizer.ratio={r} "
+             "--set zero_optimization.tiering.overlap_step=true")
+PROBE_13B = ("--hidden 5120 --intermediate 13824 --heads 40 --vocab 32000 --start-layers 40 "
+             "--gpu-gib 139 --ram-gib 125 --disk-gib 60 --fraction 0.95")
+"""The 13B Llama of issue 9 (13.02 B parameters) and the machine's nominal capacity."""
+RATIO_BATCHES = (
+    Batch(name="ratio", kind=Kind.H200,
+          what="offload_optimizer.ratio (stage 3 twin placement): 1.364B z3-cpu with the "
+               "overlapped step at ratio 0.5 and 0.25, and the 13B plan from the estimate",
+          steps=(
+              Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
+                   + PROBE_13B + " --nvme-dir {nvme}/probe | tee {res}/probe-plan-13b.json",
+                   timeout_s=30, sized="estimate only"),
+              Step(name="z3-cpu-ratio-0.5", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json --zero-init --mem-log " + RATIO_SET.format(r=0.5),
+                   timeout_s=110, sized="zero.Init build ~40 s + 6 x <= 0.8 s; 11 GB more GPU"),
+              Step(name="z3-cpu-ratio-0.25", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json --zero-init --mem-log " + RATIO_SET.format(r=0.25),
+                   timeout_s=110, sized="as ratio 0.5, 16 GB more GPU than ratio 1"),
+              Step(name="z3-cpu-ratio-0.5-profile", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json --zero-init --profile {res}/prof "
+                   + RATIO_SET.format(r=0.5), timeout_s=130,
+                   sized="ratio 0.5 + synced phases + one profiled step (publish_device_side)"),
+          )),
+    Batch(name="probe13b", kind=Kind.H200,
+          what="one 13B try (stage 3, params and optimizer on the CPU, the estimate's ratio, "
+               "zero.Init build), 3 steps, memory printed after build / init / every step",
+          steps=(
+              Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
+                   + PROBE_13B + " --nvme-dir {nvme}/probe --write-config {res}/cfg-13b.json "
+                   "| tee {res}/probe-plan-13b.json", timeout_s=30,
+                   sized="estimate only; writes the plan's config (its ratio)"),
+              Step(name="train-13b", shell="python3 benchmarks/train_llama.py --mode zeroio "
+                   "--config {res}/cfg-13b.json --zero-init --mem-log --hidden 5120 "
+                   "--intermediate 13824 --heads 40 --vocab 32000 --layers 40 --seq 1024 "
+                   "--micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}", timeout_s=470,
+                   sized="zero.Init build of 13B (one module at a time, HF init per module) "
+                         "+ partition and pinning ~120 GB host, 3 steps of ~5-20 s; memory "
+                         "lines stream to the log, so a kill still shows the last phase"),
+          )),
+)
+BATCHES = BATCHES + RATIO_BATCHES
 BY_NAME = {b.name: b for b in BATCHES}
 
 

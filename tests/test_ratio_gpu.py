@@ -1,0 +1,161 @@
+"""offload_optimizer.ratio on CUDA: stage 3 twin placement vs single-process torch AdamW.
+
+The tiny tied Llama of tests/test_stage3_equivalence.py (gradient checkpointing, 2 micro
+steps per step, clipping), stage 3 with offload_param cpu and offload_optimizer cpu at ratio
+0.5: half of each rank's optimizer elements are stepped by the fused Adam on the GPU, half by
+the CPU Adam, and the device side is published into the pinned host shards on the d2h stream
+without a host wait ([Note: asynchronous device-side publish] in
+zeroio/partition/stage3/twin.py). Cases: fp32 with the plain step, fp32 with the overlapped
+step and a ~50 ms spin on the d2h stream before every publish (a gather that did not wait for
+its group's copies would read the old shard and the masters would drift from the reference),
+and bf16 with the overlapped step. On 1 GPU and on 2 GPUs (NCCL).
+
+Tolerances as tests/test_stage3_gpu.py: fp32 losses within 5e-5 relative and masters within
+5e-5 (TF32 off); bf16 losses within 3e-2, mean master drift within 15 %; what
+``GatheredParameters`` sees equals the masters cast to the compute dtype exactly.
+
+Run on the GPU machine:  .venv/bin/python -m pytest -q -m gpu tests/test_ratio_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
+
+from zeroio.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+RATIO = 0.5
+CASES = [("fp32", False, False), ("fp32", True, True), ("bf16", True, False)]
+"""(dtype, overlap_step, spin the d2h stream before each device-side publish)."""
+
+
+def _need(n: int) -> None:
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} CUDA device(s)")
+
+
+def _slow_publish() -> None:
+    """~50 ms of GPU cycles on the publish stream before its copies (see the docstring)."""
+    import torch
+
+    from zeroio.partition.stage3.twin import DevicePublish
+
+    real = DevicePublish.publish
+    if getattr(real, "slowed", False):
+        return
+
+    def publish(self, gi, host_shard, pieces, after):
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(50_000_000)
+        return real(self, gi, host_shard, pieces, after)
+
+    publish.slowed = True
+    DevicePublish.publish = publish
+
+
+def _train(batches, init_state, cfg, device):
+    import torch
+    import torch.distributed as dist
+
+    import zeroio
+    from zeroio.partition.stage3.twin import Side
+
+    model = eq._llama()
+    model.load_state_dict(init_state)
+    engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+    part = engine.partitioner
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in batches:
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for ids in step:
+            x = ids[rank].to(device)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().double()
+        dist.all_reduce(total)
+        losses.append(total.item() / (eq.GAS * world))
+    publisher = part._publisher
+    info = {"engine_device": str(engine.device), "async_publish": publisher is not None,
+            "staging_bytes": publisher.staging_bytes if publisher is not None else 0,
+            "device_elements": part.optimizer_split.numel(Side.DEVICE)}
+    params = dict(engine.module.named_parameters())
+    with zeroio.zero.GatheredParameters(list(params.values())):
+        full = {n: p.detach().float().cpu().clone() for n, p in params.items()}
+    flat = torch.zeros(part.index.total_numel, dtype=torch.float64, device=device)
+    for g in part.groups:
+        master = engine.optimizer.local_tensor(g.group_index, "fp32").to(device)
+        for s in g.segments:
+            flat[s.global_offset:s.global_offset + s.numel] = \
+                master[s.local_offset:s.local_offset + s.numel].double()
+    dist.all_reduce(flat)
+    flat = flat.cpu()
+    masters = {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
+               for e in part.index.entries}
+    engine.close()
+    return losses, full, masters, info
+
+
+def _body(tmpdir):
+    import torch
+    import torch.distributed as dist
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in eq._llama().state_dict().items()}
+    batches = eq._batches(world)
+    ref_losses, ref_params = eq._reference(batches, init)
+    results = []
+    for i, (dtype, overlap, slow) in enumerate(CASES):
+        if slow:
+            _slow_publish()
+        cfg = eq._config("cpu", "cpu", dtype, os.path.join(tmpdir, f"c{i}-r{rank}"), 0)
+        cfg["zero_optimization"]["offload_optimizer"]["ratio"] = RATIO
+        cfg["zero_optimization"]["tiering"] = {"overlap_step": overlap}
+        losses, params, masters, info = _train(batches, init, cfg, device)
+        cdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
+        results.append(dict(
+            case=(dtype, overlap, slow), device=str(device), **info,
+            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+            max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
+            rel_mean_diff=sum((masters[n] - ref_params[n]).abs().sum().item()
+                              for n in ref_params) / moved,
+            published_diff=max((params[n] - masters[n].to(cdtype).float()).abs().max().item()
+                               for n in ref_params)))
+    return results
+
+
+def _check(results):
+    for rank_results in results:
+        for r in rank_results:
+            assert r["engine_device"] == r["device"], r
+            assert r["async_publish"] and r["staging_bytes"] > 0, r  # the CUDA path ran
+            assert r["device_elements"] > 0, r
+            assert r["published_diff"] == 0.0, r
+            if r["case"][0] == "fp32":
+                assert r["loss_rel"] < 5e-5, r
+                assert r["max_diff"] < 5e-5, r
+            else:
+                assert r["loss_rel"] < 3e-2, r
+                assert r["rel_mean_diff"] < 0.15, r
+
+
+def test_ratio_one_gpu(tmp_path):
+    _need(1)
+    _check(run_ranks(_body, 1, str(tmp_path), backend="nccl", timeout=200))
+
+
+def test_ratio_two_gpus_nccl(tmp_path):
+    _need(2)
+    _check(run_ranks(_body, 2, str(tmp_path), backend="nccl", timeout=200))
