@@ -81,12 +81,15 @@ def _save_segments(engine, kind: str, comm: Comm) -> list[Segment | LazySegment]
 
 
 def _load_segments(engine, kind: str, locals_out: dict) -> list[Segment | LazySegment]:
-    """Segments to load ``kind`` into: off-host state (``read_local`` + ``write_local_range``)
-    is written chunk by chunk as the reader verifies each, without a whole host copy."""
+    """Segments to load ``kind`` into: state an optimizer keeps off-host or split
+    (``read_local`` + ``write_local_range``: NVMe-resident moments; every kind of a stage-3
+    group split between device and host by offload_optimizer.ratio, fp32 masters included)
+    is written chunk by chunk as the reader verifies each, without a whole host copy
+    (``TwinAdam.local_tensor`` of a split group is one: 52 GB of fp32 masters at 13B)."""
     opt = engine.optimizer
     write_range = getattr(opt, "write_local_range", None)
     read_local = getattr(opt, "read_local", None)
-    if write_range is None or read_local is None or kind == "fp32":
+    if write_range is None or read_local is None:
         return _shard_segments(engine, kind, locals_out)
     out: list[Segment | LazySegment] = []
     for g in engine.partitioner.groups:
