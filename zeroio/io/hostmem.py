@@ -20,6 +20,12 @@ any pinned tensor. The registration is undone when the tensor's storage is
 freed: a finalizer on the storage holds the mapping, so unregistering always
 happens before the pages are unmapped. Without CUDA the tensor is ordinary
 (page-able) huge-page memory.
+
+Only for long-lived buffers (owned by a partitioner, optimizer, store or pool
+for the whole run): unlike torch's caching host allocator, nothing here
+records CUDA events on a block, so a tensor must not be dropped while an
+asynchronous copy still reads or writes it. Every caller keeps its buffers
+for the engine's lifetime or reuses them after synchronising.
 """
 
 from __future__ import annotations
