@@ -2,8 +2,10 @@
 
 No conversion script and no engine: the manifest's index says where each
 parameter lies in the flat "fp32" array, so the full tensors are read
-straight from the chunks (verified), cast, and written shard by shard, so
-memory holds one output shard at a time. When the model was a Hugging Face
+straight from the chunks (verified), cast, and streamed into the safetensors
+files window by window (`SafetensorsStream`): memory holds one window
+(`STREAM_WINDOW` elements), never an output shard or the model. The bytes are
+those of ``safetensors.torch.save_file`` (same header, same tensor order). When the model was a Hugging Face
 PreTrainedModel its config was stored in the manifest and becomes
 config.json, so `from_pretrained(OUT)` loads the folder.
 """
@@ -12,18 +14,23 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from zeroio.checkpoint.layout import Manifest
-from zeroio.checkpoint.reader import ArrayReader, _Request, resolve_tag
+from zeroio.checkpoint.reader import ArrayReader, ChunkCursor, _Request, resolve_tag
 from zeroio.errors import CheckpointError
 
 WEIGHT_KINDS = ("fp32", "param16")  # preferred source of weights, in order
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STREAM_WINDOW = 1 << 24  # elements per streamed piece: 64 MB of fp32
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -81,35 +88,121 @@ def _write_config(out: Path, hf_config: dict | None, dtype: torch.dtype | None) 
     return [out / "config.json"]
 
 
-def _write_shards(out: Path, shards: list[list[str]], load_shard, total: int, progress: bool, desc: str):
-    from safetensors.torch import save_file
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """One tensor of a safetensors file, before its values exist."""
 
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def safetensors_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None
+                       ) -> tuple[bytes, list[TensorSpec]]:
+    """The 8-byte length + JSON header of a file holding ``specs``, and the order their bytes
+    follow it in: ``safetensors.torch.save_file``'s (by name within one dtype; compact JSON,
+    ``__metadata__`` first, padded with spaces to 8 bytes), so a streamed file is byte for
+    byte the one save_file writes from the same tensors."""
+    dtypes = {s.dtype for s in specs}
+    if len(dtypes) > 1:  # save_file orders mixed dtypes by its own enum; we never write them
+        raise CheckpointError(f"a streamed safetensors file holds one dtype, got {sorted(map(str, dtypes))}")
+    for s in specs:
+        if s.dtype not in _ST_DTYPES:
+            raise CheckpointError(f"tensor {s.name!r}: dtype {s.dtype} has no safetensors name here")
+    order = sorted(specs, key=lambda s: s.name)
+    doc: dict = {"__metadata__": metadata} if metadata else {}
+    at = 0
+    for s in order:
+        doc[s.name] = {"dtype": _ST_DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [at, at + s.nbytes]}
+        at += s.nbytes
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head, order
+
+
+class SafetensorsStream:
+    """A safetensors file written front to back: the header first, then each tensor's values
+    in ``order`` as consecutive pieces (``append``), so no tensor need be whole in memory."""
+
+    def __init__(self, path: str | os.PathLike, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+        head, self.order = safetensors_header(specs, metadata)
+        self.path = Path(path)
+        self.expected = sum(s.nbytes for s in specs)
+        self.written = 0
+        self._f = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        self._f.write(head)
+
+    def append(self, values: torch.Tensor) -> None:
+        data = values.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+        if self.written + data.nbytes > self.expected:
+            raise CheckpointError(f"{self.path}: {self.written + data.nbytes} bytes of tensor data, "
+                                  f"the header holds {self.expected}")
+        self._f.write(data)
+        self.written += data.nbytes
+
+    def close(self) -> None:
+        self._f.close()
+        if self.written != self.expected:
+            raise CheckpointError(f"{self.path}: {self.written} bytes of tensor data written, "
+                                  f"the header holds {self.expected}")
+
+
+Fill = Callable[[TensorSpec, int, int], torch.Tensor | None]
+"""fill(spec, lo, n): elements [lo, lo + n) of tensor ``spec`` (flat, its dtype); None on a
+process that does not write (the collective 16-bit export's other ranks)."""
+
+
+def stream_shards(out: Path, shards: list[list[TensorSpec]], fill: Fill, *, write: bool = True,
+                  progress: bool = False, desc: str = "", window: int = STREAM_WINDOW) -> list[Path]:
+    """Write ``shards`` (one list of specs per file) by pieces of at most ``window`` elements.
+
+    ``fill`` is called in the same order on every process (file, tensor in file order,
+    piece), so it may be collective; only a process with ``write`` touches ``out``."""
     names = _file_names(len(shards))
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress)
+    total = sum(s.nbytes for shard in shards for s in shard)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not (progress and write))
     weight_map, written = {}, []
     for fname, shard in zip(names, shards, strict=True):
-        tensors = load_shard(shard, fname)
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        written.append(out / fname)
-        weight_map.update({n: fname for n in shard})
-        bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
-        del tensors
+        stream = SafetensorsStream(out / fname, shard, {"format": "pt"}) if write else None
+        for spec in (stream.order if stream else safetensors_header(shard)[1]):
+            for lo in range(0, spec.numel, window):
+                n = min(window, spec.numel - lo)
+                values = fill(spec, lo, n)
+                if stream is not None:
+                    stream.append(values)
+                    bar.update(n * spec.dtype.itemsize)
+        if stream is not None:
+            stream.close()
+            written.append(stream.path)
+        weight_map.update({s.name: fname for s in shard})
     bar.close()
-    if len(shards) > 1:
+    if write and len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         written.append(out / "model.safetensors.index.json")
     return written
 
 
-def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Model-order runs of ``specs`` of at most ``max_shard_bytes`` each (a larger tensor alone)."""
     shards, cur, size = [], [], 0
-    for name, nbytes in sizes:
-        if cur and size + nbytes > max_shard_bytes:
+    for spec in specs:
+        if cur and size + spec.nbytes > max_shard_bytes:
             shards.append(cur)
             cur, size = [], 0
-        cur.append(name)
-        size += nbytes
+        cur.append(spec)
+        size += spec.nbytes
     if cur or not shards:
         shards.append(cur)
     return shards
@@ -120,26 +213,33 @@ def write_folder(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, *
     """Write in-memory full tensors as a safetensors folder (sharded + index when large)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sizes = [(n, t.numel() * t.element_size()) for n, t in tensors.items()]
-    shards = _plan_shards(sizes, max_shard_bytes)
-    dtype = next(iter(tensors.values())).dtype if tensors else None
-    written = _write_shards(out, shards, lambda names, _f: {n: tensors[n].contiguous() for n in names},
-                            sum(s for _, s in sizes), progress, "save 16-bit model")
+    specs = [TensorSpec(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in tensors.items()]
+    flat = {n: t.detach().reshape(-1) for n, t in tensors.items()}
+    written = stream_shards(out, plan_shards(specs, max_shard_bytes),
+                            lambda spec, lo, n: flat[spec.name].narrow(0, lo, n),
+                            progress=progress, desc="save 16-bit model")
+    dtype = specs[0].dtype if specs else None
     return written + _write_config(out, hf_config, dtype)
 
 
 def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None, *,
                       dtype: str | torch.dtype | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> list[Path]:
-    """Write checkpoint ``tag`` as a safetensors folder (+ index when sharded, + HF config.json)."""
+    """Write checkpoint ``tag`` as a safetensors folder (+ index when sharded, + HF config.json).
+
+    Streamed: each tensor is read from the verified chunks (one chunk in memory), cast and
+    appended to its file one window (``STREAM_WINDOW`` elements) at a time."""
     manifest = resolve_tag(checkpoint_dir, tag)
     kind = weight_kind(manifest)
     dt = parse_dtype(dtype) or manifest.arrays[kind].dtype
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reader = ArrayReader(manifest)
-    sizes = [(n, e.numel * dt.itemsize) for n, e in manifest.index.items()]
-    shards = _plan_shards(sizes, max_shard_bytes)
-    written = _write_shards(out, shards, lambda names, f: _read_params(reader, kind, names, dt, f),
-                            manifest.numel * dt.itemsize, progress, f"consolidate {manifest.tag}")
+    idx = manifest.index
+    specs = [TensorSpec(name=n, shape=tuple(e.shape), dtype=dt) for n, e in idx.items()]
+    with ChunkCursor(ArrayReader(manifest), kind) as cursor:
+        def fill(spec: TensorSpec, lo: int, n: int) -> torch.Tensor:
+            return cursor.read(idx[spec.name].offset + lo, n).to(dt)
+
+        written = stream_shards(out, plan_shards(specs, max_shard_bytes), fill, progress=progress,
+                                desc=f"consolidate {manifest.tag}")
     return written + _write_config(out, manifest.meta.get("hf_config"), dt)

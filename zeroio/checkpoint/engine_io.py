@@ -33,7 +33,13 @@ import torch.distributed as dist
 
 from zeroio.checkpoint import rng
 from zeroio.checkpoint.comm import Comm
-from zeroio.checkpoint.consolidate import write_folder
+from zeroio.checkpoint.consolidate import (
+    DEFAULT_MAX_SHARD_BYTES,
+    TensorSpec,
+    _write_config,
+    plan_shards,
+    stream_shards,
+)
 from zeroio.checkpoint.reader import load_sharded
 from zeroio.checkpoint.state import LazySegment, ParamEntry, Segment, ShardedState, split_by_param
 from zeroio.checkpoint.writer import SaveOptions, save_sharded
@@ -340,26 +346,45 @@ def _apply_scalars(engine, res, load_optimizer_states: bool, load_lr_scheduler_s
         rng.restore(res.rank_scalars["rng"])
 
 
-def gather_weights(engine, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-    """Full weights on rank 0 (None elsewhere), reduced window by window from the fp32 shards."""
-    comm = _comm(engine)
-    index = _index(engine)
-    dtype = dtype or _COMPUTE[engine.config.compute_dtype]
-    segs = _segments(engine, "fp32", comm)
+def _weight_segments(engine, index, comm: Comm) -> list[Segment | LazySegment]:
+    """This rank's fp32 masters (read by range where the optimizer keeps them split or
+    off-host: no whole-group host copy) and, on rank 0, the frozen parameters."""
+    segs = _save_segments(engine, "fp32", comm)
     frozen = _uncovered(engine, index, comm)
     if comm.rank == 0 and frozen:
         segs += _frozen_segments(engine, index, frozen, "fp32")
+    return segs
+
+
+def _gather_window(segs, lo: int, hi: int, comm: Comm) -> torch.Tensor | None:
+    """Elements [lo, hi) of the global fp32 masters, reduced onto rank 0 (None elsewhere).
+    Every rank contributes its segments' overlap; the others add zeros (x + 0 is exact)."""
+    buf = torch.zeros(hi - lo, dtype=torch.float32, device=comm.device)
+    for s in segs:
+        a, b = max(lo, s.offset), min(hi, s.end)
+        if a < b:
+            src = s.read(a - s.offset, b - a) if isinstance(s, LazySegment) else \
+                s.tensor[a - s.offset: b - s.offset]
+            buf[a - lo: b - lo].copy_(src)
+    if comm.world_size > 1:
+        dist.reduce(buf, dst=0, op=dist.ReduceOp.SUM, group=comm.group)
+    return buf if comm.rank == 0 else None
+
+
+def gather_weights(engine, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Full weights on rank 0 (None elsewhere), reduced window by window from the fp32 shards.
+
+    The result is a whole-model host copy: for small models and tests. ``save_16bit_model``
+    streams instead."""
+    comm = _comm(engine)
+    index = _index(engine)
+    dtype = dtype or _COMPUTE[engine.config.compute_dtype]
+    segs = _weight_segments(engine, index, comm)
     total = sum(e.numel for e in index.values())
     out = {n: torch.empty(e.shape, dtype=dtype) for n, e in index.items()} if comm.rank == 0 else None
     for lo in range(0, total, _GATHER_WINDOW):
         hi = min(total, lo + _GATHER_WINDOW)
-        buf = torch.zeros(hi - lo, dtype=torch.float32, device=comm.device)
-        for s in segs:
-            a, b = max(lo, s.offset), min(hi, s.end)
-            if a < b:
-                buf[a - lo: b - lo].copy_(s.tensor[a - s.offset: b - s.offset])
-        if comm.world_size > 1:
-            dist.reduce(buf, dst=0, op=dist.ReduceOp.SUM, group=comm.group)  # x + 0 is exact
+        buf = _gather_window(segs, lo, hi, comm)
         if out is not None:
             host = buf.cpu()
             for name, a, b in split_by_param(index, lo, hi):
@@ -369,7 +394,12 @@ def gather_weights(engine, dtype: torch.dtype | None = None) -> dict[str, torch.
 
 
 def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None) -> Path | None:
-    """Consolidated 16-bit (compute dtype) safetensors folder on rank 0 (+ HF config.json)."""
+    """Consolidated 16-bit (compute dtype) safetensors folder on rank 0 (+ HF config.json).
+
+    Collective and streamed: every rank walks the files' tensors in the same order, each
+    window of at most ``STREAM_WINDOW`` elements is reduced onto rank 0 from the ranks'
+    fp32 masters (read by range, so a group split by offload_optimizer.ratio is never
+    copied whole), cast and appended to its file. Host memory: one window, not the model."""
     zc = engine.config.zero_optimization
     if zc.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
         raise CheckpointError(
@@ -377,12 +407,25 @@ def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None) ->
             "zero_optimization.stage3_gather_16bit_weights_on_model_save is true; set it, or "
             "save_checkpoint(...) and run `zeroio consolidate CKPT OUT --dtype bf16`"
         )
-    weights = gather_weights(engine)
     comm = _comm(engine)
-    path = None
-    if comm.rank == 0:
-        kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        write_folder(weights, save_dir, hf_config=_hf_config(engine.module), **kw)
-        path = Path(save_dir)
+    index = _index(engine)
+    dtype = _COMPUTE[engine.config.compute_dtype]
+    segs = _weight_segments(engine, index, comm)
+    specs = [TensorSpec(name=n, shape=e.shape, dtype=dtype) for n, e in index.items()]
+    shards = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    rank0 = comm.rank == 0
+    out = Path(save_dir)
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+
+    def fill(spec: TensorSpec, lo: int, n: int) -> torch.Tensor | None:
+        at = index[spec.name].offset + lo
+        buf = _gather_window(segs, at, at + n, comm)
+        return None if buf is None else buf.to(dtype)
+
+    stream_shards(out, shards, fill, write=rank0, desc="save 16-bit model",
+                  progress=rank0 and not os.environ.get("ZEROIO_QUIET"))
+    if rank0:
+        _write_config(out, _hf_config(engine.module), dtype)
     comm.all_ok(True)
-    return path
+    return out if rank0 else None

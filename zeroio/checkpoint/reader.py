@@ -174,6 +174,45 @@ class ArrayReader:
         return out
 
 
+class ChunkCursor:
+    """Range reads of one array for a consumer that moves front to back (a streamed export):
+    each chunk is read and verified once while the reads move forward, and only the chunk
+    last read is kept, so memory holds one chunk, never the ranges a window spans twice."""
+
+    def __init__(self, reader: ArrayReader, kind: str):
+        self.reader, self.info = reader, reader.info(kind)
+        self._engine = open_engine(1)
+        self._at, self._data = -1, None
+
+    def read(self, offset: int, numel: int) -> torch.Tensor:
+        """Elements [offset, offset + numel) in the array's stored dtype (a new tensor)."""
+        info, ce = self.info, self.info.chunk_elems
+        if offset < 0 or offset + numel > info.numel:
+            raise CheckpointError(f"range [{offset}, {offset + numel}) is outside array "
+                                  f"{info.kind!r} of {info.numel}")
+        out = torch.empty(numel, dtype=info.dtype)
+        pos = offset
+        while pos < offset + numel:
+            c = pos // ce
+            if c != self._at:
+                self._data, self._at = None, -1  # drop the old chunk before reading the next
+                self._data, self._at = self.reader._chunk(self._engine, info, c), c
+            hi = min(offset + numel, (c + 1) * ce)
+            out[pos - offset: hi - offset].copy_(self._data[pos - c * ce: hi - c * ce])
+            pos = hi
+        return out
+
+    def close(self) -> None:
+        self._data, self._at = None, -1
+        self._engine.close()
+
+    def __enter__(self) -> ChunkCursor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @dataclass(kw_only=True)
 class LoadResult:
     manifest: layout.Manifest
