@@ -164,11 +164,12 @@ process that does not write (the collective 16-bit export's other ranks)."""
 
 
 def stream_shards(out: Path, shards: list[list[TensorSpec]], fill: Fill, *, write: bool = True,
-                  progress: bool = False, desc: str = "", window: int = STREAM_WINDOW) -> list[Path]:
+                  progress: bool = False, desc: str = "", window: int | None = None) -> list[Path]:
     """Write ``shards`` (one list of specs per file) by pieces of at most ``window`` elements.
 
     ``fill`` is called in the same order on every process (file, tensor in file order,
     piece), so it may be collective; only a process with ``write`` touches ``out``."""
+    window = window or STREAM_WINDOW
     names = _file_names(len(shards))
     total = sum(s.nbytes for shard in shards for s in shard)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not (progress and write))

@@ -40,6 +40,10 @@ _OPTIONS: dict[str, dict] = {
     "--output": dict(default="zeroio_run", metavar="DIR",
                      help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run)"),
     "--seed": dict(type=int, default=1234, help="model init and data order seed"),
+    "--ratio": dict(type=float, default=None, metavar="R",
+                    help="zero_optimization.offload_optimizer.ratio: offload this fraction of "
+                         "each rank's optimizer state, keep the rest on the GPU (stage 3; "
+                         "default: the config's, or 1)"),
 }
 _FLAGS = {
     "--resume": "continue from the newest checkpoint under DIR/checkpoints",

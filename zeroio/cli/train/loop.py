@@ -65,6 +65,8 @@ class TrainOptions:
     quiet: bool = False
     json: bool = False
     seed: int = 1234
+    ratio: float | None = None
+    """zero_optimization.offload_optimizer.ratio; None = the config's own (1 in the built-in)."""
     given: frozenset[str] = frozenset()
     """Names of the options the user typed (only these can contradict a config)."""
 
@@ -111,6 +113,8 @@ def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"--config {path} is not valid JSON: {e}", key="config") from e
+    if opts.ratio is not None:
+        raw = with_ratio(raw, opts.ratio, "--config " + str(opts.config) if opts.config else None)
     lr = opts.lr if opts.lr is not None else (3e-3 if (opts.preset or "tiny") in SMALL_PRESETS
                                               and opts.model_config is None else 3e-4)
     values = dict(
@@ -126,6 +130,21 @@ def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
                             **{v: values[v] for k, v in typed.items() if k in opts.given})
     cfg = load_config(raw, world_size=world.world_size, hidden_size=mcfg.hidden_size, **values)
     return cfg
+
+
+def with_ratio(raw: dict, ratio: float, source: str | None) -> dict:
+    """``raw`` with zero_optimization.offload_optimizer.ratio = ``ratio`` (--ratio). A user
+    config that sets another ratio contradicts it (ConfigError); the range and the stage are
+    checked by load_config like any config's."""
+    key = "zero_optimization.offload_optimizer.ratio"
+    zo = dict(raw.get("zero_optimization") or {})
+    off = dict(zo.get("offload_optimizer") or {})
+    if source is not None and "ratio" in off and off["ratio"] != "auto" and float(off["ratio"]) != ratio:
+        raise ConfigError(f"--ratio {ratio} contradicts {key} = {off['ratio']} in {source}; "
+                          "drop one of them", key=key)
+    off["ratio"] = ratio
+    zo["offload_optimizer"] = off
+    return {**raw, "zero_optimization": zo}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -320,6 +339,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         "stage": zo.stage,
         "offload_param": zo.offload_param.device.value,
         "offload_optimizer": zo.offload_optimizer.device.value,
+        "offload_optimizer_ratio": zo.offload_optimizer.ratio,
         "start_step": start,
         "steps": opts.steps,
         "end_step": end,
