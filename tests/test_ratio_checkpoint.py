@@ -160,11 +160,14 @@ def _bytes_of(folder):
 
 
 def _round_trip_body(tmpdir, ratio, off_param):
+    import importlib
+
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     from zeroio.checkpoint import write_safetensors
-    from zeroio.checkpoint import consolidate as cons
+
+    cons = importlib.import_module("zeroio.checkpoint.consolidate")  # the module, not the function
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -185,6 +188,9 @@ def _round_trip_body(tmpdir, ratio, off_param):
     with _Allocations(other.optimizer) as load_alloc:
         other.load_checkpoint(ckpt, tag="t")
     loaded = {k: _gather(other, k) for k in KINDS}
+    # windows smaller than most parameters: every export writes each tensor in pieces (the
+    # 16-bit one reduces each piece over the ranks)
+    cons.STREAM_WINDOW = 100
     export = os.path.join(tmpdir, f"export_{ratio}")
     with _Allocations(other.optimizer) as export_alloc:
         other.save_16bit_model(export)
@@ -212,11 +218,21 @@ def _round_trip_body(tmpdir, ratio, off_param):
         os.makedirs(ref)
         masters = {n: t.contiguous() for n, t in saved["fp32"].items()}
         save_file(masters, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
-        cons.STREAM_WINDOW = 100  # smaller than most parameters: each is written in pieces
-        consolidated = os.path.join(tmpdir, "consolidated")
-        write_safetensors(ckpt, consolidated, "t", progress=False)
-        sharded = os.path.join(tmpdir, "sharded")
-        write_safetensors(ckpt, sharded, "t", progress=False, max_shard_bytes=20_000)
+        pieces, real_append = [], cons.SafetensorsStream.append
+
+        def append(stream, values):
+            pieces.append(values.numel())
+            return real_append(stream, values)
+
+        cons.SafetensorsStream.append = append
+        try:
+            consolidated = os.path.join(tmpdir, "consolidated")
+            write_safetensors(ckpt, consolidated, "t", progress=False)
+            sharded = os.path.join(tmpdir, "sharded")
+            write_safetensors(ckpt, sharded, "t", progress=False, max_shard_bytes=20_000)
+        finally:
+            cons.SafetensorsStream.append = real_append
+        out.update(largest_piece=max(pieces), largest_param=max(t.numel() for t in masters.values()))
         out.update(export=_bytes_of(export), export_plain=_bytes_of(export_plain),
                    ref=_bytes_of(ref)["model.safetensors"], consolidated=_bytes_of(consolidated),
                    sharded_files=sorted(_bytes_of(sharded)),
@@ -260,6 +276,7 @@ def test_ratio_checkpoint_round_trip_and_export_without_whole_group_copies(
             assert r["export"]["model.safetensors"] == r["ref"]  # fp32 compute on CPU
             assert r["consolidated"]["model.safetensors"] == r["ref"]
             assert r["sharded_ok"], r["sharded_files"]
+            assert r["largest_piece"] == 100 < r["largest_param"], r  # written window by window
 
 
 def test_streamed_header_matches_save_file(tmp_path):
