@@ -56,3 +56,20 @@ def test_host_step_phases_account_for_cpu_adam(stage):
     assert t["host_publish_s"] > 0
     # the phases happen inside the step the training thread waits for
     assert t["host_adam_s"] + t["host_publish_s"] <= t["step_s"] + 0.05
+
+
+def test_step_threads_knob(monkeypatch):
+    import torch
+
+    from zeroio.errors import ConfigError
+    from zeroio.partition.step_overlap import StepRunner
+
+    seen = []
+    monkeypatch.setenv("ZEROIO_STEP_THREADS", "1")
+    runner = StepRunner(2, torch.device("cpu"))
+    runner.start(lambda i: seen.append(torch.get_num_threads()))
+    runner.join()
+    assert seen == [1, 1]
+    monkeypatch.setenv("ZEROIO_STEP_THREADS", "zero")
+    with pytest.raises(ConfigError, match="ZEROIO_STEP_THREADS"):
+        StepRunner(1, torch.device("cpu")).start(lambda i: None)

@@ -16,6 +16,7 @@ on the caller's thread.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
@@ -23,6 +24,26 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+
+from zeroio.errors import ConfigError
+
+
+def step_threads() -> int:
+    """CPU threads of the host step: the caller's torch thread count, or ``ZEROIO_STEP_THREADS``
+    (an experiment knob: with the overlapped step the training thread launches the next
+    forward's kernels while Adam runs, and one core left to it may pay; unmeasured)."""
+    raw = os.environ.get("ZEROIO_STEP_THREADS", "").strip()
+    if not raw:
+        return torch.get_num_threads()
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"ZEROIO_STEP_THREADS={raw!r}: expected a positive integer (CPU "
+                          "threads for the host optimizer step); unset it to use torch's",
+                          key="ZEROIO_STEP_THREADS")
+    return n
 
 
 class PhaseClock:
@@ -76,7 +97,7 @@ class StepRunner:
             self.join()
         with self._cond:
             self._done, self._error = 0, None
-        threads = torch.get_num_threads()  # a new thread would get OpenMP's default, not ours
+        threads = step_threads()  # a new thread would get OpenMP's default, not ours
         self._thread = threading.Thread(target=self._run, args=(job, threads),
                                         name="zeroio-step", daemon=True)
         self._thread.start()
