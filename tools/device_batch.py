@@ -262,6 +262,12 @@ RATIO_BATCHES = (
                    "configs/zero3-cpu.json --zero-init --profile {res}/prof "
                    + RATIO_SET.format(r=0.5), timeout_s=130,
                    sized="ratio 0.5 + synced phases + one profiled step (publish_device_side)"),
+              Step(name="z2-cpu-overlap-15-threads", shell="ZEROIO_STEP_THREADS=15 " + LLAMA
+                   + " --mode zeroio --config configs/zero2-cpu.json " + OVERLAP,
+                   timeout_s=60, sized="32 s measured for the 16-thread run (speed batch)"),
+              Step(name="z3-cpu-overlap-15-threads", shell="ZEROIO_STEP_THREADS=15 " + LLAMA
+                   + " --mode zeroio --config configs/zero3-cpu.json " + OVERLAP,
+                   timeout_s=65, sized="34 s measured for the 16-thread run (speed batch)"),
           )),
     Batch(name="probe13b", kind=Kind.H200,
           what="one 13B try (stage 3, params and optimizer on the CPU, the estimate's ratio, "
