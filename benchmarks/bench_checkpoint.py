@@ -12,6 +12,14 @@ world-size change (reads cross the writers' boundaries).
 
 Results: benchmarks/results/checkpoint-<host>-<date>.json (machine, date,
 commit); a table, or one JSON object with --json.
+
+--export adds the safetensors export (`write_safetensors`, what `zeroio consolidate` and
+`zeroio train`'s final export run) of a one-rank fp32 checkpoint of --export-params, beside
+a plain sequential read of the same chunk files, both from a cold page cache; --export-only
+skips the save/load measurement. Export GB/s counts checkpoint bytes read (fp32), the
+output is written without fsync.
+
+    python benchmarks/bench_checkpoint.py --path /nvme/zeroio-bench --export-only --export-params 1e9
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ def _bounds(total: int, world: int, rank: int) -> tuple[int, int]:
     return total * rank // world, total * (rank + 1) // world
 
 
-def _state(total: int, rank: int, world: int):
+def _state(total: int, rank: int, world: int, kinds: tuple[str, ...] = KINDS):
     from zeroio.checkpoint import Segment, ShardedState, build_index
 
     # a Llama-ish list of parameters: 2-D blocks of 4096 columns, the rest in a last 1-D one
@@ -49,7 +57,7 @@ def _state(total: int, rank: int, world: int):
     lo, hi = _bounds(total, world, rank)
     block = torch.randn(_BLOCK)
     arrays = {}
-    for k in KINDS:
+    for k in kinds:
         t = torch.empty(hi - lo)
         for a in range(0, hi - lo, _BLOCK):
             b = min(hi - lo, a + _BLOCK)
@@ -107,6 +115,47 @@ def _rank_load(path: str, total: int, threads: int) -> dict:
     return {"load_s": time.perf_counter() - t0}
 
 
+def _read_files(tag_dir: str, block: int = 16 << 20) -> int:
+    """Read every file under ``tag_dir`` front to back on one thread; the bytes read."""
+    buf, n = bytearray(block), 0
+    view = memoryview(buf)
+    for dirpath, _dirs, files in os.walk(tag_dir):
+        for f in sorted(files):
+            with open(os.path.join(dirpath, f), "rb", buffering=0) as fh:
+                while k := fh.readinto(view):
+                    n += k
+    return n
+
+
+def _export(path: str, total: int, chunk_mb: int, dtype: str | None) -> dict:
+    """Cold-cache raw read of a one-rank fp32 checkpoint, then its safetensors export."""
+    from zeroio.checkpoint import SaveOptions, save_sharded, write_safetensors
+
+    root = os.path.join(path, "export-ckpt")
+    out = os.path.join(path, "export-out")
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    state = _state(total, 0, 1, kinds=("fp32",))
+    tdir = str(save_sharded(state, root, "bench", options=SaveOptions(chunk_bytes=chunk_mb << 20, progress=False)))
+    del state
+    nbytes = total * 4
+    _evict(tdir)
+    t0 = time.perf_counter()
+    raw_bytes = _read_files(os.path.join(tdir, "fp32"))
+    raw_s = time.perf_counter() - t0
+    _evict(tdir)
+    t0 = time.perf_counter()
+    write_safetensors(root, out, "bench", dtype=dtype, progress=False)
+    export_s = time.perf_counter() - t0
+    out_bytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return {"params": total, "bytes": nbytes, "chunk_mb": chunk_mb, "dtype": dtype or "fp32",
+            "output_bytes": out_bytes,
+            "raw_read": {"seconds": raw_s, "gbps": raw_bytes / raw_s / 1e9},
+            "export": {"seconds": export_s, "gbps": nbytes / export_s / 1e9}}
+
+
 def _bench_io(path: str, size: str) -> dict | None:
     cmd = [sys.executable, "-m", "zeroio.cli", "bench", "io", "--path", path, "--size", size, "--json"]
     try:
@@ -129,6 +178,12 @@ def main() -> None:
                     help="SaveOptions.direct: O_DIRECT writes; the verify then reads the device")
     ap.add_argument("--io-size", default="8G", help="--size of the `zeroio bench io` run (0 = skip)")
     ap.add_argument("--keep", action="store_true", help="leave the checkpoint on disk")
+    ap.add_argument("--export", action="store_true", help="also measure the safetensors export")
+    ap.add_argument("--export-only", action="store_true", help="measure the export only (no save/load)")
+    ap.add_argument("--export-params", type=float, default=None, help="parameters of the exported "
+                    "checkpoint (fp32, 4 bytes each; default --params)")
+    ap.add_argument("--export-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                    help="dtype of the exported tensors (default the checkpoint's fp32)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
@@ -140,6 +195,9 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     nbytes = total * 4 * len(KINDS)
+    if args.export_only:
+        _export_main(args, root)
+        return
     env = {"OMP_NUM_THREADS": "2"}
     res = run_ranks(_rank_save_load, args.ranks, root, total, args.chunk_mb, args.threads,
                     not args.no_verify, args.direct, timeout=3600, threads=2, env=env)
@@ -161,6 +219,9 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     if args.io_size != "0":
         result["bench_io"] = _bench_io(args.path, args.io_size)
+    if args.export:
+        result["export"] = _export(root, int(args.export_params or total), args.chunk_mb, args.export_dtype)
+        shutil.rmtree(root, ignore_errors=True)
     out = provenance.write_result(args.out, "checkpoint", result)
     if args.json:
         print(json.dumps(result))
@@ -180,6 +241,30 @@ def main() -> None:
         if isinstance(io.get(side), dict):
             print(f"  zeroio bench io {side:<8} write {io[side].get('write_gbps', float('nan')):.2f} GB/s"
                   f"  read {io[side].get('read_gbps', float('nan')):.2f} GB/s")
+    if "export" in result:
+        _print_export(result["export"])
+    print(f"wrote {out}")
+
+
+def _print_export(e: dict) -> None:
+    print(f"export of {e['params'] / 1e9:.2f}B fp32 parameters ({e['bytes'] / 1e9:.2f} GB) to "
+          f"{e['dtype']} safetensors, {e['chunk_mb']} MB chunks, cold cache")
+    print(f"  {'operation':<24}{'seconds':>10}{'GB/s':>10}")
+    for name, key in (("plain read (1 thread)", "raw_read"), ("write_safetensors", "export")):
+        print(f"  {name:<24}{e[key]['seconds']:>10.2f}{e[key]['gbps']:>10.2f}")
+
+
+def _export_main(args, root: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    total = int(args.export_params or args.params)
+    result = {**provenance.header(args.path), "path": args.path,
+              "export": _export(root, total, args.chunk_mb, args.export_dtype)}
+    shutil.rmtree(root, ignore_errors=True)
+    out = provenance.write_result(args.out, "export", result)
+    if args.json:
+        print(json.dumps(result))
+        return
+    _print_export(result["export"])
     print(f"wrote {out}")
 
 
