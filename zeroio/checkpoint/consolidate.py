@@ -2,9 +2,10 @@
 
 No conversion script and no engine: the manifest's index says where each
 parameter lies in the flat "fp32" array, so the full tensors are read
-straight from the chunks (verified), cast, and streamed into the safetensors
-files window by window (`SafetensorsStream`): memory holds one window
-(`STREAM_WINDOW` elements), never an output shard or the model. The bytes are
+straight from the chunks (verified, read ahead by a small pool), cast, and
+written into the safetensors files window by window (`SafetensorsStream`):
+memory holds a few chunks and one window (`STREAM_WINDOW` elements), never an
+output shard or the model. The bytes are
 those of ``safetensors.torch.save_file`` (same header, same tensor order). When the model was a Hugging Face
 PreTrainedModel its config was stored in the manifest and becomes
 config.json, so `from_pretrained(OUT)` loads the folder.
@@ -29,6 +30,7 @@ WEIGHT_KINDS = ("fp32", "param16")  # preferred source of weights, in order
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STREAM_WINDOW = 1 << 24  # elements per streamed piece: 64 MB of fp32
+READ_AHEAD = 2  # chunks read and verified ahead of an export's writer (64 MB each by default)
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 
@@ -132,30 +134,66 @@ def safetensors_header(specs: list[TensorSpec], metadata: dict[str, str] | None 
 
 
 class SafetensorsStream:
-    """A safetensors file written front to back: the header first, then each tensor's values
-    in ``order`` as consecutive pieces (``append``), so no tensor need be whole in memory."""
+    """A safetensors file written in pieces: the header first, then tensor values appended
+    (``append``) in ``order``, or at any tensor's element after ``seek`` (an export that walks
+    its source in another order), so no tensor need be whole in memory.
+
+    The file is written under a temporary name beside ``path`` (``.NAME.partial``) and renamed
+    to ``path`` by ``close`` once every byte the header promises is written; ``abort`` (or a
+    failed close) removes it, so an interrupted export never leaves a half-good file under the
+    final name."""
 
     def __init__(self, path: str | os.PathLike, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
         head, self.order = safetensors_header(specs, metadata)
         self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.partial")
         self.expected = sum(s.nbytes for s in specs)
         self.written = 0
-        self._f = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        self._starts, at = {}, len(head)
+        for s in self.order:
+            self._starts[s.name] = (at, s)
+            at += s.nbytes
+        self._pos, self._end = len(head), at  # next write; end of the run it may fill
+        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed by close() / abort()
         self._f.write(head)
+
+    def seek(self, name: str, element: int) -> None:
+        """Make the next ``append`` write tensor ``name``'s values from ``element`` on (up to
+        that tensor's end)."""
+        try:
+            start, spec = self._starts[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this file") from None
+        if not 0 <= element <= spec.numel:
+            raise CheckpointError(f"{self.path}: element {element} is outside tensor {name!r} of {spec.numel}")
+        self._pos, self._end = start + element * spec.dtype.itemsize, start + spec.nbytes
+        self._f.seek(self._pos)
 
     def append(self, values: torch.Tensor) -> None:
         data = values.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
         if self.written + data.nbytes > self.expected:
             raise CheckpointError(f"{self.path}: {self.written + data.nbytes} bytes of tensor data, "
                                   f"the header holds {self.expected}")
+        if self._pos + data.nbytes > self._end:
+            raise CheckpointError(f"{self.path}: a {data.nbytes}-byte piece at byte {self._pos} runs past "
+                                  f"byte {self._end}, where the tensor it was sought to ends")
         self._f.write(data)
+        self._pos += data.nbytes
         self.written += data.nbytes
 
     def close(self) -> None:
-        self._f.close()
+        """Rename the finished file into place (a CheckpointError, and no file, if short)."""
         if self.written != self.expected:
+            self.abort()
             raise CheckpointError(f"{self.path}: {self.written} bytes of tensor data written, "
                                   f"the header holds {self.expected}")
+        self._f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        """Close and remove the partial file (idempotent)."""
+        self._f.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 Fill = Callable[[TensorSpec, int, int], torch.Tensor | None]
@@ -176,13 +214,18 @@ def stream_shards(out: Path, shards: list[list[TensorSpec]], fill: Fill, *, writ
     weight_map, written = {}, []
     for fname, shard in zip(names, shards, strict=True):
         stream = SafetensorsStream(out / fname, shard, {"format": "pt"}) if write else None
-        for spec in (stream.order if stream else safetensors_header(shard)[1]):
-            for lo in range(0, spec.numel, window):
-                n = min(window, spec.numel - lo)
-                values = fill(spec, lo, n)
-                if stream is not None:
-                    stream.append(values)
-                    bar.update(n * spec.dtype.itemsize)
+        try:
+            for spec in (stream.order if stream else safetensors_header(shard)[1]):
+                for lo in range(0, spec.numel, window):
+                    n = min(window, spec.numel - lo)
+                    values = fill(spec, lo, n)
+                    if stream is not None:
+                        stream.append(values)
+                        bar.update(n * spec.dtype.itemsize)
+        except BaseException:
+            if stream is not None:
+                stream.abort()
+            raise
         if stream is not None:
             stream.close()
             written.append(stream.path)
@@ -225,22 +268,70 @@ def write_folder(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, *
 
 def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None, *,
                       dtype: str | torch.dtype | None = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> list[Path]:
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True,
+                      read_ahead: int | None = None) -> list[Path]:
     """Write checkpoint ``tag`` as a safetensors folder (+ index when sharded, + HF config.json).
 
-    Streamed: each tensor is read from the verified chunks (one chunk in memory), cast and
-    appended to its file one window (``STREAM_WINDOW`` elements) at a time."""
+    [Note: export order] save_file orders a file's tensors by name (layers.10 before
+    layers.2), the checkpoint by model order, so a walk in file order would read a chunk
+    again each time the names jump back. The export walks the checkpoint instead: each
+    chunk is read and verified once, front to back, ``read_ahead`` chunks ahead of the
+    writer ([Note: read-ahead bound] in reader.py, default ``READ_AHEAD``), and each tensor's
+    part of it is cast and written at its place in its file (``SafetensorsStream.seek``) in
+    pieces of at most ``STREAM_WINDOW`` elements. Host memory: ``read_ahead + 1`` chunks +
+    one window and its cast. Every file is renamed into place only when complete, and
+    nothing is renamed when a chunk is corrupt or missing: the CheckpointError names it."""
     manifest = resolve_tag(checkpoint_dir, tag)
     kind = weight_kind(manifest)
-    dt = parse_dtype(dtype) or manifest.arrays[kind].dtype
+    info = manifest.arrays[kind]
+    dt = parse_dtype(dtype) or info.dtype
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     idx = manifest.index
     specs = [TensorSpec(name=n, shape=tuple(e.shape), dtype=dt) for n, e in idx.items()]
-    with ChunkCursor(ArrayReader(manifest), kind) as cursor:
-        def fill(spec: TensorSpec, lo: int, n: int) -> torch.Tensor:
-            return cursor.read(idx[spec.name].offset + lo, n).to(dt)
-
-        written = stream_shards(out, plan_shards(specs, max_shard_bytes), fill, progress=progress,
-                                desc=f"consolidate {manifest.tag}")
+    shards = plan_shards(specs, max_shard_bytes)
+    names = _file_names(len(shards))
+    window, ce = STREAM_WINDOW, info.chunk_elems
+    # tensors in checkpoint order, and the chunks they cover, each once
+    runs = sorted((idx[s.name].offset, s.numel, s.name) for s in specs if s.numel)
+    chunks = sorted({c for off, n, _ in runs for c in range(off // ce, -(-(off + n) // ce))})
+    total = sum(s.nbytes for s in specs)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"consolidate {manifest.tag}", disable=not progress)
+    streams: list[SafetensorsStream] = []
+    try:
+        for fname, shard in zip(names, shards, strict=True):
+            streams.append(SafetensorsStream(out / fname, shard, {"format": "pt"}))
+        file_of = {s.name: st for st in streams for s in st.order}
+        with ChunkCursor(ArrayReader(manifest), kind, chunks, depth=read_ahead or READ_AHEAD) as cursor:
+            first = 0  # the first run that may still overlap the current chunk
+            for c, data in cursor:
+                base, end = c * ce, (c + 1) * ce
+                while first < len(runs) and runs[first][0] + runs[first][1] <= base:
+                    first += 1
+                r = first
+                while r < len(runs) and runs[r][0] < end:
+                    off, n, name = runs[r]
+                    lo, hi = max(off, base), min(off + n, end)
+                    stream = file_of[name]
+                    stream.seek(name, lo - off)
+                    for a in range(lo, hi, window):
+                        b = min(hi, a + window)
+                        stream.append(data[a - base: b - base].to(dt))
+                    bar.update((hi - lo) * dt.itemsize)
+                    r += 1
+                del data  # [Note: read-ahead bound]: the held chunk is one of depth + 1
+        for st in sorted(streams, key=lambda st: st.written == st.expected):
+            st.close()  # a short file first: it raises before any file is renamed into place
+    except BaseException:
+        for st in streams:
+            st.abort()
+        raise
+    finally:
+        bar.close()
+    written = [st.path for st in streams]
+    if len(shards) > 1:
+        weight_map = {s.name: fname for fname, shard in zip(names, shards, strict=True) for s in shard}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        written.append(out / "model.safetensors.index.json")
     return written + _write_config(out, manifest.meta.get("hf_config"), dt)

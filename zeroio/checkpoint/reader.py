@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -175,35 +176,55 @@ class ArrayReader:
 
 
 class ChunkCursor:
-    """Range reads of one array for a consumer that moves front to back (a streamed export):
-    each chunk is read and verified once while the reads move forward, and only the chunk
-    last read is kept, so memory holds one chunk, never the ranges a window spans twice."""
+    """Verified chunks of one array in a given order, read ahead by a bounded pool (a streamed
+    export walks the array front to back once, so each chunk is read exactly once).
 
-    def __init__(self, reader: ArrayReader, kind: str):
-        self.reader, self.info = reader, reader.info(kind)
-        self._engine = open_engine(1)
-        self._at, self._data = -1, None
+    [Note: read-ahead bound] At most ``depth`` chunks are being read or wait, read and
+    crc-checked, ahead of the consumer, plus the one the consumer holds: ``depth + 1`` chunk
+    buffers (64 MB each by default) when the consumer drops each chunk before asking for the
+    next. The next read is submitted only when the consumer comes back, so a slow consumer
+    never lets reads run further ahead. A corrupt or missing chunk raises its CheckpointError
+    when the consumer reaches it, in order; the reads still in flight are waited for on close.
+    """
 
-    def read(self, offset: int, numel: int) -> torch.Tensor:
-        """Elements [offset, offset + numel) in the array's stored dtype (a new tensor)."""
-        info, ce = self.info, self.info.chunk_elems
-        if offset < 0 or offset + numel > info.numel:
-            raise CheckpointError(f"range [{offset}, {offset + numel}) is outside array "
-                                  f"{info.kind!r} of {info.numel}")
-        out = torch.empty(numel, dtype=info.dtype)
-        pos = offset
-        while pos < offset + numel:
-            c = pos // ce
-            if c != self._at:
-                self._data, self._at = None, -1  # drop the old chunk before reading the next
-                self._data, self._at = self.reader._chunk(self._engine, info, c), c
-            hi = min(offset + numel, (c + 1) * ce)
-            out[pos - offset: hi - offset].copy_(self._data[pos - c * ce: hi - c * ce])
-            pos = hi
-        return out
+    def __init__(self, reader: ArrayReader, kind: str, chunks: Iterable[int], *, depth: int = 2):
+        if depth < 1:
+            raise CheckpointError(f"read-ahead depth must be >= 1, got {depth}")
+        self.reader, self.info, self.depth = reader, reader.info(kind), depth
+        self._chunks = list(chunks)
+        n = self.info.num_chunks
+        bad = [c for c in self._chunks if not 0 <= c < n]
+        if bad:
+            raise CheckpointError(f"chunk(s) {bad[:3]} outside array {kind!r} of {n} chunks")
+        # one worker per chunk in flight; the engine splits each chunk over its own threads
+        self._engine = open_engine(reader.threads)
+        self._pool = FileIO(depth)
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(chunk index, its elements in the stored dtype), in the order given."""
+        order = iter(self._chunks)
+        pending: deque[tuple[int, Future]] = deque()
+
+        def top_up() -> None:
+            while len(pending) < self.depth and (c := next(order, None)) is not None:
+                pending.append((c, self._pool.submit(self.reader._chunk, self._engine, self.info, c)))
+
+        try:
+            while True:
+                top_up()
+                if not pending:
+                    return
+                c, fut = pending.popleft()
+                data = fut.result()
+                del fut  # a finished future keeps its result alive
+                yield c, data
+                del data
+        finally:
+            for _c, fut in pending:
+                fut.cancel()
 
     def close(self) -> None:
-        self._data, self._at = None, -1
+        self._pool.close()
         self._engine.close()
 
     def __enter__(self) -> ChunkCursor:
