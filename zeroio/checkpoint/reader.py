@@ -179,11 +179,11 @@ class ChunkCursor:
     """Verified chunks of one array in a given order, read ahead by a bounded pool (a streamed
     export walks the array front to back once, so each chunk is read exactly once).
 
-    [Note: read-ahead bound] At most ``depth`` chunks are being read or wait, read and
-    crc-checked, ahead of the consumer, plus the one the consumer holds: ``depth + 1`` chunk
+    [Note: read-ahead bound] At most ``depth`` chunks are being read, or wait read and
+    crc-checked, ahead of the one the consumer holds (or waits for): ``depth + 1`` chunk
     buffers (64 MB each by default) when the consumer drops each chunk before asking for the
-    next. The next read is submitted only when the consumer comes back, so a slow consumer
-    never lets reads run further ahead. A corrupt or missing chunk raises its CheckpointError
+    next. A read is submitted only when the consumer takes a chunk, so a slow consumer never
+    lets reads run further ahead. A corrupt or missing chunk raises its CheckpointError
     when the consumer reaches it, in order; the reads still in flight are waited for on close.
     """
 
@@ -210,11 +210,10 @@ class ChunkCursor:
                 pending.append((c, self._pool.submit(self.reader._chunk, self._engine, self.info, c)))
 
         try:
-            while True:
-                top_up()
-                if not pending:
-                    return
+            top_up()
+            while pending:
                 c, fut = pending.popleft()
+                top_up()  # keep `depth` reads going while this chunk is waited for and used
                 data = fut.result()
                 del fut  # a finished future keeps its result alive
                 yield c, data
