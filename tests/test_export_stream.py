@@ -16,7 +16,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from zeroio.checkpoint import SaveOptions, Segment, ShardedState, build_index, save_sharded, write_safetensors
+from zeroio.checkpoint import (
+    SaveOptions,
+    Segment,
+    ShardedState,
+    build_index,
+    save_sharded,
+    write_safetensors,
+)
 from zeroio.checkpoint.reader import ArrayReader
 from zeroio.errors import CheckpointError
 
