@@ -21,33 +21,14 @@ import os
 import pytest
 
 from zeroio.testing import run_ranks
+from zeroio.testing.models import llama_reference, tiny_llama, token_batches
+from zeroio.testing.training import gather_state, gathered_params, reference_diffs, train_steps
 
 STEPS, GAS, MICRO, LR, CLIP = 10, 2, 2, 1e-3, 0.05
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                      max_position_embeddings=64, tie_word_embeddings=True, use_cache=False)
-    model = LlamaForCausalLM(cfg)
-    model.gradient_checkpointing_enable()
-    model.train()
-    return model
-
-
 def _batches(world, steps=STEPS, seed=1234):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, 128, (world, MICRO, 12), generator=g) for _ in range(GAS)]
-            for _ in range(steps)]
-
-
-def _lm_loss(model, ids):
-    batch = ids.reshape(-1, ids.shape[-1])
-    return model(input_ids=batch, labels=batch).loss
+    return token_batches(world, steps=steps, gas=GAS, micro=MICRO, seed=seed)
 
 
 def _config(*, off_param="none", off_opt="cpu", ratio=None, overlap=False, nvme_dir=None):
@@ -85,7 +66,7 @@ def _engine(init, cfg, groups=False):
 
     import zeroio
 
-    model = _llama()
+    model = tiny_llama()
     model.load_state_dict(init)
     client = None
     if groups:  # a client AdamW with two param groups instead of the config's optimizer
@@ -93,70 +74,6 @@ def _engine(init, cfg, groups=False):
         client = torch.optim.AdamW(_param_groups(model), lr=LR)
     engine, _, _, _ = zeroio.initialize(model=model, config=cfg, optimizer=client)
     return engine
-
-
-def _grouped_reference(init, batches):
-    """torch.optim.AdamW over ``_param_groups`` (the loop of zeroio.testing.reference)."""
-    import torch
-
-    model = _llama()
-    model.load_state_dict(init)
-    opt = torch.optim.AdamW(_param_groups(model), lr=LR)
-    losses = []
-    for step in batches:
-        total = 0.0
-        for micro in step:
-            loss = _lm_loss(model, micro)
-            (loss / len(step)).backward()
-            total += loss.item() / len(step)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _run(engine, batches):
-    import torch
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in batches:
-        total = torch.zeros(1, dtype=torch.float64)
-        for ids in step:
-            loss = engine(input_ids=ids[rank], labels=ids[rank]).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        dist.all_reduce(total)
-        losses.append(total.item() / (GAS * world))
-    return losses
-
-
-def _gather(engine, kind="fp32"):
-    """The global flat ``kind`` array (every rank's segments, summed over ranks) by name."""
-    import torch
-    import torch.distributed as dist
-
-    engine.synchronize()  # an overlapped step (tiering.overlap_step) may still write them
-    flat = torch.zeros(engine.partitioner.index.total_numel, dtype=torch.float64)
-    for g in engine.partitioner.groups:
-        local = engine.optimizer.local_tensor(g.group_index, kind)
-        for s in g.segments:
-            flat[s.global_offset:s.global_offset + s.numel] = \
-                local[s.local_offset:s.local_offset + s.numel].double()
-    dist.all_reduce(flat)
-    return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
-            for e in engine.partitioner.index.entries}
-
-
-def _published(engine):
-    import zeroio
-
-    params = dict(engine.module.named_parameters())
-    with zeroio.zero.GatheredParameters(list(params.values())):
-        return {n: p.detach().float().clone() for n, p in params.items()}
 
 
 def _sides(engine):
@@ -184,21 +101,20 @@ def _equivalence_body(tmpdir):
 
     from zeroio.optim.adam import ShardedAdam
     from zeroio.optim.twin import TwinAdam
-    from zeroio.testing.reference import adamw_reference
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in _llama().state_dict().items()}
-    n_params = sum(v.numel() for k, v in _llama().named_parameters())
+    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
+    n_params = sum(v.numel() for k, v in tiny_llama().named_parameters())
     batches = _batches(world)
-    ref = _llama()
-    ref.load_state_dict(init)
-    plain_ref = adamw_reference(ref, batches, _lm_loss, lr=LR, weight_decay=0.01, clip=CLIP)
+    plain_ref = llama_reference(batches, init, lr=LR, clip=CLIP)
+    grouped_ref = (llama_reference(batches, init, lr=LR, clip=CLIP, param_groups=_param_groups)
+                   if any(c.get("groups") for c in CASES[world]) else None)
     out = []
     for i, case in enumerate(CASES[world]):
         case = dict(case)
         groups = case.pop("groups", False)
-        ref_losses, ref_params = _grouped_reference(init, batches) if groups else plain_ref
+        ref_losses, ref_params = grouped_ref if groups else plain_ref
         engine = _engine(init, _config(**case, nvme_dir=os.path.join(tmpdir, f"{i}-r{rank}")),
                          groups=groups)
         n_groups = len(engine.partitioner.groups)
@@ -208,9 +124,9 @@ def _equivalence_body(tmpdir):
         if twin:  # where each side's state lives
             split = engine.partitioner.optimizer_split
             devices = {(g.master.device.type, g.grad.device.type) for g in split.device}
-        losses = _run(engine, batches)
-        masters = _gather(engine)
-        published = _published(engine)
+        losses = train_steps(engine, batches)
+        masters = gather_state(engine)
+        published = gathered_params(engine)
         totals = torch.tensor([total], dtype=torch.int64)
         dist.all_reduce(totals)
         engine.close()
@@ -218,10 +134,7 @@ def _equivalence_body(tmpdir):
             case={**case, "groups": groups}, groups=n_groups, twin=twin, plain=isinstance(engine.optimizer, ShardedAdam),
             dev=dev, host=host, total=total, global_total=int(totals.item()),
             n_params=n_params, devices=devices,
-            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-            max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
-            published_diff=max((published[n] - masters[n]).abs().max().item()
-                               for n in ref_params)))
+            **reference_diffs(losses, published, masters, ref_losses, ref_params, init, "fp32")))
     return out
 
 
@@ -260,24 +173,24 @@ def _checkpoint_body(tmpdir, save_ratio, load_ratio):
 
     world = dist.get_world_size()
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in _llama().state_dict().items()}
+    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
     first, rest = _batches(world, 4, seed=7), _batches(world, 4, seed=8)
     engine = _engine(init, _config(ratio=save_ratio))
-    _run(engine, first)
+    train_steps(engine, first)
     engine.save_checkpoint(os.path.join(tmpdir, "ckpt"), tag="t")
-    saved = {k: _gather(engine, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    saved = {k: gather_state(engine, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
     steps = [engine.optimizer.steps_taken(i) for i in range(len(engine.partitioner.groups))]
-    cont_losses = _run(engine, rest)
-    cont = _gather(engine)
+    cont_losses = train_steps(engine, rest)
+    cont = gather_state(engine)
     engine.close()
 
     other = _engine({k: torch.zeros_like(v) for k, v in init.items()}, _config(ratio=load_ratio))
     other.load_checkpoint(os.path.join(tmpdir, "ckpt"), tag="t")
-    loaded = {k: _gather(other, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    loaded = {k: gather_state(other, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
     loaded_steps = [other.optimizer.steps_taken(i) for i in range(len(other.partitioner.groups))]
-    loaded_published = _published(other)
-    resumed_losses = _run(other, rest)
-    resumed = _gather(other)
+    loaded_published = gathered_params(other)
+    resumed_losses = train_steps(other, rest)
+    resumed = gather_state(other)
     other.close()
     return dict(
         state_diff=max((saved[k][n] - loaded[k][n]).abs().max().item()
@@ -402,9 +315,9 @@ def _save_no_full_copy_body(tmpdir):
     from zeroio.optim.twin import TwinAdam
 
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in _llama().state_dict().items()}
+    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
     engine = _engine(init, _config(ratio=0.5))
-    _run(engine, _batches(1, 2, seed=7))
+    train_steps(engine, _batches(1, 2, seed=7))
     opt = engine.optimizer
     split = [g.group_index for g in engine.partitioner.groups
              if opt._split(g.group_index) and opt._host_numel(g.group_index)]
@@ -425,11 +338,11 @@ def _save_no_full_copy_body(tmpdir):
         engine.save_checkpoint(os.path.join(tmpdir, "ckpt"), tag="t")
     finally:
         TwinAdam.local_tensor, TwinAdam.read_local = real_local, real_read
-    saved = {k: _gather(engine, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    saved = {k: gather_state(engine, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
     engine.close()
     other = _engine({k: torch.zeros_like(v) for k, v in init.items()}, _config(ratio=0.5))
     other.load_checkpoint(os.path.join(tmpdir, "ckpt"), tag="t")
-    loaded = {k: _gather(other, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    loaded = {k: gather_state(other, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
     other.close()
     largest_param = max(v.numel() for v in init.values())
     return dict(split=split, whole=whole, max_read=max(sizes), largest_param=largest_param,

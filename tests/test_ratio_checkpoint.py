@@ -27,26 +27,15 @@ import pytest
 import torch
 
 from zeroio.testing import run_ranks
+from zeroio.testing.models import tiny_llama, token_batches
+from zeroio.testing.training import gather_state
 
 GAS, MICRO, LR, CLIP = 2, 2, 1e-3, 0.05
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                      max_position_embeddings=64, tie_word_embeddings=True, use_cache=False)
-    model = LlamaForCausalLM(cfg)
-    model.train()
-    return model
-
-
 def _batches(world, steps, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, 128, (world, MICRO, 12), generator=g) for _ in range(GAS)]
-            for _ in range(steps)]
+    return token_batches(world, steps=steps, gas=GAS, micro=MICRO, seed=seed)
 
 
 def _config(ratio, off_param="none"):
@@ -67,7 +56,7 @@ def _config(ratio, off_param="none"):
 def _engine(init, cfg):
     import zeroio
 
-    model = _llama()
+    model = tiny_llama(checkpointing=False)
     model.load_state_dict(init)
     engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
     return engine
@@ -85,22 +74,6 @@ def _run(engine, batches):
             engine.step()
             losses.append(loss.item())
     return losses
-
-
-def _gather(engine, kind):
-    """The global flat ``kind`` array by name (every rank's segments summed over ranks)."""
-    import torch.distributed as dist
-
-    engine.synchronize()
-    flat = torch.zeros(engine.partitioner.index.total_numel, dtype=torch.float64)
-    for g in engine.partitioner.groups:
-        local = engine.optimizer.local_tensor(g.group_index, kind)
-        for s in g.segments:
-            flat[s.global_offset:s.global_offset + s.numel] = \
-                local[s.local_offset:s.local_offset + s.numel].double()
-    dist.all_reduce(flat)
-    return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
-            for e in engine.partitioner.index.entries}
 
 
 class _Allocations:
@@ -171,23 +144,23 @@ def _round_trip_body(tmpdir, ratio, off_param):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in _llama().state_dict().items()}
+    init = {k: v.clone() for k, v in tiny_llama(checkpointing=False).state_dict().items()}
     first, rest = _batches(world, 2, seed=7), _batches(world, 3, seed=8)
     ckpt = os.path.join(tmpdir, "ckpt")
 
     engine = _engine(init, _config(ratio, off_param))
     _run(engine, first)
     engine.save_checkpoint(ckpt, tag="t")
-    saved = {k: _gather(engine, k) for k in KINDS}
+    saved = {k: gather_state(engine, k) for k in KINDS}
     cont_losses = _run(engine, rest)  # the uninterrupted run
-    cont = {k: _gather(engine, k) for k in KINDS}
+    cont = {k: gather_state(engine, k) for k in KINDS}
     engine.close()
 
     other = _engine({k: torch.zeros_like(v) for k, v in init.items()}, _config(ratio, off_param))
     seg_bound, group_min = _split_bounds(other)
     with _Allocations(other.optimizer) as load_alloc:
         other.load_checkpoint(ckpt, tag="t")
-    loaded = {k: _gather(other, k) for k in KINDS}
+    loaded = {k: gather_state(other, k) for k in KINDS}
     # windows smaller than most parameters: every export writes each tensor in pieces (the
     # 16-bit one reduces each piece over the ranks)
     cons.STREAM_WINDOW = 100
@@ -195,7 +168,7 @@ def _round_trip_body(tmpdir, ratio, off_param):
     with _Allocations(other.optimizer) as export_alloc:
         other.save_16bit_model(export)
     resumed_losses = _run(other, rest)
-    resumed = {k: _gather(other, k) for k in KINDS}
+    resumed = {k: gather_state(other, k) for k in KINDS}
     other.close()
 
     # the same checkpoint at ratio 1.0: the export must not depend on the placement

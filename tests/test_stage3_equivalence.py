@@ -23,42 +23,19 @@ from __future__ import annotations
 import os
 
 from zeroio.testing import run_ranks
+from zeroio.testing.models import llama_reference, tiny_llama, token_batches
+from zeroio.testing.training import reference_diffs, train_llama
 
 STEPS, GAS, MICRO, LR, CLIP = 6, 2, 2, 1e-3, 0.05
 OFFLOADS = ("none", "cpu", "nvme")
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                      max_position_embeddings=64, tie_word_embeddings=True, use_cache=False)
-    model = LlamaForCausalLM(cfg)
-    model.gradient_checkpointing_enable()
-    model.train()
-    return model
-
-
 def _batches(world):
-    import torch
-
-    g = torch.Generator().manual_seed(1234)
-    return [[torch.randint(0, 128, (world, MICRO, 12), generator=g) for _ in range(GAS)]
-            for _ in range(STEPS)]
+    return token_batches(world, steps=STEPS, gas=GAS, micro=MICRO)
 
 
 def _reference(batches, init_state):
-    from zeroio.testing.reference import adamw_reference
-
-    model = _llama()
-    model.load_state_dict(init_state)
-    return adamw_reference(model, batches, _lm_loss, lr=LR, weight_decay=0.01, clip=CLIP)
-
-
-def _lm_loss(model, ids):
-    batch = ids.reshape(-1, ids.shape[-1])
-    return model(input_ids=batch, labels=batch).loss
+    return llama_reference(batches, init_state, lr=LR, clip=CLIP)
 
 
 def _config(off_param, off_opt, dtype, nvme_dir, persistence):
@@ -85,49 +62,6 @@ def _config(off_param, off_opt, dtype, nvme_dir, persistence):
             "offload_param": param, "offload_optimizer": off(off_opt, "optim")},
         "bf16": {"enabled": dtype == "bf16"},
     }
-
-
-def _train(batches, init_state, cfg):
-    import torch
-    import torch.distributed as dist
-
-    import zeroio
-
-    model = _llama()
-    model.load_state_dict(init_state)
-    engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in batches:
-        total = torch.zeros(1, dtype=torch.float64)
-        for ids in step:
-            loss = engine(input_ids=ids[rank], labels=ids[rank]).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        dist.all_reduce(total)
-        losses.append(total.item() / (GAS * world))
-    params = dict(engine.module.named_parameters())
-    with zeroio.zero.GatheredParameters(list(params.values())):
-        full = {n: p.detach().float().clone() for n, p in params.items()}
-    masters = _gather_masters(engine)
-    engine.close()
-    return losses, full, masters
-
-
-def _gather_masters(engine):
-    import torch
-    import torch.distributed as dist
-
-    flat = torch.zeros(engine.partitioner.index.total_numel, dtype=torch.float64)
-    for g in engine.partitioner.groups:
-        master = engine.optimizer.local_tensor(g.group_index, "fp32")
-        for s in g.segments:
-            flat[s.global_offset:s.global_offset + s.numel] = \
-                master[s.local_offset:s.local_offset + s.numel].double()
-    dist.all_reduce(flat)
-    return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
-            for e in engine.partitioner.index.entries}
 
 
 def _nvme_ready():
@@ -160,24 +94,16 @@ def _body(tmpdir):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in _llama().state_dict().items()}
+    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
     batches = _batches(world)
     ref_losses, ref_params = _reference(batches, init)
     results = []
     for i, (off_param, off_opt, dtype, persistence) in enumerate(_cases(world)):
         nvme_dir = os.path.join(tmpdir, f"case{i}-r{rank}")
         cfg = _config(off_param, off_opt, dtype, nvme_dir, persistence)
-        losses, params, masters = _train(batches, init, cfg)
-        cdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
-        results.append(dict(
-            case=(off_param, off_opt, dtype, persistence),
-            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-            max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
-            rel_mean_diff=sum((masters[n] - ref_params[n]).abs().sum().item()
-                              for n in ref_params) / moved,
-            published_diff=max((params[n] - masters[n].to(cdtype).float()).abs().max().item()
-                               for n in ref_params)))
+        losses, params, masters, _ = train_llama(batches, init, cfg)
+        results.append(dict(case=(off_param, off_opt, dtype, persistence), **reference_diffs(
+            losses, params, masters, ref_losses, ref_params, init, dtype)))
     return results
 
 

@@ -21,6 +21,8 @@ import pytest
 import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
 
 from zeroio.testing import run_ranks
+from zeroio.testing.models import tiny_llama
+from zeroio.testing.training import reference_diffs, train_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -56,46 +58,13 @@ def _delay_collectives() -> None:
         "CommHandle": comm.CommHandle})
 
 
-def _train(batches, init_state, cfg, device):
-    import torch
-    import torch.distributed as dist
-
-    import zeroio
-
-    model = eq._llama()
-    model.load_state_dict(init_state)
-    engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
-    if engine.device != device:
-        raise AssertionError(f"engine runs on {engine.device}, expected {device}")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in batches:
-        total = torch.zeros(1, dtype=torch.float64, device=device)
-        for ids in step:
-            x = ids[rank].to(device)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().double()
-        dist.all_reduce(total)
-        losses.append(total.item() / (eq.GAS * world))
-    params = dict(engine.module.named_parameters())
-    with zeroio.zero.GatheredParameters(list(params.values())):
-        full = {n: p.detach().float().cpu().clone() for n, p in params.items()}
-    part = engine.partitioner
-    flat = torch.zeros(part.index.total_numel, dtype=torch.float64, device=device)
-    for g in part.groups:
-        master = engine.optimizer.local_tensor(g.group_index, "fp32").to(device)
-        for s in g.segments:
-            flat[s.global_offset:s.global_offset + s.numel] = \
-                master[s.local_offset:s.local_offset + s.numel].double()
-    dist.all_reduce(flat)
-    flat = flat.cpu()
-    masters = {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
-               for e in part.index.entries}
-    stats = engine.partitioner.store.stats() if hasattr(engine.partitioner.store, "stats") else {}
-    engine.close()
-    return losses, full, masters, stats
+def _store_stats(device):
+    def inspect(engine):
+        if engine.device != device:
+            raise AssertionError(f"engine runs on {engine.device}, expected {device}")
+        store = engine.partitioner.store
+        return store.stats() if hasattr(store, "stats") else {}
+    return inspect
 
 
 def _body(tmpdir):
@@ -107,7 +76,7 @@ def _body(tmpdir):
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in eq._llama().state_dict().items()}
+    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
     batches = eq._batches(world)
     ref_losses, ref_params = eq._reference(batches, init)
     results = []
@@ -118,17 +87,11 @@ def _body(tmpdir):
         if off_param == "nvme":  # buffers of one layer shard, as in test_stage3_offload
             size = (5200 if dtype == "fp32" else 3100) * (2 if world == 1 else 1)
             cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=size)
-        losses, params, masters, stats = _train(batches, init, cfg, device)
-        cdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
+        losses, params, masters, stats = train_llama(batches, init, cfg, device=device,
+                                                     inspect=_store_stats(device))
         results.append(dict(
             case=(off_param, off_opt, dtype, delay),
-            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-            max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
-            rel_mean_diff=sum((masters[n] - ref_params[n]).abs().sum().item()
-                              for n in ref_params) / moved,
-            published_diff=max((params[n] - masters[n].to(cdtype).float()).abs().max().item()
-                               for n in ref_params),
+            **reference_diffs(losses, params, masters, ref_losses, ref_params, init, dtype),
             nvme_read=stats.get("bytes_moved", {}).get("nvme->cpu", 0)))
     return results
 

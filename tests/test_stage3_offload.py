@@ -38,6 +38,14 @@ import pytest
 import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
 
 from zeroio.testing import run_ranks
+from zeroio.testing.models import llama_reference, tiny_llama
+from zeroio.testing.training import (
+    gather_state,
+    gathered_params,
+    reference_diffs,
+    train_llama,
+    train_steps,
+)
 
 
 def _shard_needles(engine) -> dict[int, bytes]:
@@ -107,13 +115,13 @@ def _holds_body(tmpdir):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in eq._llama().state_dict().items()}
+    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
     nvme = os.path.join(tmpdir, f"r{rank}")
     cfg = eq._config("nvme", "cpu", "bf16", nvme, 0)
     cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=3100,
                                                       max_in_cpu=0)  # DeepSpeed's default 1e9
     budget = 2 * 3100 * 2
-    model = eq._llama()
+    model = tiny_llama()
     model.load_state_dict(init)
     engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
     model_bytes = sum(v.numel() * 2 for k, v in init.items() if k != "lm_head.weight")  # tied
@@ -165,7 +173,7 @@ def _small_buffer_body(tmpdir):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in eq._llama().state_dict().items()}
+    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
     batches = eq._batches(world)
     ref_losses, ref_params = eq._reference(batches, init)
     results = []
@@ -175,17 +183,9 @@ def _small_buffer_body(tmpdir):
         cfg = eq._config("nvme", off_opt, dtype, os.path.join(tmpdir, f"c{i}-r{rank}"), 0)
         cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=size,
                                                           max_in_cpu=0)
-        losses, params, masters = eq._train(batches, init, cfg)
-        cdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
-        results.append(dict(
-            case=("nvme", off_opt, dtype, 0),
-            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-            max_diff=max((masters[n] - ref_params[n]).abs().max().item() for n in ref_params),
-            rel_mean_diff=sum((masters[n] - ref_params[n]).abs().sum().item()
-                              for n in ref_params) / moved,
-            published_diff=max((params[n] - masters[n].to(cdtype).float()).abs().max().item()
-                               for n in ref_params)))
+        losses, params, masters, _ = train_llama(batches, init, cfg)
+        results.append(dict(case=("nvme", off_opt, dtype, 0), **reference_diffs(
+            losses, params, masters, ref_losses, ref_params, init, dtype)))
     return results
 
 
@@ -198,60 +198,29 @@ def test_buffers_of_one_shard_train_like_adamw(tmp_path):
 LAYERS_HALF = 7  # layer shards of 4640 elements at world 2: the greedy choice gets near half
 
 
-def _deep_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS_HALF,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                      max_position_embeddings=64, tie_word_embeddings=True, use_cache=False)
-    model = LlamaForCausalLM(cfg)
-    model.gradient_checkpointing_enable()
-    model.train()
-    return model
-
-
-def _deep_reference(batches, init):
-    from zeroio.testing.reference import adamw_reference
-
-    model = _deep_llama()
-    model.load_state_dict(init)
-    return adamw_reference(model, batches, eq._lm_loss, lr=eq.LR, weight_decay=0.01, clip=eq.CLIP)
-
-
 def _max_in_cpu_run(tmpdir, init, batches, max_in_cpu):
-    import torch
     import torch.distributed as dist
 
     import zeroio
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     cfg = eq._config("nvme", "cpu", "bf16", os.path.join(tmpdir, f"m{max_in_cpu}-r{rank}"), 0)
     cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=3100,
                                                       max_in_cpu=max_in_cpu)
-    model = _deep_llama()
+    model = tiny_llama(layers=LAYERS_HALF)
     model.load_state_dict(init)
     engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
-    losses, steps = [], []
-    for step in batches:
-        total = torch.zeros(1, dtype=torch.float64)
-        for ids in step:
-            loss = engine(input_ids=ids[rank], labels=ids[rank]).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        dist.all_reduce(total)
-        losses.append(total.item() / (eq.GAS * world))
-        steps.append(engine.stats()["last_step"]["bytes_moved"])
+    steps = []
+    losses = train_steps(engine, batches,
+                         after_step=lambda: steps.append(engine.stats()["last_step"]["bytes_moved"]))
     needles, _ = _shard_needles(engine)
     gc.collect()
     storages = _cpu_storages()
     # groups whose whole bf16 shard is in some live CPU tensor (resident, or in a swap buffer)
     on_cpu = {gi for gi, nd in needles.items() if any(nd in b for b in storages.values())}
     tiers = engine.stats()["tiers"]
-    params = dict(engine.module.named_parameters())
-    with zeroio.zero.GatheredParameters(list(params.values())):
-        full = {n: p.detach().float().clone() for n, p in params.items()}
-    masters = eq._gather_masters(engine)
+    full = gathered_params(engine)
+    masters = gather_state(engine)
     store = engine.partitioner.store.store
     homes = {gi: store.home_of(f"stage3.param.{gi}").value for gi in needles}
     engine.close()
@@ -264,21 +233,15 @@ def _max_in_cpu_body(tmpdir):
     import torch
 
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in _deep_llama().state_dict().items()}
+    init = {k: v.clone() for k, v in tiny_llama(layers=LAYERS_HALF).state_dict().items()}
     batches = eq._batches(2)
-    ref_losses, ref_params = _deep_reference(batches, init)
+    ref_losses, ref_params = llama_reference(batches, init, lr=eq.LR, clip=eq.CLIP,
+                                             layers=LAYERS_HALF)
     none = _max_in_cpu_run(tmpdir, init, batches, 0)
     half_numel = sum(none["shard_bytes"].values()) // 2 // 2  # bf16: 2 bytes per element
     half = _max_in_cpu_run(tmpdir, init, batches, half_numel)
-    moved = sum((ref_params[n] - init[n]).abs().sum().item() for n in ref_params)
-    check = dict(
-        case=("nvme", "cpu", "bf16", 0),
-        loss_rel=max(abs(a - b) / abs(b) for a, b in zip(half["losses"], ref_losses, strict=True)),
-        max_diff=max((half["masters"][n] - ref_params[n]).abs().max().item() for n in ref_params),
-        rel_mean_diff=sum((half["masters"][n] - ref_params[n]).abs().sum().item()
-                          for n in ref_params) / moved,
-        published_diff=max((half["full"][n] - half["masters"][n].to(torch.bfloat16).float())
-                           .abs().max().item() for n in ref_params))
+    check = dict(case=("nvme", "cpu", "bf16", 0), **reference_diffs(
+        half["losses"], half["full"], half["masters"], ref_losses, ref_params, init, "bf16"))
     for r in (none, half):
         del r["full"], r["masters"]
     return dict(none=none, half=half, half_numel=half_numel, check=check)

@@ -21,11 +21,14 @@ def adamw_reference(
     lr: float,
     weight_decay: float,
     clip: float,
+    param_groups: Iterable[Any] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``model`` in place: each step is a sequence of micro-batches (each already the
     global micro-batch over all ranks); the step's loss is the mean of ``loss_of(model,
-    micro)``. Returns the per-step losses and the final parameters by name."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    micro)``. ``param_groups`` (AdamW's groups over ``model``'s parameters) replace the one
+    group of every parameter. Returns the per-step losses and the final parameters by name."""
+    params = model.parameters() if param_groups is None else param_groups
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     losses = []
     for step in steps:
         total = 0.0
