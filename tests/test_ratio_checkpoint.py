@@ -27,7 +27,13 @@ import pytest
 import torch
 
 from zeroio.testing import run_ranks
-from zeroio.testing.models import tiny_llama, token_batches
+from zeroio.testing.models import (
+    offload_optimizer,
+    offload_param,
+    stage3_config,
+    tiny_llama,
+    token_batches,
+)
 from zeroio.testing.training import gather_state
 
 GAS, MICRO, LR, CLIP = 2, 2, 1e-3, 0.05
@@ -39,18 +45,10 @@ def _batches(world, steps, seed):
 
 
 def _config(ratio, off_param="none"):
-    opt = {"device": "cpu"}
-    if ratio is not None:
-        opt["ratio"] = ratio
-    return {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-        "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "zero_optimization": {
-            "stage": 3, "sub_group_size": 3000, "stage3_param_persistence_threshold": 0,
-            "stage3_gather_16bit_weights_on_model_save": True,
-            "offload_param": {"device": off_param}, "offload_optimizer": opt},
-    }
+    return stage3_config(micro=MICRO, gas=GAS, clip=CLIP, lr=LR, zero=dict(
+        sub_group_size=3000, stage3_param_persistence_threshold=0,
+        stage3_gather_16bit_weights_on_model_save=True,
+        offload_param=offload_param(off_param), offload_optimizer=offload_optimizer("cpu", ratio=ratio)))
 
 
 def _engine(init, cfg):

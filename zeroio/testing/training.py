@@ -107,3 +107,26 @@ def reference_diffs(losses: list[float], published: dict[str, torch.Tensor],
                           for n in ref_params) / moved,
         published_diff=max((published[n] - masters[n].to(cdtype).float()).abs().max().item()
                            for n in ref_params))
+
+
+BF16_LOSS_REL = 3e-2
+"""bf16 compute vs the fp32 reference: ~4e-3 relative per rounding, over a few steps."""
+BF16_REL_MEAN_DIFF = 0.15
+"""bf16: mean |master difference| within 15 % of the distance the reference moved them."""
+
+
+def check_reference_diffs(r: dict, dtype: str, *, fp32_tol: float) -> None:
+    """Raise AssertionError (naming ``r``) unless the ``reference_diffs`` in ``r`` are within
+    the equivalence tolerances: published == masters in the compute dtype exactly; fp32 loss
+    (relative) and masters (absolute) within ``fp32_tol``; bf16 as the constants above."""
+    checks = [("published_diff == 0", r["published_diff"] == 0.0)]
+    if dtype == "fp32":
+        checks += [(f"loss_rel < {fp32_tol}", r["loss_rel"] < fp32_tol),
+                   (f"max_diff < {fp32_tol}", r["max_diff"] < fp32_tol)]
+    else:
+        checks += [(f"loss_rel < {BF16_LOSS_REL}", r["loss_rel"] < BF16_LOSS_REL),
+                   (f"rel_mean_diff < {BF16_REL_MEAN_DIFF}",
+                    r["rel_mean_diff"] < BF16_REL_MEAN_DIFF)]
+    failed = [what for what, ok in checks if not ok]
+    if failed:
+        raise AssertionError(f"{', '.join(failed)} failed: {r}")
