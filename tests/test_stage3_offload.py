@@ -38,7 +38,7 @@ import pytest
 import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
 
 from zeroio.testing import run_ranks
-from zeroio.testing.models import llama_reference, tiny_llama
+from zeroio.testing.models import llama_reference, mlp_batch, mlp_reference, tiny_llama, tiny_mlp
 from zeroio.testing.training import (
     gather_state,
     gathered_params,
@@ -168,14 +168,10 @@ def test_each_rank_holds_its_shards_on_nvme_and_at_most_the_buffers_on_cpu(tmp_p
 
 
 def _small_buffer_body(tmpdir):
-    import torch
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
-    batches = eq._batches(world)
-    ref_losses, ref_params = eq._reference(batches, init)
+    init, batches, ref_losses, ref_params = eq._start(world)
     results = []
     # one layer shard at world 2 is 4640 elements: 18560 bytes in fp32 (5 pages of 4 KiB),
     # 9280 in bf16 (3 pages); the buffers below hold exactly one of them
@@ -281,21 +277,6 @@ def test_max_in_cpu_keeps_about_half_on_cpu_and_halves_nvme_traffic(tmp_path):
 HS_STEPS, HS_LR, HS_CLIP = 3, 1e-2, 0.5
 
 
-def _hs_model():
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _hs_data(step, rank):
-    import torch
-
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
-
-
 def _hs_train(overlap: bool, gated: bool):
     import threading
     import time
@@ -316,7 +297,7 @@ def _hs_train(overlap: bool, gated: bool):
                                  "stage3_prefetch_bucket_size": 300,
                                  "offload_param": {"device": "cpu"},
                                  "offload_optimizer": {"device": "cpu"}}}
-    engine, _, _, _ = zeroio.initialize(model=_hs_model(), config=cfg)
+    engine, _, _, _ = zeroio.initialize(model=tiny_mlp(), config=cfg)
     part = engine.partitioner
     if not gated:  # control: gathers no longer wait for the step
         for g in part.pgroups:
@@ -344,7 +325,7 @@ def _hs_train(overlap: bool, gated: bool):
     try:
         losses, at_return = [], []
         for step in range(HS_STEPS):
-            x, y = _hs_data(step, rank)
+            x, y = mlp_batch(step, rank)
             loss = torch.nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             released.clear()
@@ -371,29 +352,12 @@ def _hs_body():
     return dict(overlap=_hs_train(True, True), plain=_hs_train(False, True))
 
 
-def _hs_reference(world):
-    import torch
-
-    model = _hs_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=HS_LR, weight_decay=0.1)
-    losses = []
-    for step in range(HS_STEPS):
-        outs = [torch.nn.functional.mse_loss(model(_hs_data(step, r)[0]), _hs_data(step, r)[1])
-                for r in range(world)]
-        (sum(outs) / world).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), HS_CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append([o.item() for o in outs])
-    return losses, [p.detach().reshape(-1) for p in model.parameters()]
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_overlapped_host_step_matches_adamw_and_the_plain_step(world):
     import torch
 
     results = run_ranks(_hs_body, world)
-    ref_losses, ref_params = _hs_reference(world)
+    ref_losses, ref_params = mlp_reference(world, HS_STEPS, lr=HS_LR, clip=HS_CLIP)
     for rank, r in enumerate(results):
         ov, plain = r["overlap"], r["plain"]
         assert ov["returned_first"] == HS_STEPS, "step() waited for the CPU optimizer"
@@ -405,7 +369,7 @@ def test_overlapped_host_step_matches_adamw_and_the_plain_step(world):
             assert ov["losses"][step] == pytest.approx(ref_losses[step][rank], rel=1e-5,
                                                        abs=1e-6)
         for p, q in zip(ov["gathered"], ref_params, strict=True):
-            torch.testing.assert_close(torch.tensor(p), q, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(p), q.reshape(-1), rtol=1e-5, atol=1e-6)
         assert ov["losses"] == plain["losses"]
         assert ov["gathered"] == plain["gathered"]
         assert ov["masters"] == plain["masters"]
@@ -417,7 +381,7 @@ def _hs_control_body():
 
 def test_without_the_gathers_wait_the_next_forward_reads_stale_parameters():
     results = run_ranks(_hs_control_body, 1)
-    ref_losses, _ = _hs_reference(1)
+    ref_losses, _ = mlp_reference(1, HS_STEPS, lr=HS_LR, clip=HS_CLIP)
     losses = results[0]["losses"]
     assert any(abs(a - b[0]) > 1e-4 for a, b in zip(losses[1:], ref_losses[1:], strict=True))
 

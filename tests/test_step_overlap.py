@@ -9,23 +9,9 @@ a control run with the hooks removed must differ (the test can fail)."""
 import pytest
 
 from zeroio.testing import run_ranks
+from zeroio.testing.models import mlp_batch, mlp_reference, tiny_mlp
 
 STEPS, LR, CLIP = 4, 1e-2, 0.5
-
-
-def _model():
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _data(step, rank):
-    import torch
-
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
 
 
 def _train(stage, remove_hooks):
@@ -44,7 +30,7 @@ def _train(stage, remove_hooks):
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
                                  "offload_optimizer": {"device": "cpu"}}}
-    engine, _, _, _ = zeroio.initialize(model=_model(), config=cfg)
+    engine, _, _, _ = zeroio.initialize(model=tiny_mlp(), config=cfg)
     if remove_hooks:  # control: only the backward hooks stay
         n_grad = sum(len(b.slots) for b in engine.partitioner.layout.buckets)
         for h in engine.partitioner._hooks[n_grad:]:
@@ -70,7 +56,7 @@ def _train(stage, remove_hooks):
     ShardedAdam.begin_chunked_step = slow_begin
     losses = []
     for step in range(STEPS):
-        x, y = _data(step, rank)
+        x, y = mlp_batch(step, rank)
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         released.clear()
@@ -85,20 +71,7 @@ def _train(stage, remove_hooks):
 
 
 def _reference(world):
-    import torch
-
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses = []
-    for step in range(STEPS):
-        outs = [torch.nn.functional.mse_loss(model(_data(step, r)[0]), _data(step, r)[1])
-                for r in range(world)]
-        (sum(outs) / world).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append([o.item() for o in outs])
-    return losses, [p.detach() for p in model.parameters()]
+    return mlp_reference(world, STEPS, lr=LR, clip=CLIP)
 
 
 @pytest.mark.parametrize("world,stage", [(1, 2), (2, 2), (2, 1)])
@@ -131,11 +104,11 @@ READERS = ("state_dict", "eval_forward", "gathered", "save_16bit_model", "save_c
 def _reference_after_each_step(n):
     import torch
 
-    model = _model()
+    model = tiny_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     out = []
     for step in range(n):
-        x, y = _data(step, 0)
+        x, y = mlp_batch(step, 0)
         torch.nn.functional.mse_loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -163,7 +136,7 @@ def _readers_body(tmpdir):
            "zero_optimization": {"stage": 2, "reduce_bucket_size": 40,
                                  "offload_optimizer": {"device": "cpu"},
                                  "tiering": {"overlap_step": True}}}
-    engine, _, _, _ = zeroio.initialize(model=_model(), config=cfg)
+    engine, _, _, _ = zeroio.initialize(model=tiny_mlp(), config=cfg)
     begin = ShardedAdam.begin_chunked_step
 
     def slow_begin(self, grad_scale=1.0):
@@ -181,10 +154,10 @@ def _readers_body(tmpdir):
 
     ShardedAdam.begin_chunked_step = slow_begin
     names = [n for n, _ in engine.module.named_parameters()]
-    x_eval = _data(100, 0)[0]
+    x_eval = mlp_batch(100, 0)[0]
     out = {"overlap": engine.partitioner.overlap_forward}
     for step, reader in enumerate(READERS):
-        x, y = _data(step, 0)
+        x, y = mlp_batch(step, 0)
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         t = time.perf_counter()
         engine.step()
@@ -233,16 +206,16 @@ def test_overlap_step_from_config_key_and_readers_wait(tmp_path):
     for step, reader in enumerate(READERS):
         r = out[reader]
         assert r["returned_s"] < 0.25, (reader, "step() waited for the CPU optimizer")
-        before = ref[step - 1] if step else _model().state_dict()
+        before = ref[step - 1] if step else tiny_mlp().state_dict()
         raw = {n: torch.tensor(v) for n, v in r["raw"].items()}
         for n in before:  # control: read at once, the parameters are still the previous step's
             torch.testing.assert_close(raw[n], before[n], rtol=1e-5, atol=1e-6, msg=reader)
         assert max((raw[n] - ref[step][n]).abs().max().item() for n in before) > 1e-4, reader
         if reader == "eval_forward":
-            model = _model()
+            model = tiny_mlp()
             model.load_state_dict(ref[step])
             with torch.no_grad():
-                expected = model(_data(100, 0)[0])
+                expected = model(mlp_batch(100, 0)[0])
             torch.testing.assert_close(torch.tensor(r["got"]), expected, rtol=1e-5, atol=1e-6)
             continue
         for n, want in ref[step].items():
