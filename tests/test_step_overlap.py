@@ -223,22 +223,17 @@ def test_overlap_step_from_config_key_and_readers_wait(tmp_path):
                                        msg=reader)
 
 
-def test_environment_variable_overrides_the_config_key():
+def test_environment_variable_overrides_the_config_key(monkeypatch):
     from zeroio.config import load_config
-    from zeroio.engine import overlap_step_requested
+    from zeroio.config.zero import overlap_step_enabled
 
-    base = {"train_micro_batch_size_per_gpu": 1,
-            "zero_optimization": {"stage": 2, "tiering": {"overlap_step": True}}}
-    cfg = load_config(base)
-    old = __import__("os").environ.pop("ZEROIO_OVERLAP_STEP", None)
-    try:
-        assert overlap_step_requested(cfg) is True
-        assert overlap_step_requested(load_config({"train_micro_batch_size_per_gpu": 1})) is False
-        __import__("os").environ["ZEROIO_OVERLAP_STEP"] = "0"
-        assert overlap_step_requested(cfg) is False
-        __import__("os").environ["ZEROIO_OVERLAP_STEP"] = "1"
-        assert overlap_step_requested(load_config({"train_micro_batch_size_per_gpu": 1})) is True
-    finally:
-        __import__("os").environ.pop("ZEROIO_OVERLAP_STEP", None)
-        if old is not None:
-            __import__("os").environ["ZEROIO_OVERLAP_STEP"] = old
+    on = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 2, "tiering": {"overlap_step": True}}}).zero_optimization.tiering
+    off = load_config({"train_micro_batch_size_per_gpu": 1}).zero_optimization.tiering
+    monkeypatch.delenv("ZEROIO_OVERLAP_STEP", raising=False)
+    assert overlap_step_enabled(on) is True
+    assert overlap_step_enabled(off) is False
+    monkeypatch.setenv("ZEROIO_OVERLAP_STEP", "0")
+    assert overlap_step_enabled(on) is False
+    monkeypatch.setenv("ZEROIO_OVERLAP_STEP", "1")
+    assert overlap_step_enabled(off) is True

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zeroio.config import load_config
+from zeroio.config.zero import overlap_step_enabled
 from zeroio.errors import ConfigError
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
@@ -72,7 +73,7 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
         return Stage12Partitioner(
             module=module, param_groups=spec.param_groups, stage=zc.stage, compute_dtype=dtype,
             device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
-            overlap_forward=off.device == "cpu" and overlap_step_requested(cfg))
+            overlap_forward=off.device == "cpu" and overlap_step_enabled(cfg.zero_optimization.tiering))
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
@@ -80,18 +81,6 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
                                         compute_dtype=dtype, home=home)
     raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
                       key="zero_optimization.stage")
-
-
-def overlap_step_requested(cfg) -> bool:
-    """``zero_optimization.tiering.overlap_step`` (or ``ZEROIO_OVERLAP_STEP``, which overrides
-    it when set: 1/true/yes on, anything else off): with offload_optimizer cpu (stages 0-2),
-    ``step()`` returns while the CPU optimizer still runs and the next forward waits per module
-    for its parameters (stage12 / step_overlap notes). What reads stale values until then:
-    docs/engine.md, "Overlapped optimizer step"."""
-    env = os.environ.get("ZEROIO_OVERLAP_STEP", "").strip()
-    if env:
-        return env.lower() in ("1", "true", "yes")
-    return cfg.zero_optimization.tiering.overlap_step
 
 
 def build_optimizer(cfg, partitioner, spec: OptimizerSpec):

@@ -11,6 +11,7 @@ name is accepted as an alias.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 from zeroio.config.fields import (
@@ -166,3 +167,13 @@ class ZeroConfig:
     offload_optimizer: OffloadOptimizerConfig = sub(OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = sub(OffloadParamConfig)
     tiering: TieringConfig = sub(TieringConfig)
+
+
+def overlap_step_enabled(tiering: TieringConfig | None) -> bool:
+    """The overlapped host step's opt-in for every stage: ``ZEROIO_OVERLAP_STEP`` when set
+    (1/true/yes on, anything else off), else ``zero_optimization.tiering.overlap_step``.
+    What reads stale values meanwhile: docs/engine.md, "Overlapped optimizer step"."""
+    env = os.environ.get("ZEROIO_OVERLAP_STEP", "").strip()
+    if env:
+        return env.lower() in ("1", "true", "yes")
+    return bool(tiering is not None and tiering.overlap_step)

@@ -81,9 +81,3 @@ def host_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
 
 def host_zeros(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     return host_empty(numel, dtype, pin=pin).zero_()
-
-
-def is_host_pinned(t: torch.Tensor) -> bool:
-    """``Tensor.is_pinned`` that also knows registered memory (torch reports it as pinned when
-    CUDA has it registered; without CUDA nothing is pinned)."""
-    return t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from zeroio.config.zero import overlap_step_enabled
 from zeroio.errors import ConfigError
 
 STEP_CHUNK_ENV = "ZEROIO_STEP_CHUNK_NUMEL"
@@ -92,7 +93,7 @@ class Stage3Settings:
             pin_memory=bool(op.pin_memory) or device == "cpu",
             host_buffer_bytes=int(op.buffer_count) * int(op.buffer_size) * 2,
             max_in_cpu=int(op.max_in_cpu),
-            overlap_step=_overlap_requested(zero),
+            overlap_step=overlap_step_enabled(getattr(zero, "tiering", None)),
             step_chunk_numel=_env_int(STEP_CHUNK_ENV, Stage3Settings.step_chunk_numel),
             optimizer_ratio=_optimizer_ratio(zero),
         )
@@ -103,16 +104,6 @@ def _optimizer_ratio(zero) -> float:
     if off is None or str(getattr(off.device, "value", off.device)) == "none":
         return 1.0  # everything is on the device already
     return float(getattr(off, "ratio", 1.0))
-
-
-def _overlap_requested(zero) -> bool:
-    """The same opt-in as stages 1/2 (``zeroio.engine.overlap_step_requested``, which takes
-    the whole Config): ``ZEROIO_OVERLAP_STEP`` when set (1/true/yes on, anything else off),
-    else ``zero_optimization.tiering.overlap_step``."""
-    env = os.environ.get("ZEROIO_OVERLAP_STEP", "").strip()
-    if env:
-        return env.lower() in ("1", "true", "yes")
-    return bool(getattr(getattr(zero, "tiering", None), "overlap_step", False))
 
 
 def _env_int(name: str, default: int) -> int:
