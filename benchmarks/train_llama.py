@@ -316,6 +316,9 @@ def main() -> None:
                   f"{result['tokens_per_s']:.0f} tokens/s, peak GPU "
                   f"{result['peak_gpu_gib'] or 0:.1f} GiB, peak host RSS {host_peak / 2**30:.1f} GiB"
                   f"\nwrote {path}")
+            timings = (result["stats"] or {}).get("timings") or {}
+            if timings:  # the host step's worker thread, invisible to the profiler
+                print("timings " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(timings.items())))
     if engine is not None:
         engine.close()
 

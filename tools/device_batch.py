@@ -286,7 +286,28 @@ RATIO_BATCHES = (
                          "lines stream to the log, so a kill still shows the last phase"),
           )),
 )
-BATCHES = BATCHES + RATIO_BATCHES
+DIAG_BATCHES = (
+    Batch(name="diag", kind=Kind.H200,
+          what="session 3's first call: the GPU tests never run on a GPU (ratio, refactored "
+               "stage 3), the host step's parts in isolation (bench_host_step), and z2/z3 + cpu "
+               "with the overlapped step printing the worker's host_adam/publish seconds",
+          steps=(
+              Step(name="ratio-1gpu", shell=_pytest("tests/test_ratio_gpu.py"), timeout_s=80,
+                   sized="offload_optimizer.ratio 0.5, 3 cases on 1 GPU (two-GPU test skips)"),
+              Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=110,
+                   sized="stage 3 cases on 1 GPU (40 s on 2 GPUs in session 2)"),
+              Step(name="host-step", shell="python3 benchmarks/bench_host_step.py --repeats 2 "
+                   "--out {res}", timeout_s=90,
+                   sized="fill 4 x 5.5 GB ~15 s + 8 variants x 3 runs x ~0.3 s"),
+              Step(name="z2-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero2-cpu.json " + OVERLAP, timeout_s=75,
+                   sized="32 s measured in session 2"),
+              Step(name="z3-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json " + OVERLAP, timeout_s=85,
+                   sized="34 s measured in session 2"),
+          )),
+)
+BATCHES = BATCHES + RATIO_BATCHES + DIAG_BATCHES
 BY_NAME = {b.name: b for b in BATCHES}
 
 
