@@ -14,6 +14,9 @@ engine allocates them) and reports seconds per step:
 - ``chunks_worker_h2d_gpu_busy``: + the main thread keeps the GPU busy with matmuls (the next
   forward in the overlapped step), launching kernels while the worker runs.
 - ``chunks_worker_threads_minus_1``: ``chunks_worker_h2d_gpu_busy`` with one thread fewer.
+- ``one_pass_worker_h2d_gpu_busy``: as ``chunks_worker_h2d_gpu_busy`` with zeroio's one-pass
+  kernel (zeroio/optim/cpu_adam.py) writing each chunk's bf16 values into a pinned slot that
+  goes up as bf16 (what the engine runs now); ``one_pass_main``: that kernel in one call.
 - ``cast_bf16``: a CPU fp32 -> bf16 cast pass over the shard (stage 3's host publish).
 - ``h2d_only``: the fp32 copies alone (pinned -> GPU bandwidth).
 Results go to benchmarks/results/host_step-<host>-<date>.json.
@@ -31,6 +34,7 @@ import provenance  # benchmarks/provenance.py: machine, date, commit
 import torch
 
 from zeroio.io.hostmem import host_empty, host_zeros
+from zeroio.optim import cpu_adam
 from zeroio.optim.adam import AdamState, adam_update
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -139,6 +143,43 @@ def main() -> None:
         runs["chunks_worker_h2d_gpu_busy"] = _time(lambda: busy(threads), a.repeats)
         runs["chunks_worker_threads_minus_1"] = _time(lambda: busy(max(1, threads - 1)),
                                                       a.repeats)
+
+        if cpu_adam.wanted(n):
+            h = cpu_adam.hyper_tensor(lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                      weight_decay=0.01, decoupled=True, step=1,
+                                      grad_scale=2.0)
+            slots = [host_empty(chunk, torch.bfloat16, pin=True) for _ in range(2)]
+            free = [None, None]
+
+            def one_pass(lo, k, out=None):
+                cpu_adam.step_chunk(master=sh.master.narrow(0, lo, k),
+                                    grad=sh.grad.narrow(0, lo, k), exp_avg=sh.m.narrow(0, lo, k),
+                                    exp_avg_sq=sh.v.narrow(0, lo, k), hyper=h, out=out)
+
+            runs["one_pass_main"] = _time(lambda: one_pass(0, n), a.repeats)
+
+            def one_pass_busy():
+                def body():
+                    torch.set_num_threads(threads)
+                    for i, (lo, k) in enumerate(spans):
+                        if free[i % 2] is not None:
+                            free[i % 2].synchronize()
+                        out = slots[i % 2].narrow(0, 0, k)
+                        one_pass(lo, k, out)
+                        with torch.cuda.stream(stream):
+                            params16.narrow(0, lo, k).copy_(out, non_blocking=True)
+                            free[i % 2] = torch.cuda.Event()
+                            free[i % 2].record(stream)
+                    stream.synchronize()
+                th = threading.Thread(target=body)
+                th.start()
+                while th.is_alive():
+                    for _ in range(8):
+                        x @ x
+                    torch.cuda.current_stream().synchronize()
+                th.join()
+
+            runs["one_pass_worker_h2d_gpu_busy"] = _time(one_pass_busy, a.repeats)
 
         def h2d_only():
             for i, (lo, k) in enumerate(spans):

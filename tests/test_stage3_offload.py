@@ -85,7 +85,8 @@ def _cpu_storages():
                 if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
                     continue
             st = obj.untyped_storage()
-        except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse)
+            st.data_ptr()
+        except Exception:  # noqa: BLE001 - no storage (meta, sparse) or fake (torch.compile's)
             continue
         key = (st.data_ptr(), st.nbytes())
         if key not in seen and st.nbytes():
@@ -310,13 +311,13 @@ def _hs_train(overlap: bool, gated: bool):
         chunked = begin(self, grad_scale)
         update = chunked.update
 
-        def slow_update(gi, lo, k):
+        def slow_update(gi, lo, k, **kw):
             if threading.current_thread() is not threading.main_thread():
                 if overlap and log["worker_chunks"] == 0 and released.wait(timeout=30):
                     log["returned_first"] += 1  # step() returned before this chunk ran
                 log["worker_chunks"] += 1
                 time.sleep(0.01)
-            update(gi, lo, k)
+            update(gi, lo, k, **kw)
 
         chunked.update = slow_update
         return chunked

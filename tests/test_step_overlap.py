@@ -43,12 +43,12 @@ def _train(stage, remove_hooks):
         chunked = begin(self, grad_scale)
         update = chunked.update
 
-        def slow_update(gi, lo, k):
+        def slow_update(gi, lo, k, **kw):
             if log["chunks"] == 0 and released.wait(timeout=30):
                 log["returned_first"] += 1  # step() returned before the first chunk ran
             log["chunks"] += 1
             time.sleep(0.01)
-            update(gi, lo, k)
+            update(gi, lo, k, **kw)
 
         chunked.update = slow_update
         return chunked
@@ -143,11 +143,11 @@ def _readers_body(tmpdir):
         chunked = begin(self, grad_scale)
         update, first = chunked.update, [True]
 
-        def slow_update(gi, lo, k):
+        def slow_update(gi, lo, k, **kw):
             if first[0]:
                 first[0] = False
                 time.sleep(0.3)
-            update(gi, lo, k)
+            update(gi, lo, k, **kw)
 
         chunked.update = slow_update
         return chunked

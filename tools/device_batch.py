@@ -307,6 +307,30 @@ DIAG_BATCHES = (
                    sized="34 s measured in session 2"),
           )),
 )
+DIAG_BATCHES += (
+    Batch(name="speed2", kind=Kind.H200,
+          what="the one-pass CPU Adam (optim/cpu_adam.py): host step parts, z2/z3 + cpu with "
+               "and without the overlapped step, z3 at ratio 0.5, the 13B plan",
+          steps=(
+              Step(name="host-step", shell="python3 benchmarks/bench_host_step.py --repeats 2 "
+                   "--out {res}", timeout_s=100,
+                   sized="38 s measured (diag) + inductor compile ~20 s + 2 variants"),
+              Step(name="z2-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero2-cpu.json " + OVERLAP, timeout_s=80,
+                   sized="42 s measured (diag) + compile"),
+              Step(name="z3-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json " + OVERLAP, timeout_s=85,
+                   sized="43 s measured (diag) + compile"),
+              Step(name="z2-cpu", shell=LLAMA + " --mode zeroio --config configs/zero2-cpu.json "
+                   "--profile {res}/prof", timeout_s=90, sized="session 2 speed batch"),
+              Step(name="z3-cpu-ratio-0.5", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json --zero-init " + RATIO_SET.format(r=0.5),
+                   timeout_s=100, sized="zero.Init build ~40 s + 6 x <= 0.8 s"),
+              Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
+                   + PROBE_13B + " --nvme-dir {nvme}/probe | tee {res}/probe-plan-13b.json",
+                   timeout_s=30, sized="estimate only"),
+          )),
+)
 BATCHES = BATCHES + RATIO_BATCHES + DIAG_BATCHES
 BY_NAME = {b.name: b for b in BATCHES}
 

@@ -243,7 +243,8 @@ class Engine:
                                                                        "begin_chunked_step"):
                 # CPU Adam chunk by chunk on a worker, each chunk published behind it (a
                 # TwinAdam steps its device side first: partition/stage3/twin.py)
-                run_step(self.optimizer.begin_chunked_step(grad_scale=scale / coef).update)
+                chunked = self.optimizer.begin_chunked_step(grad_scale=scale / coef)
+                run_step(chunked.update, out_in_pass=chunked.out_in_pass)
             elif stage_range is not None and offload != "none":
                 # host masters: publish chunk by chunk behind the CPU optimizer
                 self.optimizer.step(grad_scale=scale / coef, on_updated=stage_range)

@@ -20,6 +20,7 @@ from torch.optim.adam import adam as adam_fn
 from torch.optim.adamw import adamw as adamw_fn
 
 from zeroio.io.hostmem import host_zeros
+from zeroio.optim import cpu_adam
 from zeroio.partition.base import ShardGroup
 
 
@@ -91,6 +92,7 @@ class ChunkedStep:
         self._before: dict[int, torch.Tensor] = {}
         self._state: dict[int, AdamState] = {}
         self._scale: dict[int, torch.Tensor] = {}
+        self._one_pass: dict[int, torch.Tensor] = {}
         for g, st in zip(opt.groups, opt.state, strict=True):
             self._hyper[g.group_index] = dict(opt.param_groups[g.group_index])
             self._state[g.group_index] = st
@@ -99,18 +101,38 @@ class ChunkedStep:
                 st.step.add_(1)
             self._scale[g.group_index] = torch.tensor(grad_scale, dtype=torch.float32,
                                                       device=g.master.device)
+            if opt.one_pass:
+                self._one_pass[g.group_index] = opt.hyper_tensor(
+                    g.group_index, int(self._before[g.group_index].item()) + 1, grad_scale)
 
-    def update(self, group_index: int, lo: int, numel: int) -> None:
-        """Adam(W) on elements [lo, lo + numel) of group ``group_index``'s local tensors."""
+    @property
+    def out_in_pass(self) -> bool:
+        """``update``'s ``out`` is written within the pass over the master (no extra pass)."""
+        return self._opt.one_pass
+
+    def update(self, group_index: int, lo: int, numel: int,
+               out: torch.Tensor | None = None) -> None:
+        """Adam(W) on elements [lo, lo + numel) of group ``group_index``'s local tensors;
+        ``out`` (``numel`` long, e.g. a 16-bit shard slice) gets the updated values."""
         g = self._opt.groups_by_index[group_index]
         st = self._state[group_index]
+        master = g.master.narrow(0, lo, numel)
         with torch.profiler.record_function("zeroio::adam_chunk"):
-            adam_update(master=g.master.narrow(0, lo, numel), grad=g.grad.narrow(0, lo, numel),
+            h = self._one_pass.get(group_index)
+            if h is not None:  # [Note: one-pass CPU Adam]
+                cpu_adam.step_chunk(master=master, grad=g.grad.narrow(0, lo, numel),
+                                    exp_avg=st.exp_avg.narrow(0, lo, numel),
+                                    exp_avg_sq=st.exp_avg_sq.narrow(0, lo, numel), hyper=h,
+                                    out=out)
+                return
+            adam_update(master=master, grad=g.grad.narrow(0, lo, numel),
                         state=AdamState(exp_avg=st.exp_avg.narrow(0, lo, numel),
                                         exp_avg_sq=st.exp_avg_sq.narrow(0, lo, numel),
                                         step=self._before[group_index].clone()),
                         hyper=self._hyper[group_index], decoupled=self._opt.decoupled,
                         grad_scale=self._grad_scale, scale_tensor=self._scale[group_index])
+            if out is not None:
+                out.copy_(master)
 
 
 class ShardedAdam:
@@ -127,6 +149,19 @@ class ShardedAdam:
         self.decoupled = decoupled
         self.state: list[AdamState] = [AdamState.zeros_like(g.master) for g in groups]
         self.groups_by_index = {g.group_index: g for g in groups}
+        host = [g.master for g in groups if g.master.numel()]
+        self.one_pass = bool(host) and all(
+            t.device.type == "cpu" and t.dtype == torch.float32 for t in host) and \
+            cpu_adam.wanted(sum(t.numel() for t in host))
+        """Host fp32 masters stepped by the compiled one-pass kernel (cpu_adam.py)."""
+
+    def hyper_tensor(self, group_index: int, step: int, grad_scale: float) -> torch.Tensor:
+        """``cpu_adam.hyper_tensor`` of a group's current hyperparameters for update ``step``."""
+        hyper = self.param_groups[group_index]
+        return cpu_adam.hyper_tensor(lr=float(hyper["lr"]), betas=tuple(hyper["betas"]),
+                                     eps=float(hyper["eps"]),
+                                     weight_decay=float(hyper["weight_decay"]),
+                                     decoupled=self.decoupled, step=step, grad_scale=grad_scale)
 
     def begin_chunked_step(self, grad_scale: float = 1.0) -> ChunkedStep:
         """A step whose chunks the caller runs (see ``ChunkedStep``); the partitioner's
@@ -143,6 +178,13 @@ class ShardedAdam:
                 if n == 0:
                     continue
                 hyper = self.param_groups[g.group_index]
+                if on_updated is None and self.one_pass:
+                    st.step.add_(1)
+                    cpu_adam.step_chunk(master=g.master, grad=g.grad, exp_avg=st.exp_avg,
+                                        exp_avg_sq=st.exp_avg_sq,
+                                        hyper=self.hyper_tensor(g.group_index,
+                                                                int(st.step.item()), grad_scale))
+                    continue
                 if on_updated is None:
                     adam_update(master=g.master, grad=g.grad, state=st, hyper=hyper,
                                 decoupled=self.decoupled, grad_scale=grad_scale)

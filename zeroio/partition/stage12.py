@@ -198,12 +198,13 @@ class Stage12Partitioner:
         self._runner = StepRunner(len(self._chunks), device)
         self._copy_stream = None
         self._scratch: list[torch.Tensor] = []
+        """fp32 landing zones on the GPU (the master goes up as fp32, cast there)."""
+        self._stage_slots: list[torch.Tensor] = []
+        """Pinned 16-bit slots the one-pass CPU Adam writes into ([Note: step publication])."""
+        self._slot_free: list[torch.cuda.Event | None] = [None, None]
+        self._out_in_pass = False
         if home.device.type == "cpu" and device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device)
-            if compute_dtype != torch.float32 and self._chunks:
-                n = max(c.numel for c in self._chunks)  # fp32 landing zone, cast on the GPU
-                self._scratch = [torch.empty(n, dtype=torch.float32, device=device)
-                                 for _ in range(2)]
         if overlap_forward:  # see [Note: readers of an overlapped step]
             for m in module.modules():
                 need = [ready[id(p)] for p in m.parameters(recurse=False) if id(p) in ready]
@@ -494,41 +495,74 @@ class Stage12Partitioner:
                     ready[id(s.param)] = first + (end - 1) // chunk_numel if s.numel else -1
         return chunks, ready
 
-    def run_step(self, update) -> None:
+    def run_step(self, update, *, out_in_pass: bool = False) -> None:
         """The optimizer step of host masters, chunk by chunk on a worker thread: ``update(
-        group_index, local_start, numel)`` (CPU Adam) then that chunk's publication (fp32
-        host-to-device copy on a copy stream, 16-bit cast there, all-gather after a bucket's last
-        chunk). Without ``overlap_forward`` it returns when all is published (in stream
-        order); with it, at once, and forward pre-hooks wait for each module's chunks."""
+        group_index, local_start, numel, out=...)`` (CPU Adam) then that chunk's publication
+        ([Note: step publication]; all-gather after a bucket's last chunk). ``out_in_pass``:
+        ``update`` writes ``out`` within its pass over the master (the one-pass CPU Adam),
+        so a 16-bit copy costs no extra pass. Without ``overlap_forward`` it returns when all
+        is published (in stream order); with it, at once, and forward pre-hooks wait for each
+        module's chunks."""
         self.wait_step()
         if self._copy_stream is not None:  # the backward's last reads of the buffers come first
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._out_in_pass = out_in_pass and self.params.dtype != torch.float32
+            self._make_landing()
         self._runner.start(partial(self._step_job, update))
         if not self.overlap_forward:
             self.wait_step()
         self.phase = Phase.IDLE
 
+    def _make_landing(self) -> None:
+        if self.params.dtype == torch.float32 or not self._chunks:
+            return
+        n = max(c.numel for c in self._chunks)
+        if self._out_in_pass and not self._stage_slots:
+            self._stage_slots = [host_empty(n, self.params.dtype, pin=True) for _ in range(2)]
+        if not self._out_in_pass and not self._scratch:
+            self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device)
+                             for _ in range(2)]
+
     def _step_job(self, update, i: int) -> None:
         c = self._chunks[i]
         b, lb, size = c.bucket, self._local_base[c.bucket.index], c.bucket.slice_numel(self.world)
-        with self._runner.clock.phase("adam"):
-            update(b.group_index, lb + c.slice_lo, c.numel)
-        with self._runner.clock.phase("publish"):
-            self._publish_chunk(c, i, b, lb, size)
-
-    def _publish_chunk(self, c: StepChunk, i: int, b: Bucket, lb: int, size: int) -> None:
-        src = self.groups[b.group_index].master.narrow(0, lb + c.slice_lo, c.numel)
         dst = self.params.narrow(0, b.start + self.rank * size + c.slice_lo, c.numel)
+        out = None
+        if self._copy_stream is None:  # parameters in host memory: written in the pass
+            out = dst
+        elif self._out_in_pass:
+            free = self._slot_free[i % 2]
+            if free is not None:  # the slot's last copy to the GPU has read it
+                free.synchronize()
+            out = self._stage_slots[i % 2].narrow(0, 0, c.numel)
+        with self._runner.clock.phase("adam"):
+            update(b.group_index, lb + c.slice_lo, c.numel, out=out)
+        with self._runner.clock.phase("publish"):
+            self._publish_chunk(c, i, b, lb, dst, out)
+
+    def _publish_chunk(self, c: StepChunk, i: int, b: Bucket, lb: int, dst: torch.Tensor,
+                       out: torch.Tensor | None) -> None:
+        """[Note: step publication] The chunk's new values reach the 16-bit parameters by one
+        of three paths: parameters in host memory are ``out`` itself (no copy); with the
+        one-pass CPU Adam the kernel wrote them into a pinned 16-bit slot (two, alternating,
+        each reused after an event behind its copy) that goes up as is (2 bytes per
+        element over PCIe); otherwise the fp32 master goes up into a GPU landing zone and is
+        cast there (no extra CPU pass). fp32 parameters take the master directly."""
         if self._copy_stream is None:
-            dst.copy_(src)
             if c.gather:
                 comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
             return
+        src = self.groups[b.group_index].master.narrow(0, lb + c.slice_lo, c.numel)
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
-            if not self._scratch or src.dtype == dst.dtype:
+            if out is not None:
+                count_copy(self.transfers, out, dst)
+                dst.copy_(out, non_blocking=True)
+                free = self._slot_free[i % 2] = torch.cuda.Event()
+                free.record(self._copy_stream)
+            elif src.dtype == dst.dtype:
                 count_copy(self.transfers, src, dst)
                 dst.copy_(src, non_blocking=True)
-            else:  # the master goes up as fp32 and is cast on the GPU: no CPU pass for the cast
+            else:
                 landing = self._scratch[i % 2].narrow(0, 0, c.numel)
                 count_copy(self.transfers, src, landing)
                 landing.copy_(src, non_blocking=True)
@@ -567,7 +601,7 @@ class Stage12Partitioner:
         flat 16-bit parameter and gradient buffers, staging and landing buffers."""
         return ([t for sg in self.groups for t in (sg.master, sg.grad)] + [self.params, self.grads]
                 + list(self._staging16.values()) + list(self._accum_staging.values())
-                + list(self._scratch))
+                + list(self._scratch) + list(self._stage_slots))
 
     def close(self) -> None:
         self.wait_step()

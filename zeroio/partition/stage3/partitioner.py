@@ -394,7 +394,7 @@ class Stage3Partitioner:
         return out
 
     # -- host step ([Note: stage-3 host step]) ---------------------------------------------
-    def run_step(self, update) -> None:
+    def run_step(self, update, *, out_in_pass: bool = False) -> None:
         """The optimizer step of host masters: ``update(opt_group, local_start, numel)`` (CPU
         Adam, ``ChunkedStep.update``) over every piece, each chunk published behind it; see
         the note for the threads and when it returns."""
@@ -415,13 +415,15 @@ class Stage3Partitioner:
         with torch.profiler.record_function("zeroio::stage3::step_gathered"):
             for gi in now:
                 if gi in self._pieces:
-                    self._step_group(update, gi)
+                    self._step_group(update, gi, out_in_pass and isinstance(self.store,
+                                                                            HostShards))
                 self.pgroups[gi].refresh()
         self._job_of = {gi: i for i, gi in enumerate(later)}
         self._unpublished = set(later)
         self._runner = StepRunner(len(later), torch.device("cpu"),  # host writes: no events
                                   clock=self._clock)
-        self._runner.start(lambda i: self._step_group(update, later[i]))
+        into_shard = out_in_pass and isinstance(self.store, HostShards)
+        self._runner.start(lambda i: self._step_group(update, later[i], into_shard))
         if not self.settings.overlap_step:
             self.wait_step()
         self.phase = Phase.IDLE
@@ -447,9 +449,10 @@ class Stage3Partitioner:
         if self._publisher is not None:
             self._publisher.settle()
 
-    def _step_group(self, update, gi: int) -> None:
+    def _step_group(self, update, gi: int, into_shard: bool = False) -> None:
         """Adam over group ``gi``'s host pieces, chunk by chunk, each chunk cast into the
-        shard."""
+        shard: by the optimizer's own pass (``into_shard``, the one-pass CPU Adam writing the
+        host shard's slice) or by a copy behind it."""
         g, chunk = self.pgroups[gi], self.settings.step_chunk_numel
         with torch.profiler.record_function("zeroio::stage3::step_group"):
             for ref in self._pieces[gi]:
@@ -461,6 +464,11 @@ class Stage3Partitioner:
                 for j in range(parts):  # equal parts: no small tail call
                     lo, hi = n * j // parts, n * (j + 1) // parts
                     if hi == lo:
+                        continue
+                    if into_shard:
+                        out = self.store.writable(gi, ref.piece.lo + lo, hi - lo)
+                        with self._clock.phase("adam"):
+                            update(ref.piece.opt_group, ref.base + lo, hi - lo, out=out)
                         continue
                     with self._clock.phase("adam"):
                         update(ref.piece.opt_group, ref.base + lo, hi - lo)

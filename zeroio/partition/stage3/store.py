@@ -130,13 +130,18 @@ class HostShards:
         return Fetched(dev, ready)
 
     def update(self, key, values, lo):
+        dst = self.writable(key, lo, values.numel())
+        count_copy(self.transfers, values, dst)
+        dst.copy_(values)
+
+    def writable(self, key, lo: int, numel: int) -> torch.Tensor:
+        """Elements ``[lo, lo+numel)`` of the host shard, for a writer that fills them itself
+        (the one-pass CPU Adam); waits until no copy in flight reads the shard."""
         reading = self._reading.pop(key, None)
         if reading is not None:
             with StallTimer(self.transfers):
                 reading.synchronize()  # an async copy may still read the old bytes
-        dst = self._shards[key].narrow(0, lo, values.numel())
-        count_copy(self.transfers, values, dst)
-        dst.copy_(values)
+        return self._shards[key].narrow(0, lo, numel)
 
     def update_pieces(self, key, pieces, *, whole):
         update_each(self, key, pieces)
