@@ -44,6 +44,9 @@ from zeroio.errors import ConfigError
 AUTO_MIN_NUMEL = 1 << 24
 """``auto`` compiles for host optimizer state of at least this many elements (64 MB fp32)."""
 
+COMPILE_HINT_NUMEL = 1 << 22
+"""Length of the compile-time call (the size hint inductor parallelizes by)."""
+
 _MODES = ("auto", "compiled", "torch")
 
 # h: [grad_scale, beta1, beta2, eps, lr * wd (AdamW), step_size, bias_correction2_sqrt,
@@ -94,16 +97,22 @@ class _Kernels:
 
     @staticmethod
     def _compile() -> tuple:
+        import torch._inductor.config as inductor_config
+
         step = torch.compile(_step, dynamic=True, fullgraph=True)
         step_out = torch.compile(_step_out, dynamic=True, fullgraph=True)
-        # compile now, on two lengths (dynamic from the first call on), fp32 and bf16 outputs
+        # Compile now. The first call's length is the size hint inductor decides from whether
+        # the loop gets an OpenMP parallel region: a small one makes a single-threaded kernel
+        # (10x slower on a 16-core host). dynamic_threads: the region takes the calling
+        # thread's torch.get_num_threads() (the step worker's), not the count at compile time.
         h = hyper_tensor(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                          decoupled=True, step=1, grad_scale=1.0)
-        for n in (64, 37):
-            t = [torch.zeros(n) for _ in range(4)]
-            step(*t, h)
-            for dt in (torch.bfloat16, torch.float16):
-                step_out(*t, h, torch.empty(n, dtype=dt))
+        with inductor_config.patch({"cpp.dynamic_threads": True}):
+            for n in (COMPILE_HINT_NUMEL, COMPILE_HINT_NUMEL - 3):
+                t = [torch.zeros(n) for _ in range(4)]
+                step(*t, h)
+                for dt in (torch.bfloat16, torch.float16):
+                    step_out(*t, h, torch.empty(n, dtype=dt))
         return step, step_out
 
 
