@@ -239,6 +239,11 @@ def _profile(a, engine, model, opt, device, gen) -> dict:
 
 def main() -> None:
     a = _args()
+    after = os.environ.get("ZEROIO_TRACEBACK_AFTER_S")
+    if after:  # a run about to be killed for time says where it was (train_peers sets it)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(after), exit=False)
     cuda = torch.cuda.is_available()
     rss = RssSampler()
     log = (lambda what: print(mem_line(what, rss), file=sys.stderr, flush=True)) \

@@ -121,6 +121,8 @@ def run_one(c: C.Contender, plan: C.RunPlan, timeout: float) -> report.Row:
         shutil.rmtree(nvme, ignore_errors=True)
         nvme.mkdir(parents=True)
     argv, env = C.command(c, plan)
+    # a contender still running near the deadline prints every thread's stack (train_llama)
+    env.setdefault("ZEROIO_TRACEBACK_AFTER_S", str(max(5.0, timeout - 8)))
     try:
         out = launch.run(argv, env=env, timeout=timeout, log_dir=plan.run_dir / "logs",
                          name=c.name, cwd=str(C.REPO))

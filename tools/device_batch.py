@@ -331,6 +331,23 @@ DIAG_BATCHES += (
                    timeout_s=30, sized="estimate only"),
           )),
 )
+DIAG_BATCHES += (
+    Batch(name="peers-final", kind=Kind.H200, peers=True,
+          what="issue 9's 2x table in one call, ordered by what counts: zeroio z2/z3 + cpu "
+               "(overlapped step, one-pass CPU Adam), DeepSpeed z2/z3 + cpu, FSDP2 last",
+          steps=(
+              Step(name="zeroio-z2-cpu", shell=PEERS6 + " --only zeroio-z2-cpu --timeout 85 "
+                   f"{OVERLAP}", timeout_s=90, sized="42 s (diag) + CPU Adam compile ~20 s"),
+              Step(name="zeroio-z3-cpu", shell=PEERS6 + " --only zeroio-z3-cpu --timeout 85 "
+                   f"{OVERLAP}", timeout_s=90, sized="43 s (diag) + CPU Adam compile ~20 s"),
+              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 135 {LIBAIO}",
+                   timeout_s=140, sized="125 s measured with its CPU-Adam JIT (session 3)"),
+              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 70 {LIBAIO}",
+                   timeout_s=75, sized="64 s measured (session 3)"),
+              Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 65",
+                   timeout_s=70, sized="64 s measured (session 3)"),
+          )),
+)
 BATCHES = BATCHES + RATIO_BATCHES + DIAG_BATCHES
 BY_NAME = {b.name: b for b in BATCHES}
 

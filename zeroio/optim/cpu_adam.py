@@ -27,7 +27,8 @@ Which kernel runs: ``ZEROIO_CPU_ADAM`` = ``auto`` (default), ``compiled`` or
 ``torch``. ``auto`` uses the compiled kernel for host optimizer state of at
 least ``AUTO_MIN_NUMEL`` elements, so small models and the test suite do not
 pay a compile. The kernel is compiled once per process (a few seconds; inductor
-caches it on disk). A failed compile, such as no C++ compiler, falls back to
+caches it on disk; a fresh machine takes about 20 s on 2 cores), one variant per
+output dtype, on first use. A failed compile, such as no C++ compiler, falls back to
 torch's kernel with one warning under ``auto``, and raises under ``compiled``.
 """
 
@@ -79,41 +80,46 @@ def _step_out(p, g, m, v, h, out):
 
 
 class _Kernels:
-    """The compiled callables, made once per process (under a lock: any thread may ask)."""
+    """The compiled callables, made once per process and output dtype (under a lock: any
+    thread may ask)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._fns: tuple | None = None
+        self._fns: dict[torch.dtype | None, object] = {}
         self.error: BaseException | None = None
 
-    def get(self) -> tuple | None:
+    def get(self, out_dtype: torch.dtype | None = None):
+        """The kernel without an output (``None``) or writing ``out_dtype``; None if it does
+        not compile (``error`` says why)."""
         with self._lock:
-            if self._fns is None and self.error is None:
+            if out_dtype not in self._fns and self.error is None:
                 try:
-                    self._fns = self._compile()
+                    self._fns[out_dtype] = self._compile(out_dtype)
                 except Exception as e:  # no compiler, unsupported platform: caller decides
                     self.error = e
-            return self._fns
+            return self._fns.get(out_dtype)
 
     @staticmethod
-    def _compile() -> tuple:
+    def _compile(out_dtype: torch.dtype | None):
         import torch._inductor.config as inductor_config
 
-        step = torch.compile(_step, dynamic=True, fullgraph=True)
-        step_out = torch.compile(_step_out, dynamic=True, fullgraph=True)
+        fn = torch.compile(_step if out_dtype is None else _step_out, dynamic=True,
+                           fullgraph=True)
         # Compile now. The first call's length is the size hint inductor decides from whether
         # the loop gets an OpenMP parallel region: a small one makes a single-threaded kernel
         # (10x slower on a 16-core host). dynamic_threads: the region takes the calling
         # thread's torch.get_num_threads() (the step worker's), not the count at compile time.
+        # compile_threads 1: one kernel, built in this process (no pool of compile workers).
         h = hyper_tensor(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                          decoupled=True, step=1, grad_scale=1.0)
-        with inductor_config.patch({"cpp.dynamic_threads": True}):
-            for n in (COMPILE_HINT_NUMEL, COMPILE_HINT_NUMEL - 3):
+        with inductor_config.patch({"cpp.dynamic_threads": True, "compile_threads": 1}):
+            for n in (COMPILE_HINT_NUMEL, COMPILE_HINT_NUMEL - 3):  # the second: no recompile
                 t = [torch.zeros(n) for _ in range(4)]
-                step(*t, h)
-                for dt in (torch.bfloat16, torch.float16):
-                    step_out(*t, h, torch.empty(n, dtype=dt))
-        return step, step_out
+                if out_dtype is None:
+                    fn(*t, h)
+                else:
+                    fn(*t, h, torch.empty(n, dtype=out_dtype))
+        return fn
 
 
 _KERNELS = _Kernels()
@@ -134,7 +140,7 @@ def wanted(total_numel: int) -> bool:
     m = mode()
     if m == "torch" or (m == "auto" and total_numel < AUTO_MIN_NUMEL):
         return False
-    if _KERNELS.get() is not None:
+    if _KERNELS.get() is not None and _KERNELS.get(torch.bfloat16) is not None:
         return True
     if m == "compiled":
         raise RuntimeError("ZEROIO_CPU_ADAM=compiled: the one-pass CPU Adam kernel did not "
@@ -162,10 +168,10 @@ def step_chunk(*, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                out: torch.Tensor | None = None) -> None:
     """One Adam(W) update of fp32 1-D CPU tensors in place (``hyper`` from ``hyper_tensor``);
     ``out`` (same length, any float dtype) gets the updated master values."""
-    fns = _KERNELS.get()
-    if fns is None:
+    fn = _KERNELS.get(None if out is None else out.dtype)
+    if fn is None:
         raise RuntimeError(f"the one-pass CPU Adam kernel is not available ({_KERNELS.error!r})")
     if out is None:
-        fns[0](master, grad, exp_avg, exp_avg_sq, hyper)
+        fn(master, grad, exp_avg, exp_avg_sq, hyper)
     else:
-        fns[1](master, grad, exp_avg, exp_avg_sq, hyper, out)
+        fn(master, grad, exp_avg, exp_avg_sq, hyper, out)
