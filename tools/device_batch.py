@@ -348,7 +348,49 @@ DIAG_BATCHES += (
                    timeout_s=70, sized="64 s measured (session 3)"),
           )),
 )
-BATCHES = BATCHES + RATIO_BATCHES + DIAG_BATCHES
+COMPILED = "ZEROIO_CPU_ADAM=compiled "
+WARM_KERNEL = ("ZEROIO_CPU_ADAM=compiled python3 -c \"import time,torch;"
+               "from zeroio.optim import cpu_adam;t=time.time();"
+               "print('compiled', cpu_adam.wanted(1), round(time.time()-t, 1), 's')\"")
+KERNEL_BATCHES = (
+    Batch(name="kernel", kind=Kind.H200,
+          what="the one-pass CPU Adam (optim/cpu_adam.py) on the H200 host: compile time "
+               "(cache shared by later steps), host step parts, z2/z3 + cpu with the "
+               "overlapped step on torch's kernel and on the compiled one",
+          steps=(
+              Step(name="compile", shell=WARM_KERNEL, timeout_s=90,
+                   sized="20 s on the 2-core VM; session 3's first try was still in the ISA "
+                         "probe after 40 s (skipped now)"),
+              Step(name="host-step", shell=COMPILED + "python3 benchmarks/bench_host_step.py "
+                   "--repeats 2 --out {res}", timeout_s=70, sized="38 s measured (diag)"),
+              Step(name="z2-torch", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero2-cpu.json " + OVERLAP, timeout_s=70, sized="42 s (diag)"),
+              Step(name="z2-compiled", shell=COMPILED + LLAMA + " --mode zeroio --config "
+                   "configs/zero2-cpu.json " + OVERLAP, timeout_s=75, sized="42 s (diag)"),
+              Step(name="z3-torch", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json " + OVERLAP, timeout_s=70, sized="43 s (diag)"),
+              Step(name="z3-compiled", shell=COMPILED + LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json " + OVERLAP, timeout_s=75, sized="43 s (diag)"),
+          )),
+    Batch(name="peers-kernel", kind=Kind.H200, peers=True,
+          what="issue 9's 2x table in one call with the compiled CPU Adam (compiled first, "
+               "cached for the zeroio rows): DeepSpeed z2/z3, zeroio z2/z3, FSDP2",
+          steps=(
+              Step(name="compile", shell=WARM_KERNEL, timeout_s=55,
+                   sized="see the kernel batch"),
+              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 135 {LIBAIO}",
+                   timeout_s=140, sized="113-125 s measured with its CPU-Adam JIT (session 3)"),
+              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 70 {LIBAIO}",
+                   timeout_s=75, sized="48-64 s measured (session 3)"),
+              Step(name="zeroio-z2-cpu", shell=COMPILED + PEERS6 + " --only zeroio-z2-cpu "
+                   f"--timeout 70 {OVERLAP}", timeout_s=75, sized="42 s (diag) + cached kernel"),
+              Step(name="zeroio-z3-cpu", shell=COMPILED + PEERS6 + " --only zeroio-z3-cpu "
+                   f"--timeout 70 {OVERLAP}", timeout_s=75, sized="43 s (diag) + cached kernel"),
+              Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 55",
+                   timeout_s=60, sized="57-64 s measured (session 3); last, expendable"),
+          )),
+)
+BATCHES = BATCHES + RATIO_BATCHES + DIAG_BATCHES + KERNEL_BATCHES
 BY_NAME = {b.name: b for b in BATCHES}
 
 
@@ -399,6 +441,8 @@ def device_env(commit: str) -> dict[str, str]:
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     # build/ is git-ignored, so DeepSpeed's JIT ops survive between calls on a warm machine
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+    # inductor's cache (zeroio's compiled CPU Adam) shared by the batch's steps, as above
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / "build" / "inductor"))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
