@@ -25,11 +25,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
+import provenance  # benchmarks/provenance.py: ZEROIO_COMMIT on the device, else git
 import psutil
 import torch
 
@@ -175,14 +175,6 @@ def zeroio_config(a) -> dict:
     return cfg
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _one_step(a, engine, model, opt, ids, mark=lambda name: None):
     if engine is None:
         with torch.autocast(ids.device.type, dtype=torch.bfloat16):
@@ -297,7 +289,7 @@ def main() -> None:
         "mode": a.mode, "config": a.config, "overrides": {"stage": a.stage, "offload": a.offload,
                                                           "set": a.set},
         "machine": platform.node(), "gpu": torch.cuda.get_device_name() if cuda else None,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _commit(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": provenance.commit(),
         "world_size": world, "params": n_params,
         "model": {k: getattr(a, k) for k in ("hidden", "layers", "intermediate", "heads",
                                              "vocab", "seq", "micro_batch")},
