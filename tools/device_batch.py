@@ -361,8 +361,10 @@ KERNEL_BATCHES = (
               Step(name="compile", shell=WARM_KERNEL, timeout_s=90,
                    sized="20 s on the 2-core VM; session 3's first try was still in the ISA "
                          "probe after 40 s (skipped now)"),
+              Step(name="cpu-adam-gpu", shell=_pytest("tests/test_cpu_adam_training.py"),
+                   timeout_s=60, sized="4 tiny-Llama cases on 1 GPU, kernel cached by 'compile'"),
               Step(name="host-step", shell=COMPILED + "python3 benchmarks/bench_host_step.py "
-                   "--repeats 2 --out {res}", timeout_s=70, sized="38 s measured (diag)"),
+                   "--repeats 2 --out {res}", timeout_s=60, sized="38 s measured (diag)"),
               Step(name="z2-torch", shell=LLAMA + " --mode zeroio --config "
                    "configs/zero2-cpu.json " + OVERLAP, timeout_s=70, sized="42 s (diag)"),
               Step(name="z2-compiled", shell=COMPILED + LLAMA + " --mode zeroio --config "
