@@ -98,9 +98,9 @@ BATCHES: tuple[Batch, ...] = (
           steps=(
               Step(name="io", shell=_pytest("tests/test_io_cli.py"), timeout_s=60,
                    sized="copy helpers: seconds"),
-              Step(name="stats", shell=_pytest("tests/test_stats.py"), timeout_s=90,
+              Step(name="stats", shell=_pytest("tests/test_stats.py"), timeout_s=60,
                    sized="one spawned rank, tiny model"),
-              Step(name="hotpath", shell=_pytest("tests/test_stage3_hotpath.py"), timeout_s=90,
+              Step(name="hotpath", shell=_pytest("tests/test_stage3_hotpath.py"), timeout_s=60,
                    sized="small model, a few steps"),
               Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=110,
                    sized="stage 3 equivalence cases on 1 GPU (two-GPU test skips): 35 s in "
@@ -108,7 +108,7 @@ BATCHES: tuple[Batch, ...] = (
               Step(name="ratio-1gpu", shell=_pytest("tests/test_ratio_gpu.py"), timeout_s=80,
                    sized="offload_optimizer.ratio 0.5, 3 cases on 1 GPU: 33 s in session 3"),
               Step(name="cpu-adam-1gpu", shell=_pytest("tests/test_cpu_adam_training.py"),
-                   timeout_s=100, sized="4 tiny-Llama cases + the compiled CPU Adam's first "
+                   timeout_s=80, sized="4 tiny-Llama cases + the compiled CPU Adam's first "
                                         "compile on that host (unmeasured: > 40 s once)"),
               Step(name="stage12", shell=_pytest("tests/test_stage12_equivalence.py"),
                    timeout_s=30, sized="skips on 1 GPU; collection only"),
