@@ -6,7 +6,9 @@ with what runs beside it in a training step.
 Each variant steps the same ``--numel`` fp32 elements (zeroio.io.hostmem memory, as the
 engine allocates them) and reports seconds per step:
 
-- ``one_call``: one fused AdamW call on the main thread (the raw bound).
+- ``one_call``: one fused AdamW call on the main thread, grad_scale 2 (clipping active);
+  torch's kernel then writes the unscaled gradient back (4 more bytes per element).
+- ``one_call_no_scale``: the same without a grad_scale (the raw bound of issue 9).
 - ``chunks_main``: the same in ``--chunk``-element chunks on the main thread.
 - ``chunks_worker``: the chunks on a worker thread (as StepRunner runs them).
 - ``chunks_worker_h2d``: + each chunk's fp32 master copied to the GPU on a copy stream and
@@ -59,11 +61,11 @@ class Shard:
         self.v = host_zeros(numel, torch.float32, pin=pin)
         self.step = torch.zeros((), dtype=torch.float32)
 
-    def update(self, lo: int, k: int) -> None:
+    def update(self, lo: int, k: int, grad_scale: float = 2.0) -> None:
         st = AdamState(exp_avg=self.m.narrow(0, lo, k), exp_avg_sq=self.v.narrow(0, lo, k),
                        step=self.step.clone())
         adam_update(master=self.master.narrow(0, lo, k), grad=self.grad.narrow(0, lo, k),
-                    state=st, hyper=HYPER, decoupled=True, grad_scale=2.0)
+                    state=st, hyper=HYPER, decoupled=True, grad_scale=grad_scale)
 
 
 def _time(fn, repeats: int) -> float:
@@ -91,6 +93,8 @@ def main() -> None:
     spans = [(lo, min(chunk, n - lo)) for lo in range(0, n, chunk)]
     runs: dict[str, float] = {}
     runs["one_call"] = _time(lambda: sh.update(0, n), a.repeats)
+    # no grad_scale (no clipping, no loss scale): torch's kernel then leaves the gradient alone
+    runs["one_call_no_scale"] = _time(lambda: sh.update(0, n, 1.0), a.repeats)
 
     def chunks_main():
         for lo, k in spans:
