@@ -73,7 +73,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
         return Stage12Partitioner(
             module=module, param_groups=spec.param_groups, stage=zc.stage, compute_dtype=dtype,
             device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
-            overlap_forward=off.device == "cpu" and overlap_step_enabled(cfg.zero_optimization.tiering))
+            overlap_forward=off.device == "cpu" and overlap_step_enabled(cfg.zero_optimization.tiering),
+            optimizer_ratio=off.ratio if off.device == "cpu" else 1.0)
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
@@ -85,7 +86,7 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
 
 def build_optimizer(cfg, partitioner, spec: OptimizerSpec):
     split = getattr(partitioner, "optimizer_split", None)
-    if split is not None:  # offload_optimizer.ratio < 1 (stage 3): partition/stage3/twin.py
+    if split is not None:  # offload_optimizer.ratio < 1: partition/stage3/twin.py, stage12.py
         from zeroio.optim.twin import TwinAdam
 
         return TwinAdam(device=ShardedAdam(split.device, spec.hyper, decoupled=spec.decoupled),

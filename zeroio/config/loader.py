@@ -164,11 +164,20 @@ def _check_offload(cfg: Config) -> None:
             f'zero_optimization.offload_param.device = "{zero.offload_param.device.value}" '
             f"needs zero_optimization.stage 3 (stage is {zero.stage}): only stage 3 "
             "partitions parameters", key="zero_optimization.offload_param.device")
-    if zero.offload_optimizer.ratio < 1.0 and zero.stage != 3:
+    ratio = zero.offload_optimizer.ratio
+    if ratio < 1.0 and zero.stage == 0:
         raise ConfigError(
-            f"zero_optimization.offload_optimizer.ratio = {zero.offload_optimizer.ratio:g} "
-            f"needs zero_optimization.stage 3 (stage is {zero.stage}): a partial optimizer "
-            "offload is a stage-3 feature (as in DeepSpeed); set ratio 1.0 or stage 3",
+            f"zero_optimization.offload_optimizer.ratio = {ratio:g} needs "
+            "zero_optimization.stage 1, 2 or 3 (stage is 0): a partial optimizer offload "
+            "splits this rank's optimizer shard; set ratio 1.0 or a stage >= 1",
+            key="zero_optimization.offload_optimizer.ratio")
+    if ratio < 1.0 and zero.stage in (1, 2) and \
+            zero.offload_optimizer.device is OffloadDevice.NVME:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio = {ratio:g} with "
+            f'offload_optimizer.device "nvme" needs zero_optimization.stage 3 (stage is '
+            f'{zero.stage}): at stages 1 and 2 a partial offload is to "cpu" only; set '
+            'offload_optimizer.device "cpu", ratio 1.0, or stage 3',
             key="zero_optimization.offload_optimizer.ratio")
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one",

@@ -68,10 +68,12 @@ class OffloadOptimizerConfig:
     pipeline_write: bool = field(False, coerce=as_bool)
     """NVMe: write sub-group i-1 while sub-group i is updated."""
     ratio: float = field(1.0, coerce=float_coercer(gt=0.0, le=1.0))
-    """DeepSpeed's meaning: the fraction of the optimizer state offloaded (stage 3 only).
-    With ratio r < 1 the first (1 - r) of this rank's optimizer elements keep their fp32
-    master, moments and gradient on the compute device and are stepped there by the fused
-    Adam (zeroio/optim/twin.py); the rest lives on ``device`` (cpu or nvme) as before."""
+    """DeepSpeed's meaning: the fraction of the optimizer state offloaded (stages 1-3; at
+    stages 1 and 2 with ``device`` cpu only; ignored with ``device`` none). With ratio r < 1
+    the first (1 - r) of this rank's optimizer elements keep their fp32 master, moments and
+    gradient on the compute device and are stepped there by the fused Adam
+    (zeroio/optim/twin.py); the rest lives on ``device`` (cpu, or nvme at stage 3) as
+    before."""
 
     @property
     def pipeline(self) -> bool:

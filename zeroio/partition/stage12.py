@@ -43,12 +43,31 @@ micro step of stage 0/1, or stage 2 without accumulation), its squared norm is
 taken right there (on the GPU, on the side stream), so the step does not
 re-read the whole gradient shard from host memory to clip it. With stage 2
 accumulation the norm is taken from the accumulated shards.
+
+[Note: stage 1/2 twin placement]
+With ``offload_optimizer.ratio`` r < 1 (offload_optimizer.device cpu) the
+rule of stage 3 applies (partition/stage3/twin.py, [Note: twin placement]):
+this rank's local shard, walked group by group (each group's buckets' slices
+in order), keeps its first ``device_numel(total, r)`` elements on the compute
+device (fp32 master and gradient shard there; their moments in the
+``TwinAdam``'s device ``ShardedAdam``, stepped by the fused Adam) and the rest
+on the host as without a ratio. Each group's device part is a prefix of its
+local layout, so the logical ``groups`` keep the layout and segments they have
+without a ratio (meta ``master``/``grad``: state goes through the optimizer)
+and ``optimizer_split`` holds both sides' physical ShardGroups. Slices are the
+same size on every rank, so every rank cuts at the same local offset and
+classifies the same buckets as all-device. Consuming a gradient piece splits
+it at the cut (the device part never leaves the device); ``run_step``
+publishes the device side first (a cast copy on the compute stream, then the
+all-gather of buckets with no host element), and the host step's chunks cover
+host elements only, so a module whose parameters are all device-side waits
+for nothing in an overlapped step.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -56,8 +75,9 @@ import torch
 from zeroio.errors import DistributedError
 from zeroio.io.hostmem import host_empty, host_zeros
 from zeroio.partition import collectives as comm
-from zeroio.partition.base import ParamIndex, Phase, ShardGroup
+from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
+from zeroio.partition.stage3.twin import OptimizerSplit, device_numel
 from zeroio.partition.step_overlap import StepRunner
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
@@ -149,6 +169,7 @@ class Stage12Partitioner:
         step_chunk_numel: int | None = None,
         overlap_forward: bool = False,
         grad_piece_numel: int | None = None,
+        optimizer_ratio: float = 1.0,
     ):
         self.stage = stage
         self.group = group
@@ -163,7 +184,10 @@ class Stage12Partitioner:
         self.rank = 0 if stage == 0 else comm.rank(group)
         self.layout: FlatLayout = build_layout(
             module, param_groups, self.index, reduce_bucket_numel, self.world)
-        self.groups = self._build_shards(len(param_groups))
+        self.optimizer_split: OptimizerSplit | None = None
+        """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine.build_optimizer);
+        see [Note: stage 1/2 twin placement]."""
+        self.groups = self._build_shards(len(param_groups), optimizer_ratio)
         self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device)
         in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
         for p in module.parameters():  # frozen ones compute in the same dtype as the rest
@@ -217,9 +241,12 @@ class Stage12Partitioner:
 
     # ---- construction ---------------------------------------------------------------------
 
-    def _build_shards(self, n_groups: int) -> list[ShardGroup]:
-        groups = []
+    def _build_shards(self, n_groups: int, ratio: float) -> list[ShardGroup]:
+        """The logical ShardGroups; with ``ratio`` < 1 also the physical sides ([Note: stage
+        1/2 twin placement]): ``_host``/``_dev`` and ``_dev_len`` (per group, the local
+        offset where the host part starts)."""
         self._local_base: dict[int, int] = {}
+        layouts = []
         for gi in range(n_groups):
             buckets = self.layout.group_buckets(gi)
             segments, base = [], 0
@@ -227,22 +254,62 @@ class Stage12Partitioner:
                 self._local_base[b.index] = base
                 segments += b.my_segments(self.rank, self.world, base)
                 base += b.slice_numel(self.world)
-            master = self.home.empty(base)
+            layouts.append((buckets, segments, base))
+        split = ratio < 1.0
+        left = device_numel(sum(lay[2] for lay in layouts), ratio) if split else 0
+        self._dev_len: list[int] = []
+        for _, _, base in layouts:
+            self._dev_len.append(min(left, base))
+            left -= self._dev_len[-1]
+        self._dev: list[ShardGroup] = []
+        self._host: list[ShardGroup] = []
+        groups = []
+        on_device = ShardHome(device=self.device)
+        for gi, (buckets, segments, base) in enumerate(layouts):
+            d = self._dev_len[gi]
+            slots = [s for b in buckets for s in b.slots]
+            if split:
+                dev_segs, host_segs = _cut_segments(segments, d)
+                self._dev.append(_shard_group(gi, dev_segs, on_device.empty(d),
+                                              on_device.empty(d), slots))
+                self._host.append(_shard_group(gi, host_segs, self.home.empty(base - d),
+                                               self.home.empty(base - d), slots))
+                groups.append(_shard_group(
+                    gi, segments, torch.empty(base, dtype=torch.float32, device="meta"),
+                    torch.empty(base, dtype=torch.float32, device="meta"), slots))
+            else:
+                groups.append(_shard_group(gi, segments, self.home.empty(base),
+                                           self.home.empty(base), slots))
+                self._host.append(groups[-1])
             for b in buckets:
                 for s in b.slots:  # original (full precision) values, before the 16-bit cast
                     flat = s.param.detach().reshape(-1)
                     for seg in b.my_segments(self.rank, self.world, self._local_base[b.index]):
                         if s.global_offset <= seg.global_offset < s.global_offset + s.numel:
                             src = flat.narrow(0, seg.global_offset - s.global_offset, seg.numel)
-                            master.narrow(0, seg.local_offset, seg.numel).copy_(src)
-            names = tuple(dict.fromkeys(
-                s.name for b in buckets for s in b.slots
-                if any(seg.global_offset < s.global_offset + s.numel
-                       and s.global_offset < seg.global_offset + seg.numel for seg in segments)))
-            groups.append(ShardGroup(
-                group_index=gi, master=master, grad=self.home.empty(base),
-                numel=sum(s.numel for s in segments), segments=tuple(segments), params=names))
+                            for off, dst in self._parts(gi, "master", seg.local_offset,
+                                                        seg.numel):
+                                dst.copy_(src.narrow(0, off, dst.numel()))
+        if split:
+            self.optimizer_split = OptimizerSplit(device=self._dev, host=self._host)
         return groups
+
+    def _parts(self, gi: int, kind: str, lo: int, n: int) -> list[tuple[int, torch.Tensor]]:
+        """Elements [lo, lo + n) of group ``gi``'s local ``kind`` ("master" | "grad") as
+        ``(offset in the range, physical view)``: device part first, then host part."""
+        d, out = self._dev_len[gi], []
+        if lo < d:
+            k = min(n, d - lo)
+            out.append((0, getattr(self._dev[gi], kind).narrow(0, lo, k)))
+        if lo + n > d:
+            a = max(lo, d)
+            out.append((a - lo, getattr(self._host[gi], kind).narrow(0, a - d, lo + n - a)))
+        return out
+
+    @property
+    def _physical(self) -> list[ShardGroup]:
+        """Every ShardGroup holding data (both sides with a ratio)."""
+        return self._host + self._dev
 
     def _plan_pieces(self, piece_numel: int) -> tuple[list[list[GradPiece]],
                                                       dict[int, list[GradPiece]]]:
@@ -350,26 +417,28 @@ class Stage12Partitioner:
         b, k = piece.bucket, piece.numel
         size = b.slice_numel(self.world)
         src = self.grads.narrow(0, b.start + self.rank * size + piece.slice_lo, k)
-        dst = self.groups[b.group_index].grad.narrow(0, self._local_base[b.index] + piece.slice_lo,
-                                                     k)
         scaled = src.float()  # a fresh fp32 piece for 16-bit gradients, src itself for fp32
         if self.comm_world > 1:
             scaled = scaled.mul_(1.0 / self.comm_world)
         if self._boundary and (self._first_micro or self.stage != 2):  # the final value
             self._norm_parts.append(torch.linalg.vector_norm(scaled).double().pow(2))
-        if self._first_micro or self.stage != 2:
-            count_copy(self.transfers, scaled, dst)
-            dst.copy_(scaled, non_blocking=True)
-        elif dst.device == scaled.device:
-            dst.add_(scaled)
-        else:
-            stage = self._accum_staging.get(b.index)
-            if stage is None:
-                stage = self._accum_staging[b.index] = self.home.empty(size)
-            stage = stage.narrow(0, piece.slice_lo, k)
-            count_copy(self.transfers, scaled, stage)
-            stage.copy_(scaled, non_blocking=True)
-            self._pending_host_add.append((dst, stage))
+        first = self._first_micro or self.stage != 2
+        lo = self._local_base[b.index] + piece.slice_lo
+        for off, dst in self._parts(b.group_index, "grad", lo, k):  # device part stays there
+            part = scaled.narrow(0, off, dst.numel())
+            if first:
+                count_copy(self.transfers, part, dst)
+                dst.copy_(part, non_blocking=True)
+            elif dst.device == part.device:
+                dst.add_(part)
+            else:
+                stage = self._accum_staging.get(b.index)
+                if stage is None:
+                    stage = self._accum_staging[b.index] = self.home.empty(size)
+                stage = stage.narrow(0, piece.slice_lo + off, dst.numel())
+                count_copy(self.transfers, part, stage)
+                stage.copy_(part, non_blocking=True)
+                self._pending_host_add.append((dst, stage))
         if self._early:  # stream order: the copy above has read src (or scaled aliasing it)
             src.zero_()
 
@@ -403,13 +472,13 @@ class Stage12Partitioner:
             return total  # stage 0 shards are replicas: only rank 0 contributes to the sum
         if len(self._norm_parts) == self._n_pieces:
             return torch.stack(self._norm_parts).sum().float().cpu()
-        for g in self.groups:
+        for g in self._physical:
             if g.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64
                 total += torch.linalg.vector_norm(g.grad).double().pow(2).float().cpu()
         return total
 
     def local_overflow(self) -> bool:
-        return any(not bool(torch.isfinite(g.grad).all()) for g in self.groups)
+        return any(not bool(torch.isfinite(g.grad).all()) for g in self._physical)
 
     # ---- step ------------------------------------------------------------------------------
 
@@ -423,18 +492,21 @@ class Stage12Partitioner:
                 self._publish_done.synchronize()
             self._publish_done = None
         size = b.slice_numel(self.world)
-        src = self.groups[b.group_index].master.narrow(0, self._local_base[b.index] + lo, hi - lo)
-        dst = self.params.narrow(0, b.start + self.rank * size + lo, hi - lo)
-        if src.device != dst.device and src.dtype != dst.dtype:
-            stage = self._staging16.get(b.index)
-            if stage is None:
-                stage = host_empty(size, dst.dtype, pin=self.home.pin_memory)
-                self._staging16[b.index] = stage
-            stage = stage.narrow(0, lo, hi - lo)
-            stage.copy_(src)
-            src = stage
-        count_copy(self.transfers, src, dst)
-        dst.copy_(src, non_blocking=True)
+        base = b.start + self.rank * size
+        for off, src in self._parts(b.group_index, "master", self._local_base[b.index] + lo,
+                                    hi - lo):
+            k = src.numel()
+            dst = self.params.narrow(0, base + lo + off, k)
+            if src.device != dst.device and src.dtype != dst.dtype:
+                stage = self._staging16.get(b.index)
+                if stage is None:
+                    stage = host_empty(size, dst.dtype, pin=self.home.pin_memory)
+                    self._staging16[b.index] = stage
+                stage = stage.narrow(0, lo + off, k)
+                stage.copy_(src)
+                src = stage
+            count_copy(self.transfers, src, dst)
+            dst.copy_(src, non_blocking=True)
 
     def stage_range(self, group_index: int, start: int, numel: int) -> None:
         """Publish part of a group as soon as the optimizer has updated it (local offsets)."""
@@ -481,19 +553,46 @@ class Stage12Partitioner:
                        key=lambda b: min((s.global_offset for s in b.slots), default=0))
         chunks: list[StepChunk] = []
         ready: dict[int, int] = {}
+        self._device_gathers: list[Bucket] = []
+        """Buckets with no host element (world > 1): all-gathered by ``run_step`` itself."""
         for b in order:
             size, first = b.slice_numel(self.world), len(chunks)
-            for lo in range(0, size, chunk_numel):
+            h0 = self._host_start(b)  # host chunks only: [Note: stage 1/2 twin placement]
+            for lo in range(h0, size, chunk_numel):
                 k = min(chunk_numel, size - lo)
                 chunks.append(StepChunk(bucket=b, slice_lo=lo, numel=k,
                                         gather=self.world > 1 and lo + k == size))
+            if h0 == size and self.world > 1 and size:
+                self._device_gathers.append(b)
             for s in b.slots:
-                if self.world > 1:  # usable after the bucket's all-gather
+                end = s.flat_offset - b.start + s.numel
+                if h0 == size or (self.world == 1 and end <= h0):
+                    ready[id(s.param)] = -1  # published before any host chunk
+                elif self.world > 1:  # usable after the bucket's all-gather
                     ready[id(s.param)] = len(chunks) - 1
                 else:  # world 1: the slice is the bucket
-                    end = s.flat_offset - b.start + s.numel
-                    ready[id(s.param)] = first + (end - 1) // chunk_numel if s.numel else -1
+                    ready[id(s.param)] = first + (end - 1 - h0) // chunk_numel if s.numel else -1
         return chunks, ready
+
+    def _host_start(self, b: Bucket) -> int:
+        """Where the host side starts inside ``b``'s slice (its size: all device-side)."""
+        d = self._dev_len[b.group_index] - self._local_base[b.index]
+        return max(0, min(b.slice_numel(self.world), d))
+
+    def _publish_device(self) -> None:
+        """The device side's new masters -> the 16-bit parameters (a cast copy on the compute
+        stream), then the all-gather of every bucket with no host element."""
+        with torch.profiler.record_function("zeroio::publish_device_side"):
+            for b in self.layout.buckets:
+                h0 = self._host_start(b)
+                if h0:
+                    lb = self._local_base[b.index]
+                    self.params.narrow(0, b.start + self.rank * b.slice_numel(self.world),
+                                       h0).copy_(self._dev[b.group_index].master.narrow(0, lb, h0))
+            handles = [comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group)
+                       for b in self._device_gathers]
+            for h in handles:
+                h.wait()
 
     def run_step(self, update, *, out_in_pass: bool = False) -> None:
         """The optimizer step of host masters, chunk by chunk on a worker thread: ``update(
@@ -504,6 +603,8 @@ class Stage12Partitioner:
         is published (in stream order); with it, at once, and forward pre-hooks wait for each
         module's chunks."""
         self.wait_step()
+        if self.optimizer_split is not None:
+            self._publish_device()
         if self._copy_stream is not None:  # the backward's last reads of the buffers come first
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             self._out_in_pass = out_in_pass and self.params.dtype != torch.float32
@@ -535,8 +636,8 @@ class Stage12Partitioner:
             if free is not None:  # the slot's last copy to the GPU has read it
                 free.synchronize()
             out = self._stage_slots[i % 2].narrow(0, 0, c.numel)
-        with self._runner.clock.phase("adam"):
-            update(b.group_index, lb + c.slice_lo, c.numel, out=out)
+        with self._runner.clock.phase("adam"):  # host-side local offsets
+            update(b.group_index, lb + c.slice_lo - self._dev_len[b.group_index], c.numel, out=out)
         with self._runner.clock.phase("publish"):
             self._publish_chunk(c, i, b, lb, dst, out)
 
@@ -552,7 +653,8 @@ class Stage12Partitioner:
             if c.gather:
                 comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
             return
-        src = self.groups[b.group_index].master.narrow(0, lb + c.slice_lo, c.numel)
+        src = self._host[b.group_index].master.narrow(
+            0, lb + c.slice_lo - self._dev_len[b.group_index], c.numel)
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             if out is not None:
                 count_copy(self.transfers, out, dst)
@@ -599,7 +701,7 @@ class Stage12Partitioner:
     def held_tensors(self) -> list[torch.Tensor]:
         """Memory held for ``engine.stats()["tiers"]``: fp32 masters and gradient shards, the
         flat 16-bit parameter and gradient buffers, staging and landing buffers."""
-        return ([t for sg in self.groups for t in (sg.master, sg.grad)] + [self.params, self.grads]
+        return ([t for sg in self._physical for t in (sg.master, sg.grad)] + [self.params, self.grads]
                 + list(self._staging16.values()) + list(self._accum_staging.values())
                 + list(self._scratch) + list(self._stage_slots))
 
@@ -609,6 +711,34 @@ class Stage12Partitioner:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _cut_segments(segments: list[Segment], d: int) -> tuple[list[Segment], list[Segment]]:
+    """Segments below local offset ``d`` and those above it (offsets relative to ``d``), the
+    one straddling ``d`` cut in two."""
+    head, tail = [], []
+    for seg in segments:
+        a, z = seg.local_offset, seg.local_offset + seg.numel
+        if z <= d:
+            head.append(seg)
+        elif a >= d:
+            tail.append(replace(seg, local_offset=a - d))
+        else:
+            head.append(replace(seg, numel=d - a))
+            tail.append(Segment(local_offset=0, global_offset=seg.global_offset + d - a,
+                                numel=z - d))
+    return head, tail
+
+
+def _shard_group(gi: int, segments: list[Segment], master: torch.Tensor, grad: torch.Tensor,
+                 slots) -> ShardGroup:
+    names = tuple(dict.fromkeys(
+        s.name for s in slots
+        if any(seg.global_offset < s.global_offset + s.numel
+               and s.global_offset < seg.global_offset + seg.numel for seg in segments)))
+    return ShardGroup(group_index=gi, master=master, grad=grad,
+                      numel=sum(s.numel for s in segments), segments=tuple(segments),
+                      params=names)
 
 
 _OVERLAPPED: weakref.WeakSet[Stage12Partitioner] = weakref.WeakSet()
