@@ -246,12 +246,12 @@ def test_invalid_ratio_is_a_config_error_naming_the_key(value):
     assert "zero_optimization.offload_optimizer.ratio" in str(e.value)
 
 
-def test_ratio_below_one_needs_stage_3():
+def test_ratio_below_one_needs_stage_1_or_more():
     import zeroio
 
     cfg = _config(ratio=0.5)
-    cfg["zero_optimization"]["stage"] = 2
-    with pytest.raises(zeroio.ConfigError, match="needs zero_optimization.stage 3") as e:
+    cfg["zero_optimization"]["stage"] = 0
+    with pytest.raises(zeroio.ConfigError, match="needs zero_optimization.stage 1, 2 or 3") as e:
         zeroio.load_config(cfg)
     assert e.value.key == "zero_optimization.offload_optimizer.ratio"
     cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 1.0
@@ -296,8 +296,10 @@ def test_estimate_ratio_from_config_and_errors():
     cfg = zeroio.load_config(_config(ratio=0.5))
     est = zeroio.estimate_memory(4000, config=cfg)
     assert est.ratio == 0.5 and est.device_elements == 2000
+    with pytest.raises(zeroio.ConfigError, match="stage 1, 2 or 3"):
+        zeroio.estimate_memory(4000, stage=0, ratio=0.5)
     with pytest.raises(zeroio.ConfigError, match="stage 3"):
-        zeroio.estimate_memory(4000, stage=2, offload_optimizer="cpu", ratio=0.5)
+        zeroio.estimate_memory(4000, stage=2, offload_optimizer="nvme", ratio=0.5)
     for bad in (0, 1.5, "x"):
         with pytest.raises(zeroio.ConfigError) as e:
             zeroio.estimate_memory(4000, stage=3, offload_optimizer="cpu", ratio=bad)

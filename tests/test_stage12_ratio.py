@@ -334,3 +334,31 @@ def test_gpu_stage2_ratio_bf16_overlap():
                                rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(torch.tensor(got["params"]),
                                torch.tensor(got["masters"]).bfloat16().float())
+
+
+# ---- memory estimate -------------------------------------------------------------------------
+
+def test_estimate_stage12_ratio_by_hand():
+    import zeroio
+
+    # stage 2, fp32, 4000 parameters on one GPU, ratio 0.25: floor(0.75 * 4000) = 3000 elements
+    # keep master + two moments (12 B) and their fp32 gradient (4 B) on the GPU
+    psi, rbs, agbs = 4000, 1000, 3000
+    cfg = zeroio.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 2, "reduce_bucket_size": rbs, "allgather_bucket_size": agbs,
+        "overlap_comm": False, "offload_optimizer": {"device": "cpu", "ratio": 0.25}}})
+    est = zeroio.estimate_memory(psi, config=cfg, dtype="fp32")
+    assert est.device_elements == 3000
+    buffers = 4 * rbs + 4 * agbs  # one fp32 reduce bucket, the all-gather bucket
+    assert est.gpu_bytes_per_gpu == 4 * psi + 16 * 3000 + buffers
+    assert est.cpu_bytes_per_node == 16 * 1000
+    plain = zeroio.estimate_memory(psi, stage=2, offload_optimizer="cpu", dtype="fp32",
+                                   zeroio_buffers=False)
+    assert plain.gpu_bytes_per_gpu == 4 * psi and plain.cpu_bytes_per_node == 16 * psi
+    # stage 1, bf16, two GPUs: the shard is 2000, 1000 on the GPU at ratio 0.5; the 16-bit
+    # gradients are replicated (2 Psi), the paper's 2-byte gradient shard for the CPU optimizer
+    # and the fp32 gradient shard (4 B) split with the optimizer state (12 B)
+    est = zeroio.estimate_memory(psi, gpus_per_node=2, stage=1, offload_optimizer="cpu",
+                                 dtype="bf16", ratio=0.5, zeroio_buffers=False)
+    assert est.gpu_bytes_per_gpu == 2 * psi + 2 * psi + (2 + 12) * 1000
+    assert est.cpu_bytes_per_node == 2 * (2 + 12) * 1000

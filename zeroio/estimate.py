@@ -46,11 +46,15 @@ Two layers, reported separately in the breakdown:
      min(sub_group_size, Psi / N) x 4 bytes.
    - NVMe parameter swap buffers (pinned CPU): buffer_count x buffer_size x b.
 
-3. ``offload_optimizer.ratio`` r < 1 (stage 3, DeepSpeed's partial offload;
-   zeroio/partition/stage3/twin.py): the first D = floor((1 - r) x Psi/N)
-   elements of each rank's shard keep their optimizer state, gradient and
-   fp32 gradient on the GPU; the other Psi/N - D are placed as offload says.
-   Every per-shard term above is split into a GPU item and an offload item.
+3. ``offload_optimizer.ratio`` r < 1 (stage 3, and stages 1/2 with the
+   optimizer on cpu; DeepSpeed's partial offload; zeroio/partition/stage3/twin.py,
+   stage12.py): the first D = floor((1 - r) x Psi/N) elements of each rank's
+   shard keep their optimizer state, gradient and fp32 gradient on the GPU
+   (16 bytes each: master, two moments, fp32 gradient; plus the paper's b-byte
+   gradient partition where it is counted); the other Psi/N - D are placed as
+   offload says. Every per-shard term above is split into a GPU item and an
+   offload item. (Bucket padding of stages 1/2 is not modelled: D is taken of
+   Psi/N.)
 
 4. Activations (``activation_bytes``, the caller's figure, e.g.
    ``llama_activation_bytes``): kind "activations", on the GPU.
@@ -223,8 +227,9 @@ def estimate_memory(
     stage, offload_optimizer, offload_param and dtype default to the config's
     values when ``config`` is given, else to stage 3, "none", "none", "bf16".
     Bucket and swap-buffer sizes come from ``config`` (DeepSpeed defaults without one).
-    ``ratio`` (offload_optimizer.ratio, default the config's or 1.0): below 1 at stage 3 with
-    the optimizer offloaded, the first (1 - ratio) of each shard stays on the GPU (module doc).
+    ``ratio`` (offload_optimizer.ratio, default the config's or 1.0): below 1 at stages 1-3
+    with the optimizer offloaded, the first (1 - ratio) of each shard stays on the GPU (module
+    doc).
     ``largest_group``: elements of stage 3's largest flat group (one transformer layer), which
     sizes its gradient buckets and live parameters (None: reduce_bucket_size stands in).
     ``activation_bytes``: activation memory per GPU (e.g. ``llama_activation_bytes``).
@@ -260,9 +265,13 @@ def estimate_memory(
         raise ConfigError(f"offload_optimizer = {opt_dev} needs stage 1, 2 or 3 (got stage 0)",
                           key="offload_optimizer")
 
-    if ratio < 1.0 and stage != 3:
-        raise ConfigError(f"offload_optimizer.ratio = {ratio:g} needs stage 3 (got stage "
-                          f"{stage})", key="offload_optimizer.ratio")
+    if ratio < 1.0 and stage == 0:
+        raise ConfigError(f"offload_optimizer.ratio = {ratio:g} needs stage 1, 2 or 3 (got "
+                          "stage 0)", key="offload_optimizer.ratio")
+    if ratio < 1.0 and stage in (1, 2) and opt_dev == "nvme":
+        raise ConfigError(f"offload_optimizer.ratio = {ratio:g} with offload_optimizer nvme "
+                          f"needs stage 3 (got stage {stage}); use offload_optimizer cpu",
+                          key="offload_optimizer.ratio")
 
     n = gpus_per_node * nodes
     b = DTYPE_BYTES[dtype]
@@ -301,7 +310,7 @@ def estimate_memory(
     if stage < 2:
         add("gradients", "gpu", b * psi, state, f"{b} * Psi")
         if opt_dev != "none":
-            add("gradient shard for the CPU optimizer", "cpu", b * shard, state, f"{b} * Psi / N")
+            add_shard("gradient shard for the CPU optimizer", "cpu", b, state, f"{b}")
     elif not no_grad16:
         add_shard("gradients", grad_tier, b, state, f"{b}")
     # Optimizer state: K bytes per parameter, partitioned from stage 1.
