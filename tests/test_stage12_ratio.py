@@ -329,9 +329,9 @@ def test_gpu_stage2_ratio_bf16_overlap():
     got = out[0.5]
     assert got["losses"] == pytest.approx(ref_losses, rel=3e-2)
     assert (torch.tensor(got["masters"]) - ref_params).abs().max() < 2e-2
-    # the fused CUDA Adam vs the CPU one on the device side: rounding differences only
-    torch.testing.assert_close(torch.tensor(got["masters"]), torch.tensor(out[1.0]["masters"]),
-                               rtol=1e-4, atol=1e-5)
+    # the fused CUDA Adam vs the CPU one on the device side: rounding differences, which a
+    # bf16 forward can grow to about one bf16 step of a parameter (lr 1e-2 moves them 1e-2)
+    assert (torch.tensor(got["masters"]) - torch.tensor(out[1.0]["masters"])).abs().max() < 5e-3
     torch.testing.assert_close(torch.tensor(got["params"]),
                                torch.tensor(got["masters"]).bfloat16().float())
 
