@@ -362,3 +362,56 @@ def test_estimate_stage12_ratio_by_hand():
                                  dtype="bf16", ratio=0.5, zeroio_buffers=False)
     assert est.gpu_bytes_per_gpu == 2 * psi + 2 * psi + (2 + 12) * 1000
     assert est.cpu_bytes_per_node == 2 * (2 + 12) * 1000
+
+
+# ---- two optimizer groups: the cut in the second one -----------------------------------------
+
+def _groups(model):
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": WD},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+def _groups_body(ratio):
+    import zeroio
+    from zeroio.partition.stage3.twin import Side
+
+    model = tiny_mlp()
+    engine, *_ = zeroio.initialize(model=model, model_parameters=_groups(model),
+                                   config=_config(2, ratio, gas=2, overlap=True))
+    part = engine.partitioner
+    split = part.optimizer_split
+    dev = [g.master.numel() for g in split.device]
+    host = [g.master.numel() for g in split.host]
+    losses = _train(engine, STEPS, 2, engine.device)
+    masters = _masters(engine)
+    engine.close()
+    return dict(dev=dev, host=host, local_n=sum(g.padded_numel for g in part.groups),
+                dev_n=split.numel(Side.DEVICE), losses=losses, masters=masters.tolist())
+
+
+def test_two_optimizer_groups_cut_in_the_second():
+    ratio, world = 0.05, 2
+    results = run_ranks(_groups_body, world, ratio)
+    model = tiny_mlp()
+    opt = torch.optim.AdamW(_groups(model), lr=LR)
+    ref_losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for m in range(2):
+            outs = [torch.nn.functional.mse_loss(model(mlp_batch(step * 2 + m, r)[0]),
+                                                 mlp_batch(step * 2 + m, r)[1])
+                    for r in range(world)]
+            (sum(outs) / (world * 2)).backward()
+            total += sum(o.item() for o in outs)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(total / (world * 2))
+    # the engine's flat order is module order; compare parameter by parameter
+    ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for r in results:
+        assert r["host"][0] == 0 and r["dev"][1] > 0 and r["host"][1] > 0  # cut in group 1
+        assert sum(r["dev"]) == math.floor((1 - ratio) * r["local_n"]) and r["dev_n"] > 0
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        torch.testing.assert_close(torch.tensor(r["masters"]), ref, rtol=1e-5, atol=1e-6)
