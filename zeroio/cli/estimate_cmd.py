@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
                    help="16-bit training dtype (default: the config's, else bf16)")
     p.add_argument("--ratio", type=float, default=None,
                    help="offload_optimizer.ratio: the fraction of the optimizer state offloaded "
-                        "(stage 3; the rest stays on the GPU); default the config's or 1.0")
+                        "(stages 1-3; the rest stays on the GPU); default the config's or 1.0")
     p.add_argument("--config", default=None, help="a DeepSpeed/zeroio JSON config")
     p.add_argument("--no-buffers", action="store_true",
                    help="model states only, as the ZeRO paper counts them")

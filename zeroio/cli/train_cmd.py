@@ -42,7 +42,7 @@ _OPTIONS: dict[str, dict] = {
     "--seed": dict(type=int, default=1234, help="model init and data order seed"),
     "--ratio": dict(type=float, default=None, metavar="R",
                     help="zero_optimization.offload_optimizer.ratio: offload this fraction of "
-                         "each rank's optimizer state, keep the rest on the GPU (stage 3; "
+                         "each rank's optimizer state, keep the rest on the GPU (stages 1-3; "
                          "default: the config's, or 1)"),
 }
 _FLAGS = {
