@@ -102,13 +102,15 @@ BATCHES: tuple[Batch, ...] = (
                    sized="one spawned rank, tiny model"),
               Step(name="hotpath", shell=_pytest("tests/test_stage3_hotpath.py"), timeout_s=60,
                    sized="small model, a few steps"),
-              Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=110,
+              Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=90,
                    sized="stage 3 equivalence cases on 1 GPU (two-GPU test skips): 35 s in "
                          "session 3"),
               Step(name="ratio-1gpu", shell=_pytest("tests/test_ratio_gpu.py"), timeout_s=80,
                    sized="offload_optimizer.ratio 0.5, 3 cases on 1 GPU: 33 s in session 3"),
+              Step(name="stage12-ratio-1gpu", shell=_pytest("tests/test_stage12_ratio.py"),
+                   timeout_s=60, sized="stage 2 at ratio 0.5, bf16, overlapped step, tiny MLP"),
               Step(name="cpu-adam-1gpu", shell=_pytest("tests/test_cpu_adam_training.py"),
-                   timeout_s=80, sized="4 tiny-Llama cases + the compiled CPU Adam's first "
+                   timeout_s=70, sized="4 tiny-Llama cases + the compiled CPU Adam's first "
                                         "compile on that host (unmeasured: > 40 s once)"),
               Step(name="stage12", shell=_pytest("tests/test_stage12_equivalence.py"),
                    timeout_s=30, sized="skips on 1 GPU; collection only"),
@@ -297,7 +299,7 @@ DIAG_BATCHES = (
           steps=(
               Step(name="ratio-1gpu", shell=_pytest("tests/test_ratio_gpu.py"), timeout_s=80,
                    sized="offload_optimizer.ratio 0.5, 3 cases on 1 GPU (two-GPU test skips)"),
-              Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=110,
+              Step(name="stage3-1gpu", shell=_pytest("tests/test_stage3_gpu.py"), timeout_s=90,
                    sized="stage 3 cases on 1 GPU (40 s on 2 GPUs in session 2)"),
               Step(name="host-step", shell="python3 benchmarks/bench_host_step.py --repeats 2 "
                    "--out {res}", timeout_s=90,
@@ -393,6 +395,26 @@ KERNEL_BATCHES = (
                    f"--timeout 70 {OVERLAP}", timeout_s=75, sized="43 s (diag) + cached kernel"),
               Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 55",
                    timeout_s=60, sized="57-64 s measured (session 3); last, expendable"),
+          )),
+)
+Z2 = LLAMA + " --mode zeroio --config configs/zero2-cpu.json " + OVERLAP
+KERNEL_BATCHES += (
+    Batch(name="ratio12", kind=Kind.H200,
+          what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
+               "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
+               "compiled one, and z3 at ratio 0.5 for comparison",
+          steps=(
+              Step(name="compile", shell=WARM_KERNEL, timeout_s=90, sized="see the kernel batch"),
+              Step(name="z2-r1", shell=Z2, timeout_s=70, sized="42 s (diag)"),
+              Step(name="z2-r0.5", shell=Z2 + " --set zero_optimization.offload_optimizer."
+                   "ratio=0.5", timeout_s=70, sized="as z2-r1, 11 GB more GPU"),
+              Step(name="z2-r0.25", shell=Z2 + " --set zero_optimization.offload_optimizer."
+                   "ratio=0.25", timeout_s=70, sized="as z2-r1, 16 GB more GPU"),
+              Step(name="z2-r0.5-compiled", shell=COMPILED + Z2 + " --set zero_optimization."
+                   "offload_optimizer.ratio=0.5", timeout_s=75, sized="kernel cached"),
+              Step(name="z3-r0.5", shell=LLAMA + " --mode zeroio --config "
+                   "configs/zero3-cpu.json --zero-init " + RATIO_SET.format(r=0.5),
+                   timeout_s=100, sized="86 s with the single-threaded kernel (speed2)"),
           )),
 )
 BATCHES = BATCHES + RATIO_BATCHES + DIAG_BATCHES + KERNEL_BATCHES
