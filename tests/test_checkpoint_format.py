@@ -125,6 +125,32 @@ def test_gap_in_segments_fails_save_and_leaves_no_manifest(tmp_path):
     assert not (tmp_path / "latest").exists()
 
 
+def test_save_that_does_not_fit_fails_before_writing_and_keeps_the_last(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    save_sharded(sharded(0, 1), tmp_path, "good", options=OPTS)
+    before = {p: p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()}
+    # the whole checkpoint by hand: the index's 83 elements; fp32 and exp_avg in 16-element
+    # chunks (6 of 64 bytes each), param16 (bf16) in 32-element chunks (3 of 64 bytes)
+    assert sum(e.numel for e in INDEX.values()) == 83
+    need = 6 * 64 + 6 * 64 + 3 * 64
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need - 1))
+    with pytest.raises(CheckpointError, match=rf"needs 0\.00 GB .* has 0\.00 GB free"):
+        save_sharded(sharded(0, 1, seed=1), tmp_path, "next", options=OPTS)
+    assert not (tmp_path / "next").exists()
+    assert (tmp_path / "latest").read_text().strip() == "good"
+    assert before == {p: p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()}
+    # exactly enough fits; replacing a tag counts the bytes it frees
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need))
+    save_sharded(sharded(0, 1, seed=1), tmp_path, "next", options=OPTS)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 0))
+    save_sharded(sharded(0, 1, seed=2), tmp_path, "next", options=OPTS)  # the old "next" frees it
+    res = load_sharded(tmp_path, "next", empty_like_template(0, 1))
+    assert res.scalars == {"step": 7}
+
+
 # ---------------------------------------------------------------- multi-rank, N -> M
 
 

@@ -92,7 +92,30 @@ def _kind_dtypes(state: ShardedState) -> dict[str, torch.dtype]:
     return dtypes
 
 
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def check_disk_space(tdir: Path, numel: int, dtypes: dict[str, torch.dtype],
+                     chunk_elems: dict[str, int]) -> None:
+    """Raise before anything is touched when the file system holding ``tdir`` cannot take the
+    checkpoint: every kind's chunks (uncompressed; the last chunk is padded whole) against its
+    free bytes, plus what a tag of the same name (replaced) holds now."""
+    need = sum(-(-numel // chunk_elems[k]) * chunk_elems[k] * d.itemsize
+               for k, d in dtypes.items())
+    probe = tdir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free + (_tree_bytes(tdir) if tdir.exists() else 0)
+    if need > free:
+        raise CheckpointError(
+            f"checkpoint {tdir} needs {need / 1e9:.2f} GB ({', '.join(dtypes)}) but the file "
+            f"system of {probe} has {free / 1e9:.2f} GB free: free {(need - free) / 1e9:.2f} GB "
+            "or save to another directory; nothing was written, earlier checkpoints are intact")
+
+
 def _layout_tag(tdir: Path, numel: int, dtypes: dict[str, torch.dtype], chunk_elems: dict[str, int]) -> None:
+    check_disk_space(tdir, numel, dtypes, chunk_elems)
     if tdir.exists():
         # unpublish first: a reader must never see the old manifest beside new chunks
         man = tdir / layout.MANIFEST
