@@ -137,7 +137,7 @@ def test_save_that_does_not_fit_fails_before_writing_and_keeps_the_last(tmp_path
     need = 6 * 64 + 6 * 64 + 3 * 64
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need - 1))
-    with pytest.raises(CheckpointError, match=rf"needs 0\.00 GB .* has 0\.00 GB free"):
+    with pytest.raises(CheckpointError, match=r"needs 0\.00 GB .* has 0\.00 GB free"):
         save_sharded(sharded(0, 1, seed=1), tmp_path, "next", options=OPTS)
     assert not (tmp_path / "next").exists()
     assert (tmp_path / "latest").read_text().strip() == "good"
