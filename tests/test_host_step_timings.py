@@ -29,10 +29,10 @@ def _body(stage):
     calls = []
     update = ChunkedStep.update
 
-    def slow(self, gi, lo, n):
+    def slow(self, gi, lo, n, **kw):
         time.sleep(DELAY)
         calls.append(n)
-        return update(self, gi, lo, n)
+        return update(self, gi, lo, n, **kw)
 
     ChunkedStep.update = slow
     try:
