@@ -96,13 +96,28 @@ def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def chunk_elems_for(dtypes: dict[str, torch.dtype], chunk_bytes: int = layout.DEFAULT_CHUNK_BYTES
+                    ) -> dict[str, int]:
+    """Elements per chunk of each kind: ``chunk_bytes`` rounded down to whole elements."""
+    return {k: max(1, chunk_bytes // d.itemsize) for k, d in dtypes.items()}
+
+
+def checkpoint_bytes(numel: int, dtypes: dict[str, torch.dtype],
+                     chunk_elems: dict[str, int] | None = None) -> int:
+    """Bytes of a checkpoint's arrays on disk: every kind's chunks, uncompressed, the last one
+    padded whole (``set_size``), so ``ceil(numel / chunk) * chunk * itemsize`` per kind. The
+    JSON metadata (manifest, zarr.json, done markers) is not counted: kilobytes."""
+    chunk_elems = chunk_elems or chunk_elems_for(dtypes)
+    return sum(-(-numel // chunk_elems[k]) * chunk_elems[k] * d.itemsize
+               for k, d in dtypes.items())
+
+
 def check_disk_space(tdir: Path, numel: int, dtypes: dict[str, torch.dtype],
                      chunk_elems: dict[str, int]) -> None:
     """Raise before anything is touched when the file system holding ``tdir`` cannot take the
-    checkpoint: every kind's chunks (uncompressed; the last chunk is padded whole) against its
-    free bytes, plus what a tag of the same name (replaced) holds now."""
-    need = sum(-(-numel // chunk_elems[k]) * chunk_elems[k] * d.itemsize
-               for k, d in dtypes.items())
+    checkpoint (``checkpoint_bytes``) against its free bytes, plus what a tag of the same name
+    (replaced) holds now."""
+    need = checkpoint_bytes(numel, dtypes, chunk_elems)
     probe = tdir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -327,7 +342,7 @@ def save_sharded(state: ShardedState, save_dir: str | os.PathLike, tag: str, *,
     tdir = layout.tag_dir(save_dir, tag)
     state.validate()
     dtypes = _kind_dtypes(state)
-    chunk_elems = {k: max(1, options.chunk_bytes // d.itemsize) for k, d in dtypes.items()}
+    chunk_elems = chunk_elems_for(dtypes, options.chunk_bytes)
 
     def lay_out():
         if comm.rank == 0:
