@@ -393,8 +393,9 @@ def gather_weights(engine, dtype: torch.dtype | None = None) -> dict[str, torch.
     return out
 
 
-def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None) -> Path | None:
-    """Consolidated 16-bit (compute dtype) safetensors folder on rank 0 (+ HF config.json).
+def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None,
+                     dtype: torch.dtype | None = None) -> Path | None:
+    """Consolidated 16-bit (compute dtype, or ``dtype``) safetensors folder on rank 0 (+ HF config.json).
 
     Collective and streamed: every rank walks the files' tensors in the same order, each
     window of at most ``STREAM_WINDOW`` elements is reduced onto rank 0 from the ranks'
@@ -409,7 +410,7 @@ def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None) ->
         )
     comm = _comm(engine)
     index = _index(engine)
-    dtype = _COMPUTE[engine.config.compute_dtype]
+    dtype = dtype or _COMPUTE[engine.config.compute_dtype]
     segs = _weight_segments(engine, index, comm)
     specs = [TensorSpec(name=n, shape=e.shape, dtype=dtype) for n, e in index.items()]
     shards = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
