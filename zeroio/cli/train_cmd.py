@@ -40,6 +40,9 @@ _OPTIONS: dict[str, dict] = {
     "--output": dict(default="zeroio_run", metavar="DIR",
                      help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run)"),
     "--seed": dict(type=int, default=1234, help="model init and data order seed"),
+    "--model-dtype": dict(default="fp32", choices=("fp32", "bf16"),
+                          help="dtype of the final from_pretrained model (default fp32, the masters; "
+                               "bf16 halves its bytes)"),
     "--ratio": dict(type=float, default=None, metavar="R",
                     help="zero_optimization.offload_optimizer.ratio: offload this fraction of "
                          "each rank's optimizer state, keep the rest on the GPU (stages 1-3; "
@@ -49,6 +52,8 @@ _FLAGS = {
     "--resume": "continue from the newest checkpoint under DIR/checkpoints",
     "--quiet": "no progress bar, only the final summary",
     "--json": "print one JSON summary on stdout and nothing else",
+    "--no-checkpoint": "write no training checkpoint, only the final model (from the live engine); "
+                       "not with --resume, --save-every or --stop-after",
 }
 
 

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
+from zeroio.cli.train import disk
 from zeroio.cli.train.defaults import default_config
+from zeroio.cli.train.disk import MODEL_DTYPES
 from zeroio.cli.train.model import build_model
 from zeroio.cli.train.presets import llama_config, num_parameters
 from zeroio.errors import ConfigError
@@ -67,6 +69,10 @@ class TrainOptions:
     seed: int = 1234
     ratio: float | None = None
     """zero_optimization.offload_optimizer.ratio; None = the config's own (1 in the built-in)."""
+    no_checkpoint: bool = False
+    """Write no training checkpoint; the final model comes from the live engine."""
+    model_dtype: str = "fp32"
+    """dtype of the final from_pretrained model: fp32 (the masters) or bf16."""
     given: frozenset[str] = frozenset()
     """Names of the options the user typed (only these can contradict a config)."""
 
@@ -168,23 +174,79 @@ def _prepare_dirs(opts: TrainOptions, world: World, out: Path) -> Path:
         shutil.rmtree(out / "nvme", ignore_errors=True)
     if world.local_rank == 0:
         (out / "nvme").mkdir(parents=True, exist_ok=True)
-        ckpt.mkdir(parents=True, exist_ok=True)
+        if not opts.no_checkpoint:
+            ckpt.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     return ckpt
 
 
-def write_model(ckpt: Path, tag: str, mcfg, model_dir: Path, *, progress: bool) -> None:
+def write_model(ckpt: Path, tag: str, mcfg, model_dir: Path, *, progress: bool,
+                dtype: torch.dtype = torch.float32) -> None:
     """Consolidate checkpoint ``tag`` into a from_pretrained folder (safetensors + config.json).
 
-    Full precision (the fp32 masters), streamed shard by shard by the checkpoint
+    The fp32 masters cast to ``dtype``, streamed shard by shard by the checkpoint
     layer, so a multi-billion-parameter model never sits whole in memory.
     """
     from zeroio.checkpoint import write_safetensors
 
     shutil.rmtree(model_dir, ignore_errors=True)  # no stale shards from an earlier run
-    write_safetensors(ckpt, model_dir, tag, progress=progress)
+    write_safetensors(ckpt, model_dir, tag, progress=progress, dtype=dtype)
     if not (model_dir / "config.json").is_file():
         mcfg.save_pretrained(model_dir)
+
+
+def write_model_live(engine, mcfg, model_dir: Path, dtype: torch.dtype, *, rank0: bool) -> None:
+    """The same folder as `write_model`, from the live engine's fp32 masters (no checkpoint):
+    collective, each window reduced onto rank 0, cast and streamed (engine_io.save_16bit_model)."""
+    from zeroio.checkpoint.engine_io import save_16bit_model
+
+    if rank0:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    dist.barrier()
+    save_16bit_model(engine, model_dir, dtype=dtype)
+    if rank0 and not (model_dir / "config.json").is_file():
+        mcfg.save_pretrained(model_dir)
+
+
+def _resume_step(ckpt: Path) -> int:
+    """The step of the checkpoint --resume will pick (``latest`` = "stepN"), or 0."""
+    from zeroio.checkpoint.layout import LATEST
+
+    try:
+        tag = (ckpt / LATEST).read_text().strip()
+    except OSError:
+        return 0
+    return int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else 0
+
+
+def _preflight(opts: TrainOptions, mcfg, cfg, world: World, out: Path) -> None:
+    """Fail before the model is built when the output folder's file system cannot take what the
+    run will write ([Note: what the run writes] in disk.py). Every rank checks; all fail together."""
+    zo = cfg.zero_optimization
+    if opts.no_checkpoint and zo.stage == 3 and not zo.stage3_gather_16bit_weights_on_model_save:
+        raise ConfigError(
+            "--no-checkpoint writes the model from the live engine, which at stage 3 needs "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save true in --config "
+            f"{opts.config}; set it, or drop --no-checkpoint",
+            key="zero_optimization.stage3_gather_16bit_weights_on_model_save")
+    start = _resume_step(out / "checkpoints") if opts.resume else 0
+    end = max(start, opts.steps if opts.stop_after is None else min(opts.steps, opts.stop_after))
+    err = None
+    try:
+        plan = disk.plan(out=out, mcfg=mcfg, cfg=cfg, world_size=world.world_size, start=start,
+                         end=end, save_every=opts.save_every, checkpoint=not opts.no_checkpoint,
+                         write_model=end >= opts.steps, model_dtype=opts.model_dtype,
+                         fresh=not opts.resume)
+        disk.check(plan, checkpoint=not opts.no_checkpoint, model_dtype=opts.model_dtype)
+    except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
+        err = e
+    ok = torch.tensor([0 if err else 1], dtype=torch.int32, device=world.device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if err is not None:
+        raise err
+    if not ok.item():
+        raise ConfigError(f"the pre-flight disk check of --output {out} failed on another rank; "
+                          "see its error", key="output")
 
 
 def _resume(engine, ckpt: Path, say) -> tuple[int, list[float]]:
@@ -232,7 +294,7 @@ def _report(summary: dict[str, Any], stats: dict[str, Any], opts: TrainOptions) 
           + (f", {tps:,.0f} tokens/s" if tps else ""), flush=True)
     if not opts.quiet:
         print(f"swap (rank 0): {swap_summary(stats)}", flush=True)
-        print(f"checkpoint: {summary['checkpoint']}", flush=True)
+        print(f"checkpoint: {summary['checkpoint'] or 'none (--no-checkpoint)'}", flush=True)
         if summary["model_dir"]:
             print(f"model: {summary['model_dir']} (AutoModelForCausalLM.from_pretrained)",
                   flush=True)
@@ -244,6 +306,16 @@ def check_options(opts: TrainOptions):
         raise ConfigError(f"--stop-after must be >= 1, got {opts.stop_after}", key="stop_after")
     if opts.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {opts.steps}", key="steps")
+    if opts.model_dtype not in MODEL_DTYPES:
+        raise ConfigError(f"--model-dtype {opts.model_dtype!r}: choose one of {', '.join(MODEL_DTYPES)}",
+                          key="model_dtype")
+    if opts.no_checkpoint:
+        clash = [flag for flag, on in (("--resume", opts.resume), ("--save-every", opts.save_every),
+                                       ("--stop-after", opts.stop_after is not None)) if on]
+        if clash:
+            raise ConfigError(f"--no-checkpoint writes no checkpoint, so it cannot be combined with "
+                              f"{' or '.join(clash)} (they read or write checkpoints); drop one of them",
+                              key="no_checkpoint")
     if opts.config is not None and not Path(opts.config).is_file():
         raise ConfigError(f"--config {opts.config} does not exist", key="config")
     if opts.data is not None and not Path(opts.data).exists():
@@ -275,6 +347,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
             print(msg, file=sys.stderr, flush=True)
 
     cfg = resolve_config(opts, mcfg, world, out)
+    _preflight(opts, mcfg, cfg, world, out)
     ckpt = _prepare_dirs(opts, world, out)
     blocks = TokenBlocks(ByteTokenizer().encode(read_text(opts.data)), opts.seq_len)
     micro_batch, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
@@ -321,12 +394,15 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         bar.close()
         wall = time.perf_counter() - t_start
 
-        if end > start and saved_at != end:
+        if end > start and saved_at != end and not opts.no_checkpoint:
             engine.save_checkpoint(ckpt, tag=f"step{end}", client_state={"losses": losses})
         dist.barrier()
         model_dir = out / "model" if end >= opts.steps and end > 0 else None
-        if rank0 and model_dir is not None:
-            write_model(ckpt, f"step{end}", mcfg, model_dir, progress=show)
+        if model_dir is not None and opts.no_checkpoint:
+            write_model_live(engine, mcfg, model_dir, MODEL_DTYPES[opts.model_dtype], rank0=rank0)
+        elif rank0 and model_dir is not None:
+            write_model(ckpt, f"step{end}", mcfg, model_dir, progress=show,
+                        dtype=MODEL_DTYPES[opts.model_dtype])
         dist.barrier()
         stats = engine.stats()
     finally:
@@ -356,7 +432,8 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         "wall_s": wall,
         "bytes_moved": dict(stats.get("bytes_moved", {})),
         "stall_seconds": stats.get("stall_seconds"),
-        "checkpoint": str(ckpt / f"step{end}"),
+        "checkpoint": None if opts.no_checkpoint else str(ckpt / f"step{end}"),
+        "model_dtype": opts.model_dtype,
         "model_dir": str(model_dir) if model_dir else None,
     }
     if rank0:

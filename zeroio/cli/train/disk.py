@@ -1,0 +1,175 @@
+"""Pre-flight disk check of `zeroio train`: everything the run will write under --output, before it trains.
+
+[Note: what the run writes] Checkpoints are never replaced or pruned: every
+``--save-every`` multiple and the final step get their own tag
+(``checkpoints/stepN``), so all of them are on disk together when the final
+model is exported. The peak is therefore
+
+    saves x checkpoint  +  model export  +  NVMe swap files (same file system)
+
+- checkpoint: the writer's own count (``writer.checkpoint_bytes``): the arrays
+  ``engine_io.build_state`` writes (fp32 masters, exp_avg, exp_avg_sq; no
+  16-bit array), whole chunks, the last one padded;
+- model export: the safetensors files exactly (headers from
+  ``consolidate.safetensors_header``, the same shard plan) in --model-dtype;
+- NVMe swap: ``zeroio.estimate``'s NVMe term for this config and world (the
+  16-bit parameter shard with offload_param nvme, the two moments with
+  offload_optimizer nvme). An upper bound: what stays resident in host memory
+  is never written, but the tier may write all of it.
+What a fresh run deletes first (old checkpoints/ and nvme/, [Note: fresh runs
+start clean] in loop.py) and the old model/ folder count as free.
+JSON metadata (manifests, config.json) is kilobytes and not counted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zeroio.errors import CheckpointError
+
+MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiskItem:
+    """One kind of file the run writes, and how many of it are on disk at the peak."""
+
+    name: str
+    nbytes: int
+    count: int = 1
+
+    @property
+    def total(self) -> int:
+        return self.nbytes * self.count
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiskPlan:
+    """The bytes a run writes under its output folder against that file system's free bytes."""
+
+    output: Path
+    items: tuple[DiskItem, ...]
+    free: int
+    """Free bytes of the file system now, plus what the run deletes before writing."""
+
+    @property
+    def need(self) -> int:
+        return sum(i.total for i in self.items)
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.free
+
+    def breakdown(self) -> str:
+        return "; ".join(f"{i.name} {i.total / 1e9:.2f} GB" + (f" ({i.count} x {i.nbytes / 1e9:.2f})"
+                                                                if i.count > 1 else "")
+                         for i in self.items if i.total)
+
+
+def param_specs(mcfg, dtype: torch.dtype):
+    """The model's parameters as ``TensorSpec``s, from a build on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    from zeroio.checkpoint.consolidate import TensorSpec
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mcfg)
+    return [TensorSpec(name=n, shape=tuple(p.shape), dtype=dtype) for n, p in model.named_parameters()]
+
+
+def export_bytes(specs) -> int:
+    """Bytes of the safetensors files the export writes for ``specs`` (headers included)."""
+    from zeroio.checkpoint.consolidate import DEFAULT_MAX_SHARD_BYTES, plan_shards, safetensors_header
+
+    return sum(len(safetensors_header(shard, {"format": "pt"})[0]) + sum(s.nbytes for s in shard)
+               for shard in plan_shards(specs, DEFAULT_MAX_SHARD_BYTES))
+
+
+def training_checkpoint_bytes(numel: int) -> int:
+    """One training checkpoint: the arrays ``engine_io.build_state`` writes, as the writer counts them."""
+    from zeroio.checkpoint.engine_io import OPTIMIZER_KINDS
+    from zeroio.checkpoint.writer import checkpoint_bytes
+
+    return checkpoint_bytes(numel, {k: torch.float32 for k in ("fp32", *OPTIMIZER_KINDS)})
+
+
+def num_saves(start: int, end: int, save_every: int) -> int:
+    """Checkpoints a run from ``start`` to ``end`` writes: each ``save_every`` multiple, and the end."""
+    if end <= start:
+        return 0
+    every = (end // save_every - start // save_every) if save_every else 0
+    return every + (0 if save_every and end % save_every == 0 else 1)
+
+
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def tree_bytes(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def nvme_paths(cfg, out: Path) -> list[Path]:
+    """The config's NVMe swap folders that lie on the file system of ``out``."""
+    zo = cfg.zero_optimization
+    dev = os.stat(_existing(out)).st_dev
+    paths = {Path(b.nvme_path) for b in (zo.offload_param, zo.offload_optimizer)
+             if b.device.value == "nvme" and b.nvme_path}
+    return sorted(p for p in paths if os.stat(_existing(p)).st_dev == dev)
+
+
+def nvme_bytes(cfg, numel: int, world_size: int) -> int:
+    """NVMe swap bytes of this node's ranks for ``cfg`` (zeroio.estimate's NVMe term)."""
+    from zeroio.estimate import estimate_memory
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    est = estimate_memory(numel, gpus_per_node=local, nodes=max(1, world_size // local), config=cfg)
+    return est.nvme_bytes_per_node
+
+
+def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_every: int,
+         checkpoint: bool, write_model: bool, model_dtype: str, fresh: bool) -> DiskPlan:
+    """What a run writes under ``out``, and the free bytes it has for it ([Note: what the run writes])."""
+    specs = param_specs(mcfg, MODEL_DTYPES[model_dtype])
+    numel = sum(s.numel for s in specs)
+    items = []
+    if checkpoint:
+        items.append(DiskItem(name="checkpoints", nbytes=training_checkpoint_bytes(numel),
+                              count=num_saves(start, end, save_every)))
+    if write_model:
+        items.append(DiskItem(name=f"model ({model_dtype})", nbytes=export_bytes(specs)))
+    swap = nvme_paths(cfg, out)
+    if swap:
+        items.append(DiskItem(name="NVMe swap", nbytes=nvme_bytes(cfg, numel, world_size)))
+    freed = tree_bytes(out / "model")
+    if fresh:
+        freed += tree_bytes(out / "checkpoints") + sum(tree_bytes(p) for p in swap)
+    return DiskPlan(output=out, items=tuple(items),
+                    free=shutil.disk_usage(_existing(out)).free + freed)
+
+
+def check(p: DiskPlan, *, checkpoint: bool, model_dtype: str) -> None:
+    """CheckpointError naming the output folder, bytes needed vs free and the fixes, unless it fits."""
+    if p.fits:
+        return
+    fixes = ["--output on a file system with more room"]
+    if checkpoint:
+        fixes.append("--no-checkpoint (only the final model is written, from the live engine)")
+    if model_dtype != "bf16":
+        fixes.append("--model-dtype bf16 (half the model's bytes)")
+    if any(i.name == "NVMe swap" and i.total for i in p.items):
+        fixes.append("a --config whose nvme_path lies on another file system")
+    raise CheckpointError(
+        f"--output {p.output} needs {p.need:,} bytes ({p.need / 1e9:.2f} GB: {p.breakdown()}) but "
+        f"its file system has {p.free:,} bytes ({p.free / 1e9:.2f} GB) free; nothing was trained or "
+        f"written. Fix: {'; or '.join(fixes)}")
