@@ -1,0 +1,127 @@
+"""`zeroio train` and the disk: the pre-flight check, --no-checkpoint and --model-dtype.
+
+A run without checkpoints must write the same weights (cast to bf16) as a run
+that checkpoints and is consolidated afterwards; a run whose output folder is
+too small must fail before step 1, naming bytes needed (checked against a hand
+count) and free.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+ARGS = ["--steps", "4", "--seq-len", "64", "--micro-batch", "2", "--json"]
+
+
+def _cmd(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "zeroio.cli.main", "train", *ARGS, "--output", str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=out.parent)
+
+
+def _train(out: Path, *extra: str) -> dict:
+    proc = _cmd(out, *extra)
+    assert proc.returncode == 0, f"{proc.args} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("disk")
+    live = _train(root / "live", "--no-checkpoint", "--model-dtype", "bf16")
+    ckpt = _train(root / "ckpt")
+    return root, live, ckpt
+
+
+def test_no_checkpoint_bf16_model_equals_the_consolidated_checkpoint_cast(runs):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from zeroio.checkpoint import consolidate
+
+    root, live, ckpt = runs
+    assert live["world_size"] == 2 and live["checkpoint"] is None
+    assert not (root / "live" / "checkpoints").exists()
+    assert (root / "ckpt" / "checkpoints" / "step4").is_dir()
+    # same seed, same steps: the two runs trained identically
+    assert live["losses"] == ckpt["losses"]
+    model = AutoModelForCausalLM.from_pretrained(live["model_dir"])
+    assert isinstance(model, LlamaForCausalLM)
+    got = load_file(Path(live["model_dir"]) / "model.safetensors")
+    ref = consolidate(root / "ckpt" / "checkpoints", "step4")  # the final fp32 masters
+    assert got.keys() == ref.keys()
+    for name, w in ref.items():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], w.to(torch.bfloat16)), name
+        assert torch.equal(dict(model.named_parameters())[name].detach().to(torch.bfloat16),
+                           w.to(torch.bfloat16)), name
+    # the checkpointing run's model stays fp32 by default: the masters themselves
+    full = load_file(Path(ckpt["model_dir"]) / "model.safetensors")
+    assert all(torch.equal(full[n], w) for n, w in ref.items())
+
+
+def test_preflight_fails_before_step_one_with_needed_and_free(runs, tmp_path, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    from zeroio.cli.main import main
+    from zeroio.cli.train.presets import llama_config
+
+    root, live, _ = runs
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    params = sum(p.numel() for p in LlamaForCausalLM(llama_config("tiny")).parameters())
+    chunk = (64 << 20) // 4  # fp32 elements per 64 MiB chunk; the last chunk is padded whole
+    one_ckpt = 3 * -(-params // chunk) * chunk * 4  # fp32 masters + exp_avg + exp_avg_sq
+    model_bytes = (Path(live["model_dir"]) / "model.safetensors").stat().st_size  # raw bf16 file
+    nvme = 12 * params  # built-in config, 1 rank on CPU: fp32 params (4) + two moments (8) on NVMe
+    need = 2 * one_ckpt + model_bytes + nvme  # --save-every 2 of 4 steps: step2 and step4 kept
+    real = shutil.disk_usage
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: usage(real(p).total, real(p).used, need - 1))
+    out = tmp_path / "run"
+    rc = main(["train", *ARGS, "--output", str(out), "--nproc", "1", "--save-every", "2",
+               "--model-dtype", "bf16"])
+    assert rc == 1
+    assert not (out / "checkpoints").exists() and not (out / "model").exists()
+    # and the message (printed by main on stderr) names both numbers: run it again to catch it
+    from zeroio.cli.train.loop import TrainOptions, train
+    from zeroio.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as e:
+        try:
+            train(TrainOptions(steps=4, seq_len=64, micro_batch=2, json=True, output=str(out),
+                               save_every=2, model_dtype="bf16"))
+        finally:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    msg = str(e.value)
+    assert f"needs {need:,} bytes" in msg and f"{need - 1:,} bytes" in msg, msg
+    assert str(out) in msg and "--no-checkpoint" in msg and "--model-dtype bf16" not in msg
+    assert not (out / "checkpoints").exists() and not (out / "model").exists()
+
+
+@pytest.mark.parametrize("extra, clash", [
+    (["--resume"], "--resume"),
+    (["--save-every", "2"], "--save-every"),
+    (["--stop-after", "2"], "--stop-after"),
+])
+def test_no_checkpoint_conflicts_are_config_errors(tmp_path, extra, clash):
+    proc = _cmd(tmp_path / "run", "--no-checkpoint", *extra)
+    assert proc.returncode == 1
+    assert "--no-checkpoint" in proc.stderr and clash in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
