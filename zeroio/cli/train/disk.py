@@ -84,7 +84,11 @@ def param_specs(mcfg, dtype: torch.dtype):
 
 def export_bytes(specs) -> int:
     """Bytes of the safetensors files the export writes for ``specs`` (headers included)."""
-    from zeroio.checkpoint.consolidate import DEFAULT_MAX_SHARD_BYTES, plan_shards, safetensors_header
+    from zeroio.checkpoint.consolidate import (
+        DEFAULT_MAX_SHARD_BYTES,
+        plan_shards,
+        safetensors_header,
+    )
 
     return sum(len(safetensors_header(shard, {"format": "pt"})[0]) + sum(s.nbytes for s in shard)
                for shard in plan_shards(specs, DEFAULT_MAX_SHARD_BYTES))

@@ -1,9 +1,11 @@
 """The training job of `zeroio train`, run once per rank (the launcher made the ranks).
 
 Reads straight down: options -> distributed world -> config (built-in or the
-user's, "auto" filled from the options) -> model (inside ``zero.Init`` for
-stage 3) -> engine -> resume -> steps (progress bar on rank 0) -> checkpoints
--> consolidated ``from_pretrained`` folder -> summary.
+user's, "auto" filled from the options) -> disk pre-flight (disk.py: fail
+before the model exists when --output cannot take what the run writes) ->
+model (inside ``zero.Init`` for stage 3) -> engine -> resume -> steps
+(progress bar on rank 0) -> checkpoints -> consolidated ``from_pretrained``
+folder (or, with --no-checkpoint, one written from the live engine) -> summary.
 
 [Note: fresh runs start clean] Without ``--resume`` the run's checkpoint and
 NVMe folders are emptied first: a stale checkpoint with a higher step than
@@ -26,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
 from zeroio.cli.train import disk
+from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
 from zeroio.cli.train.defaults import default_config
 from zeroio.cli.train.disk import MODEL_DTYPES
 from zeroio.cli.train.model import build_model
