@@ -291,6 +291,9 @@ RATIO_BATCHES = (
                          "lines stream to the log, so a kill still shows the last phase"),
           )),
 )
+Z2 = LLAMA + " --mode zeroio --config configs/zero2-cpu.json " + OVERLAP
+Z3 = LLAMA + " --mode zeroio --config configs/zero3-cpu.json " + OVERLAP
+"""1.364B z2 / z3 + cpu with the overlapped step (train_llama, 6 steps)."""
 DIAG_BATCHES = (
     Batch(name="diag", kind=Kind.H200,
           what="session 3's first call: the GPU tests never run on a GPU (ratio, refactored "
@@ -304,11 +307,9 @@ DIAG_BATCHES = (
               Step(name="host-step", shell="python3 benchmarks/bench_host_step.py --repeats 2 "
                    "--out {res}", timeout_s=90,
                    sized="fill 4 x 5.5 GB ~15 s + 8 variants x 3 runs x ~0.3 s"),
-              Step(name="z2-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
-                   "configs/zero2-cpu.json " + OVERLAP, timeout_s=75,
+              Step(name="z2-cpu-overlap", shell=Z2, timeout_s=75,
                    sized="32 s measured in session 2"),
-              Step(name="z3-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
-                   "configs/zero3-cpu.json " + OVERLAP, timeout_s=85,
+              Step(name="z3-cpu-overlap", shell=Z3, timeout_s=85,
                    sized="34 s measured in session 2"),
           )),
 )
@@ -320,11 +321,9 @@ DIAG_BATCHES += (
               Step(name="host-step", shell="python3 benchmarks/bench_host_step.py --repeats 2 "
                    "--out {res}", timeout_s=100,
                    sized="38 s measured (diag) + inductor compile ~20 s + 2 variants"),
-              Step(name="z2-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
-                   "configs/zero2-cpu.json " + OVERLAP, timeout_s=80,
+              Step(name="z2-cpu-overlap", shell=Z2, timeout_s=80,
                    sized="42 s measured (diag) + compile"),
-              Step(name="z3-cpu-overlap", shell=LLAMA + " --mode zeroio --config "
-                   "configs/zero3-cpu.json " + OVERLAP, timeout_s=85,
+              Step(name="z3-cpu-overlap", shell=Z3, timeout_s=85,
                    sized="43 s measured (diag) + compile"),
               Step(name="z2-cpu", shell=LLAMA + " --mode zeroio --config configs/zero2-cpu.json "
                    "--profile {res}/prof", timeout_s=90, sized="session 2 speed batch"),
@@ -370,14 +369,10 @@ KERNEL_BATCHES = (
                    timeout_s=60, sized="4 tiny-Llama cases on 1 GPU, kernel cached by 'compile'"),
               Step(name="host-step", shell=COMPILED + "python3 benchmarks/bench_host_step.py "
                    "--repeats 2 --out {res}", timeout_s=60, sized="38 s measured (diag)"),
-              Step(name="z2-torch", shell=LLAMA + " --mode zeroio --config "
-                   "configs/zero2-cpu.json " + OVERLAP, timeout_s=70, sized="42 s (diag)"),
-              Step(name="z2-compiled", shell=COMPILED + LLAMA + " --mode zeroio --config "
-                   "configs/zero2-cpu.json " + OVERLAP, timeout_s=75, sized="42 s (diag)"),
-              Step(name="z3-torch", shell=LLAMA + " --mode zeroio --config "
-                   "configs/zero3-cpu.json " + OVERLAP, timeout_s=70, sized="43 s (diag)"),
-              Step(name="z3-compiled", shell=COMPILED + LLAMA + " --mode zeroio --config "
-                   "configs/zero3-cpu.json " + OVERLAP, timeout_s=75, sized="43 s (diag)"),
+              Step(name="z2-torch", shell=Z2, timeout_s=70, sized="42 s (diag)"),
+              Step(name="z2-compiled", shell=COMPILED + Z2, timeout_s=75, sized="42 s (diag)"),
+              Step(name="z3-torch", shell=Z3, timeout_s=70, sized="43 s (diag)"),
+              Step(name="z3-compiled", shell=COMPILED + Z3, timeout_s=75, sized="43 s (diag)"),
           )),
     Batch(name="peers-kernel", kind=Kind.H200, peers=True,
           what="issue 9's 2x table in one call with the compiled CPU Adam (compiled first, "
@@ -397,7 +392,6 @@ KERNEL_BATCHES = (
                    timeout_s=60, sized="57-64 s measured (session 3); last, expendable"),
           )),
 )
-Z2 = LLAMA + " --mode zeroio --config configs/zero2-cpu.json " + OVERLAP
 KERNEL_BATCHES += (
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
