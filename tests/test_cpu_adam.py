@@ -139,3 +139,36 @@ def test_training_on_the_kernel_matches_torch_adamw(world, stage, overlap):
             assert losses[step] == pytest.approx(ref_losses[step][rank], rel=1e-5, abs=1e-6)
         for p, q in zip(params, ref_params, strict=True):
             torch.testing.assert_close(torch.tensor(p), q.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_16bit_gradient_equals_its_fp32_upcast(monkeypatch, grad_dtype, with_out):
+    """A 16-bit gradient (stage 1/2's 16-bit host gradients) gives bit for bit the step on
+    ``grad.float()``, with a grad_scale that is not 1 (where 1/world is folded in)."""
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "compiled")
+    assert cpu_adam.wanted(1, grad_dtype=grad_dtype)
+    gen = torch.Generator().manual_seed(2)
+    n = 1031
+    init = torch.randn(n, generator=gen)
+    g16 = (torch.randn(n, generator=gen) * 5).to(grad_dtype)
+    g16_before = g16.clone()
+    runs = []
+    for g in (g16, g16.float()):
+        master, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+        out = torch.empty(n, dtype=grad_dtype) if with_out else None
+        for step in (1, 2):
+            h = cpu_adam.hyper_tensor(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                      decoupled=True, step=step, grad_scale=3.0)
+            for lo, k in ((0, 3), (3, 600), (603, 428)):
+                cpu_adam.step_chunk(master=master.narrow(0, lo, k), grad=g.narrow(0, lo, k),
+                                    exp_avg=m.narrow(0, lo, k), exp_avg_sq=v.narrow(0, lo, k),
+                                    hyper=h, out=None if out is None else out.narrow(0, lo, k))
+        runs.append((master, m, v, out))
+    (p1, m1, v1, o1), (p2, m2, v2, o2) = runs
+    assert torch.equal(p1, p2) and torch.equal(m1, m2) and torch.equal(v1, v2)
+    assert not torch.equal(p1, init)
+    if with_out:
+        assert torch.equal(o1, o2) and torch.equal(o1, p1.to(grad_dtype))
+    assert torch.equal(g16, g16_before), "the kernel wrote the gradient"

@@ -33,8 +33,11 @@ probe is skipped now (``cpp.vec_isa_ok``, unless TORCHINDUCTOR_VEC_ISA_OK is
 set); on this 2-core VM (1e8 elements) the compiled kernel takes 0.043 s
 with its bf16 output against 0.059 s for torch's fused kernel without one. The kernel is compiled once per process (a few seconds; inductor
 caches it on disk; a fresh machine takes about 20 s on 2 cores), one variant per
-output dtype, on first use. A failed compile, such as no C++ compiler, falls back to
-torch's kernel with one warning under ``auto``, and raises under ``compiled``.
+output dtype, on first use, and per gradient dtype: stages 1/2 hand the host a 16-bit
+gradient where no host accumulation needs fp32 (partition/stage12.py, [Note: 16-bit host
+gradients]), 2 bytes per element over PCIe and read here instead of 4. A failed compile,
+such as no C++ compiler, falls back to torch's kernel with one warning under ``auto``, and
+raises under ``compiled``.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ H_LEN = 8
 
 
 def _math(p, g, m, v, h):
-    grad = g / h[0] + p * h[7]
+    grad = g.float() / h[0] + p * h[7]  # a 16-bit gradient is upcast in registers
     p_dec = p - h[4] * p
     m_new = m + (grad - m) * (1.0 - h[1])
     v_new = v * h[2] + grad * grad * (1.0 - h[2])
@@ -87,27 +90,29 @@ def _step_out(p, g, m, v, h, out):
 
 
 class _Kernels:
-    """The compiled callables, made once per process and output dtype (under a lock: any
-    thread may ask)."""
+    """The compiled callables, made once per process, gradient dtype and output dtype (under a
+    lock: any thread may ask)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._fns: dict[torch.dtype | None, object] = {}
+        self._fns: dict[tuple[torch.dtype, torch.dtype | None], object] = {}
         self.error: BaseException | None = None
 
-    def get(self, out_dtype: torch.dtype | None = None):
-        """The kernel without an output (``None``) or writing ``out_dtype``; None if it does
-        not compile (``error`` says why)."""
+    def get(self, out_dtype: torch.dtype | None = None,
+            grad_dtype: torch.dtype = torch.float32):
+        """The kernel reading a ``grad_dtype`` gradient, without an output (``None``) or
+        writing ``out_dtype``; None if it does not compile (``error`` says why)."""
+        key = (grad_dtype, out_dtype)
         with self._lock:
-            if out_dtype not in self._fns and self.error is None:
+            if key not in self._fns and self.error is None:
                 try:
-                    self._fns[out_dtype] = self._compile(out_dtype)
+                    self._fns[key] = self._compile(out_dtype, grad_dtype)
                 except Exception as e:  # no compiler, unsupported platform: caller decides
                     self.error = e
-            return self._fns.get(out_dtype)
+            return self._fns.get(key)
 
     @staticmethod
-    def _compile(out_dtype: torch.dtype | None):
+    def _compile(out_dtype: torch.dtype | None, grad_dtype: torch.dtype):
         import torch._inductor.config as inductor_config
 
         fn = torch.compile(_step if out_dtype is None else _step_out, dynamic=True,
@@ -123,11 +128,12 @@ class _Kernels:
         if inductor_config.cpp.vec_isa_ok is None:  # trust the CPU flags: no g++ probe builds
             patch["cpp.vec_isa_ok"] = True
         t0 = time.perf_counter()
-        print("zeroio: compiling the one-pass CPU Adam kernel (once per machine and output "
-              "dtype; ZEROIO_CPU_ADAM=torch skips it)", file=sys.stderr, flush=True)
+        print("zeroio: compiling the one-pass CPU Adam kernel (once per machine, gradient and "
+              "output dtype; ZEROIO_CPU_ADAM=torch skips it)", file=sys.stderr, flush=True)
         with inductor_config.patch(patch):
             for n in (COMPILE_HINT_NUMEL, COMPILE_HINT_NUMEL - 3):  # the second: no recompile
                 t = [torch.zeros(n) for _ in range(4)]
+                t[1] = t[1].to(grad_dtype)
                 if out_dtype is None:
                     fn(*t, h)
                 else:
@@ -149,13 +155,16 @@ def mode() -> str:
     return raw
 
 
-def wanted(total_numel: int) -> bool:
+def wanted(total_numel: int, grad_dtype: torch.dtype = torch.float32) -> bool:
     """Whether host optimizer state of ``total_numel`` elements should use the compiled kernel
-    (``ZEROIO_CPU_ADAM``); compiles it now if so. False where ``auto`` could not compile."""
+    (``ZEROIO_CPU_ADAM``); compiles it now if so. False where ``auto`` could not compile.
+    A 16-bit ``grad_dtype`` also compiles the variant reading that gradient and writing that
+    dtype (what a training step with 16-bit host gradients calls)."""
     m = mode()
     if m == "torch" or (m == "auto" and total_numel < AUTO_MIN_NUMEL):
         return False
-    if _KERNELS.get() is not None and _KERNELS.get(torch.bfloat16) is not None:
+    if _KERNELS.get() is not None and _KERNELS.get(torch.bfloat16) is not None and (
+            grad_dtype == torch.float32 or _KERNELS.get(grad_dtype, grad_dtype) is not None):
         return True
     if m == "compiled":
         raise RuntimeError("ZEROIO_CPU_ADAM=compiled: the one-pass CPU Adam kernel did not "
@@ -182,8 +191,9 @@ def step_chunk(*, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                exp_avg_sq: torch.Tensor, hyper: torch.Tensor,
                out: torch.Tensor | None = None) -> None:
     """One Adam(W) update of fp32 1-D CPU tensors in place (``hyper`` from ``hyper_tensor``);
+    ``grad`` may be 16-bit (upcast to fp32 first: the same result as on ``grad.float()``);
     ``out`` (same length, any float dtype) gets the updated master values."""
-    fn = _KERNELS.get(None if out is None else out.dtype)
+    fn = _KERNELS.get(None if out is None else out.dtype, grad.dtype)
     if fn is None:
         raise RuntimeError(f"the one-pass CPU Adam kernel is not available ({_KERNELS.error!r})")
     if out is None:
