@@ -172,3 +172,33 @@ def test_16bit_gradient_equals_its_fp32_upcast(monkeypatch, grad_dtype, with_out
     if with_out:
         assert torch.equal(o1, o2) and torch.equal(o1, p1.to(grad_dtype))
     assert torch.equal(g16, g16_before), "the kernel wrote the gradient"
+
+
+@needs_compiler
+def test_sharded_adam_folds_grad_divisor(monkeypatch):
+    """``grad_divisor`` (the 1/world of 16-bit host gradients) is folded into grad_scale: a
+    bf16 gradient ``g`` with divisor 2 steps as the fp32 gradient ``g / 2`` (eps 0.1, so the
+    update depends on the gradient's size), chunked and whole."""
+    from zeroio.optim.adam import ShardedAdam
+    from zeroio.partition.base import Segment, ShardGroup
+
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "compiled")
+    gen = torch.Generator().manual_seed(3)
+    n = 301
+    init = torch.randn(n, generator=gen)
+    g16 = (torch.randn(n, generator=gen) * 0.3).to(torch.bfloat16)
+    results = []
+    for grad, divisor in ((g16, 2.0), (g16.float() / 2, 1.0)):
+        group = ShardGroup(group_index=0, master=init.clone(), grad=grad.clone(), numel=n,
+                           segments=(Segment(local_offset=0, global_offset=0, numel=n),),
+                           params=("w",))
+        opt = ShardedAdam([group], [{"lr": 1e-2, "betas": (0.9, 0.99), "eps": 0.1,
+                                     "weight_decay": 0.0}], decoupled=True,
+                          grad_divisor=divisor)
+        assert opt.one_pass
+        opt.step(grad_scale=1.5)
+        chunked = opt.begin_chunked_step(grad_scale=1.5)
+        for lo, k in ((0, 100), (100, 201)):
+            chunked.update(0, lo, k)
+        results.append(group.master)
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], init)

@@ -74,7 +74,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             module=module, param_groups=spec.param_groups, stage=zc.stage, compute_dtype=dtype,
             device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
             overlap_forward=off.device == "cpu" and overlap_step_enabled(cfg.zero_optimization.tiering),
-            optimizer_ratio=off.ratio if off.device == "cpu" else 1.0)
+            optimizer_ratio=off.ratio if off.device == "cpu" else 1.0,
+            cpu_optimizer=off.device == "cpu", accumulation_steps=cfg.gradient_accumulation_steps)
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
@@ -90,18 +91,21 @@ def build_optimizer(cfg, partitioner, spec: OptimizerSpec):
         from zeroio.optim.twin import TwinAdam
 
         return TwinAdam(device=ShardedAdam(split.device, spec.hyper, decoupled=spec.decoupled),
-                        host=_offloaded_optimizer(cfg, split.host, spec),
+                        host=_offloaded_optimizer(cfg, split.host, spec, partitioner),
                         groups=partitioner.groups)
-    return _offloaded_optimizer(cfg, partitioner.groups, spec)
+    return _offloaded_optimizer(cfg, partitioner.groups, spec, partitioner)
 
 
-def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec):
+def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner):
     off = cfg.zero_optimization.offload_optimizer
     if off.device == "nvme":
         from zeroio.optim.swap import SwappedAdam
 
         return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg)
-    return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled)
+    # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
+    # gradients]): the optimizer folds the divisor into its grad_scale
+    return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
+                       grad_divisor=getattr(partitioner, "host_grad_divisor", 1.0))
 
 
 class Engine:

@@ -8,7 +8,9 @@ we share — change them in place between steps.
 [Note: grad_scale]
 Clipping and loss scaling are folded into one divisor handed to the fused
 kernel (``grad_scale``): grad / (loss_scale / clip_coef). The gradient shard
-is never rewritten, which saves a full pass over it in memory.
+is never rewritten, which saves a full pass over it in memory. A ShardedAdam's
+``grad_divisor`` (the communication world where stage 1/2 hand it unaveraged 16-bit host
+gradients: partition/stage12.py, [Note: 16-bit host gradients]) is one more factor of it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch.optim.adam import adam as adam_fn
 from torch.optim.adamw import adamw as adamw_fn
 
+from zeroio.errors import ConfigError
 from zeroio.io.hostmem import host_zeros
 from zeroio.optim import cpu_adam
 from zeroio.partition.base import ShardGroup
@@ -86,6 +89,7 @@ class ChunkedStep:
     checkpoints read ``steps_taken`` while the chunks still run."""
 
     def __init__(self, opt: ShardedAdam, grad_scale: float):
+        grad_scale *= opt.grad_divisor
         self._opt = opt
         self._grad_scale = grad_scale
         self._hyper: dict[int, dict] = {}
@@ -143,17 +147,27 @@ class ShardedAdam:
     are handled by ``zeroio.optim.swap.SubGroupSwapper``, which calls
     ``adam_update`` per sub-group."""
 
-    def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool):
+    def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
+                 grad_divisor: float = 1.0):
         self.groups = groups
         self.param_groups = param_groups
         self.decoupled = decoupled
+        self.grad_divisor = grad_divisor
+        """Folded into every step's ``grad_scale`` ([Note: grad_scale])."""
         self.state: list[AdamState] = [AdamState.zeros_like(g.master) for g in groups]
         self.groups_by_index = {g.group_index: g for g in groups}
         host = [g.master for g in groups if g.master.numel()]
+        low = {g.grad.dtype for g in groups if g.master.numel()} - {torch.float32}
         self.one_pass = bool(host) and all(
             t.device.type == "cpu" and t.dtype == torch.float32 for t in host) and \
-            cpu_adam.wanted(sum(t.numel() for t in host))
+            cpu_adam.wanted(sum(t.numel() for t in host),
+                            grad_dtype=next(iter(low), torch.float32))
         """Host fp32 masters stepped by the compiled one-pass kernel (cpu_adam.py)."""
+        if low and not self.one_pass:  # the partitioner decided by the same cpu_adam.wanted
+            raise ConfigError(f"host gradients in {sorted(map(str, low))} need the one-pass CPU "
+                              "Adam kernel, which is not in use: set ZEROIO_CPU_ADAM the same "
+                              "when the engine is built and the optimizer is",
+                              key="ZEROIO_CPU_ADAM")
 
     def hyper_tensor(self, group_index: int, step: int, grad_scale: float) -> torch.Tensor:
         """``cpu_adam.hyper_tensor`` of a group's current hyperparameters for update ``step``."""
@@ -172,6 +186,7 @@ class ShardedAdam:
         """One step of every group. With ``on_updated(group_index, start, numel)`` the groups
         are stepped in chunks and the callback runs after each (the partitioner publishes
         that chunk while the next one is updated)."""
+        grad_scale *= self.grad_divisor
         with torch.profiler.record_function("zeroio::optimizer_step"):
             for g, st in zip(self.groups, self.state, strict=True):
                 n = g.master.numel()

@@ -62,6 +62,21 @@ publishes the device side first (a cast copy on the compute stream, then the
 all-gather of buckets with no host element), and the host step's chunks cover
 host elements only, so a module whose parameters are all device-side waits
 for nothing in an overlapped step.
+
+[Note: 16-bit host gradients]
+With 16-bit parameters, a host optimizer stepped by the one-pass CPU Adam
+(optim/cpu_adam.py; ``cpu_adam.wanted`` decides here as in ``ShardedAdam``,
+cached once compiled) and no accumulation on the host (stage 1, or stage 2
+with ``gradient_accumulation_steps`` 1), the host gradient shard is kept in
+the compute dtype: a consumed piece goes to the host as the reduced 16-bit
+values themselves (2 bytes per element over PCIe and read by the CPU Adam
+instead of 4), and the kernel upcasts them in registers, which is exact.
+Only the 1/world averaging needed fp32: it is not applied to the host copy,
+the optimizer folds it into its ``grad_scale`` (``host_grad_divisor`` ->
+``ShardedAdam.grad_divisor``). The squared norm is still taken from the fp32,
+averaged piece on the GPU. Stage 2 with accumulation keeps fp32 host
+gradients (the sum of micro steps is taken in fp32), and with a ratio the
+device side's gradient stays fp32.
 """
 
 from __future__ import annotations
@@ -74,6 +89,7 @@ import torch
 
 from zeroio.errors import DistributedError
 from zeroio.io.hostmem import host_empty, host_zeros
+from zeroio.optim import cpu_adam
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
@@ -115,10 +131,10 @@ class ShardHome:
     device: torch.device
     pin_memory: bool = False
 
-    def empty(self, numel: int) -> torch.Tensor:
+    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.device.type == "cpu":  # see zeroio.io.hostmem.[Note: host memory]
-            return host_zeros(numel, torch.float32, pin=self.pin_memory)
-        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+            return host_zeros(numel, dtype, pin=self.pin_memory)
+        return torch.zeros(numel, dtype=dtype, device=self.device)
 
 
 def host_home(pin_memory: bool) -> ShardHome:
@@ -170,8 +186,21 @@ class Stage12Partitioner:
         overlap_forward: bool = False,
         grad_piece_numel: int | None = None,
         optimizer_ratio: float = 1.0,
+        cpu_optimizer: bool = False,
+        accumulation_steps: int = 1,
     ):
+        """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
+        (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
+        gradients]."""
         self.stage = stage
+        self.host_grad_dtype = torch.float32
+        """dtype of the host gradient shard ([Note: 16-bit host gradients])."""
+        self.host_grad_divisor = 1.0
+        """What the host optimizer folds into its grad_scale (the 1/world not applied)."""
+        self._grad16_ok = (cpu_optimizer and home.device.type == "cpu"
+                           and compute_dtype in (torch.bfloat16, torch.float16)
+                           and (stage == 1 or (stage == 2 and accumulation_steps == 1)))
+        self._compute_dtype = compute_dtype
         self.group = group
         # host <-> device bytes (gradient D2H, parameter H2D) counted where the copies are
         # issued, and host waits on them: engine.stats() (tiering/stats.py)
@@ -261,6 +290,11 @@ class Stage12Partitioner:
         for _, _, base in layouts:
             self._dev_len.append(min(left, base))
             left -= self._dev_len[-1]
+        host_total = sum(lay[2] for lay in layouts) - sum(self._dev_len)
+        if self._grad16_ok and host_total and cpu_adam.wanted(host_total,
+                                                               grad_dtype=self._compute_dtype):
+            self.host_grad_dtype = self._compute_dtype
+            self.host_grad_divisor = float(self.comm_world)
         self._dev: list[ShardGroup] = []
         self._host: list[ShardGroup] = []
         groups = []
@@ -272,14 +306,15 @@ class Stage12Partitioner:
                 dev_segs, host_segs = _cut_segments(segments, d)
                 self._dev.append(_shard_group(gi, dev_segs, on_device.empty(d),
                                               on_device.empty(d), slots))
-                self._host.append(_shard_group(gi, host_segs, self.home.empty(base - d),
-                                               self.home.empty(base - d), slots))
+                self._host.append(_shard_group(
+                    gi, host_segs, self.home.empty(base - d),
+                    self.home.empty(base - d, self.host_grad_dtype), slots))
                 groups.append(_shard_group(
                     gi, segments, torch.empty(base, dtype=torch.float32, device="meta"),
                     torch.empty(base, dtype=torch.float32, device="meta"), slots))
             else:
                 groups.append(_shard_group(gi, segments, self.home.empty(base),
-                                           self.home.empty(base), slots))
+                                           self.home.empty(base, self.host_grad_dtype), slots))
                 self._host.append(groups[-1])
             for b in buckets:
                 for s in b.slots:  # original (full precision) values, before the 16-bit cast
@@ -425,7 +460,14 @@ class Stage12Partitioner:
         first = self._first_micro or self.stage != 2
         lo = self._local_base[b.index] + piece.slice_lo
         for off, dst in self._parts(b.group_index, "grad", lo, k):  # device part stays there
-            part = scaled.narrow(0, off, dst.numel())
+            # a 16-bit host shard takes the reduced values as they are: [Note: 16-bit host
+            # gradients] (the optimizer divides by the world)
+            part = (scaled if dst.dtype == scaled.dtype else src).narrow(0, off, dst.numel())
+            if not first and dst.dtype != torch.float32:
+                raise DistributedError(
+                    "a second backward before engine.step with 16-bit host gradients (stage 2, "
+                    "gradient_accumulation_steps 1): call engine.step after each backward, or "
+                    "set gradient_accumulation_steps to the number of backwards per step")
             if first:
                 count_copy(self.transfers, part, dst)
                 dst.copy_(part, non_blocking=True)
@@ -474,7 +516,10 @@ class Stage12Partitioner:
             return torch.stack(self._norm_parts).sum().float().cpu()
         for g in self._physical:
             if g.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64
-                total += torch.linalg.vector_norm(g.grad).double().pow(2).float().cpu()
+                norm = torch.linalg.vector_norm(g.grad, dtype=torch.float32)
+                if g.grad.dtype != torch.float32:  # [Note: 16-bit host gradients]: unaveraged
+                    norm = norm / self.host_grad_divisor
+                total += norm.double().pow(2).float().cpu()
         return total
 
     def local_overflow(self) -> bool:
