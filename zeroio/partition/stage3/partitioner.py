@@ -465,8 +465,9 @@ class Stage3Partitioner:
                     lo, hi = n * j // parts, n * (j + 1) // parts
                     if hi == lo:
                         continue
-                    if into_shard:
-                        out = self.store.writable(gi, ref.piece.lo + lo, hi - lo)
+                    if into_shard:  # publishing is the wait for readers of the shard
+                        with self._clock.phase("publish"):
+                            out = self.store.writable(gi, ref.piece.lo + lo, hi - lo)
                         with self._clock.phase("adam"):
                             update(ref.piece.opt_group, ref.base + lo, hi - lo, out=out)
                         continue
