@@ -91,7 +91,10 @@ class ShardGroup:
     """fp32 master weights of this shard, 1-D, ``padded_numel`` long."""
     grad: torch.Tensor
     """fp32 gradient of this shard: reduced, averaged over ranks, summed over the accumulation
-    micro steps and divided by their number. Valid after ``finalize_gradients(boundary=True)``."""
+    micro steps and divided by their number. Valid after ``finalize_gradients(boundary=True)``.
+    Exception: at stages 1/2 with the one-pass CPU Adam (optim/cpu_adam.py) and no host
+    accumulation it is the 16-bit reduced gradient *not* divided by the world size; the
+    optimizer's ``grad_divisor`` applies that (stage12.py, ``host_grad_dtype``)."""
     numel: int
     """Elements that belong to parameters (the rest of ``padded_numel`` is padding, kept zero)."""
     segments: tuple[Segment, ...]
