@@ -183,38 +183,22 @@ class ShardedAdam:
         return ChunkedStep(self, grad_scale)
 
     def step(self, grad_scale: float = 1.0, on_updated=None, chunk_numel: int = 1 << 24) -> None:
-        """One step of every group. With ``on_updated(group_index, start, numel)`` the groups
-        are stepped in chunks and the callback runs after each (the partitioner publishes
-        that chunk while the next one is updated)."""
-        grad_scale *= self.grad_divisor
+        """One step of every group (a ``ChunkedStep`` run here, whole groups or chunks). With
+        ``on_updated(group_index, start, numel)`` the groups are stepped in chunks and the
+        callback runs after each (the partitioner publishes that chunk while the next one is
+        updated)."""
         with torch.profiler.record_function("zeroio::optimizer_step"):
-            for g, st in zip(self.groups, self.state, strict=True):
+            chunked = ChunkedStep(self, grad_scale)
+            for g in self.groups:
                 n = g.master.numel()
-                if n == 0:
-                    continue
-                hyper = self.param_groups[g.group_index]
-                if on_updated is None and self.one_pass:
-                    st.step.add_(1)
-                    cpu_adam.step_chunk(master=g.master, grad=g.grad, exp_avg=st.exp_avg,
-                                        exp_avg_sq=st.exp_avg_sq,
-                                        hyper=self.hyper_tensor(g.group_index,
-                                                                int(st.step.item()), grad_scale))
-                    continue
                 if on_updated is None:
-                    adam_update(master=g.master, grad=g.grad, state=st, hyper=hyper,
-                                decoupled=self.decoupled, grad_scale=grad_scale)
+                    if n:
+                        chunked.update(g.group_index, 0, n)
                     continue
-                before = st.step.clone()  # the fused kernel increments the step it is given
                 for lo in range(0, n, chunk_numel):
                     k = min(chunk_numel, n - lo)
-                    step = before.clone()
-                    adam_update(master=g.master.narrow(0, lo, k), grad=g.grad.narrow(0, lo, k),
-                                state=AdamState(exp_avg=st.exp_avg.narrow(0, lo, k),
-                                                exp_avg_sq=st.exp_avg_sq.narrow(0, lo, k),
-                                                step=step),
-                                hyper=hyper, decoupled=self.decoupled, grad_scale=grad_scale)
+                    chunked.update(g.group_index, lo, k)
                     on_updated(g.group_index, lo, k)
-                st.step.copy_(step)
 
     def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
         """The local 1-D tensor of ``kind`` ("fp32" | "exp_avg" | "exp_avg_sq") of a group."""
