@@ -254,7 +254,8 @@ class Stage12Partitioner:
         """fp32 landing zones on the GPU (the master goes up as fp32, cast there)."""
         self._stage_slots: list[torch.Tensor] = []
         """Pinned 16-bit slots the one-pass CPU Adam writes into ([Note: step publication])."""
-        self._slot_free: list[torch.cuda.Event | None] = [None, None]
+        self._slot_free: list[torch.cuda.Event] = []
+        """Recorded behind each slot's copy to the GPU (waiting on an unrecorded one is a no-op)."""
         self._out_in_pass = False
         if home.device.type == "cpu" and device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device)
@@ -665,6 +666,7 @@ class Stage12Partitioner:
         n = max(c.numel for c in self._chunks)
         if self._out_in_pass and not self._stage_slots:
             self._stage_slots = [host_empty(n, self.params.dtype, pin=True) for _ in range(2)]
+            self._slot_free = [torch.cuda.Event(), torch.cuda.Event()]
         if not self._out_in_pass and not self._scratch:
             self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device)
                              for _ in range(2)]
@@ -673,20 +675,19 @@ class Stage12Partitioner:
         c = self._chunks[i]
         b, lb, size = c.bucket, self._local_base[c.bucket.index], c.bucket.slice_numel(self.world)
         dst = self.params.narrow(0, b.start + self.rank * size + c.slice_lo, c.numel)
+        hlo = lb + c.slice_lo - self._dev_len[b.group_index]  # host-side local offset
         out = None
         if self._copy_stream is None:  # parameters in host memory: written in the pass
             out = dst
         elif self._out_in_pass:
-            free = self._slot_free[i % 2]
-            if free is not None:  # the slot's last copy to the GPU has read it
-                free.synchronize()
+            self._slot_free[i % 2].synchronize()  # the slot's last copy to the GPU read it
             out = self._stage_slots[i % 2].narrow(0, 0, c.numel)
-        with self._runner.clock.phase("adam"):  # host-side local offsets
-            update(b.group_index, lb + c.slice_lo - self._dev_len[b.group_index], c.numel, out=out)
+        with self._runner.clock.phase("adam"):
+            update(b.group_index, hlo, c.numel, out=out)
         with self._runner.clock.phase("publish"):
-            self._publish_chunk(c, i, b, lb, dst, out)
+            self._publish_chunk(c, i, b, hlo, dst, out)
 
-    def _publish_chunk(self, c: StepChunk, i: int, b: Bucket, lb: int, dst: torch.Tensor,
+    def _publish_chunk(self, c: StepChunk, i: int, b: Bucket, hlo: int, dst: torch.Tensor,
                        out: torch.Tensor | None) -> None:
         """[Note: step publication] The chunk's new values reach the 16-bit parameters by one
         of three paths: parameters in host memory are ``out`` itself (no copy); with the
@@ -698,14 +699,12 @@ class Stage12Partitioner:
             if c.gather:
                 comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
             return
-        src = self._host[b.group_index].master.narrow(
-            0, lb + c.slice_lo - self._dev_len[b.group_index], c.numel)
+        src = self._host[b.group_index].master.narrow(0, hlo, c.numel)
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             if out is not None:
                 count_copy(self.transfers, out, dst)
                 dst.copy_(out, non_blocking=True)
-                free = self._slot_free[i % 2] = torch.cuda.Event()
-                free.record(self._copy_stream)
+                self._slot_free[i % 2].record(self._copy_stream)
             elif src.dtype == dst.dtype:
                 count_copy(self.transfers, src, dst)
                 dst.copy_(src, non_blocking=True)
