@@ -42,11 +42,13 @@ raises under ``compiled``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
 import warnings
+from unittest import mock
 
 import torch
 
@@ -125,12 +127,13 @@ class _Kernels:
         h = hyper_tensor(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                          decoupled=True, step=1, grad_scale=1.0)
         patch = {"cpp.dynamic_threads": True, "compile_threads": 1}
-        if inductor_config.cpp.vec_isa_ok is None:  # trust the CPU flags: no g++ probe builds
+        trust = inductor_config.cpp.vec_isa_ok is None
+        if trust:  # trust the CPU flags: no g++ probe builds
             patch["cpp.vec_isa_ok"] = True
         t0 = time.perf_counter()
         print("zeroio: compiling the one-pass CPU Adam kernel (once per machine, gradient and "
               "output dtype; ZEROIO_CPU_ADAM=torch skips it)", file=sys.stderr, flush=True)
-        with inductor_config.patch(patch):
+        with inductor_config.patch(patch), _no_isa_probes(trust):
             for n in (COMPILE_HINT_NUMEL, COMPILE_HINT_NUMEL - 3):  # the second: no recompile
                 t = [torch.zeros(n) for _ in range(4)]
                 t[1] = t[1].to(grad_dtype)
@@ -141,6 +144,29 @@ class _Kernels:
         print(f"zeroio: CPU Adam kernel ready in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
         return fn
+
+
+@contextlib.contextmanager
+def _no_isa_probes(active: bool):
+    """No ISA probe builds while the kernel compiles or loads (``active``).
+
+    ``cpp.vec_isa_ok`` skips inductor's base probe, but on a CPU whose flags list
+    avx512_bf16 or AMX (the H200 host) inductor still probes those extensions: it
+    builds a test library with g++ and loads it in a child Python that imports torch.
+    Every process pays that (the answer is cached per process), in the H200 host's
+    training processes it had not returned after 52 s (session 4, first call), and the
+    compile there took 47.7 s instead of 1.6. Here the CPU's flags are taken as the answer
+    (the cpuid check inductor runs first); a compiler without those flags fails the
+    kernel's own build instead, which ``auto`` survives with torch's kernel."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:  # another torch layout: nothing to skip
+        active = False
+    if not active or not hasattr(cpu_vec_isa.VecISA, "check_build"):
+        yield
+        return
+    with mock.patch.object(cpu_vec_isa.VecISA, "check_build", lambda self, code: True):
+        yield
 
 
 _KERNELS = _Kernels()
