@@ -22,7 +22,12 @@ Two layers, reported separately in the breakdown:
      offloaded; not counted for fp32 training, where the gradients already are fp32.
      At stage 3 this fp32 shard *is* the gradient: the reduced bucket lands in it
      straight from the device (partition/stage3/grads.py), no 16-bit gradient
-     shard exists, so the paper's b Psi / N gradient term is left out.
+     shard exists, so the paper's b Psi / N gradient term is left out. At stage 3
+     with offload_optimizer cpu, gradient_accumulation_steps 1 and the one-pass
+     CPU Adam (ZEROIO_CPU_ADAM compiled, or auto for a host shard of at least
+     its AUTO_MIN_NUMEL) the host part is kept in the compute dtype instead: b
+     bytes per element ([Note: 16-bit host gradients at stage 3]; the same
+     function decides here and in the partitioner).
    - gradient reduce buckets: stages 0-2, reduce_bucket_size elements of b
      bytes, two when overlap_comm double-buffers them; capped at Psi. Stage 3
      reduces one flat group (a transformer layer, ``largest_group`` elements;
@@ -327,9 +332,17 @@ def estimate_memory(
 
     if zeroio_buffers:
         buf = "zeroio_buffer"
+        gas = getattr(config, "gradient_accumulation_steps", None) or 1
         if dtype != "fp32":
             if stage == 0:
                 add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")
+            elif stage == 3 and _host_grad_bytes(dtype, opt_dev, gas, shard - dev) == b:
+                # 16-bit host gradients (module doc, 2.); the device side's stay fp32
+                add("fp32 gradient shard (ratio: on GPU)", "gpu", FP32 * dev, buf,
+                    "4 * floor((1 - ratio) * Psi / N)")
+                add(f"{b}-byte gradient shard (one-pass CPU Adam)", grad_tier, b * (shard - dev),
+                    buf, f"{b} * (Psi / N - floor((1 - ratio) * Psi / N))" if dev
+                    else f"{b} * Psi / N")
             else:
                 add_shard("fp32 gradient shard", grad_tier, FP32, buf, "4")
         copies = 2 if (zero.overlap_comm if zero.overlap_comm is not None else stage == 3) else 1
@@ -357,7 +370,6 @@ def estimate_memory(
                 add("device-side publish staging (ratio)", "gpu",
                     b * min(PUBLISH_CHUNK_NUMEL, dev), buf,
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
-        gas = getattr(config, "gradient_accumulation_steps", None) or 1
         if gas > 1 and grad_tier == "cpu" and stage == 3 and dtype != "fp32":
             add("gradient accumulation staging (pinned fp32)", "cpu", FP32 * (shard - dev), buf,
                 "4 * offloaded elements per GPU")
@@ -378,6 +390,20 @@ def estimate_memory(
     return MemoryEstimate(num_params=psi, gpus_per_node=gpus_per_node, nodes=nodes, stage=stage,
                           offload_optimizer=opt_dev, offload_param=par_dev, dtype=dtype,
                           items=tuple(items), ratio=float(ratio), device_elements=dev)
+
+
+def _host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int) -> int:
+    """Bytes per element of stage 3's host gradient shard, as the partitioner will decide it
+    (``host_grad_dtype`` in zeroio/partition/stage3/grads.py, from ZEROIO_CPU_ADAM without
+    compiling anything)."""
+    import torch
+
+    from zeroio.partition.stage3.grads import host_grad_dtype
+
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    return host_grad_dtype(compute_dtype=compute, cpu_optimizer=opt_dev == "cpu",
+                           accumulation_steps=gas, host_numel=host_numel,
+                           plan_only=True).itemsize
 
 
 def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab: int,

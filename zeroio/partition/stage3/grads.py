@@ -1,4 +1,5 @@
-"""Where a group's reduced gradient lands: this rank's fp32 ``ShardGroup.grad`` pieces.
+"""Where a group's reduced gradient lands: this rank's ``ShardGroup.grad`` pieces (fp32, or the
+compute dtype on the host: [Note: 16-bit host gradients at stage 3]).
 
 [Note: landing reduced gradients]
 A reduced bucket is consumed on the comm stream right after its
@@ -28,6 +29,34 @@ reduce-scatter, while backward goes on (the stage-2 design, stage12.py
   accumulation and happens at the boundary, its squared norm is taken on the
   device right there, so the step does not re-read gigabytes of host
   gradient (let alone the float64 copy of it that it used to make).
+
+[Note: 16-bit host gradients at stage 3]
+As at stages 1/2 (stage12.py, [Note: 16-bit host gradients]): when the
+host side is stepped by the one-pass CPU Adam (optim/cpu_adam.py), the
+compute dtype is 16-bit and nothing is accumulated on the host
+(``gradient_accumulation_steps`` 1), the host gradient shard is kept in the
+compute dtype; ``host_grad_dtype`` below is the one place that decides (the
+partitioner asks it at construction, zeroio.estimate asks it to plan). The
+kernel upcasts the gradient in registers, which is exact, so the host reads
+2 bytes per element instead of 4, half the bytes cross PCIe and the host
+gradient shard takes half the memory (1.364B: 5.46 -> 2.73 GB per step
+device -> host; 13B at ratio 1: 52 -> 26 GB of host memory).
+
+Unlike stages 1/2, the bucket is reduced in fp32 here (``ParamGroup`` stages
+gradients in fp32), so the 16-bit values are made on the device: the piece is
+averaged (the 1/world ``scale``) and its squared norm taken in fp32 exactly
+as before, then cast on the ``d2h`` stream and copied. The 1/world is not
+folded into the optimizer's grad_scale (its ``grad_divisor`` stays 1): the
+cast is a pass of its own anyway, and an unaveraged fp16 sum over ranks could
+overflow where the average cannot. Rounding the average to 16 bits is the
+one difference to fp32 host gradients; at world 1 there is none (every fp32
+value of the bucket is a sum of one bf16/fp16 gradient, already in the compute
+dtype), so the step is bit-equal. With offload_optimizer.ratio < 1 only the
+host side changes: the device side keeps fp32 gradients on the GPU. A second
+write of a group in one accumulation (a group reduced twice in one backward)
+still goes through the fp32 staging buffer and is added on the host, rounded
+to 16 bits once more. offload_optimizer nvme keeps fp32 host gradients (its
+swapper steps sub-groups with torch's fused kernel, which reads fp32).
 """
 
 from __future__ import annotations
@@ -37,14 +66,36 @@ from dataclasses import dataclass
 import torch
 
 from zeroio.io.hostmem import host_empty
+from zeroio.optim import cpu_adam
 from zeroio.partition.base import ShardGroup
 from zeroio.partition.stage3.streams import keep_for, on, record, wait_stream
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
 
+def host_grad_dtype(*, compute_dtype: torch.dtype, cpu_optimizer: bool,
+                    accumulation_steps: int, host_numel: int,
+                    plan_only: bool = False) -> torch.dtype:
+    """dtype of stage 3's host gradient shard of ``host_numel`` elements ([Note: 16-bit host
+    gradients at stage 3]): ``compute_dtype`` when it is 16-bit, the optimizer is offloaded to
+    the CPU (``cpu_optimizer``: offload_optimizer.device cpu), ``accumulation_steps`` is 1 and
+    the one-pass CPU Adam steps the host side (``cpu_adam.wanted``, which compiles it);
+    float32 otherwise. ``plan_only``: decide from ``ZEROIO_CPU_ADAM`` alone, compiling nothing
+    (zeroio.estimate; ``auto`` counted as compiling)."""
+    if not (cpu_optimizer and compute_dtype in (torch.bfloat16, torch.float16)
+            and accumulation_steps == 1 and host_numel > 0):
+        return torch.float32
+    if plan_only:
+        mode = cpu_adam.mode()
+        one_pass = mode == "compiled" or (mode == "auto" and host_numel >= cpu_adam.AUTO_MIN_NUMEL)
+    else:
+        one_pass = cpu_adam.wanted(host_numel, grad_dtype=compute_dtype)
+    return compute_dtype if one_pass else torch.float32
+
+
 @dataclass(frozen=True, kw_only=True)
 class Landing:
-    """One piece of a group's shard and the place of its fp32 gradient."""
+    """One piece of a group's shard and the place of its gradient (fp32, or 16-bit on the host
+    side: [Note: 16-bit host gradients at stage 3])."""
 
     lo: int
     """Start inside the rank's shard of the group."""
@@ -109,6 +160,9 @@ class GradLanding:
             with on(side if ld in host else None):
                 src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
                 if writes == 0:
+                    if dst.dtype != src.dtype and src.is_cuda:  # [Note: 16-bit host
+                        # gradients at stage 3]: cast here, allocated on this stream (d2h)
+                        src = src.to(dst.dtype)
                     count_copy(self.transfers, src, dst)
                     dst.copy_(src, non_blocking=True)
                 elif dst.device == src.device:

@@ -50,7 +50,7 @@ from zeroio.errors import DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Phase, ShardGroup
 from zeroio.partition.stage3 import registry
-from zeroio.partition.stage3.grads import GradLanding, Landing
+from zeroio.partition.stage3.grads import GradLanding, Landing, host_grad_dtype
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
 from zeroio.partition.stage3.hooks import HookSet
 from zeroio.partition.stage3.layout import ShardPiece, index_of, plan_groups, shard_pieces
@@ -196,6 +196,14 @@ class Stage3Partitioner:
         homes = {Side.HOST: self.home.empty, Side.DEVICE: lambda n: torch.zeros(
             n, dtype=torch.float32, device=self.device)}
         masters = {side: [homes[side](n) for n in sizes[side]] for side in Side}
+        self.host_grad_dtype = host_grad_dtype(
+            compute_dtype=self.dtype, cpu_optimizer=self.settings.cpu_optimizer,
+            accumulation_steps=self.settings.accumulation_steps,
+            host_numel=sum(sizes[Side.HOST]))
+        """dtype of the host side's gradient shards ([Note: 16-bit host gradients at stage 3]
+        in grads.py); the device side's are fp32."""
+        grad_homes = {Side.HOST: lambda n: self.home.empty(n, self.host_grad_dtype),
+                      Side.DEVICE: homes[Side.DEVICE]}
         for g in self.pgroups:
             flat = self._full_flat(g)
             for ref in by_group.get(g.plan.index, []):
@@ -218,7 +226,7 @@ class Stage3Partitioner:
                                             for n in ref.piece.names))
                 groups[side].append(ShardGroup(
                     group_index=og, master=masters[side][og],
-                    grad=homes[side](sizes[side][og]), numel=sum(s.numel for s in segs),
+                    grad=grad_homes[side](sizes[side][og]), numel=sum(s.numel for s in segs),
                     segments=tuple(segs), params=names))
         return groups, by_group
 
@@ -332,9 +340,11 @@ class Stage3Partitioner:
             return taken
         total = torch.zeros((), dtype=torch.float32)
         for sg in self._physical:
-            if sg.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64;
-                # no float64 copy of the shard (that doubled host memory and took seconds)
-                total += torch.linalg.vector_norm(sg.grad).double().pow(2).float().cpu()
+            if sg.grad.numel():  # fp32 norm (as torch's clip_grad_norm_; of a 16-bit host
+                # shard too), squared in float64; no float64 copy of the shard (that doubled
+                # host memory and took seconds)
+                total += torch.linalg.vector_norm(sg.grad, dtype=torch.float32).double().pow(
+                    2).float().cpu()
         return total
 
     def local_overflow(self) -> bool:
@@ -557,4 +567,6 @@ def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.devi
     """What ``engine.build_partitioner`` calls for ``zero_optimization.stage: 3``."""
     return Stage3Partitioner(module=module, param_groups=spec.param_groups,
                              compute_dtype=compute_dtype, device=device, home=home,
-                             settings=Stage3Settings.from_zero_config(cfg.zero_optimization))
+                             settings=Stage3Settings.from_zero_config(
+                                 cfg.zero_optimization,
+                                 accumulation_steps=cfg.gradient_accumulation_steps))

@@ -49,6 +49,12 @@ class Stage3Settings:
     """``offload_optimizer.ratio`` when the optimizer is offloaded (1.0 otherwise): the
     fraction of this rank's optimizer elements on the host side ([Note: twin placement] in
     twin.py); the rest stays on the compute device."""
+    cpu_optimizer: bool = False
+    """``offload_optimizer.device`` is cpu: the host side is stepped by a CPU Adam (with nvme
+    by the swapper), so its gradient shard may be 16-bit ([Note: 16-bit host gradients at
+    stage 3] in grads.py)."""
+    accumulation_steps: int = 1
+    """``gradient_accumulation_steps``: above 1 the host gradients are summed in fp32."""
     step_chunk_numel: int = 1 << 26
     """offload_optimizer cpu: most elements one CPU Adam call updates before that chunk is
     published (cast into the 16-bit shard). Bigger chunks pay less thread-pool overhead per
@@ -80,8 +86,9 @@ class Stage3Settings:
             )
 
     @staticmethod
-    def from_zero_config(zero) -> Stage3Settings:
-        """From ``Config.zero_optimization`` (zeroio.config.zero.ZeroConfig)."""
+    def from_zero_config(zero, accumulation_steps: int = 1) -> Stage3Settings:
+        """From ``Config.zero_optimization`` (zeroio.config.zero.ZeroConfig) and the config's
+        ``gradient_accumulation_steps``."""
         op = zero.offload_param
         device = getattr(op.device, "value", op.device)
         return Stage3Settings(
@@ -97,12 +104,18 @@ class Stage3Settings:
             overlap_step=overlap_step_enabled(getattr(zero, "tiering", None)),
             step_chunk_numel=_env_int(STEP_CHUNK_ENV, Stage3Settings.step_chunk_numel),
             optimizer_ratio=_optimizer_ratio(zero),
+            cpu_optimizer=_offload_device(getattr(zero, "offload_optimizer", None)) == "cpu",
+            accumulation_steps=int(accumulation_steps),
         )
+
+
+def _offload_device(off) -> str:
+    return "none" if off is None else str(getattr(off.device, "value", off.device))
 
 
 def _optimizer_ratio(zero) -> float:
     off = getattr(zero, "offload_optimizer", None)
-    if off is None or str(getattr(off.device, "value", off.device)) == "none":
+    if _offload_device(off) == "none":
         return 1.0  # everything is on the device already
     return float(getattr(off, "ratio", 1.0))
 
