@@ -422,6 +422,30 @@ KERNEL_BATCHES += (
               Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 65",
                    timeout_s=70, sized="57-64 s measured (session 3); last"),
           )),
+    Batch(name="probe13b-runahead", kind=Kind.H200,
+          what="the 13B try again with stage 3's run-ahead bound (session 4's first try ran out "
+               "of GPU memory in the first forward: 28 GiB of freed-but-queued layers), after "
+               "the GPU test of that bound: the plan's ratio 0.43 on torch's CPU Adam, then "
+               "ratio 0.5 on the one-pass kernel (2-byte host gradients: 11 GB less host, so "
+               "7% more of the optimizer fits there and 14 GB less on the GPU)",
+          steps=(
+              Step(name="runahead-gpu", shell=_pytest("tests/test_stage3_runahead.py"),
+                   timeout_s=45, sized="16 layers x ~10 ms of GPU spin, 4 passes + a step"),
+              Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
+                   + PROBE_13B + " --nvme-dir {nvme}/probe --write-config {res}/cfg-13b.json "
+                   "| tee {res}/probe-plan-13b.json", timeout_s=20, sized="estimate only (4 s)"),
+              Step(name="train-13b", shell="python3 benchmarks/train_llama.py --mode zeroio "
+                   "--config {res}/cfg-13b.json --zero-init --mem-log --hidden 5120 "
+                   "--intermediate 13824 --heads 40 --vocab 32000 --layers 40 --seq 1024 "
+                   "--micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}", timeout_s=220,
+                   sized="build + init 70 s (session 4), 3 steps of ~5-20 s"),
+              Step(name="train-13b-auto-r0.5", shell=AUTO + "python3 benchmarks/train_llama.py --mode zeroio "
+                   "--config {res}/cfg-13b.json --zero-init --mem-log --hidden 5120 "
+                   "--intermediate 13824 --heads 40 --vocab 32000 --layers 40 --seq 1024 "
+                   "--micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}"
+                   + " --set zero_optimization.offload_optimizer.ratio=0.5", timeout_s=220,
+                   sized="as train-13b"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
