@@ -81,7 +81,8 @@ def _info(engine):
     part.landing._norm_valid = False  # the norm from the shards as they stand (the fallback)
     sq = part.local_grad_sq_norm().double()
     dist.all_reduce(sq)
-    return {"one_pass": bool(host_opt.one_pass), "grad_divisor": host_opt.grad_divisor,
+    return {"one_pass": bool(getattr(host_opt, "one_pass", False)),  # not with nvme's swapper
+            "grad_divisor": getattr(host_opt, "grad_divisor", 1.0),
             "rule": str(part.host_grad_dtype),
             "host_grads": sorted({str(g.grad.dtype) for g in host if g.grad.numel()}),
             "device_grads": sorted({str(g.grad.dtype) for g in dev if g.grad.numel()}),
@@ -198,6 +199,55 @@ def test_torch_kernel_keeps_fp32_host_grads_stage3(tmp_path, monkeypatch):
         assert not engine.optimizer.one_pass and engine.optimizer.grad_divisor == 1.0
     finally:
         engine.close()
+
+
+PLACEMENTS = [("nvme", "cpu", "torch.bfloat16"), ("none", "cpu", "torch.bfloat16"),
+              ("cpu", "nvme", "torch.float32")]
+"""(offload_param, offload_optimizer, host gradient dtype) at gas 1: shards on NVMe (the
+whole-group step, no output in the kernel's pass), shards on the GPU (DeviceShards: the
+kernel steps, a copy publishes), and the optimizer on NVMe (its swapper reads fp32)."""
+
+
+def _placement_body(tmpdir):
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in eq.tiny_llama().state_dict().items()}
+    batches = token_batches(world, steps=STEPS, gas=1, micro=eq.MICRO)
+    ref_losses, ref_params = llama_reference(batches, init, lr=eq.LR, clip=eq.CLIP)
+    results = []
+    for i, (off_param, off_opt, _) in enumerate(PLACEMENTS):
+        runs = []
+        for fp32_grads in (False, True):
+            cfg = eq._config(off_param, off_opt, "bf16",
+                             os.path.join(tmpdir, f"p{i}{fp32_grads}-r{rank}"), 0)
+            cfg["gradient_accumulation_steps"] = 1
+            losses, params, masters, info = _train(batches, init, cfg, None, fp32_grads)
+            runs.append((losses, masters))
+            results.append(dict(case=(off_param, off_opt), fp32_grads=fp32_grads,
+                                rule=info["rule"], host_grads=info["host_grads"],
+                                **reference_diffs(losses, params, masters, ref_losses,
+                                                  ref_params, init, "bf16")))
+        (l16, m16), (l32, m32) = runs
+        results[-1]["same"] = l16 == l32 and all(torch.equal(m16[n], m32[n]) for n in m16)
+    return results
+
+
+@needs_compiler
+@pytest.mark.skipif(not eq._nvme_ready(), reason="no NVMe backend")
+def test_16bit_host_grads_other_placements(tmp_path):
+    env = {"ZEROIO_CPU_ADAM": "compiled"}
+    results = run_ranks(_placement_body, 1, str(tmp_path), env=env, timeout=600)[0]
+    assert len(results) == 2 * len(PLACEMENTS)
+    for r in results:
+        want = next(c[2] for c in PLACEMENTS if c[:2] == r["case"])
+        if r["fp32_grads"]:
+            want = "torch.float32"
+        assert r["rule"] == want and r["host_grads"] == [want], r
+        assert not reference_failures(r, "bf16", fp32_tol=5e-5), r
+        if "same" in r:  # world 1: bit-equal to fp32 host gradients
+            assert r["same"], r
 
 
 # ---- checkpoints across the two host gradient dtypes ---------------------------------------
