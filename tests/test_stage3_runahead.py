@@ -69,7 +69,9 @@ def _engine():
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
            "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+           "zero_optimization": {"stage": 3,
+                                 # pinned: asynchronous copies, so nothing syncs the host
+                                 "offload_param": {"device": "cpu", "pin_memory": True},
                                  "offload_optimizer": {"device": "cpu"},
                                  "stage3_param_persistence_threshold": 0,
                                  "stage3_max_live_parameters": 2 * WIDTH * (WIDTH + 1),

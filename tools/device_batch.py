@@ -446,6 +446,26 @@ KERNEL_BATCHES += (
                    + " --set zero_optimization.offload_optimizer.ratio=0.5", timeout_s=220,
                    sized="as train-13b"),
           )),
+    Batch(name="final", kind=Kind.H200, peers=True,
+          what="issue 9's stage 2/3 rows again in one call with stage 3's 2-byte host gradients "
+               "(one-pass kernel, auto), DeepSpeed z3/z2 beside them; then the GPU tests of the "
+               "2-byte stage-3 gradients and of the run-ahead bound",
+          steps=(
+              Step(name="warm", shell=DS_JIT + " > {logs}/ds-jit.log 2>&1 & ds=$!; "
+                   + WARM_KERNEL + "; rc=$?; wait $ds; ds_rc=$?; tail -3 {logs}/ds-jit.log; "
+                   "exit $(( rc || ds_rc ))", timeout_s=65, sized="59 s (verdict)"),
+              Step(name="zeroio-z3-cpu", shell=AUTO + PEERS6 + " --only zeroio-z3-cpu "
+                   f"--timeout 55 {OVERLAP}", timeout_s=60, sized="39 s (verdict)"),
+              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 60 {LIBAIO}",
+                   timeout_s=65, sized="45 s (verdict)"),
+              Step(name="zeroio-z2-cpu", shell=AUTO + PEERS6 + " --only zeroio-z2-cpu "
+                   f"--timeout 55 {OVERLAP}", timeout_s=60, sized="43 s (verdict)"),
+              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 70 {LIBAIO}",
+                   timeout_s=75, sized="61 s (verdict)"),
+              Step(name="gpu-tests", shell=_pytest("tests/test_stage3_16bit_grads.py "
+                                                   "tests/test_stage3_runahead.py"),
+                   timeout_s=60, sized="tiny models; the 2-GPU case skips"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
