@@ -96,9 +96,9 @@ def _pytest(node: str) -> str:
 BATCHES: tuple[Batch, ...] = (
     Batch(name="gpu1-tests", kind=Kind.H200, what="every -m gpu test on 1 GPU (2-GPU ones skip)",
           steps=(
-              Step(name="io", shell=_pytest("tests/test_io_cli.py"), timeout_s=60,
+              Step(name="io", shell=_pytest("tests/test_io_cli.py"), timeout_s=30,
                    sized="copy helpers: seconds"),
-              Step(name="stats", shell=_pytest("tests/test_stats.py"), timeout_s=60,
+              Step(name="stats", shell=_pytest("tests/test_stats.py"), timeout_s=50,
                    sized="one spawned rank, tiny model"),
               Step(name="hotpath", shell=_pytest("tests/test_stage3_hotpath.py"), timeout_s=60,
                    sized="small model, a few steps"),
@@ -113,7 +113,10 @@ BATCHES: tuple[Batch, ...] = (
                    timeout_s=70, sized="4 tiny-Llama cases + the compiled CPU Adam's first "
                                         "compile on that host (unmeasured: > 40 s once)"),
               Step(name="stage12", shell=_pytest("tests/test_stage12_equivalence.py"),
-                   timeout_s=30, sized="skips on 1 GPU; collection only"),
+                   timeout_s=20, sized="skips on 1 GPU; collection only"),
+              Step(name="stage3-16bit-runahead",
+                   shell=_pytest("tests/test_stage3_16bit_grads.py tests/test_stage3_runahead.py"),
+                   timeout_s=50, sized="tiny models; the 2-GPU case skips"),
           )),
     Batch(name="gpu2-tests", kind=Kind.H200_X2,
           what="NCCL equivalence stage 1/2 and 3 on 2 GPUs, zeroio train 1b on 2 GPUs",
