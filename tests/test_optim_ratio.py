@@ -260,8 +260,12 @@ def test_ratio_below_one_needs_stage_1_or_more():
 
 # ---- memory estimate -------------------------------------------------------------------------
 
-def test_estimate_with_ratio_by_hand():
+def test_estimate_with_ratio_by_hand(monkeypatch):
     import zeroio
+
+    # fp32 host gradients: torch's CPU Adam (the one-pass kernel's 16-bit host gradients are
+    # counted by tests/test_stage3_16bit_grads.py)
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "torch")
 
     # 4000 parameters on one GPU, bf16, ratio 0.25: floor(0.75 * 4000) = 3000 elements keep
     # their optimizer state (12 B) and fp32 gradient (4 B) on the GPU; stage 3 keeps no bf16
