@@ -43,6 +43,7 @@ from zeroio.testing.cuda import exact_cuda_device, need_cuda
 from zeroio.testing.models import llama_reference, offload_optimizer, token_batches
 from zeroio.testing.training import (
     gather_state,
+    gathered_params,
     reference_diffs,
     reference_failures,
     train_steps,
@@ -92,7 +93,8 @@ def _info(engine):
 
 
 def _train(batches, init, cfg, device, fp32_grads=False):
-    """``train_llama`` with the rule patched to fp32 host gradients when ``fp32_grads``."""
+    """``train_llama`` with ``_info`` as inspect, and with the rule patched to fp32 host
+    gradients (what stage 3 did before) when ``fp32_grads``."""
     import zeroio
 
     patch = mock.patch("zeroio.partition.stage3.partitioner.host_grad_dtype",
@@ -102,8 +104,6 @@ def _train(batches, init, cfg, device, fp32_grads=False):
         model.load_state_dict(init)
         engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
     losses = train_steps(engine, batches, device=device)
-    from zeroio.testing.training import gathered_params
-
     full = gathered_params(engine)
     masters = gather_state(engine, device=device)
     info = _info(engine)
@@ -288,8 +288,6 @@ def _resume_body(tmpdir, first, second):
     out["load_diff"] = max((saved[k][n] - loaded[k][n]).abs().max().item()
                            for k in saved for n in saved[k])
     losses += train_steps(engine, batches[3:])
-    from zeroio.testing.training import gathered_params
-
     params, masters = gathered_params(engine), gather_state(engine)
     engine.close()
     out.update(reference_diffs(losses, params, masters, ref_losses, ref_params, init, "bf16"))
