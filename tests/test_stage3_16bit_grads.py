@@ -80,7 +80,7 @@ def _info(engine):
     dev = split.device if split is not None else []
     engine.synchronize()
     part.landing._norm_valid = False  # the norm from the shards as they stand (the fallback)
-    sq = part.local_grad_sq_norm().double()
+    sq = part.local_grad_sq_norm().double().to(engine.device)  # NCCL reduces CUDA tensors
     dist.all_reduce(sq)
     return {"one_pass": bool(getattr(host_opt, "one_pass", False)),  # not with nvme's swapper
             "grad_divisor": getattr(host_opt, "grad_divisor", 1.0),

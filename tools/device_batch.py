@@ -114,9 +114,8 @@ BATCHES: tuple[Batch, ...] = (
                                         "compile on that host (unmeasured: > 40 s once)"),
               Step(name="stage12", shell=_pytest("tests/test_stage12_equivalence.py"),
                    timeout_s=20, sized="skips on 1 GPU; collection only"),
-              Step(name="stage3-16bit-runahead",
-                   shell=_pytest("tests/test_stage3_16bit_grads.py tests/test_stage3_runahead.py"),
-                   timeout_s=50, sized="tiny models; the 2-GPU case skips"),
+              Step(name="stage3-16bit", shell=_pytest("tests/test_stage3_16bit_grads.py"),
+                   timeout_s=50, sized="27 s with another test (session 4); 2-GPU case skips"),
           )),
     Batch(name="gpu2-tests", kind=Kind.H200_X2,
           what="NCCL equivalence stage 1/2 and 3 on 2 GPUs, zeroio train 1b on 2 GPUs",
@@ -426,14 +425,11 @@ KERNEL_BATCHES += (
                    timeout_s=70, sized="57-64 s measured (session 3); last"),
           )),
     Batch(name="probe13b-runahead", kind=Kind.H200,
-          what="the 13B try again with stage 3's run-ahead bound (session 4's first try ran out "
-               "of GPU memory in the first forward: 28 GiB of freed-but-queued layers), after "
-               "the GPU test of that bound: the plan's ratio 0.43 on torch's CPU Adam, then "
+          what="the 13B try again (session 4's first try ran out of GPU memory in the first "
+               "forward): the plan's ratio 0.43 on torch's CPU Adam, then "
                "ratio 0.5 on the one-pass kernel (2-byte host gradients: 11 GB less host, so "
                "7% more of the optimizer fits there and 14 GB less on the GPU)",
           steps=(
-              Step(name="runahead-gpu", shell=_pytest("tests/test_stage3_runahead.py"),
-                   timeout_s=45, sized="16 layers x ~10 ms of GPU spin, 4 passes + a step"),
               Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
                    + PROBE_13B + " --nvme-dir {nvme}/probe --write-config {res}/cfg-13b.json "
                    "| tee {res}/probe-plan-13b.json", timeout_s=20, sized="estimate only (4 s)"),
@@ -465,8 +461,7 @@ KERNEL_BATCHES += (
                    f"--timeout 55 {OVERLAP}", timeout_s=60, sized="43 s (verdict)"),
               Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 70 {LIBAIO}",
                    timeout_s=75, sized="61 s (verdict)"),
-              Step(name="gpu-tests", shell=_pytest("tests/test_stage3_16bit_grads.py "
-                                                   "tests/test_stage3_runahead.py"),
+              Step(name="gpu-tests", shell=_pytest("tests/test_stage3_16bit_grads.py"),
                    timeout_s=60, sized="tiny models; the 2-GPU case skips"),
           )),
     Batch(name="ratio12", kind=Kind.H200,

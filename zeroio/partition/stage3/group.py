@@ -32,19 +32,17 @@ class PendingReduce:
     on the comm stream (compute waits on comm in ``finalize_gradients``)."""
 
     def __init__(self, handle: comm.CommHandle, bucket: torch.Tensor,
-                 consume: Callable[[torch.Tensor], None], streams: Streams):
+                 consume: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None):
         self._handle, self._bucket, self._consume = handle, bucket, consume
-        self._streams = streams
+        self._stream = stream
 
     def wait(self) -> None:
         if self._bucket is None:
             return
-        with on(self._streams.comm):
+        with on(self._stream):
             self._handle.wait()
             self._consume(self._bucket)
         self._bucket = None
-        # the bucket is read by comm and, through its consumption, by d2h
-        self._streams.frees.freed(self._streams.comm, self._streams.d2h)
 
 
 class ParamGroup:
@@ -101,7 +99,6 @@ class ParamGroup:
         if self.before_fetch is not None:
             self.before_fetch(self.plan.index)
         side = self.streams.comm
-        self.streams.frees.throttle()  # [Note: bounding the host's run-ahead]
         with torch.profiler.record_function("zeroio::stage3::all_gather"):
             fetched = self.store.fetch(self.plan.index, self.streams)
             with on(side):
@@ -142,7 +139,6 @@ class ParamGroup:
             p.data = self._empty
         self._full = None
         self.state = GroupState.SHARDED
-        self.streams.frees.freed(self.streams.current())  # compute last read the buffer
         return True
 
     def full_flat(self) -> torch.Tensor:
@@ -169,7 +165,6 @@ class ParamGroup:
         """Add one parameter's gradient into the staging bucket; True when the group is complete."""
         slot = self.plan.slots[slot_index]
         if self._staging is None:
-            self.streams.frees.throttle()  # [Note: bounding the host's run-ahead]
             self._staging = torch.zeros(self.plan.padded_numel, dtype=torch.float32,
                                         device=self.device)
         self._staging.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
@@ -190,7 +185,7 @@ class ParamGroup:
             with on(side):
                 handle = comm.reduce_scatter_inplace(bucket, self.pg)
             keep_for(bucket, side)
-        return PendingReduce(handle, bucket, consume, self.streams)
+        return PendingReduce(handle, bucket, consume, side)
 
     def refresh(self) -> None:
         """Re-gather a gathered group after its shard changed (optimizer step, modifier write)."""

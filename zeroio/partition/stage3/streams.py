@@ -38,60 +38,14 @@ are released only once the H2D copy's event completes (``release(after=event)``)
 
 On CPU there are no streams: every helper is a no-op, events are ``None`` and
 copies are synchronous, so CPU tests run the same code path.
-
-[Note: bounding the host's run-ahead]
-Nothing in a forward makes the host wait for the GPU at one rank: gathers,
-copies and kernels are all queued. A buffer freed by the host (a released
-group's gathered parameters, a consumed gradient bucket) stays allocated until
-the streams it was recorded on reach that point, so a host running ahead of the
-GPU keeps every buffer it has freed but the GPU has not passed. On the 13B
-probe (session 4) the forward held 28 GiB of them, 40 layers of 606 MiB,
-and ran out of memory. FSDP's ``limit_all_gathers`` answers this with a queue
-of free events; so does ``FreeQueue``: each free records an event where the
-buffer was last used, and before the next gather or bucket is allocated the
-host waits for the oldest events until at most ``FREE_LAG`` frees are pending.
-That bounds the memory at what is live plus ``FREE_LAG`` buffers, and the GPU
-still has that much queued work ahead of it.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-
-FREE_LAG = 2
-"""Frees the GPU may still be behind on before the host waits ([Note: bounding the host's
-run-ahead]); FSDP's limit_all_gathers allows 2 all-gathers in flight."""
-
-
-class FreeQueue:
-    """Events of freed buffers the GPU has not reached yet ([Note: bounding the host's
-    run-ahead]); empty on CPU."""
-
-    def __init__(self, limit: int = FREE_LAG):
-        self.limit = limit
-        self._pending: collections.deque[tuple[torch.cuda.Event, ...]] = collections.deque()
-        self.waits = 0
-        """How often the host waited (tests and stats)."""
-
-    def freed(self, *streams: torch.cuda.Stream | None) -> None:
-        """A buffer was freed after the work queued so far on ``streams``."""
-        events = tuple(e for e in (record(s) for s in streams) if e is not None)
-        if events:
-            self._pending.append(events)
-
-    def throttle(self) -> None:
-        """Before allocating a buffer: wait until at most ``limit`` frees are pending."""
-        while len(self._pending) > self.limit:
-            self.waits += 1
-            for e in self._pending.popleft():
-                e.synchronize()
-
-    def __len__(self) -> int:
-        return len(self._pending)
 
 
 @dataclass(frozen=True)
@@ -102,8 +56,6 @@ class Streams:
     """All-gathers and reduce-scatters (and their copy-in / consumption)."""
     d2h: torch.cuda.Stream | None = None
     """Device -> host copies of reduced gradients."""
-    frees: FreeQueue = field(default_factory=FreeQueue, compare=False)
-    """Freed buffers the GPU has not reached yet ([Note: bounding the host's run-ahead])."""
 
     @staticmethod
     def for_device(device: torch.device) -> Streams:
