@@ -37,6 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from zeroio.partition.stage3.linear import LinearSwap
 from zeroio.partition.stage3.state import PassState
 
 
@@ -69,7 +70,10 @@ class HookSet:
         self.stack: list[str] = []
         self._mode: _ExternalParamMode | None = None
         self._handles = []
+        self._linears = LinearSwap()  # [Note: linear layers keep the parameter]
         for name, mod in module.named_modules():
+            if isinstance(mod, nn.Linear) and id(mod.weight) in part.plan.slot_of:
+                self._linears.apply(mod)
             if name not in self.needs:
                 continue
             self._handles.append(mod.register_forward_pre_hook(
@@ -86,6 +90,7 @@ class HookSet:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._linears.undo()
 
     # -- forward ----------------------------------------------------------------------------
     def _pre_forward(self, name, module, args):
