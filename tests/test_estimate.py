@@ -130,7 +130,12 @@ def _cli(*args):
                           capture_output=True, text=True)
 
 
-def test_cli_json_output():
+@pytest.mark.parametrize("mode,grad_bytes", [("auto", 2), ("torch", 4)])
+def test_cli_json_output(monkeypatch, mode, grad_bytes):
+    """Per node: fp16 gradient partition, optimizer state and the host gradient shard: 2
+    bytes under the one-pass CPU Adam (``auto``, the default: the 117M-element shard is
+    above its threshold), 4 under torch's kernel."""
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", mode)  # the CLI's process inherits it
     out = _cli("--params", "7.5B", "--gpus-per-node", "8", "--nodes", "8", "--stage", "2",
                "--offload-optimizer", "cpu", "--dtype", "fp16", "--json")
     assert out.returncode == 0, out.stderr
@@ -138,7 +143,7 @@ def test_cli_json_output():
     r = estimate_memory(7.5e9, 8, 8, stage=2, offload_optimizer="cpu", dtype="fp16")
     assert d == r.to_dict()
     assert d["gpu_bytes_per_gpu"] == r.gpu_bytes_per_gpu
-    assert d["cpu_bytes_per_node"] == 8 * (2 + 12 + 4) * (7_500_000_000 // 64)
+    assert d["cpu_bytes_per_node"] == 8 * (2 + 12 + grad_bytes) * (7_500_000_000 // 64)
     assert d["nvme_bytes_per_node"] == 0
     paper = json.loads(_cli("--params", "7.5e9", "--gpus-per-node", "64", "--stage", "1",
                             "--no-buffers", "--json").stdout)
@@ -192,6 +197,67 @@ def test_stage3_ratio_buffers_by_hand():
     paper = estimate_memory(psi, config=cfg, zeroio_buffers=False)
     assert paper.gpu_bytes_per_gpu == (12 + 2) * dev
     assert paper.cpu_bytes_per_node == 2 * psi + (12 + 2) * (psi - dev)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "auto", "torch"])
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage12_host_gradients_by_hand(monkeypatch, stage, ratio, mode):
+    """Stages 1/2, optimizer on cpu, bf16, gas 1 (partition/host_grads.py): the host gradient
+    shard is 2 bytes per host element under the one-pass CPU Adam (``auto``: the 100M-element
+    host part is above its threshold), 4 under torch's kernel; with a ratio the device side's
+    stays 4 bytes on the GPU. Every byte by hand (no config: 5e8-element buckets, one reduce
+    bucket below stage 3)."""
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", mode)
+    psi, n = 800_000_000, 4
+    shard = psi // n                       # 200M
+    dev = int(shard * (1 - ratio))         # 0 or 100M stay on the GPU
+    host = shard - dev
+    g = 4 if mode == "torch" else 2
+    r = estimate_memory(psi, gpus_per_node=n, stage=stage, offload_optimizer="cpu",
+                        dtype="bf16", ratio=ratio)
+    gpu = (2 * psi                         # bf16 parameters
+           + (2 * psi if stage == 1 else 0)  # stage 1: the replicated bf16 gradients
+           + (2 + 12 + 4) * dev            # device side: gradient partition, state, fp32 grad
+           + 2 * 500_000_000               # one reduce bucket (bf16)
+           + 2 * 500_000_000)              # all-gather bucket
+    cpu = (2 + 12 + g) * host              # gradient partition, state, host gradient shard
+    assert r.gpu_bytes_per_gpu == gpu
+    assert r.cpu_bytes_per_node == n * cpu
+    grads = {(i.name, i.tier): i.bytes_per_gpu for i in r.items if "gradient shard" in i.name
+             and "CPU optimizer" not in i.name}
+    want = {(f"{g}-byte gradient shard (one-pass CPU Adam)" if g == 2 else
+             "fp32 gradient shard", "cpu"): g * host}
+    if dev:
+        want[("fp32 gradient shard (ratio: on GPU)", "gpu")] = 4 * dev
+    assert grads == want
+
+
+@pytest.mark.parametrize("stage,gas,opt,dtype", [
+    (2, 2, "cpu", "bf16"),   # stage 2 sums micro steps on the host, in fp32
+    (1, 1, "nvme", "bf16"),  # nvme's swapper reads fp32 gradients
+    (2, 1, "cpu", "fp32"),   # fp32 training: the gradient is fp32 anyway
+])
+def test_stage12_fp32_host_gradients_where_the_rule_says(monkeypatch, stage, gas, opt, dtype):
+    """Under ``compiled`` the host gradient stays 4 bytes where the host accumulates, the
+    optimizer is on nvme or training is fp32; stage 1 with accumulation is 2 bytes (its micro
+    steps are summed on the GPU)."""
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "compiled")
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+                       "zero_optimization": {"stage": stage}})
+    psi, n = 800_000_000, 4
+    r = estimate_memory(psi, gpus_per_node=n, stage=stage, offload_optimizer=opt, dtype=dtype,
+                        config=cfg)
+    names = {i.name: i.bytes_per_gpu for i in r.items}
+    assert not any("one-pass" in k for k in names), names
+    if dtype != "fp32":
+        assert names["fp32 gradient shard"] == 4 * psi // n
+    cfg1 = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+                        "zero_optimization": {"stage": 1}})
+    s1 = estimate_memory(psi, gpus_per_node=n, stage=1, offload_optimizer="cpu", dtype="bf16",
+                         config=cfg1)
+    assert {i.name: i.bytes_per_gpu for i in s1.items}[
+        "2-byte gradient shard (one-pass CPU Adam)"] == 2 * psi // n
 
 
 def test_llama_activation_bytes_by_hand():

@@ -22,12 +22,13 @@ Two layers, reported separately in the breakdown:
      offloaded; not counted for fp32 training, where the gradients already are fp32.
      At stage 3 this fp32 shard *is* the gradient: the reduced bucket lands in it
      straight from the device (partition/stage3/grads.py), no 16-bit gradient
-     shard exists, so the paper's b Psi / N gradient term is left out. At stage 3
-     with offload_optimizer cpu, gradient_accumulation_steps 1 and the one-pass
-     CPU Adam (ZEROIO_CPU_ADAM compiled, or auto for a host shard of at least
-     its AUTO_MIN_NUMEL) the host part is kept in the compute dtype instead: b
-     bytes per element ([Note: 16-bit host gradients at stage 3]; the same
-     function decides here and in the partitioner).
+     shard exists, so the paper's b Psi / N gradient term is left out. With
+     offload_optimizer cpu, nothing accumulated on the host (stage 1, or stages
+     2/3 with gradient_accumulation_steps 1) and the one-pass CPU Adam
+     (ZEROIO_CPU_ADAM compiled, or auto, the default, for a host shard of at
+     least its AUTO_MIN_NUMEL) the host part is kept in the compute dtype
+     instead: b bytes per element (partition/host_grads.py decides, here and in
+     the partitioners; with ratio < 1 the device side's stays fp32).
    - gradient reduce buckets: stages 0-2, reduce_bucket_size elements of b
      bytes, two when overlap_comm double-buffers them; capped at Psi. Stage 3
      reduces one flat group (a transformer layer, ``largest_group`` elements;
@@ -336,7 +337,7 @@ def estimate_memory(
         if dtype != "fp32":
             if stage == 0:
                 add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")
-            elif stage == 3 and _host_grad_bytes(dtype, opt_dev, gas, shard - dev) == b:
+            elif host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage) == b:
                 # 16-bit host gradients (module doc, 2.); the device side's stay fp32
                 add("fp32 gradient shard (ratio: on GPU)", "gpu", FP32 * dev, buf,
                     "4 * floor((1 - ratio) * Psi / N)")
@@ -392,16 +393,18 @@ def estimate_memory(
                           items=tuple(items), ratio=float(ratio), device_elements=dev)
 
 
-def _host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int) -> int:
-    """Bytes per element of stage 3's host gradient shard, as the partitioner will decide it
-    (``host_grad_dtype`` in zeroio/partition/stage3/grads.py, from ZEROIO_CPU_ADAM without
+def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
+                    stage: int = 3) -> int:
+    """Bytes per element of the host gradient shard (``host_numel`` elements; offload
+    ``opt_dev``, ``gradient_accumulation_steps`` ``gas``), as the partitioner will decide it
+    (``host_grad_dtype`` in zeroio/partition/host_grads.py, from ZEROIO_CPU_ADAM without
     compiling anything)."""
     import torch
 
-    from zeroio.partition.stage3.grads import host_grad_dtype
+    from zeroio.partition.host_grads import host_grad_dtype
 
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    return host_grad_dtype(compute_dtype=compute, cpu_optimizer=opt_dev == "cpu",
+    return host_grad_dtype(stage=stage, compute_dtype=compute, cpu_optimizer=opt_dev == "cpu",
                            accumulation_steps=gas, host_numel=host_numel,
                            plan_only=True).itemsize
 
@@ -415,4 +418,4 @@ def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab
     return tokens * (layers * (a * hidden + c * intermediate) + 10 * vocab)
 
 
-__all__ = ["estimate_memory", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count"]
+__all__ = ["estimate_memory", "host_grad_bytes", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count"]

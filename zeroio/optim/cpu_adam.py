@@ -23,21 +23,23 @@ grad / grad_scale, L2 decay into the gradient (Adam) or
 moment, ``step_size = lr / (1 - beta1^t)`` and
 ``denom = sqrt(v) / sqrt(1 - beta2^t) + eps``.
 
-Which kernel runs: ``ZEROIO_CPU_ADAM`` = ``torch`` (default), ``compiled`` or
-``auto``. ``auto`` uses the compiled kernel for host optimizer state of at
-least ``AUTO_MIN_NUMEL`` elements, so small models do not pay a compile. The
-default stays torch's kernel until the compiled one is measured on the H200
-host: there (session 3) inductor's first compile was still probing the CPU's
-vector ISA with g++ 40 s in, and the runs timed out before a step. The ISA
-probe is skipped now (``cpp.vec_isa_ok``, unless TORCHINDUCTOR_VEC_ISA_OK is
-set); on this 2-core VM (1e8 elements) the compiled kernel takes 0.043 s
-with its bf16 output against 0.059 s for torch's fused kernel without one. The kernel is compiled once per process (a few seconds; inductor
-caches it on disk; a fresh machine takes about 20 s on 2 cores), one variant per
-output dtype, on first use, and per gradient dtype: stages 1/2 hand the host a 16-bit
-gradient where no host accumulation needs fp32 (partition/stage12.py, [Note: 16-bit host
-gradients]), 2 bytes per element over PCIe and read here instead of 4. A failed compile,
-such as no C++ compiler, falls back to torch's kernel with one warning under ``auto``, and
-raises under ``compiled``.
+Which kernel runs: ``ZEROIO_CPU_ADAM`` = ``auto`` (default), ``compiled`` or ``torch``.
+``auto`` uses the compiled kernel for host optimizer state of at least ``AUTO_MIN_NUMEL``
+elements, so small models do not pay a compile. Measured on the H200 hosts (session 4, four
+machines): the first compile on a fresh machine 10-14 s, 3 s per later process (inductor's
+cache); 1.364B Llama stepping at parity with torch's kernel (z2 + cpu 0.533-0.557 s/step,
+host Adam 0.36-0.37 s against 0.385), with half the host gradient bytes, which is what let
+the 13B probe fit the host (110.7 of ~122 GiB). Inductor's ISA probes are skipped while it
+compiles (``_no_isa_probes``): on that host they cost 47 s per process.
+
+The kernel is compiled once per process (a few seconds; inductor caches it on disk; a fresh
+machine takes about 20 s on 2 cores), one variant per gradient dtype and output dtype (or
+none); ``wanted`` builds the one the host step calls before the first step. Stages 1-3 hand
+the host a 16-bit gradient where no host accumulation needs fp32 (partition/host_grads.py
+decides; [Note: 16-bit host gradients] in partition/stage12.py, [Note: 16-bit host
+gradients at stage 3] in partition/stage3/grads.py), 2 bytes per element over PCIe and read
+here instead of 4. A failed compile, such as no C++ compiler, falls back to torch's kernel
+with one warning under ``auto``, and raises under ``compiled``.
 """
 
 from __future__ import annotations
@@ -113,6 +115,11 @@ class _Kernels:
                     self.error = e
             return self._fns.get(key)
 
+    def has(self, grad_dtype: torch.dtype) -> bool:
+        """Some variant reading a ``grad_dtype`` gradient is built already."""
+        with self._lock:
+            return any(g == grad_dtype for g, _ in self._fns)
+
     @staticmethod
     def _compile(out_dtype: torch.dtype | None, grad_dtype: torch.dtype):
         import torch._inductor.config as inductor_config
@@ -173,7 +180,7 @@ _KERNELS = _Kernels()
 
 
 def mode() -> str:
-    raw = os.environ.get("ZEROIO_CPU_ADAM", "torch").strip().lower() or "torch"
+    raw = os.environ.get("ZEROIO_CPU_ADAM", "auto").strip().lower() or "auto"
     if raw not in _MODES:
         raise ConfigError(f"ZEROIO_CPU_ADAM={raw!r}: expected one of {', '.join(_MODES)} "
                           "(auto: the compiled one-pass kernel for large host optimizer state)",
@@ -181,18 +188,39 @@ def mode() -> str:
     return raw
 
 
-def wanted(total_numel: int, grad_dtype: torch.dtype = torch.float32) -> bool:
-    """Whether host optimizer state of ``total_numel`` elements should use the compiled kernel
-    (``ZEROIO_CPU_ADAM``); compiles it now if so. False where ``auto`` could not compile.
-    A 16-bit ``grad_dtype`` also compiles the variant reading that gradient and writing that
-    dtype (what a training step with 16-bit host gradients calls)."""
+def planned(total_numel: int) -> bool:
+    """Whether ``wanted`` would choose the compiled kernel for host optimizer state of
+    ``total_numel`` elements, from ``ZEROIO_CPU_ADAM`` and the size alone: nothing is compiled
+    (zeroio.estimate plans with it; ``auto`` is counted as compiling)."""
     m = mode()
-    if m == "torch" or (m == "auto" and total_numel < AUTO_MIN_NUMEL):
+    return m == "compiled" or (m == "auto" and total_numel >= AUTO_MIN_NUMEL)
+
+
+_UNKNOWN = object()
+"""``wanted``'s ``out_dtype`` when the caller does not know what the step writes."""
+
+
+def wanted(total_numel: int, grad_dtype: torch.dtype = torch.float32,
+           out_dtype: torch.dtype | None | object = _UNKNOWN) -> bool:
+    """Whether host optimizer state of ``total_numel`` elements uses the compiled kernel
+    (``planned``); if so, compiles now the variant the host step will call, reading a
+    ``grad_dtype`` gradient and writing ``out_dtype`` (None: no output), so that no training
+    step compiles. False where ``auto`` could not compile.
+
+    The partitioners pass ``out_dtype`` (partition/host_grads.py: what their ``run_step``
+    hands ``ChunkedStep.update``). A caller that does not know it leaves it out
+    (``ShardedAdam``, built after its partitioner): a variant already built for
+    ``grad_dtype`` is then enough, else the one without output (what ``ShardedAdam.step``
+    calls)."""
+    if not planned(total_numel):
         return False
-    if _KERNELS.get() is not None and _KERNELS.get(torch.bfloat16) is not None and (
-            grad_dtype == torch.float32 or _KERNELS.get(grad_dtype, grad_dtype) is not None):
+    if out_dtype is _UNKNOWN:
+        ok = _KERNELS.has(grad_dtype) or _KERNELS.get(None, grad_dtype) is not None
+    else:
+        ok = _KERNELS.get(out_dtype, grad_dtype) is not None
+    if ok:
         return True
-    if m == "compiled":
+    if mode() == "compiled":
         raise RuntimeError("ZEROIO_CPU_ADAM=compiled: the one-pass CPU Adam kernel did not "
                            f"compile ({_KERNELS.error!r}); torch inductor needs a C++ compiler "
                            "(g++); install one or set ZEROIO_CPU_ADAM=torch") from _KERNELS.error

@@ -65,8 +65,8 @@ for nothing in an overlapped step.
 
 [Note: 16-bit host gradients]
 With 16-bit parameters, a host optimizer stepped by the one-pass CPU Adam
-(optim/cpu_adam.py; ``cpu_adam.wanted`` decides here as in ``ShardedAdam``,
-cached once compiled) and no accumulation on the host (stage 1, or stage 2
+(optim/cpu_adam.py; ``host_grad_dtype`` in host_grads.py decides, for every
+stage) and no accumulation on the host (stage 1, or stage 2
 with ``gradient_accumulation_steps`` 1), the host gradient shard is kept in
 the compute dtype: a consumed piece goes to the host as the reduced 16-bit
 values themselves (2 bytes per element over PCIe and read by the CPU Adam
@@ -89,10 +89,10 @@ import torch
 
 from zeroio.errors import DistributedError
 from zeroio.io.hostmem import host_empty, host_zeros
-from zeroio.optim import cpu_adam
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
+from zeroio.partition.host_grads import host_grad_dtype
 from zeroio.partition.stage3.twin import OptimizerSplit, device_numel
 from zeroio.partition.step_overlap import StepRunner
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
@@ -197,9 +197,8 @@ class Stage12Partitioner:
         """dtype of the host gradient shard ([Note: 16-bit host gradients])."""
         self.host_grad_divisor = 1.0
         """What the host optimizer folds into its grad_scale (the 1/world not applied)."""
-        self._grad16_ok = (cpu_optimizer and home.device.type == "cpu"
-                           and compute_dtype in (torch.bfloat16, torch.float16)
-                           and (stage == 1 or (stage == 2 and accumulation_steps == 1)))
+        self._cpu_optimizer = cpu_optimizer and home.device.type == "cpu"
+        self._accumulation_steps = accumulation_steps
         self._compute_dtype = compute_dtype
         self.group = group
         # host <-> device bytes (gradient D2H, parameter H2D) counted where the copies are
@@ -292,9 +291,11 @@ class Stage12Partitioner:
             self._dev_len.append(min(left, base))
             left -= self._dev_len[-1]
         host_total = sum(lay[2] for lay in layouts) - sum(self._dev_len)
-        if self._grad16_ok and host_total and cpu_adam.wanted(host_total,
-                                                               grad_dtype=self._compute_dtype):
-            self.host_grad_dtype = self._compute_dtype
+        self.host_grad_dtype = host_grad_dtype(
+            stage=self.stage, compute_dtype=self._compute_dtype,
+            cpu_optimizer=self._cpu_optimizer, accumulation_steps=self._accumulation_steps,
+            host_numel=host_total, step_out=self._step_out())
+        if self.host_grad_dtype != torch.float32:
             self.host_grad_divisor = float(self.comm_world)
         self._dev: list[ShardGroup] = []
         self._host: list[ShardGroup] = []
@@ -670,6 +671,14 @@ class Stage12Partitioner:
         if not self._out_in_pass and not self._scratch:
             self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device)
                              for _ in range(2)]
+
+    def _step_out(self) -> torch.dtype | None:
+        """What ``_step_job`` hands ``update`` as ``out`` under the one-pass CPU Adam: the
+        parameters themselves when they live in host memory (no CUDA), else a pinned 16-bit
+        slot, or nothing for fp32 parameters ([Note: step publication])."""
+        if self.device.type != "cuda" or self._compute_dtype != torch.float32:
+            return self._compute_dtype
+        return None
 
     def _step_job(self, update, i: int) -> None:
         c = self._chunks[i]

@@ -35,8 +35,8 @@ As at stages 1/2 (stage12.py, [Note: 16-bit host gradients]): when the
 host side is stepped by the one-pass CPU Adam (optim/cpu_adam.py), the
 compute dtype is 16-bit and nothing is accumulated on the host
 (``gradient_accumulation_steps`` 1), the host gradient shard is kept in the
-compute dtype; ``host_grad_dtype`` below is the one place that decides (the
-partitioner asks it at construction, zeroio.estimate asks it to plan). The
+compute dtype; ``host_grad_dtype`` in partition/host_grads.py decides, for every stage
+(the partitioner asks it at construction, zeroio.estimate asks it to plan). The
 kernel upcasts the gradient in registers, which is exact, so the host reads
 2 bytes per element instead of 4, half the bytes cross PCIe and the host
 gradient shard takes half the memory (1.364B: 5.46 -> 2.73 GB per step
@@ -66,30 +66,9 @@ from dataclasses import dataclass
 import torch
 
 from zeroio.io.hostmem import host_empty
-from zeroio.optim import cpu_adam
 from zeroio.partition.base import ShardGroup
 from zeroio.partition.stage3.streams import keep_for, on, record, wait_stream
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
-
-
-def host_grad_dtype(*, compute_dtype: torch.dtype, cpu_optimizer: bool,
-                    accumulation_steps: int, host_numel: int,
-                    plan_only: bool = False) -> torch.dtype:
-    """dtype of stage 3's host gradient shard of ``host_numel`` elements ([Note: 16-bit host
-    gradients at stage 3]): ``compute_dtype`` when it is 16-bit, the optimizer is offloaded to
-    the CPU (``cpu_optimizer``: offload_optimizer.device cpu), ``accumulation_steps`` is 1 and
-    the one-pass CPU Adam steps the host side (``cpu_adam.wanted``, which compiles it);
-    float32 otherwise. ``plan_only``: decide from ``ZEROIO_CPU_ADAM`` alone, compiling nothing
-    (zeroio.estimate; ``auto`` counted as compiling)."""
-    if not (cpu_optimizer and compute_dtype in (torch.bfloat16, torch.float16)
-            and accumulation_steps == 1 and host_numel > 0):
-        return torch.float32
-    if plan_only:
-        mode = cpu_adam.mode()
-        one_pass = mode == "compiled" or (mode == "auto" and host_numel >= cpu_adam.AUTO_MIN_NUMEL)
-    else:
-        one_pass = cpu_adam.wanted(host_numel, grad_dtype=compute_dtype)
-    return compute_dtype if one_pass else torch.float32
 
 
 @dataclass(frozen=True, kw_only=True)

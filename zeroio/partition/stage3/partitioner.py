@@ -49,8 +49,9 @@ from torch import nn
 from zeroio.errors import DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Phase, ShardGroup
+from zeroio.partition.host_grads import host_grad_dtype
 from zeroio.partition.stage3 import registry
-from zeroio.partition.stage3.grads import GradLanding, Landing, host_grad_dtype
+from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
 from zeroio.partition.stage3.hooks import HookSet
 from zeroio.partition.stage3.layout import ShardPiece, index_of, plan_groups, shard_pieces
@@ -197,9 +198,10 @@ class Stage3Partitioner:
             n, dtype=torch.float32, device=self.device)}
         masters = {side: [homes[side](n) for n in sizes[side]] for side in Side}
         self.host_grad_dtype = host_grad_dtype(
-            compute_dtype=self.dtype, cpu_optimizer=self.settings.cpu_optimizer,
+            stage=3, compute_dtype=self.dtype, cpu_optimizer=self.settings.cpu_optimizer,
             accumulation_steps=self.settings.accumulation_steps,
-            host_numel=sum(sizes[Side.HOST]))
+            host_numel=sum(sizes[Side.HOST]),
+            step_out=self.dtype if isinstance(self.store, HostShards) else None)  # as run_step
         """dtype of the host side's gradient shards ([Note: 16-bit host gradients at stage 3]
         in grads.py); the device side's are fp32."""
         grad_homes = {Side.HOST: lambda n: self.home.empty(n, self.host_grad_dtype),

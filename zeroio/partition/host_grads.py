@@ -1,0 +1,49 @@
+"""The dtype of the host gradient shard, for every stage: the one rule the partitioners apply
+and zeroio.estimate plans with.
+
+A host gradient shard is kept in the 16-bit compute dtype when
+- the host side is stepped by a CPU Adam (offload_optimizer cpu; nvme's swapper steps with
+  torch's fused kernel, which reads fp32),
+- nothing is accumulated on the host: stage 1 (micro steps are summed in the replicated
+  device gradient, the host gets the reduced total once), stages 2 and 3 with
+  ``gradient_accumulation_steps`` 1 (above it the micro steps are summed on the host, in
+  fp32),
+- and the one-pass CPU Adam steps it (optim/cpu_adam.py, which upcasts the gradient in
+  registers: exact), as ``cpu_adam.wanted`` decides (``cpu_adam.planned`` when planning).
+float32 otherwise. How each stage makes and uses the 16-bit values: [Note: 16-bit host
+gradients] in stage12.py, [Note: 16-bit host gradients at stage 3] in stage3/grads.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroio.optim import cpu_adam
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bool,
+                    accumulation_steps: int, host_numel: int,
+                    step_out: torch.dtype | None = None, plan_only: bool = False) -> torch.dtype:
+    """dtype of the host gradient shard of ``host_numel`` elements at ``stage`` (module doc).
+
+    ``cpu_optimizer``: the host side is stepped by a CPU Adam (offload_optimizer cpu, the
+    shard in host memory). ``step_out``: what the partitioner's host step hands the
+    optimizer's update as ``out`` under the one-pass kernel (the 16-bit dtype it writes, None
+    for no output); ``cpu_adam.wanted`` builds that variant here, also when the gradient stays
+    fp32, so no training step compiles. ``plan_only``: decide from ``ZEROIO_CPU_ADAM`` and the
+    size alone, compiling nothing (zeroio.estimate)."""
+    if not (cpu_optimizer and host_numel > 0):
+        return torch.float32
+    host_accumulates = stage != 1 and accumulation_steps > 1
+    grad = compute_dtype if compute_dtype in _HALF and stage in (1, 2, 3) and \
+        not host_accumulates else torch.float32
+    if plan_only:
+        one_pass = cpu_adam.planned(host_numel)
+    else:
+        one_pass = cpu_adam.wanted(host_numel, grad_dtype=grad, out_dtype=step_out)
+    return grad if one_pass else torch.float32
+
+
+__all__ = ["host_grad_dtype"]
