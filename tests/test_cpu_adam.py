@@ -244,3 +244,79 @@ def test_compile_runs_no_isa_probe_builds(tmp_path):
     line = done.stdout.strip().splitlines()[-1]
     # Adam's first step moves every weight by lr (m / sqrt(v) = 1 after bias correction)
     assert line == "probes 0 value 0.9", line
+
+
+# ---- the variants a step calls are built before it --------------------------------------------
+
+# (stage, offload_param, compute dtype, gradient_accumulation_steps) -> the one variant (gradient
+# dtype, output dtype) the host step calls (partitioners' run_step; CPU device)
+VARIANT_CASES = [
+    ((3, "none", "bf16", 1), ("torch.bfloat16", None)),   # parameters on the device: no output
+    ((3, "nvme", "bf16", 1), ("torch.bfloat16", None)),   # parameters on NVMe: no output
+    ((3, "cpu", "bf16", 1), ("torch.bfloat16", "torch.bfloat16")),  # writes the host shard
+    ((2, "none", "bf16", 1), ("torch.bfloat16", "torch.bfloat16")),  # writes the parameters
+    ((2, "none", "bf16", 2), ("torch.float32", "torch.bfloat16")),   # stage 2 accumulates: fp32
+    ((1, "none", "fp32", 1), ("torch.float32", "torch.float32")),    # fp32 training, on CPU
+]
+
+
+def _first_steps_compile(tmpdir, cases):
+    """Per case, in this (fresh) process with no variant built: the kernel variants compiled by
+    ``initialize``, those compiled during two training steps, and those the steps called."""
+    from unittest import mock
+
+    import zeroio
+
+    results = []
+    for (stage, param, dtype, gas), _ in cases:
+        compiled, called = [], set()
+        real_compile, real_step = cpu_adam._Kernels._compile, cpu_adam.step_chunk
+
+        def compile_spy(out_dtype, grad_dtype, compiled=compiled, real=real_compile):
+            compiled.append((str(grad_dtype), None if out_dtype is None else str(out_dtype)))
+            return real(out_dtype, grad_dtype)
+
+        def step_spy(*, grad, out=None, called=called, real=real_step, **kw):
+            called.add((str(grad.dtype), None if out is None else str(out.dtype)))
+            return real(grad=grad, out=out, **kw)
+
+        zero = {"stage": stage, "reduce_bucket_size": 40, "offload_optimizer": {"device": "cpu"}}
+        if stage == 3:
+            zero.update(sub_group_size=100, stage3_param_persistence_threshold=0,
+                        offload_param={"device": param, "nvme_path": f"{tmpdir}/{len(results)}"}
+                        if param == "nvme" else {"device": param})
+        cfg = {"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": gas,
+               "bf16": {"enabled": dtype == "bf16"},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
+        with mock.patch.object(cpu_adam, "_KERNELS", cpu_adam._Kernels()), \
+                mock.patch.object(cpu_adam._Kernels, "_compile", staticmethod(compile_spy)), \
+                mock.patch.object(cpu_adam, "step_chunk", step_spy):
+            engine, _, _, _ = zeroio.initialize(model=tiny_mlp(), config=cfg)
+            at_init = list(compiled)
+            for step in range(2 * gas):
+                x, y = mlp_batch(step, 0)
+                x = x.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+                engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))
+                engine.step()
+            engine.synchronize()
+            host_grads = sorted({str(g.grad.dtype) for g in getattr(
+                engine.optimizer, "host", engine.optimizer).groups if g.grad.numel()})
+            engine.close()
+        results.append(dict(at_init=at_init, in_steps=compiled[len(at_init):],
+                            called=sorted(called, key=str), host_grads=host_grads))
+    return results
+
+
+@needs_compiler
+def test_no_compile_during_the_first_steps(tmp_path):
+    """``initialize`` builds exactly the kernel variant the host step calls (the partitioners
+    pass ``step_out`` to ``cpu_adam.wanted`` through host_grads.py), so no training step
+    compiles; with parameters on the device or NVMe at stage 3 that is the 16-bit gradient
+    without output, which the first step used to compile."""
+    results = run_ranks(_first_steps_compile, 1, str(tmp_path), VARIANT_CASES, timeout=900,
+                        env={"ZEROIO_CPU_ADAM": "compiled"})[0]
+    for (case, variant), r in zip(VARIANT_CASES, results, strict=True):
+        assert r["called"] == [variant], (case, r)
+        assert r["host_grads"] == [variant[0]], (case, r)
+        assert r["in_steps"] == [], (case, r)
+        assert r["at_init"] == [variant], (case, r)
