@@ -110,16 +110,17 @@ def needs(num_params: int, placement: tuple[str, str], ratio: float = 1.0,
     """Bytes per tier for stage 3 with this placement and ``offload_optimizer.ratio``: the
     estimate, the zero.Init build and the baselines ([Note: host memory beyond the estimate]).
     ``shape`` None: no activations, DeepSpeed's reduce bucket for the group size."""
-    from zeroio.estimate import estimate_memory
+    from zeroio.estimate import estimate_memory, host_grad_bytes
 
     est = estimate_memory(num_params, stage=3, offload_param=placement[0],
                           offload_optimizer=placement[1], dtype="bf16", ratio=ratio,
                           largest_group=shape.largest_group if shape else None,
                           activation_bytes=shape.activation_bytes if shape else 0)
     host_side = num_params - est.device_elements
+    grad = host_grad_bytes("bf16", placement[1], 1, host_side)  # 2 under the one-pass kernel
     build = (INIT_SHARD_BYTES * num_params
              + (BF16 * num_params if placement[0] == "cpu" else 0)
-             + 2 * FP32 * host_side)  # init shards + host shards + masters and fp32 gradients
+             + (FP32 + grad) * host_side)  # init shards + host shards + masters and gradients
     return {"gpu": est.gpu_bytes_per_gpu + GPU_BASELINE,
             "host": max(est.cpu_bytes_per_node, build) + HOST_BASELINE,
             "disk": est.nvme_bytes_per_node}

@@ -12,6 +12,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import probe_largest as P  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fp32_host_gradients(monkeypatch):
+    """The hand counts below are for torch's CPU Adam (fp32 host gradients);
+    test_needs_with_16bit_host_gradients sets the one-pass kernel's mode itself."""
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "torch")
+
+
 def test_llama_params_matches_llama2_7b():
     # Llama-2-7B (4096 wide, 32 layers, 11008, vocab 32000, untied): 6,738,415,616 parameters
     assert P.llama_params(32) == 6_738_415_616
@@ -50,6 +57,21 @@ def test_needs_by_hand():
     got = P.needs(n, ("cpu", "cpu"), 1.0, shape)
     assert got["gpu"] == 2 * 4 * layer + 2 * layer + 2 * 2 * n + acts + P.GPU_BASELINE
     assert got["host"] == 18 * n + base
+
+
+def test_needs_with_16bit_host_gradients(monkeypatch):
+    """Under the one-pass CPU Adam (auto, the default, for >= 16M host elements) stage 3's host
+    gradient shard is bf16: 2 bytes per host element instead of 4, on the host only."""
+    psi, base = 5_000_000_000, P.HOST_BASELINE
+    fp32 = P.needs(psi, ("cpu", "cpu"), 0.5)
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "auto")
+    got = P.needs(psi, ("cpu", "cpu"), 0.5)
+    host_side = psi - psi // 2
+    assert got["host"] == 2 * psi + (12 + 2) * host_side + base
+    assert fp32["host"] - got["host"] == 2 * host_side
+    assert got["gpu"] == fp32["gpu"]  # the device side keeps fp32 gradients
+    # gradient accumulation or an NVMe optimizer keep fp32 host gradients
+    assert P.needs(psi, ("cpu", "nvme"))["host"] == 10 * psi + 16 * 10**9 + base
 
 
 def test_placement_picks_cheapest_that_fits():

@@ -187,7 +187,7 @@ def test_16bit_host_grads_stage3_gpu(tmp_path, world):
 
 
 def test_torch_kernel_keeps_fp32_host_grads_stage3(tmp_path, monkeypatch):
-    """ZEROIO_CPU_ADAM=torch (the default): fp32 host gradients at stage 3, gas 1, bf16."""
+    """ZEROIO_CPU_ADAM=torch: fp32 host gradients at stage 3, gas 1, bf16."""
     import zeroio
 
     monkeypatch.setenv("ZEROIO_CPU_ADAM", "torch")

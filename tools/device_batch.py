@@ -466,6 +466,27 @@ KERNEL_BATCHES += (
               Step(name="gpu-tests", shell=_pytest("tests/test_stage3_16bit_grads.py"),
                    timeout_s=60, sized="tiny models; the 2-GPU case skips"),
           )),
+    Batch(name="probe13b-linear", kind=Kind.H200,
+          what="session 5's first call: stage 3's nn.Linear that keeps the parameter (3114140) "
+               "on the GPU (its peak-memory test), then 13B at the plan's ratio under the "
+               "default one-pass CPU Adam (session 4: out of memory at 0.43, 24 GiB of saved "
+               "weight views), then one try at 44 layers (14.3B)",
+          steps=(
+              Step(name="stage3-linear", shell=_pytest("tests/test_stage3_linear.py"),
+                   timeout_s=40, sized="8 layers of 2048, 2 x 2 steps"),
+              Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
+                   + PROBE_13B + " --nvme-dir {nvme}/probe --write-config {res}/cfg-13b.json "
+                   "| tee {res}/probe-plan-13b.json", timeout_s=20, sized="estimate only (4 s)"),
+              Step(name="train-13b", shell="python3 benchmarks/train_llama.py --mode zeroio "
+                   "--config {res}/cfg-13b.json --zero-init --mem-log --hidden 5120 "
+                   "--intermediate 13824 --heads 40 --vocab 32000 --layers 40 --seq 1024 "
+                   "--micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}", timeout_s=220,
+                   sized="98 s at ratio 0.5 (session 4)"),
+              Step(name="probe-44", shell="python3 benchmarks/probe_largest.py "
+                   + PROBE_13B.replace("--start-layers 40", "--start-layers 44")
+                   + " --nvme-dir {nvme}/probe --max-tries 1 --timeout 210 --out {res}",
+                   timeout_s=225, sized="as train-13b, 10% larger"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
