@@ -359,8 +359,11 @@ DIAG_BATCHES += (
 COMPILED = "ZEROIO_CPU_ADAM=compiled "
 WARM_KERNEL = ("ZEROIO_CPU_ADAM=compiled python3 -c \"import time,torch;"
                "from zeroio.optim import cpu_adam;t=time.time();"
-               "print('compiled', cpu_adam.wanted(1, torch.bfloat16), round(time.time()-t, 1), 's')\"")
-"""Compiles every variant a training step asks for (fp32 and 16-bit host gradients)."""
+               "ok=[cpu_adam.wanted(1, g, o) for g in (torch.float32, torch.bfloat16) "
+               "for o in (None, torch.bfloat16)];print('compiled', all(ok), "
+               "round(time.time()-t, 1), 's')\"")
+"""Compiles every variant a training step may ask for (fp32 or 16-bit host gradients, with or
+without the 16-bit output) into the shared inductor cache."""
 DS_JIT = ("python3 -c \"import time,torch;t=time.time();from deepspeed.ops.adam import "
           "DeepSpeedCPUAdam;DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))]);"
           "print('DeepSpeed cpu_adam ready', round(time.time()-t, 1), 's')\"")
