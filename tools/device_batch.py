@@ -253,6 +253,14 @@ RATIO_SET = ("--set zero_optimization.offload_optimizer.ratio={r} "
 PROBE_13B = ("--hidden 5120 --intermediate 13824 --heads 40 --vocab 32000 --start-layers 40 "
              "--gpu-gib 139 --ram-gib 125 --disk-gib 60 --fraction 0.95")
 """The 13B Llama of issue 9 (13.02 B parameters) and the machine's nominal capacity."""
+PLAN_13B = ("python3 benchmarks/probe_largest.py --plan-only " + PROBE_13B
+            + " --nvme-dir {nvme}/probe --write-config {res}/cfg-13b.json"
+            " | tee {res}/probe-plan-13b.json")
+"""The estimate's plan for the 13B, and its config (the plan's ratio) for TRAIN_13B."""
+TRAIN_13B = ("python3 benchmarks/train_llama.py --mode zeroio --config {res}/cfg-13b.json "
+             "--zero-init --mem-log --hidden 5120 --intermediate 13824 --heads 40 --vocab 32000 "
+             "--layers 40 --seq 1024 --micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}")
+"""3 steps of the 13B with the plan's config, memory printed after build / init / every step."""
 RATIO_BATCHES = (
     Batch(name="ratio", kind=Kind.H200,
           what="offload_optimizer.ratio (stage 3 twin placement): 1.364B z3-cpu with the "
@@ -282,14 +290,9 @@ RATIO_BATCHES = (
           what="one 13B try (stage 3, params and optimizer on the CPU, the estimate's ratio, "
                "zero.Init build), 3 steps, memory printed after build / init / every step",
           steps=(
-              Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
-                   + PROBE_13B + " --nvme-dir {nvme}/probe --write-config {res}/cfg-13b.json "
-                   "| tee {res}/probe-plan-13b.json", timeout_s=30,
+              Step(name="plan-13b", shell=PLAN_13B, timeout_s=30,
                    sized="estimate only; writes the plan's config (its ratio)"),
-              Step(name="train-13b", shell="python3 benchmarks/train_llama.py --mode zeroio "
-                   "--config {res}/cfg-13b.json --zero-init --mem-log --hidden 5120 "
-                   "--intermediate 13824 --heads 40 --vocab 32000 --layers 40 --seq 1024 "
-                   "--micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}", timeout_s=470,
+              Step(name="train-13b", shell=TRAIN_13B, timeout_s=470,
                    sized="zero.Init build of 13B (one module at a time, HF init per module) "
                          "+ partition and pinning ~120 GB host, 3 steps of ~5-20 s; memory "
                          "lines stream to the log, so a kill still shows the last phase"),
@@ -435,25 +438,17 @@ KERNEL_BATCHES += (
                "ratio 0.5 on the one-pass kernel (2-byte host gradients: 11 GB less host, so "
                "7% more of the optimizer fits there and 14 GB less on the GPU)",
           steps=(
-              Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
-                   + PROBE_13B + " --nvme-dir {nvme}/probe --write-config {res}/cfg-13b.json "
-                   "| tee {res}/probe-plan-13b.json", timeout_s=20, sized="estimate only (4 s)"),
-              Step(name="train-13b", shell="python3 benchmarks/train_llama.py --mode zeroio "
-                   "--config {res}/cfg-13b.json --zero-init --mem-log --hidden 5120 "
-                   "--intermediate 13824 --heads 40 --vocab 32000 --layers 40 --seq 1024 "
-                   "--micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}", timeout_s=220,
+              Step(name="plan-13b", shell=PLAN_13B, timeout_s=20, sized="estimate only (4 s)"),
+              Step(name="train-13b", shell="ZEROIO_CPU_ADAM=torch " + TRAIN_13B, timeout_s=220,
                    sized="build + init 70 s (session 4), 3 steps of ~5-20 s"),
-              Step(name="train-13b-auto-r0.5", shell=AUTO + "python3 benchmarks/train_llama.py --mode zeroio "
-                   "--config {res}/cfg-13b.json --zero-init --mem-log --hidden 5120 "
-                   "--intermediate 13824 --heads 40 --vocab 32000 --layers 40 --seq 1024 "
-                   "--micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}"
+              Step(name="train-13b-auto-r0.5", shell=AUTO + TRAIN_13B
                    + " --set zero_optimization.offload_optimizer.ratio=0.5", timeout_s=220,
                    sized="as train-13b"),
           )),
     Batch(name="final", kind=Kind.H200, peers=True,
           what="issue 9's stage 2/3 rows again in one call with stage 3's 2-byte host gradients "
-               "(one-pass kernel, auto), DeepSpeed z3/z2 beside them; then the GPU tests of the "
-               "2-byte stage-3 gradients and of the run-ahead bound",
+               "(one-pass kernel, auto), DeepSpeed z3/z2 beside them; then the GPU test of the "
+               "2-byte stage-3 gradients",
           steps=(
               Step(name="warm", shell=DS_JIT + " > {logs}/ds-jit.log 2>&1 & ds=$!; "
                    + WARM_KERNEL + "; rc=$?; wait $ds; ds_rc=$?; tail -3 {logs}/ds-jit.log; "
@@ -477,13 +472,8 @@ KERNEL_BATCHES += (
           steps=(
               Step(name="stage3-linear", shell=_pytest("tests/test_stage3_linear.py"),
                    timeout_s=40, sized="8 layers of 2048, 2 x 2 steps"),
-              Step(name="plan-13b", shell="python3 benchmarks/probe_largest.py --plan-only "
-                   + PROBE_13B + " --nvme-dir {nvme}/probe --write-config {res}/cfg-13b.json "
-                   "| tee {res}/probe-plan-13b.json", timeout_s=20, sized="estimate only (4 s)"),
-              Step(name="train-13b", shell="python3 benchmarks/train_llama.py --mode zeroio "
-                   "--config {res}/cfg-13b.json --zero-init --mem-log --hidden 5120 "
-                   "--intermediate 13824 --heads 40 --vocab 32000 --layers 40 --seq 1024 "
-                   "--micro-batch 1 --steps 3 --warmup 1 --quiet --out {res}", timeout_s=220,
+              Step(name="plan-13b", shell=PLAN_13B, timeout_s=20, sized="estimate only (4 s)"),
+              Step(name="train-13b", shell=TRAIN_13B, timeout_s=220,
                    sized="98 s at ratio 0.5 (session 4)"),
               Step(name="probe-44", shell="python3 benchmarks/probe_largest.py "
                    + PROBE_13B.replace("--start-layers 40", "--start-layers 44")
