@@ -156,3 +156,26 @@ def test_gpu_forward_does_not_keep_every_layer(monkeypatch):
     # 4 x 2048 are negligible. Without the swap every layer stays until its backward.
     assert kept <= 5 * LAYER_BYTES, (kept, held)
     assert held >= LAYERS * LAYER_BYTES, (kept, held)
+
+
+def test_swap_keeps_the_module_usable_and_undoes(monkeypatch):
+    """The swapped module is still an nn.Linear, prints as one, deep-copies, and gets its class
+    back when the engine closes (hooks removed)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = M.tiny_llama(layers=1, checkpointing=False)
+    cfg = M.stage3_config(micro=2, gas=1, clip=1.0, lr=1e-3, zero={
+        **M.SMALL_STAGE3, "offload_param": M.offload_param("cpu"),
+        "offload_optimizer": M.offload_optimizer("cpu")})
+    engine, *_ = zeroio.initialize(model=model, config=cfg)
+    q = model.model.layers[0].self_attn.q_proj
+    assert type(q) is lin.StageThreeLinearModule and isinstance(q, nn.Linear)
+    assert repr(q).startswith("Linear(")
+    twin = copy.deepcopy(q)
+    x = torch.randn(3, q.in_features)
+    with zeroio.zero.GatheredParameters(list(q.parameters())):
+        torch.testing.assert_close(q(x), F.linear(x, q.weight, q.bias))
+        torch.testing.assert_close(twin(x), F.linear(x, q.weight, q.bias))
+    engine.close()
+    assert type(q) is nn.Linear

@@ -15,9 +15,9 @@ for an empty tensor, which frees the buffer; the module's pre-backward hook gath
 again before this function's backward unpacks the parameter, so the backward reads the
 re-gathered values. ``p.data = ...`` keeps the parameter's version counter, so autograd's
 saved-tensor check passes. DeepSpeed's ZeRO-3 does the same (its LinearFunctionForZeroStage3,
-swapped in for ``F.linear``); zeroio swaps the forward of the ``nn.Linear`` modules whose
-parameters it manages, so a model that calls ``F.linear`` on a managed parameter itself still
-keeps that buffer until its backward.
+swapped in for ``F.linear``); zeroio swaps the class of the plain ``nn.Linear`` modules whose
+parameters it manages, so a model that calls ``F.linear`` on a managed parameter itself (or an
+``nn.Linear`` subclass) still keeps that buffer until its backward.
 """
 
 from __future__ import annotations
@@ -48,26 +48,34 @@ class StageThreeLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return StageThreeLinear.apply(x, module.weight, module.bias)
+class StageThreeLinearModule(nn.Linear):
+    """An ``nn.Linear`` whose forward runs ``StageThreeLinear``. Stage 3 makes it the class of
+    the plain ``nn.Linear`` modules it manages and puts ``nn.Linear`` back when its hooks are
+    removed. A class, not a bound method in the instance: ``copy.deepcopy`` and pickling of the
+    model keep working, and ``isinstance(m, nn.Linear)`` still holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return StageThreeLinear.apply(x, self.weight, self.bias)
+
+    def _get_name(self) -> str:
+        return "Linear"  # prints as the module it stands in for
 
 
 class LinearSwap:
-    """Points the ``forward`` of ``nn.Linear`` modules at ``StageThreeLinear``; ``undo`` puts
-    each module back as it was."""
+    """Swaps plain ``nn.Linear`` modules to ``StageThreeLinearModule``; ``undo`` swaps back.
+    Subclasses of ``nn.Linear`` keep their class (they may rely on it or have their own
+    forward)."""
 
     def __init__(self):
         self._swapped: list[nn.Module] = []
 
     def apply(self, module: nn.Module) -> None:
-        if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
-            return  # not a Linear, or a subclass with its own forward: leave it alone
-        if "forward" in module.__dict__:
-            return  # someone already replaced this instance's forward
-        module.forward = _forward.__get__(module)
-        self._swapped.append(module)
+        if type(module) is nn.Linear:
+            module.__class__ = StageThreeLinearModule
+            self._swapped.append(module)
 
     def undo(self) -> None:
         for module in self._swapped:
-            module.__dict__.pop("forward", None)
+            if type(module) is StageThreeLinearModule:
+                module.__class__ = nn.Linear
         self._swapped = []
