@@ -76,8 +76,9 @@ def _train(engine, steps, gas, device, first_step=0):
             engine.step()
             totals[i] += loss.item()
     engine.synchronize()  # no collective of ours while an overlapped step's gathers run
+    totals = totals.to(engine.device)  # NCCL reduces CUDA tensors only
     dist.all_reduce(totals)
-    return (totals / (world * gas)).tolist()
+    return (totals.cpu() / (world * gas)).tolist()
 
 
 def _masters(engine):
@@ -93,8 +94,9 @@ def _masters(engine):
         for s in g.segments:
             flat[s.global_offset:s.global_offset + s.numel] = \
                 local[s.local_offset:s.local_offset + s.numel]
+    flat = flat.to(engine.device)
     dist.all_reduce(flat)
-    return flat.float()
+    return flat.cpu().float()
 
 
 def _run_cases(cases):
@@ -321,11 +323,17 @@ def _gpu_body():
 
 
 @pytest.mark.gpu
-def test_gpu_stage2_ratio_bf16_overlap():
-    need_cuda(1)
-    (out,) = run_ranks(_gpu_body, 1, timeout=300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_gpu_stage2_ratio_bf16_overlap(world):
+    need_cuda(world)
+    outs = run_ranks(_gpu_body, world, timeout=300, backend="nccl" if world > 1 else "gloo")
+    ref_losses, ref_params = _reference(world, STEPS, 2)
+    for out in outs:
+        _check_gpu_rank(out, ref_losses, ref_params)
+
+
+def _check_gpu_rank(out, ref_losses, ref_params):
     assert out["dev_on_cuda"] and out["dev_n"] > 0
-    ref_losses, ref_params = _reference(1, STEPS, 2)
     got = out[0.5]
     assert got["losses"] == pytest.approx(ref_losses, rel=3e-2)
     assert (torch.tensor(got["masters"]) - ref_params).abs().max() < 2e-2

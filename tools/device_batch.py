@@ -120,15 +120,23 @@ BATCHES: tuple[Batch, ...] = (
                    timeout_s=40, sized="8 layers of 2048, 2 x 2 steps"),
           )),
     Batch(name="gpu2-tests", kind=Kind.H200_X2,
-          what="NCCL equivalence stage 1/2 and 3 on 2 GPUs, zeroio train 1b on 2 GPUs",
+          what="NCCL equivalence stage 1/2 and 3 on 2 GPUs, stage 2's ratio and stage 3's 2-byte "
+               "host gradients on 2 GPUs, zeroio train 1b on 2 GPUs",
           steps=(
               Step(name="stage12-nccl",
                    shell=_pytest("tests/test_stage12_equivalence.py::"
                                  "test_matches_single_process_adamw_nccl"),
-                   timeout_s=115, sized="stages 0/1/2 x cases on 2 ranks (41 s in session 2)"),
+                   timeout_s=70, sized="stages 0/1/2 x cases on 2 ranks (41 s in session 2)"),
               Step(name="stage3-nccl",
                    shell=_pytest("tests/test_stage3_gpu.py::test_stage3_two_gpus_nccl"),
-                   timeout_s=115, sized="stage 3 cases on 2 ranks (40 s in session 2)"),
+                   timeout_s=70, sized="stage 3 cases on 2 ranks (40 s in session 2)"),
+              Step(name="stage12-ratio-nccl",
+                   shell=_pytest("tests/test_stage12_ratio.py::test_gpu_stage2_ratio_bf16_overlap"),
+                   timeout_s=45, sized="stage 2 at ratio 0.5 on 1 and 2 GPUs, tiny MLP"),
+              Step(name="stage3-16bit-nccl",
+                   shell=_pytest("tests/test_stage3_16bit_grads.py::"
+                                 "test_16bit_host_grads_stage3_gpu"),
+                   timeout_s=45, sized="tiny Llama, 1 and 2 GPUs (27 s on 1, session 4)"),
               Step(name="ratio-nccl",
                    shell=_pytest("tests/test_ratio_gpu.py::test_ratio_two_gpus_nccl"),
                    timeout_s=80, sized="ratio 0.5, 3 cases on 2 ranks"),
