@@ -488,6 +488,31 @@ KERNEL_BATCHES += (
                    + " --nvme-dir {nvme}/probe --max-tries 1 --timeout 210 --out {res}",
                    timeout_s=225, sized="as train-13b, 10% larger"),
           )),
+    Batch(name="speed3", kind=Kind.H200, peers=True,
+          what="issue 9's stage 2/3 rows beside DeepSpeed with the worker one thread short of "
+               "the cores (bench_host_step: 5% faster beside a busy GPU, never measured in "
+               "training), and one profiled z3 step (its 0.48-0.82 s spread, session 4)",
+          steps=(
+              Step(name="warm", shell=DS_JIT + " > {logs}/ds-jit.log 2>&1 & ds=$!; "
+                   + WARM_KERNEL + "; rc=$?; wait $ds; ds_rc=$?; tail -3 {logs}/ds-jit.log; "
+                   "exit $(( rc || ds_rc ))", timeout_s=62, sized="56-59 s (session 4)"),
+              Step(name="zeroio-z2-cpu", shell=PEERS6 + " --only zeroio-z2-cpu "
+                   f"--timeout 50 {OVERLAP}", timeout_s=55, sized="38-43 s (session 4)"),
+              Step(name="zeroio-z2-cpu-15t", shell="ZEROIO_STEP_THREADS=15 " + PEERS6
+                   + f" --only zeroio-z2-cpu --timeout 50 {OVERLAP}", timeout_s=55,
+                   sized="as zeroio-z2-cpu"),
+              Step(name="zeroio-z3-cpu", shell=PEERS6 + " --only zeroio-z3-cpu "
+                   f"--timeout 55 {OVERLAP}", timeout_s=60, sized="39-50 s (session 4)"),
+              Step(name="zeroio-z3-cpu-15t", shell="ZEROIO_STEP_THREADS=15 " + PEERS6
+                   + f" --only zeroio-z3-cpu --timeout 55 {OVERLAP}", timeout_s=60,
+                   sized="as zeroio-z3-cpu"),
+              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 70 {LIBAIO}",
+                   timeout_s=75, sized="61 s (session 4)"),
+              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 55 {LIBAIO}",
+                   timeout_s=58, sized="45-47 s (session 4)"),
+              Step(name="z3-profile", shell=Z3 + " --profile {res}/prof", timeout_s=55,
+                   sized="43 s (diag) + one profiled step"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
