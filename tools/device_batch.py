@@ -379,6 +379,10 @@ DS_JIT = ("python3 -c \"import time,torch;t=time.time();from deepspeed.ops.adam 
           "DeepSpeedCPUAdam;DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))]);"
           "print('DeepSpeed cpu_adam ready', round(time.time()-t, 1), 's')\"")
 """DeepSpeed's CPU-Adam JIT build, the way its optimizer triggers it (into TORCH_EXTENSIONS_DIR)."""
+WARM_BOTH = (DS_JIT + " > {logs}/ds-jit.log 2>&1 & ds=$!; " + WARM_KERNEL
+             + "; rc=$?; wait $ds; ds_rc=$?; tail -3 {logs}/ds-jit.log; exit $(( rc || ds_rc ))")
+"""DeepSpeed's CPU-Adam JIT in the background while zeroio's kernel compiles (nothing timed
+meanwhile); fails if either fails."""
 AUTO = "ZEROIO_CPU_ADAM=auto "
 KERNEL_BATCHES = (
     Batch(name="kernel", kind=Kind.H200,
@@ -423,9 +427,7 @@ KERNEL_BATCHES += (
                "then zeroio z2/z3 + cpu (auto: compiled kernel, torch's if it fails), DeepSpeed "
                "z2/z3 + cpu, FSDP2 last",
           steps=(
-              Step(name="warm", shell=DS_JIT + " > {logs}/ds-jit.log 2>&1 & ds=$!; "
-                   + WARM_KERNEL + "; rc=$?; wait $ds; ds_rc=$?; tail -3 {logs}/ds-jit.log; "
-                   "exit $(( rc || ds_rc ))", timeout_s=75,
+              Step(name="warm", shell=WARM_BOTH, timeout_s=75,
                    sized="DeepSpeed JIT 58 s beside zeroio's compile (session 4, first call)"),
               Step(name="zeroio-z2-cpu", shell=AUTO + PEERS6 + " --only zeroio-z2-cpu "
                    f"--timeout 70 {OVERLAP}", timeout_s=75,
@@ -458,9 +460,7 @@ KERNEL_BATCHES += (
                "(one-pass kernel, auto), DeepSpeed z3/z2 beside them; then the GPU test of the "
                "2-byte stage-3 gradients",
           steps=(
-              Step(name="warm", shell=DS_JIT + " > {logs}/ds-jit.log 2>&1 & ds=$!; "
-                   + WARM_KERNEL + "; rc=$?; wait $ds; ds_rc=$?; tail -3 {logs}/ds-jit.log; "
-                   "exit $(( rc || ds_rc ))", timeout_s=65, sized="59 s (verdict)"),
+              Step(name="warm", shell=WARM_BOTH, timeout_s=65, sized="59 s (verdict)"),
               Step(name="zeroio-z3-cpu", shell=AUTO + PEERS6 + " --only zeroio-z3-cpu "
                    f"--timeout 55 {OVERLAP}", timeout_s=60, sized="39 s (verdict)"),
               Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 60 {LIBAIO}",
@@ -493,9 +493,7 @@ KERNEL_BATCHES += (
                "the cores (bench_host_step: 5% faster beside a busy GPU, never measured in "
                "training), and one profiled z3 step (its 0.48-0.82 s spread, session 4)",
           steps=(
-              Step(name="warm", shell=DS_JIT + " > {logs}/ds-jit.log 2>&1 & ds=$!; "
-                   + WARM_KERNEL + "; rc=$?; wait $ds; ds_rc=$?; tail -3 {logs}/ds-jit.log; "
-                   "exit $(( rc || ds_rc ))", timeout_s=62, sized="56-59 s (session 4)"),
+              Step(name="warm", shell=WARM_BOTH, timeout_s=62, sized="56-59 s (session 4)"),
               Step(name="zeroio-z2-cpu", shell=PEERS6 + " --only zeroio-z2-cpu "
                    f"--timeout 50 {OVERLAP}", timeout_s=55, sized="38-43 s (session 4)"),
               Step(name="zeroio-z2-cpu-15t", shell="ZEROIO_STEP_THREADS=15 " + PEERS6
