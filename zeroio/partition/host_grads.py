@@ -37,8 +37,7 @@ def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bo
     if not (cpu_optimizer and host_numel > 0):
         return torch.float32
     host_accumulates = stage != 1 and accumulation_steps > 1
-    grad = compute_dtype if compute_dtype in _HALF and stage in (1, 2, 3) and \
-        not host_accumulates else torch.float32
+    grad = compute_dtype if compute_dtype in _HALF and not host_accumulates else torch.float32
     if plan_only:
         one_pass = cpu_adam.planned(host_numel)
     else:

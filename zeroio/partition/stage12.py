@@ -82,7 +82,7 @@ device side's gradient stays fp32.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -93,7 +93,7 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.host_grads import host_grad_dtype
-from zeroio.partition.stage3.twin import OptimizerSplit, device_numel
+from zeroio.partition.stage3.twin import OptimizerSplit, cut_segments, device_numel
 from zeroio.partition.step_overlap import StepRunner
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
@@ -305,7 +305,7 @@ class Stage12Partitioner:
             d = self._dev_len[gi]
             slots = [s for b in buckets for s in b.slots]
             if split:
-                dev_segs, host_segs = _cut_segments(segments, d)
+                dev_segs, host_segs = cut_segments(segments, d)
                 self._dev.append(_shard_group(gi, dev_segs, on_device.empty(d),
                                               on_device.empty(d), slots))
                 self._host.append(_shard_group(
@@ -764,23 +764,6 @@ class Stage12Partitioner:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _cut_segments(segments: list[Segment], d: int) -> tuple[list[Segment], list[Segment]]:
-    """Segments below local offset ``d`` and those above it (offsets relative to ``d``), the
-    one straddling ``d`` cut in two."""
-    head, tail = [], []
-    for seg in segments:
-        a, z = seg.local_offset, seg.local_offset + seg.numel
-        if z <= d:
-            head.append(seg)
-        elif a >= d:
-            tail.append(replace(seg, local_offset=a - d))
-        else:
-            head.append(replace(seg, numel=d - a))
-            tail.append(Segment(local_offset=0, global_offset=seg.global_offset + d - a,
-                                numel=z - d))
-    return head, tail
 
 
 def _shard_group(gi: int, segments: list[Segment], master: torch.Tensor, grad: torch.Tensor,

@@ -81,31 +81,35 @@ def device_numel(total: int, ratio: float) -> int:
     return min(total, math.floor(total * (1.0 - ratio)))
 
 
+def cut_segments(segments, k: int) -> tuple[list[Segment], list[Segment]]:
+    """``segments`` (local offsets) cut at local offset ``k``: those below it, and those above
+    it with offsets relative to ``k``; a run straddling ``k`` is cut in two."""
+    head, tail = [], []
+    for seg in segments:
+        a, b = seg.local_offset, seg.local_offset + seg.numel
+        if a < k:
+            head.append(seg if b <= k else replace(seg, numel=k - a))
+        if b > k:
+            tail.append(replace(seg, local_offset=a - k) if a >= k else
+                        Segment(local_offset=0, global_offset=seg.global_offset + k - a,
+                                numel=b - k))
+    return head, tail
+
+
 def split_piece(piece: ShardPiece, k: int) -> tuple[ShardPiece, ShardPiece]:
     """``piece`` cut after its first ``k`` elements (0 < k < its length), segments and names
     cut with it; offsets of the second part are relative to its own ``lo``."""
     n = piece.hi - piece.lo
     if not 0 < k < n:
         raise ValueError(f"split_piece: cut {k} outside (0, {n})")
-    head_segs, tail_segs, head_names, tail_names = [], [], [], []
-    for seg, name in zip(piece.segments, piece.names, strict=True):
-        a, b = seg.local_offset, seg.local_offset + seg.numel
-        if b <= k:
-            head_segs.append(seg)
-            head_names.append(name)
-        elif a >= k:
-            tail_segs.append(replace(seg, local_offset=a - k))
-            tail_names.append(name)
-        else:  # this parameter's run straddles the cut
-            head_segs.append(replace(seg, numel=k - a))
-            tail_segs.append(Segment(local_offset=0, global_offset=seg.global_offset + k - a,
-                                     numel=b - k))
-            head_names.append(name)
-            tail_names.append(name)
+    head_segs, tail_segs = cut_segments(piece.segments, k)
+    pairs = list(zip(piece.segments, piece.names, strict=True))
     head = ShardPiece(opt_group=piece.opt_group, lo=piece.lo, hi=piece.lo + k,
-                      segments=tuple(head_segs), names=tuple(head_names))
+                      segments=tuple(head_segs),
+                      names=tuple(nm for seg, nm in pairs if seg.local_offset < k))
     tail = ShardPiece(opt_group=piece.opt_group, lo=piece.lo + k, hi=piece.hi,
-                      segments=tuple(tail_segs), names=tuple(tail_names))
+                      segments=tuple(tail_segs),
+                      names=tuple(nm for seg, nm in pairs if seg.local_offset + seg.numel > k))
     return head, tail
 
 
