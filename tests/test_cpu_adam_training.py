@@ -33,7 +33,12 @@ import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under 
 from zeroio.testing import run_ranks
 from zeroio.testing.cuda import exact_cuda_device, need_cuda
 from zeroio.testing.models import llama_reference, offload_optimizer, token_batches
-from zeroio.testing.training import reference_diffs, reference_failures, train_llama
+from zeroio.testing.training import (
+    reference_diffs,
+    reference_failures,
+    shard_grad_norm,
+    train_llama,
+)
 
 CASES = [(2, "fp32", False), (2, "bf16", True), (3, "fp32", False), (3, "bf16", True)]
 """(stage, dtype, overlap_step)."""
@@ -108,15 +113,12 @@ host gradient shard's dtype)."""
 
 
 def _grad_info(engine):
-    import torch.distributed as dist
-
     part, opt = engine.partitioner, engine.optimizer
     host_opt = getattr(opt, "host", opt)
     engine.synchronize()
     part._norm_parts = []  # the norm from the shards as they stand (the fallback path)
-    sq = part.local_grad_sq_norm().double()
-    dist.all_reduce(sq)
-    return {"shard_norm": sq.sqrt().item(), "last_norm": engine.last_grad_norm,"one_pass": bool(host_opt.one_pass), "grad_divisor": host_opt.grad_divisor,
+    return {"shard_norm": shard_grad_norm(engine), "last_norm": engine.last_grad_norm,
+            "one_pass": bool(host_opt.one_pass), "grad_divisor": host_opt.grad_divisor,
             "host_grads": sorted({str(g.grad.dtype) for g in part._host if g.grad.numel()}),
             "device_grads": sorted({str(g.grad.dtype) for g in part._dev if g.grad.numel()}),
             "pinned_slots": len(part._stage_slots)}

@@ -46,6 +46,7 @@ from zeroio.testing.training import (
     gathered_params,
     reference_diffs,
     reference_failures,
+    shard_grad_norm,
     train_steps,
 )
 
@@ -71,8 +72,6 @@ def _config(gas, ratio, overlap, tmpdir):
 
 def _info(engine):
     """What the run used, read just before the engine closes."""
-    import torch.distributed as dist
-
     part, opt = engine.partitioner, engine.optimizer
     host_opt = getattr(opt, "host", opt)
     split = part.optimizer_split
@@ -80,15 +79,13 @@ def _info(engine):
     dev = split.device if split is not None else []
     engine.synchronize()
     part.landing._norm_valid = False  # the norm from the shards as they stand (the fallback)
-    sq = part.local_grad_sq_norm().double().to(engine.device)  # NCCL reduces CUDA tensors
-    dist.all_reduce(sq)
     return {"one_pass": bool(getattr(host_opt, "one_pass", False)),  # not with nvme's swapper
             "grad_divisor": getattr(host_opt, "grad_divisor", 1.0),
             "rule": str(part.host_grad_dtype),
             "host_grads": sorted({str(g.grad.dtype) for g in host if g.grad.numel()}),
             "device_grads": sorted({str(g.grad.dtype) for g in dev if g.grad.numel()}),
             "host_numel": sum(g.grad.numel() for g in host),
-            "shard_norm": sq.sqrt().item(), "last_norm": engine.last_grad_norm,
+            "shard_norm": shard_grad_norm(engine), "last_norm": engine.last_grad_norm,
             "d2h": engine.stats()["bytes_moved"].get("gpu->cpu", 0)}
 
 

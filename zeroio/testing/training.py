@@ -70,6 +70,17 @@ def gathered_params(engine: Any) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in params.items()}
 
 
+def shard_grad_norm(engine: Any) -> float:
+    """The global gradient norm from the gradient shards as they stand: the partitioner's
+    fallback path (``local_grad_sq_norm`` with no norm taken while gradients landed; the
+    caller invalidates that first), summed over ranks on the engine's device (NCCL reduces
+    CUDA tensors only)."""
+    engine.synchronize()
+    sq = engine.partitioner.local_grad_sq_norm().double().to(engine.device)
+    dist.all_reduce(sq)
+    return sq.sqrt().item()
+
+
 def train_llama(batches: list[list[torch.Tensor]], init: dict[str, torch.Tensor], cfg: dict, *,
                 device: torch.device | None = None, layers: int = 2,
                 inspect: Callable[[Any], Any] | None = None):
