@@ -92,8 +92,19 @@ def _kind_dtypes(state: ShardedState) -> dict[str, torch.dtype]:
     return dtypes
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+def tree_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (0 when it does not exist)."""
+    if not path.exists():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def existing_parent(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor: where a folder still to be made will live."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def chunk_elems_for(dtypes: dict[str, torch.dtype], chunk_bytes: int = layout.DEFAULT_CHUNK_BYTES
@@ -118,10 +129,8 @@ def check_disk_space(tdir: Path, numel: int, dtypes: dict[str, torch.dtype],
     checkpoint (``checkpoint_bytes``) against its free bytes, plus what a tag of the same name
     (replaced) holds now."""
     need = checkpoint_bytes(numel, dtypes, chunk_elems)
-    probe = tdir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free + (_tree_bytes(tdir) if tdir.exists() else 0)
+    probe = existing_parent(tdir)
+    free = shutil.disk_usage(probe).free + tree_bytes(tdir)
     if need > free:
         raise CheckpointError(
             f"checkpoint {tdir} needs {need / 1e9:.2f} GB ({', '.join(dtypes)}) but the file "

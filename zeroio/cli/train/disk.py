@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from zeroio.checkpoint.writer import existing_parent, tree_bytes
 from zeroio.errors import CheckpointError
 
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -110,26 +111,13 @@ def num_saves(start: int, end: int, save_every: int) -> int:
     return every + (0 if save_every and end % save_every == 0 else 1)
 
 
-def _existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def tree_bytes(path: Path) -> int:
-    if not path.exists():
-        return 0
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-
-
 def nvme_paths(cfg, out: Path) -> list[Path]:
     """The config's NVMe swap folders that lie on the file system of ``out``."""
     zo = cfg.zero_optimization
-    dev = os.stat(_existing(out)).st_dev
+    dev = os.stat(existing_parent(out)).st_dev
     paths = {Path(b.nvme_path) for b in (zo.offload_param, zo.offload_optimizer)
              if b.device.value == "nvme" and b.nvme_path}
-    return sorted(p for p in paths if os.stat(_existing(p)).st_dev == dev)
+    return sorted(p for p in paths if os.stat(existing_parent(p)).st_dev == dev)
 
 
 def nvme_bytes(cfg, numel: int, world_size: int) -> int:
@@ -159,7 +147,7 @@ def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_ev
     if fresh:
         freed += tree_bytes(out / "checkpoints") + sum(tree_bytes(p) for p in swap)
     return DiskPlan(output=out, items=tuple(items),
-                    free=shutil.disk_usage(_existing(out)).free + freed)
+                    free=shutil.disk_usage(existing_parent(out)).free + freed)
 
 
 def check(p: DiskPlan, *, checkpoint: bool, model_dtype: str) -> None:
