@@ -89,6 +89,19 @@ class Batch:
         return [".whl", ".peers"] if self.peers else [".whl"]
 
 
+def _row(contender: str, timeout_s: int, *, sized: str, name: str | None = None,
+         inner: int | None = None, steps: int = 6, prefix: str = "", overlap: bool = False,
+         extra: str = "") -> Step:
+    """A train_peers row of one contender: its own --timeout ``inner`` (default 5 s inside the
+    step's), DeepSpeed rows with the unpacked libaio, zeroio rows with ``overlap`` the
+    overlapped step."""
+    shell = (prefix + (PEERS if steps == 8 else PEERS6) + f" --only {contender} "
+             f"--timeout {inner if inner is not None else timeout_s - 5}"
+             + (f" {LIBAIO}" if contender.startswith("ds-") else "")
+             + (f" {OVERLAP}" if overlap else "") + (f" {extra}" if extra else ""))
+    return Step(name=name or contender, shell=shell, timeout_s=timeout_s, sized=sized)
+
+
 def _pytest(node: str) -> str:
     return f"python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml {{res}}/junit-{{step}}.xml {node}"
 
@@ -149,33 +162,29 @@ BATCHES: tuple[Batch, ...] = (
     Batch(name="peers-zeroio", kind=Kind.H200,
           what="1.36B: plain, zeroio z2-cpu, z3-cpu, z3-nvme (+ zeroio bench io on that disk)",
           steps=(
-              Step(name="plain", shell=PEERS + " --only plain --timeout 80", timeout_s=90,
-                   sized="build 30 s + 8 x 0.22 s"),
-              Step(name="zeroio-z2-cpu", shell=PEERS + " --only zeroio-z2-cpu --timeout 110",
-                   timeout_s=120, sized="build 30 s + init + 8 x 0.63 s"),
-              Step(name="zeroio-z3-cpu", shell=PEERS + " --only zeroio-z3-cpu --timeout 110",
-                   timeout_s=120, sized="build 30 s + init + 8 x 0.72 s"),
-              Step(name="zeroio-z3-nvme",
-                   shell=PEERS + " --only zeroio-z3-nvme --timeout 160 --disk-bench-size 2G",
-                   timeout_s=180, sized="bench io 2G ~20 s; build 30 s + 8 x 7.5 s + init"),
+              _row("plain", 90, sized="build 30 s + 8 x 0.22 s", inner=80, steps=8),
+              _row("zeroio-z2-cpu", 120, sized="build 30 s + init + 8 x 0.63 s", inner=110,
+                   steps=8),
+              _row("zeroio-z3-cpu", 120, sized="build 30 s + init + 8 x 0.72 s", inner=110,
+                   steps=8),
+              _row("zeroio-z3-nvme", 180, sized="bench io 2G ~20 s; build 30 s + 8 x 7.5 s + init",
+                   inner=160, steps=8, extra="--disk-bench-size 2G"),
           )),
     Batch(name="peers-others", kind=Kind.H200, peers=True,
           what="1.36B: FSDP2 cpu offload, DeepSpeed z2-cpu, z3-cpu (CPU-Adam JIT once)",
           steps=(
-              Step(name="fsdp2-cpu", shell=PEERS + " --only fsdp2-cpu --timeout 110",
-                   timeout_s=120, sized="build 30 s + 8 x 1.45 s + start"),
-              Step(name="ds-z2-cpu", shell=PEERS + f" --only ds-z2-cpu --timeout 230 {LIBAIO}",
-                   timeout_s=240, sized="CPU-Adam JIT 1-2 min + build 30 s + 8 x 0.9 s"),
-              Step(name="ds-z3-cpu", shell=PEERS + f" --only ds-z3-cpu --timeout 110 {LIBAIO}",
-                   timeout_s=120, sized="JIT cached (TORCH_EXTENSIONS_DIR) + 8 x 1.1 s"),
+              _row("fsdp2-cpu", 120, sized="build 30 s + 8 x 1.45 s + start", inner=110, steps=8),
+              _row("ds-z2-cpu", 240, sized="CPU-Adam JIT 1-2 min + build 30 s + 8 x 0.9 s",
+                   inner=230, steps=8),
+              _row("ds-z3-cpu", 120, sized="JIT cached (TORCH_EXTENSIONS_DIR) + 8 x 1.1 s",
+                   inner=110, steps=8),
           )),
     Batch(name="peers-ds-nvme", kind=Kind.H200, peers=True,
           what="1.36B: DeepSpeed z3-nvme with libaio (async_io JIT), bench io on the same disk",
           steps=(
-              Step(name="ds-z3-nvme",
-                   shell=PEERS + f" --only ds-z3-nvme --timeout 440 --disk-bench-size 2G {LIBAIO}",
-                   timeout_s=460, sized="bench io 20 s + CPU-Adam and async_io JIT 3 min + "
-                                        "build 60 s + 8 steps of unknown length"),
+              _row("ds-z3-nvme", 460, sized="bench io 20 s + CPU-Adam and async_io JIT 3 min + "
+                                        "build 60 s + 8 steps of unknown length",
+                   inner=440, steps=8, extra="--disk-bench-size 2G"),
           )),
     Batch(name="train-1b", kind=Kind.H200,
           what="zeroio train --preset 1b, stage 3 + NVMe (built-in config), 1 GPU, progress streamed",
@@ -227,9 +236,9 @@ BATCHES: tuple[Batch, ...] = (
           steps=(
               Step(name="z3-nvme", shell=LLAMA + " --mode zeroio --config configs/zero3-nvme.json",
                    timeout_s=90, sized="build 40 s + 6 x 0.75 s"),
-              Step(name="z3-nvme-stream", shell=PEERS + " --only zeroio-z3-nvme-stream "
-                   "--timeout 150 --disk-bench-size 2G", timeout_s=170,
-                   sized="bench io 2 GB ~20 s + build 40 s + 8 x ~10 s (moments through the disk)"),
+              _row("zeroio-z3-nvme-stream", 170,
+                   sized="bench io 2 GB ~20 s + build 40 s + 8 x ~10 s (moments through the disk)",
+                   name="z3-nvme-stream", inner=150, steps=8, extra="--disk-bench-size 2G"),
               Step(name="z2-nvme", shell=LLAMA + " --mode zeroio --config configs/zero2-cpu.json "
                    "--offload nvme --nvme-path {nvme}/z2 --steps 4 --warmup 1", timeout_s=100,
                    sized="build 25 s + 4 x <= 6.6 s"),
@@ -248,12 +257,9 @@ BATCHES: tuple[Batch, ...] = (
               Step(name="zeroio-z3-cpu", shell=PEERS6 + " --only zeroio-z3-cpu --timeout 80 "
                    f"{OVERLAP}", timeout_s=85, sized="build 30 s + init 10 s + CPU Adam "
                                                       "compile ~10 s + 6 x 0.71 s"),
-              Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 70",
-                   timeout_s=75, sized="build 30 s + 6 x 1.4 s + start (53 s measured)"),
-              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 155 {LIBAIO}",
-                   timeout_s=160, sized="CPU-Adam JIT 1-2 min + build 30 s + 6 x 0.9 s"),
-              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 60 {LIBAIO}",
-                   timeout_s=65, sized="JIT cached + build 30 s + 6 x 1.1 s"),
+              _row("fsdp2-cpu", 75, sized="build 30 s + 6 x 1.4 s + start (53 s measured)"),
+              _row("ds-z2-cpu", 160, sized="CPU-Adam JIT 1-2 min + build 30 s + 6 x 0.9 s"),
+              _row("ds-z3-cpu", 65, sized="JIT cached + build 30 s + 6 x 1.1 s"),
           )),
 )
 RATIO_SET = ("--set zero_optimization.offload_optimizer.ratio={r} "
@@ -359,12 +365,9 @@ DIAG_BATCHES += (
                    f"{OVERLAP}", timeout_s=90, sized="42 s (diag) + CPU Adam compile ~20 s"),
               Step(name="zeroio-z3-cpu", shell=PEERS6 + " --only zeroio-z3-cpu --timeout 85 "
                    f"{OVERLAP}", timeout_s=90, sized="43 s (diag) + CPU Adam compile ~20 s"),
-              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 135 {LIBAIO}",
-                   timeout_s=140, sized="125 s measured with its CPU-Adam JIT (session 3)"),
-              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 70 {LIBAIO}",
-                   timeout_s=75, sized="64 s measured (session 3)"),
-              Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 65",
-                   timeout_s=70, sized="64 s measured (session 3)"),
+              _row("ds-z2-cpu", 140, sized="125 s measured with its CPU-Adam JIT (session 3)"),
+              _row("ds-z3-cpu", 75, sized="64 s measured (session 3)"),
+              _row("fsdp2-cpu", 70, sized="64 s measured (session 3)"),
           )),
 )
 COMPILED = "ZEROIO_CPU_ADAM=compiled "
@@ -408,16 +411,13 @@ KERNEL_BATCHES = (
           steps=(
               Step(name="compile", shell=WARM_KERNEL, timeout_s=55,
                    sized="see the kernel batch"),
-              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 135 {LIBAIO}",
-                   timeout_s=140, sized="113-125 s measured with its CPU-Adam JIT (session 3)"),
-              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 70 {LIBAIO}",
-                   timeout_s=75, sized="48-64 s measured (session 3)"),
-              Step(name="zeroio-z2-cpu", shell=COMPILED + PEERS6 + " --only zeroio-z2-cpu "
-                   f"--timeout 70 {OVERLAP}", timeout_s=75, sized="42 s (diag) + cached kernel"),
-              Step(name="zeroio-z3-cpu", shell=COMPILED + PEERS6 + " --only zeroio-z3-cpu "
-                   f"--timeout 70 {OVERLAP}", timeout_s=75, sized="43 s (diag) + cached kernel"),
-              Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 55",
-                   timeout_s=60, sized="57-64 s measured (session 3); last, expendable"),
+              _row("ds-z2-cpu", 140, sized="113-125 s measured with its CPU-Adam JIT (session 3)"),
+              _row("ds-z3-cpu", 75, sized="48-64 s measured (session 3)"),
+              _row("zeroio-z2-cpu", 75, sized="42 s (diag) + cached kernel", prefix=COMPILED,
+                   overlap=True),
+              _row("zeroio-z3-cpu", 75, sized="43 s (diag) + cached kernel", prefix=COMPILED,
+                   overlap=True),
+              _row("fsdp2-cpu", 60, sized="57-64 s measured (session 3); last, expendable"),
           )),
 )
 KERNEL_BATCHES += (
@@ -429,18 +429,13 @@ KERNEL_BATCHES += (
           steps=(
               Step(name="warm", shell=WARM_BOTH, timeout_s=75,
                    sized="DeepSpeed JIT 58 s beside zeroio's compile (session 4, first call)"),
-              Step(name="zeroio-z2-cpu", shell=AUTO + PEERS6 + " --only zeroio-z2-cpu "
-                   f"--timeout 70 {OVERLAP}", timeout_s=75,
-                   sized="42 s (diag) + cached kernel, no ISA probes"),
-              Step(name="zeroio-z3-cpu", shell=AUTO + PEERS6 + " --only zeroio-z3-cpu "
-                   f"--timeout 70 {OVERLAP}", timeout_s=75,
-                   sized="43 s (diag) + cached kernel, no ISA probes"),
-              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 85 {LIBAIO}",
-                   timeout_s=90, sized="113-125 s with its 58 s JIT (session 3); JIT cached"),
-              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 70 {LIBAIO}",
-                   timeout_s=75, sized="48-64 s measured (sessions 3, 4)"),
-              Step(name="fsdp2-cpu", shell=PEERS6 + " --only fsdp2-cpu --timeout 65",
-                   timeout_s=70, sized="57-64 s measured (session 3); last"),
+              _row("zeroio-z2-cpu", 75, sized="42 s (diag) + cached kernel, no ISA probes",
+                   prefix=AUTO, overlap=True),
+              _row("zeroio-z3-cpu", 75, sized="43 s (diag) + cached kernel, no ISA probes",
+                   prefix=AUTO, overlap=True),
+              _row("ds-z2-cpu", 90, sized="113-125 s with its 58 s JIT (session 3); JIT cached"),
+              _row("ds-z3-cpu", 75, sized="48-64 s measured (sessions 3, 4)"),
+              _row("fsdp2-cpu", 70, sized="57-64 s measured (session 3); last"),
           )),
     Batch(name="probe13b-runahead", kind=Kind.H200,
           what="the 13B try again (session 4's first try ran out of GPU memory in the first "
@@ -461,14 +456,10 @@ KERNEL_BATCHES += (
                "2-byte stage-3 gradients",
           steps=(
               Step(name="warm", shell=WARM_BOTH, timeout_s=65, sized="59 s (verdict)"),
-              Step(name="zeroio-z3-cpu", shell=AUTO + PEERS6 + " --only zeroio-z3-cpu "
-                   f"--timeout 55 {OVERLAP}", timeout_s=60, sized="39 s (verdict)"),
-              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 60 {LIBAIO}",
-                   timeout_s=65, sized="45 s (verdict)"),
-              Step(name="zeroio-z2-cpu", shell=AUTO + PEERS6 + " --only zeroio-z2-cpu "
-                   f"--timeout 55 {OVERLAP}", timeout_s=60, sized="43 s (verdict)"),
-              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 70 {LIBAIO}",
-                   timeout_s=75, sized="61 s (verdict)"),
+              _row("zeroio-z3-cpu", 60, sized="39 s (verdict)", prefix=AUTO, overlap=True),
+              _row("ds-z3-cpu", 65, sized="45 s (verdict)"),
+              _row("zeroio-z2-cpu", 60, sized="43 s (verdict)", prefix=AUTO, overlap=True),
+              _row("ds-z2-cpu", 75, sized="61 s (verdict)"),
               Step(name="gpu-tests", shell=_pytest("tests/test_stage3_16bit_grads.py"),
                    timeout_s=60, sized="tiny models; the 2-GPU case skips"),
           )),
@@ -494,20 +485,14 @@ KERNEL_BATCHES += (
                "training), and one profiled z3 step (its 0.48-0.82 s spread, session 4)",
           steps=(
               Step(name="warm", shell=WARM_BOTH, timeout_s=62, sized="56-59 s (session 4)"),
-              Step(name="zeroio-z2-cpu", shell=PEERS6 + " --only zeroio-z2-cpu "
-                   f"--timeout 50 {OVERLAP}", timeout_s=55, sized="38-43 s (session 4)"),
-              Step(name="zeroio-z2-cpu-15t", shell="ZEROIO_STEP_THREADS=15 " + PEERS6
-                   + f" --only zeroio-z2-cpu --timeout 50 {OVERLAP}", timeout_s=55,
-                   sized="as zeroio-z2-cpu"),
-              Step(name="zeroio-z3-cpu", shell=PEERS6 + " --only zeroio-z3-cpu "
-                   f"--timeout 55 {OVERLAP}", timeout_s=60, sized="39-50 s (session 4)"),
-              Step(name="zeroio-z3-cpu-15t", shell="ZEROIO_STEP_THREADS=15 " + PEERS6
-                   + f" --only zeroio-z3-cpu --timeout 55 {OVERLAP}", timeout_s=60,
-                   sized="as zeroio-z3-cpu"),
-              Step(name="ds-z2-cpu", shell=PEERS6 + f" --only ds-z2-cpu --timeout 70 {LIBAIO}",
-                   timeout_s=75, sized="61 s (session 4)"),
-              Step(name="ds-z3-cpu", shell=PEERS6 + f" --only ds-z3-cpu --timeout 55 {LIBAIO}",
-                   timeout_s=58, sized="45-47 s (session 4)"),
+              _row("zeroio-z2-cpu", 55, sized="38-43 s (session 4)", overlap=True),
+              _row("zeroio-z2-cpu", 55, sized="as zeroio-z2-cpu", name="zeroio-z2-cpu-15t",
+                   prefix="ZEROIO_STEP_THREADS=15 ", overlap=True),
+              _row("zeroio-z3-cpu", 60, sized="39-50 s (session 4)", overlap=True),
+              _row("zeroio-z3-cpu", 60, sized="as zeroio-z3-cpu", name="zeroio-z3-cpu-15t",
+                   prefix="ZEROIO_STEP_THREADS=15 ", overlap=True),
+              _row("ds-z2-cpu", 75, sized="61 s (session 4)"),
+              _row("ds-z3-cpu", 58, sized="45-47 s (session 4)", inner=55),
               Step(name="z3-profile", shell=Z3 + " --profile {res}/prof", timeout_s=55,
                    sized="43 s (diag) + one profiled step"),
           )),
