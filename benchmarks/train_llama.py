@@ -316,6 +316,11 @@ def main() -> None:
             timings = (result["stats"] or {}).get("timings") or {}
             if timings:  # the host step's worker thread, invisible to the profiler
                 print("timings " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(timings.items())))
+            for name, src in ((result["stats"] or {}).get("sources") or {}).items():
+                if name.endswith("step_assist"):  # the GPU's share of the host step
+                    gpu, cpu = src["numel_gpu"], src["numel_cpu"]
+                    print(f"step assist: {gpu / max(1, gpu + cpu):.1%} of the host step's "
+                          f"elements on the GPU ({gpu} of {gpu + cpu})")
     if engine is not None:
         engine.close()
 

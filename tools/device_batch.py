@@ -496,6 +496,21 @@ KERNEL_BATCHES += (
               Step(name="z3-profile", shell=Z3 + " --profile {res}/prof", timeout_s=55,
                    sized="43 s (diag) + one profiled step"),
           )),
+    Batch(name="assist", kind=Kind.H200, peers=True,
+          what="session 5: the GPU's share of the host step (optim/assist.py, on by default): "
+               "its GPU tests, then issue 9's stage 2/3 rows with it, stage 2 without it, and "
+               "DeepSpeed's, in one call",
+          steps=(
+              Step(name="warm", shell=WARM_BOTH, timeout_s=62, sized="56-59 s (session 4)"),
+              Step(name="assist-tests", shell=_pytest("tests/test_step_assist.py"),
+                   timeout_s=100, sized="3 cases x 3 engines, tiny MLP (unmeasured)"),
+              _row("zeroio-z2-cpu", 55, sized="38-43 s (session 4)", overlap=True),
+              _row("zeroio-z2-cpu", 55, sized="as zeroio-z2-cpu", name="zeroio-z2-cpu-noassist",
+                   prefix="ZEROIO_STEP_ASSIST=0 ", overlap=True),
+              _row("zeroio-z3-cpu", 60, sized="39-50 s (session 4)", overlap=True),
+              _row("ds-z2-cpu", 75, sized="61 s (session 4)"),
+              _row("ds-z3-cpu", 58, sized="45-47 s (session 4)", inner=55),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "

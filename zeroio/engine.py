@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zeroio.config import load_config
-from zeroio.config.zero import overlap_step_enabled
+from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
 from zeroio.errors import ConfigError
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
@@ -75,7 +75,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
             overlap_forward=off.device == "cpu" and overlap_step_enabled(cfg.zero_optimization.tiering),
             optimizer_ratio=off.ratio if off.device == "cpu" else 1.0,
-            cpu_optimizer=off.device == "cpu", accumulation_steps=cfg.gradient_accumulation_steps)
+            cpu_optimizer=off.device == "cpu", accumulation_steps=cfg.gradient_accumulation_steps,
+            step_assist=off.device == "cpu" and step_assist_enabled(zc.tiering, device))
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
@@ -249,7 +250,7 @@ class Engine:
                 # CPU Adam chunk by chunk on a worker, each chunk published behind it (a
                 # TwinAdam steps its device side first: partition/stage3/twin.py)
                 chunked = self.optimizer.begin_chunked_step(grad_scale=scale / coef)
-                run_step(chunked.update, out_in_pass=chunked.out_in_pass)
+                run_step(chunked.update, out_in_pass=chunked.out_in_pass, step=chunked)
             elif stage_range is not None and offload != "none":
                 # host masters: publish chunk by chunk behind the CPU optimizer
                 self.optimizer.step(grad_scale=scale / coef, on_updated=stage_range)

@@ -25,8 +25,17 @@ from zeroio.config.fields import (
     optional,
     sub,
 )
+from zeroio.errors import ConfigError
 
 _NONNEG = int_coercer(ge=0)
+
+
+def _bool_or_auto(value, path):
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool):
+        return value
+    raise fail(path, value, 'true, false or "auto"')
 
 
 class OffloadDevice(str, enum.Enum):
@@ -124,6 +133,12 @@ class TieringConfig:
     """Stages 0-2 with offload_optimizer cpu: ``step()`` returns while the CPU optimizer
     still runs and the next forward waits per module for its parameters (docs/engine.md).
     The environment variable ZEROIO_OVERLAP_STEP, when set, overrides it."""
+    step_assist: bool | None = field(None, coerce=_bool_or_auto)
+    """offload_optimizer cpu on a CUDA device: the GPU steps a share of the host optimizer's
+    chunks beside the CPU, streaming them in and out ([Note: step assist] in
+    optim/assist.py); state stays in host memory. "auto" (None, the default): on wherever
+    it applies; false: CPU only. The environment variable ZEROIO_STEP_ASSIST, when set
+    (1/0/auto), overrides it."""
 
 
 def _stage(value, path):
@@ -179,3 +194,33 @@ def overlap_step_enabled(tiering: TieringConfig | None) -> bool:
     if env:
         return env.lower() in ("1", "true", "yes")
     return bool(tiering is not None and tiering.overlap_step)
+
+
+STEP_ASSIST_ENV = "ZEROIO_STEP_ASSIST"
+
+
+def step_assist_enabled(tiering: TieringConfig | None, device) -> bool:
+    """Whether the GPU takes a share of the host optimizer step ([Note: step assist]):
+    ``ZEROIO_STEP_ASSIST`` when set (1/true/yes, 0/false/no, auto), else
+    ``zero_optimization.tiering.step_assist``; "auto" is on for a CUDA device. On, with no
+    CUDA device, is an error naming the setting."""
+    env = os.environ.get(STEP_ASSIST_ENV, "").strip().lower()
+    if env:
+        if env in ("1", "true", "yes"):
+            want, key = True, STEP_ASSIST_ENV
+        elif env in ("0", "false", "no"):
+            want, key = False, STEP_ASSIST_ENV
+        elif env == "auto":
+            want, key = None, STEP_ASSIST_ENV
+        else:
+            raise ConfigError(f"{STEP_ASSIST_ENV}={env!r}: expected 1, 0 or auto (unset it to "
+                              "use zero_optimization.tiering.step_assist)", key=STEP_ASSIST_ENV)
+    else:
+        want = None if tiering is None else tiering.step_assist
+        key = "zero_optimization.tiering.step_assist"
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    if want and not cuda:
+        raise ConfigError(f"{key} is on, but training runs on {device}: the step assist moves "
+                          "host optimizer chunks to a CUDA GPU; set it to false or \"auto\"",
+                          key=key)
+    return cuda if want is None else want

@@ -97,6 +97,7 @@ class ChunkedStep:
         self._state: dict[int, AdamState] = {}
         self._scale: dict[int, torch.Tensor] = {}
         self._one_pass: dict[int, torch.Tensor] = {}
+        self._on_device: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         for g, st in zip(opt.groups, opt.state, strict=True):
             self._hyper[g.group_index] = dict(opt.param_groups[g.group_index])
             self._state[g.group_index] = st
@@ -113,6 +114,26 @@ class ChunkedStep:
     def out_in_pass(self) -> bool:
         """``update``'s ``out`` is written within the pass over the master (no extra pass)."""
         return self._opt.one_pass
+
+    def host_views(self, group_index: int, lo: int, numel: int) -> tuple[torch.Tensor, ...]:
+        """Elements [lo, lo + numel) of a group's master, gradient and moments (a GPU step of
+        this chunk reads and writes them: optim/assist.py)."""
+        g, st = self._opt.groups_by_index[group_index], self._state[group_index]
+        return tuple(t.narrow(0, lo, numel) for t in (g.master, g.grad, st.exp_avg,
+                                                      st.exp_avg_sq))
+
+    def device_args(self, group_index: int, device: torch.device) -> tuple:
+        """What a GPU step of this group's chunks needs ([Note: step assist]): the
+        hyperparameters, ``decoupled``, ``grad_scale``, and the step counter before this step
+        and ``grad_scale`` as float32 tensors on ``device`` (made once per step, on the
+        caller's current stream)."""
+        key = (group_index, device)
+        t = self._on_device.get(key)
+        if t is None:
+            t = self._on_device[key] = (
+                self._before[group_index].to(device),
+                torch.tensor(self._grad_scale, dtype=torch.float32, device=device))
+        return (self._hyper[group_index], self._opt.decoupled, self._grad_scale) + t
 
     def update(self, group_index: int, lo: int, numel: int,
                out: torch.Tensor | None = None) -> None:

@@ -89,6 +89,7 @@ import torch
 
 from zeroio.errors import DistributedError
 from zeroio.io.hostmem import host_empty, host_zeros
+from zeroio.optim.assist import StepAssist
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
@@ -188,10 +189,12 @@ class Stage12Partitioner:
         optimizer_ratio: float = 1.0,
         cpu_optimizer: bool = False,
         accumulation_steps: int = 1,
+        step_assist: bool = False,
     ):
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
-        gradients]."""
+        gradients]. ``step_assist``: the GPU steps a share of the host chunks
+        (optim/assist.py, [Note: step assist]; CUDA with host masters only)."""
         self.stage = stage
         self.host_grad_dtype = torch.float32
         """dtype of the host gradient shard ([Note: 16-bit host gradients])."""
@@ -258,6 +261,11 @@ class Stage12Partitioner:
         self._out_in_pass = False
         if home.device.type == "cpu" and device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device)
+        self._assist = (StepAssist(device, transfers=self.transfers)
+                        if step_assist and self._copy_stream is not None and self._cpu_optimizer
+                        else None)
+        self._assist_step = None
+        """The ``ChunkedStep`` whose chunks the assist may take (set by ``run_step``)."""
         if overlap_forward:  # see [Note: readers of an overlapped step]
             for m in module.modules():
                 need = [ready[id(p)] for p in m.parameters(recurse=False) if id(p) in ready]
@@ -641,15 +649,17 @@ class Stage12Partitioner:
             for h in handles:
                 h.wait()
 
-    def run_step(self, update, *, out_in_pass: bool = False) -> None:
+    def run_step(self, update, *, out_in_pass: bool = False, step=None) -> None:
         """The optimizer step of host masters, chunk by chunk on a worker thread: ``update(
         group_index, local_start, numel, out=...)`` (CPU Adam) then that chunk's publication
         ([Note: step publication]; all-gather after a bucket's last chunk). ``out_in_pass``:
         ``update`` writes ``out`` within its pass over the master (the one-pass CPU Adam),
         so a 16-bit copy costs no extra pass. Without ``overlap_forward`` it returns when all
         is published (in stream order); with it, at once, and forward pre-hooks wait for each
-        module's chunks."""
+        module's chunks. ``step``: the ``ChunkedStep`` behind ``update``, whose chunks the GPU
+        may step instead ([Note: step assist])."""
         self.wait_step()
+        self._assist_step = step if self._assist is not None else None
         if self.optimizer_split is not None:
             self._publish_device()
         if self._copy_stream is not None:  # the backward's last reads of the buffers come first
@@ -666,8 +676,10 @@ class Stage12Partitioner:
             return
         n = max(c.numel for c in self._chunks)
         if self._out_in_pass and not self._stage_slots:
-            self._stage_slots = [host_empty(n, self.params.dtype, pin=True) for _ in range(2)]
-            self._slot_free = [torch.cuda.Event(), torch.cuda.Event()]
+            # with the assist, a CPU chunk's copy may queue behind GPU chunks: more slots
+            k = 4 if self._assist is not None else 2
+            self._stage_slots = [host_empty(n, self.params.dtype, pin=True) for _ in range(k)]
+            self._slot_free = [torch.cuda.Event() for _ in range(k)]
         if not self._out_in_pass and not self._scratch:
             self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device)
                              for _ in range(2)]
@@ -685,12 +697,19 @@ class Stage12Partitioner:
         b, lb, size = c.bucket, self._local_base[c.bucket.index], c.bucket.slice_numel(self.world)
         dst = self.params.narrow(0, b.start + self.rank * size + c.slice_lo, c.numel)
         hlo = lb + c.slice_lo - self._dev_len[b.group_index]  # host-side local offset
+        assist = self._assist if self._assist_step is not None else None
+        if assist is not None:
+            if assist.wants(c.numel):
+                self._assisted_job(c, i, b, hlo, dst)
+                return
+            assist.cpu(c.numel)
         out = None
         if self._copy_stream is None:  # parameters in host memory: written in the pass
             out = dst
         elif self._out_in_pass:
-            self._slot_free[i % 2].synchronize()  # the slot's last copy to the GPU read it
-            out = self._stage_slots[i % 2].narrow(0, 0, c.numel)
+            k = i % len(self._stage_slots)
+            self._slot_free[k].synchronize()  # the slot's last copy to the GPU read it
+            out = self._stage_slots[k].narrow(0, 0, c.numel)
         with self._runner.clock.phase("adam"):
             update(b.group_index, hlo, c.numel, out=out)
         with self._runner.clock.phase("publish"):
@@ -713,7 +732,7 @@ class Stage12Partitioner:
             if out is not None:
                 count_copy(self.transfers, out, dst)
                 dst.copy_(out, non_blocking=True)
-                self._slot_free[i % 2].record(self._copy_stream)
+                self._slot_free[i % len(self._stage_slots)].record(self._copy_stream)
             elif src.dtype == dst.dtype:
                 count_copy(self.transfers, src, dst)
                 dst.copy_(src, non_blocking=True)
@@ -722,6 +741,19 @@ class Stage12Partitioner:
                 count_copy(self.transfers, src, landing)
                 landing.copy_(src, non_blocking=True)
                 dst.copy_(landing)
+            if c.gather:
+                comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
+            self._runner.events[i].record(self._copy_stream)
+
+    def _assisted_job(self, c: StepChunk, i: int, b: Bucket, hlo: int, dst: torch.Tensor) -> None:
+        """Chunk ``i`` stepped on the GPU ([Note: step assist]): its 16-bit values are cast into
+        ``dst`` there, after every earlier chunk's publication; the copy stream (later chunks,
+        the bucket's all-gather, ``events[i]``) waits for them."""
+        with self._runner.clock.phase("assist"):
+            done = self._assist.submit(self._assist_step, b.group_index, hlo, c.numel, dst,
+                                       after=self._copy_stream)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(done)
             if c.gather:
                 comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
             self._runner.events[i].record(self._copy_stream)
@@ -739,13 +771,20 @@ class Stage12Partitioner:
         current stream is ordered after every publication."""
         if not self._runner.running:
             return
-        self._runner.join()
+        try:
+            self._runner.join()
+        finally:
+            if self._assist is not None:  # the GPU's chunks are back in host memory
+                self._assist.drain()
         if self._runner.events is not None and self._chunks:
             torch.cuda.current_stream(self.device).wait_event(self._runner.events[-1])
 
     def stats_sources(self) -> dict[str, dict]:
         """Transfer counters for ``engine.stats()``."""
-        return {"stage12.copies": self.transfers.as_dict()}
+        out = {"stage12.copies": self.transfers.as_dict()}
+        if self._assist is not None:
+            out["stage12.step_assist"] = self._assist.stats()
+        return out
 
     def host_step_timings(self) -> dict[str, float]:
         """Seconds in the host step's phases since start (step_overlap.PhaseClock)."""
@@ -756,7 +795,8 @@ class Stage12Partitioner:
         flat 16-bit parameter and gradient buffers, staging and landing buffers."""
         return ([t for sg in self._physical for t in (sg.master, sg.grad)] + [self.params, self.grads]
                 + list(self._staging16.values()) + list(self._accum_staging.values())
-                + list(self._scratch) + list(self._stage_slots))
+                + list(self._scratch) + list(self._stage_slots)
+                + (self._assist.held_tensors() if self._assist is not None else []))
 
     def close(self) -> None:
         self.wait_step()

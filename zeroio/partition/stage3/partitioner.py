@@ -41,12 +41,15 @@ twin.py), and the jobs update and publish only host pieces.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from zeroio.config.zero import step_assist_enabled
 from zeroio.errors import DistributedError
+from zeroio.optim.assist import StepAssist
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Phase, ShardGroup
 from zeroio.partition.host_grads import host_grad_dtype
@@ -69,7 +72,7 @@ from zeroio.partition.stage3.twin import (
     place,
 )
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
-from zeroio.tiering.stats import TierStats
+from zeroio.tiering.stats import StallTimer, TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
 
@@ -155,6 +158,13 @@ class Stage3Partitioner:
                 isinstance(self.store, HostShards):
             self._publisher = DevicePublish(stream=self.streams.d2h, dtype=compute_dtype,
                                             transfers=self.transfers)
+        self._assist = (StepAssist(device, transfers=self.transfers)
+                        if settings.step_assist and device.type == "cuda"
+                        and settings.cpu_optimizer and isinstance(self.store, HostShards)
+                        else None)  # [Note: step assist] in optim/assist.py
+        self._assist_step = None
+        self._assisted: dict[int, list[torch.cuda.Event]] = {}
+        """Per group, the events behind the GPU's copies into its host shard (this step)."""
         for g in self.pgroups:
             g.before_fetch = self._await_shard
         for g in self.pgroups:
@@ -257,7 +267,7 @@ class Stage3Partitioner:
         self.store.prefetch(upcoming)
         for nxt in upcoming:
             ng = self.pgroups[nxt]
-            if self.world == 1 and nxt in self._unpublished:
+            if self.world == 1 and (nxt in self._unpublished or not self._assist_done(nxt)):
                 continue  # the step is still on it: gather it when used (with more ranks
                 # the gathers are collectives, in the same order on every rank: wait)
             if ng.state is GroupState.SHARDED and not ng.plan.persistent and \
@@ -390,6 +400,8 @@ class Stage3Partitioner:
         store_stats = getattr(self.store, "stats", None)
         if store_stats is not None:
             out["stage3.params"] = store_stats()
+        if self._assist is not None:
+            out["stage3.step_assist"] = self._assist.stats()
         return out
 
     def held_tensors(self) -> list[torch.Tensor]:
@@ -403,13 +415,16 @@ class Stage3Partitioner:
         out += self.landing.held_tensors()
         if self._publisher is not None:
             out += self._publisher.held_tensors()
+        if self._assist is not None:
+            out += self._assist.held_tensors()
         return out
 
     # -- host step ([Note: stage-3 host step]) ---------------------------------------------
-    def run_step(self, update, *, out_in_pass: bool = False) -> None:
+    def run_step(self, update, *, out_in_pass: bool = False, step=None) -> None:
         """The optimizer step of host masters: ``update(opt_group, local_start, numel)`` (CPU
         Adam, ``ChunkedStep.update``) over every piece, each chunk published behind it; see
-        the note for the threads and when it returns."""
+        the note for the threads and when it returns. ``step``: the ``ChunkedStep`` behind
+        ``update``, whose chunks the GPU may step instead ([Note: step assist])."""
         self.wait_step()
         if not isinstance(self.store, (HostShards, DeviceShards)):
             for sg in self._sides[Side.HOST]:
@@ -435,6 +450,7 @@ class Stage3Partitioner:
         self._runner = StepRunner(len(later), torch.device("cpu"),  # host writes: no events
                                   clock=self._clock)
         into_shard = out_in_pass and isinstance(self.store, HostShards)
+        self._assist_step = step if self._assist is not None and into_shard else None
         self._runner.start(lambda i: self._step_group(update, later[i], into_shard))
         if not self.settings.overlap_step:
             self.wait_step()
@@ -480,6 +496,8 @@ class Stage3Partitioner:
                     if into_shard:  # publishing is the wait for readers of the shard
                         with self._clock.phase("publish"):
                             out = self.store.writable(gi, ref.piece.lo + lo, hi - lo)
+                        if self._assisting(gi, ref.piece.opt_group, ref.base + lo, hi - lo, out):
+                            continue
                         with self._clock.phase("adam"):
                             update(ref.piece.opt_group, ref.base + lo, hi - lo, out=out)
                         continue
@@ -489,16 +507,37 @@ class Stage3Partitioner:
                         g.update_shard(ref.piece.lo + lo, master.narrow(0, ref.base + lo, hi - lo))
         self._unpublished.discard(gi)
 
+    def _assisting(self, gi: int, opt_group: int, lo: int, numel: int,
+                   out: torch.Tensor) -> bool:
+        """Hand the chunk to the GPU if the assist wants it now (the worker's jobs only;
+        ``_await_shard`` waits for the copies into the shard)."""
+        assist = self._assist if self._assist_step is not None else None
+        if assist is None or self._runner is None or not self._runner.running:
+            return False
+        if not assist.wants(numel):
+            assist.cpu(numel)
+            return False
+        with self._clock.phase("assist"):
+            done = assist.submit(self._assist_step, opt_group, lo, numel, out)
+        self._assisted.setdefault(gi, []).append(done)
+        return True
+
+    def _assist_done(self, gi: int) -> bool:
+        """The GPU's copies into group ``gi``'s host shard have finished (or there are none)."""
+        return all(e.query() for e in self._assisted.get(gi, ()))
+
     def _await_shard(self, gi: int) -> None:
         """``ParamGroup.before_fetch``: the device side's copies of ``gi`` are ordered before
         its fetch, and the overlapped step's job of ``gi`` has finished."""
         if self._publisher is not None:
             self._publisher.before_fetch(gi, self.streams.h2d)
         runner = self._runner
-        if runner is None or gi not in self._unpublished:
-            return
-        with torch.profiler.record_function("zeroio::stage3::await_step"):
-            runner.wait_for(self._job_of[gi])
+        if runner is not None and gi in self._unpublished:
+            with torch.profiler.record_function("zeroio::stage3::await_step"):
+                runner.wait_for(self._job_of[gi])
+        for e in self._assisted.pop(gi, ()):  # the job is done: its list is complete
+            with StallTimer(self.transfers):
+                e.synchronize()
 
     def wait_step(self) -> None:
         """Wait for a step started by ``run_step`` (re-raising its worker's error); later
@@ -514,6 +553,10 @@ class Stage3Partitioner:
         finally:
             self._unpublished = set()
             self._job_of = {}
+            if self._assist is not None:  # the GPU's chunks are back in host memory
+                self._assist.drain()
+                self._assisted = {}
+            self._assist_step = None
 
     # -- GatheredParameters -----------------------------------------------------------------
     def groups_of(self, params) -> list[int]:
@@ -567,8 +610,10 @@ def _covers_shard(plan, rank: int, refs: list[_PieceRef]) -> bool:
 def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.device,
                              compute_dtype: torch.dtype, home) -> Stage3Partitioner:
     """What ``engine.build_partitioner`` calls for ``zero_optimization.stage: 3``."""
+    settings = Stage3Settings.from_zero_config(
+        cfg.zero_optimization, accumulation_steps=cfg.gradient_accumulation_steps)
+    settings = dataclasses.replace(settings, step_assist=settings.cpu_optimizer and
+                                   step_assist_enabled(cfg.zero_optimization.tiering, device))
     return Stage3Partitioner(module=module, param_groups=spec.param_groups,
                              compute_dtype=compute_dtype, device=device, home=home,
-                             settings=Stage3Settings.from_zero_config(
-                                 cfg.zero_optimization,
-                                 accumulation_steps=cfg.gradient_accumulation_steps))
+                             settings=settings)

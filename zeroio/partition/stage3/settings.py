@@ -61,6 +61,11 @@ class Stage3Settings:
     call, smaller ones find more of the chunk in cache. 64M, as stage12.STEP_CHUNK_NUMEL: on
     the H200 machine (2026-11-29, 1.36B, overlapped step) 64M gave 0.709 s/step, 16M 0.722."""
 
+    step_assist: bool = False
+    """offload_optimizer cpu with host shards on CUDA: the GPU steps a share of the host
+    chunks ([Note: step assist] in optim/assist.py); ``build_stage3_partitioner`` resolves
+    ``zero_optimization.tiering.step_assist`` for the device."""
+
     def __post_init__(self) -> None:
         if not 0.0 < self.optimizer_ratio <= 1.0:
             raise ConfigError(f"offload_optimizer.ratio must be in (0, 1], got "

@@ -1,0 +1,201 @@
+"""The GPU's share of the host optimizer step (zeroio/optim/assist.py, [Note: step assist]).
+
+CPU (here): ``zero_optimization.tiering.step_assist`` and ``ZEROIO_STEP_ASSIST`` resolve as
+documented, bad values name the key, "on" without CUDA is an error naming the setting,
+and an engine on the CPU builds no assist.
+
+GPU (``-m gpu``): ``tiny_mlp`` with offload_optimizer cpu, the overlapped step on, chunks of
+64 elements in slots of 32 (every GPU chunk takes two slots), against plain torch AdamW +
+clip_grad_norm_ and against the same run with the assist off:
+
+- stage 2 fp32 (torch's CPU Adam, fp32 host gradients) and bf16 (the one-pass kernel,
+  bf16 host gradients); stage 3 bf16 with parameter offload (the GPU writes host shards);
+- modes: "all" (a backlog no chunk reaches: every chunk on the GPU), "mixed" (a backlog of
+  one chunk: the worker steps the next chunk itself while one is on the GPU) and off;
+- the assist's element counts, the bytes it moved (14 per element up with a 16-bit
+  gradient, 12 down), and a checkpoint saved right after an assisted step that loads into
+  an engine without the assist with every state bit for bit (the GPU's writes reached host
+  memory before the save read it).
+
+On the GPU machine:  python3 -m pytest -q -m gpu tests/test_step_assist.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_stage12_ratio as r12  # noqa: I001 (tests/ is on sys.path under pytest)
+import torch
+
+from zeroio.config import load_config
+from zeroio.config.zero import step_assist_enabled
+from zeroio.errors import ConfigError
+from zeroio.testing import run_ranks
+from zeroio.testing.cuda import need_cuda
+from zeroio.testing.models import tiny_mlp
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+# ---- configuration (CPU) ---------------------------------------------------------------------
+
+def _tiering(value):
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    if value is not ...:
+        zero["tiering"] = {"step_assist": value}
+    return load_config({"train_micro_batch_size_per_gpu": 1,
+                        "zero_optimization": zero}).zero_optimization.tiering
+
+
+@pytest.mark.parametrize("value, cpu, cuda", [(..., False, True), ("auto", False, True),
+                                              (None, False, True), (False, False, False),
+                                              (True, None, True)])
+def test_config_resolution(monkeypatch, value, cpu, cuda):
+    monkeypatch.delenv("ZEROIO_STEP_ASSIST", raising=False)
+    t = _tiering(value)
+    assert step_assist_enabled(t, CUDA) is cuda
+    if cpu is None:  # on, without CUDA
+        with pytest.raises(ConfigError) as e:
+            step_assist_enabled(t, CPU)
+        assert e.value.key == "zero_optimization.tiering.step_assist"
+        assert "false" in str(e.value)
+    else:
+        assert step_assist_enabled(t, CPU) is cpu
+
+
+@pytest.mark.parametrize("env, cuda", [("1", True), ("0", False), ("auto", True),
+                                       ("no", False)])
+def test_env_overrides_config(monkeypatch, env, cuda):
+    monkeypatch.setenv("ZEROIO_STEP_ASSIST", env)
+    assert step_assist_enabled(_tiering(False), CUDA) is cuda
+    assert step_assist_enabled(_tiering(True), CUDA) is cuda
+    if cuda and env != "auto":
+        with pytest.raises(ConfigError) as e:
+            step_assist_enabled(_tiering(False), CPU)
+        assert e.value.key == "ZEROIO_STEP_ASSIST"
+
+
+def test_bad_values_name_the_key(monkeypatch):
+    with pytest.raises(ConfigError) as e:
+        _tiering("yes")
+    assert e.value.key == "zero_optimization.tiering.step_assist"
+    assert '"auto"' in str(e.value)
+    monkeypatch.setenv("ZEROIO_STEP_ASSIST", "maybe")
+    with pytest.raises(ConfigError) as e:
+        step_assist_enabled(_tiering(...), CUDA)
+    assert e.value.key == "ZEROIO_STEP_ASSIST"
+
+
+def _cpu_engine_body():
+    import zeroio
+
+    engine, *_ = zeroio.initialize(model=tiny_mlp(), config=r12._config(2, 1.0, overlap=True))
+    out = {"assist": engine.partitioner._assist is not None,
+           "sources": sorted(engine.stats()["sources"])}
+    engine.close()
+    return out
+
+
+def test_cpu_engine_has_no_assist(monkeypatch):
+    monkeypatch.delenv("ZEROIO_STEP_ASSIST", raising=False)
+    out, = run_ranks(_cpu_engine_body, 1, timeout=120)
+    assert not out["assist"]
+    assert not any("step_assist" in s for s in out["sources"])
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+
+STEPS = 3
+MODES = {"all": 1 << 40, "mixed": 64, "off": None}
+
+
+def _config(stage, dtype):
+    cfg = r12._config(stage, 1.0, overlap=True, dtype=dtype)
+    if stage == 3:
+        cfg["zero_optimization"].update(
+            stage3_param_persistence_threshold=0,
+            offload_param={"device": "cpu", "pin_memory": True})
+    return cfg
+
+
+def _states(engine):
+    """Every group's local fp32 master and moments (host copies), in group order."""
+    engine.synchronize()
+    return [engine.optimizer.local_tensor(g.group_index, kind).detach().cpu().clone()
+            for g in engine.partitioner.groups for kind in ("fp32", "exp_avg", "exp_avg_sq")]
+
+
+def _gpu_body(stage, dtype, tmpdir):
+    import os
+
+    import zeroio
+    from zeroio.optim import assist
+    from zeroio.partition import stage12
+
+    stage12.STEP_CHUNK_NUMEL = 64
+    os.environ["ZEROIO_STEP_CHUNK_NUMEL"] = "64"
+    assist.SLOT_NUMEL = 32
+    os.environ["ZEROIO_CPU_ADAM"] = "compiled" if dtype == "bf16" else "torch"
+    out = {}
+    for mode, backlog in MODES.items():
+        os.environ["ZEROIO_STEP_ASSIST"] = "0" if backlog is None else "1"
+        assist.BACKLOG_NUMEL = backlog or 1
+        engine, *_ = zeroio.initialize(model=tiny_mlp(), config=_config(stage, dtype))
+        losses = r12._train(engine, STEPS, 1, engine.device)
+        stats = engine.stats()
+        res = {"losses": losses, "states": [t.tolist() for t in _states(engine)],
+               "masters": r12._masters(engine).tolist() if stage < 3 else None,
+               "counts": next((v for k, v in stats["sources"].items()
+                               if k.endswith("step_assist")), None),
+               "moved": stats["bytes_moved"],
+               "host_numel": sum(g.master.numel() for g in engine.partitioner.groups)}
+        if mode == "all":  # a checkpoint right behind an assisted step, loaded without it
+            saved = _states(engine)
+            engine.save_checkpoint(tmpdir, tag="t")
+            engine.close()
+            os.environ["ZEROIO_STEP_ASSIST"] = "0"
+            other, *_ = zeroio.initialize(model=tiny_mlp(), config=_config(stage, dtype))
+            other.load_checkpoint(tmpdir, tag="t")
+            res["reload_equal"] = all(torch.equal(a, b) for a, b in zip(
+                saved, _states(other), strict=True))
+            other.close()
+        else:
+            engine.close()
+        out[mode] = res
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage, dtype", [(2, "fp32"), (2, "bf16"), (3, "bf16")])
+@pytest.mark.parametrize("world", [1, 2])
+def test_step_assist_matches_reference(tmp_path, stage, dtype, world):
+    need_cuda(world)
+    outs = run_ranks(_gpu_body, world, stage, dtype, str(tmp_path), timeout=300,
+                     backend="nccl" if world > 1 else "gloo")
+    ref_losses, ref_params = r12._reference(world, STEPS, 1)
+    tight = dtype == "fp32"
+    for out in outs:
+        off = out["off"]
+        assert off["counts"] is None  # no assist, no source
+        for mode in ("all", "mixed"):
+            got = out[mode]
+            c = got["counts"]
+            assert c["numel_gpu"] > 0, (mode, c)
+            assert c["numel_gpu"] + c["numel_cpu"] == STEPS * got["host_numel"], (mode, c)
+            if mode == "all":
+                assert c["numel_cpu"] == 0, c
+                # up: master and moments (12 bytes) and the host gradient; down: 12 bytes,
+                # plus the 16-bit shard at stage 3
+                grad_bytes = 2 if dtype == "bf16" else 4
+                assert got["moved"]["cpu->gpu"] >= (12 + grad_bytes) * c["numel_gpu"]
+                assert got["moved"]["gpu->cpu"] >= 12 * c["numel_gpu"]
+                assert got["reload_equal"]
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-4 if tight else 3e-2)
+            if got["masters"] is not None:
+                err = (torch.tensor(got["masters"]) - ref_params).abs().max()
+                assert err < (1e-4 if tight else 2e-2), (mode, err)
+            # against the same run on the CPU alone: float32 rounding of the two kernels
+            # (a bf16 forward can grow it to about one bf16 step of a parameter)
+            for a, b in zip(got["states"], off["states"], strict=True):
+                diff = (torch.tensor(a) - torch.tensor(b)).abs().max()
+                assert diff < (1e-5 if tight else 5e-3), (mode, diff)
+        assert off["losses"] == pytest.approx(ref_losses, rel=1e-4 if tight else 3e-2)

@@ -1,0 +1,187 @@
+"""The GPU's share of a host optimizer step: chunks of host Adam state stepped on the GPU.
+
+[Note: step assist]
+With ``offload_optimizer.device: cpu`` the optimizer state lives in pinned host
+memory and the host step is CPU Adam over chunks (step_overlap.py). On the H200
+machine that pass is bound by what 16 cores can pull through host memory
+(28 bytes per element at ~107 GB/s: 0.36 s for 1.364e9 elements, session 4),
+while the GPU waits for it and the PCIe link is idle. ``StepAssist`` lets the
+GPU take chunks of the same step: the chunk's master, moments and 16-bit
+gradient go up (14 bytes per element over PCIe, read by DMA, not by a core),
+torch's fused Adam(W) steps them in a GPU slot, the 16-bit copy is written
+where the parameters are read (the GPU parameter buffer, or a host shard at
+stage 3 with parameter offload), and master and moments go back down (12
+bytes). The state's home stays host memory: between steps the GPU holds
+nothing of it, during the step only ``slots`` x ``slot_numel`` elements of
+scratch (four slots of 16M elements: 1.1 GiB with a 16-bit gradient).
+
+The host worker decides chunk by chunk (in publication order, one thread, so
+collectives keep their order on every rank): while the GPU's backlog of
+submitted, unfinished elements is below ``backlog_numel`` the next chunk goes
+to the GPU, otherwise the worker steps it on the CPU itself. Nothing on the
+GPU side blocks the worker: a slot is reused after a stream wait on the event
+behind its last copy down. Each side runs at its own rate and the split
+follows, whatever the host's memory bandwidth or the link's.
+
+The math is torch's fused Adam(W) with the step's ``grad_scale``, as on the
+device side of ``offload_optimizer.ratio`` (the one-pass CPU kernel is the same
+formula; results agree to float32 rounding).
+
+Ordering contract (the caller's): a submitted chunk's host state is the GPU's
+until ``drain()``; ``submit`` returns the event behind the chunk's 16-bit
+copy (what readers of the parameters wait on), and every later chunk, GPU or
+CPU, must be published after it (``after`` orders the GPU's copy behind the
+caller's publication stream).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroio.optim.adam import AdamState, adam_update
+from zeroio.tiering.stats import TierStats, count_copy
+
+SLOT_NUMEL = 1 << 24
+"""Elements per GPU slot (16M: 288 MB with fp32 master, moments and a 16-bit gradient)."""
+SLOTS = 4
+BACKLOG_NUMEL = 1 << 27
+"""Submitted, unfinished elements above which the next chunk is stepped on the CPU (two of
+the host step's 64M-element chunks)."""
+
+
+class StepAssist:
+    """GPU slots and two streams (up: copies in, Adam, the 16-bit copy; down: state back)."""
+
+    def __init__(self, device: torch.device, *, slot_numel: int | None = None,
+                 slots: int | None = None, backlog_numel: int | None = None,
+                 transfers: TierStats | None = None):
+        """Sizes default to the module's ``SLOT_NUMEL``, ``SLOTS``, ``BACKLOG_NUMEL`` (read
+        now, so a test or benchmark may set them)."""
+        if device.type != "cuda":
+            raise ValueError(f"StepAssist needs a CUDA device, got {device}")
+        self.device = device
+        self.slot_numel = slot_numel or SLOT_NUMEL
+        self.n_slots = slots or SLOTS
+        self.backlog_numel = backlog_numel or BACKLOG_NUMEL
+        self.transfers = transfers
+        self.up = torch.cuda.Stream(device)
+        self.down = torch.cuda.Stream(device)
+        self._bufs: list[dict[str, torch.Tensor]] = [{} for _ in range(self.n_slots)]
+        self._free: list[torch.cuda.Event | None] = [None] * self.n_slots
+        self._next = 0
+        self._pending: list[tuple[torch.cuda.Event, int]] = []
+        self.numel_gpu = 0
+        """Elements stepped on the GPU since start (``stats``)."""
+        self.numel_cpu = 0
+        """Elements the caller stepped on the CPU beside it (counted by ``cpu``)."""
+
+    # ---- the caller's decision ---------------------------------------------------------------
+
+    def backlog(self) -> int:
+        """Submitted elements whose 16-bit copy has not finished."""
+        self._pending = [(e, n) for e, n in self._pending if not e.query()]
+        return sum(n for _, n in self._pending)
+
+    def wants(self, numel: int) -> bool:
+        """Whether the next chunk of ``numel`` elements should go to the GPU now."""
+        return self.backlog() + min(numel, self.backlog_numel) <= self.backlog_numel
+
+    def cpu(self, numel: int) -> None:
+        self.numel_cpu += numel
+
+    # ---- a chunk on the GPU -----------------------------------------------------------------
+
+    def _buf(self, k: int, name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """Slot ``k``'s buffer ``name`` (allocated on first use), its first ``n`` elements."""
+        buf = self._bufs[k].get(name)
+        if buf is None or buf.dtype != dtype:
+            buf = self._bufs[k][name] = torch.empty(self.slot_numel, dtype=dtype,
+                                                    device=self.device)
+        return buf.narrow(0, 0, n)
+
+    def submit(self, step, group_index: int, lo: int, numel: int, out: torch.Tensor,
+               after: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+        """Step elements [lo, lo + numel) of ``step``'s (a ``ChunkedStep``) group on the GPU,
+        the 16-bit result into ``out`` (``numel`` long, on the GPU or pinned host memory).
+        ``after``: the 16-bit copies wait for the work queued on that stream so far (GPU
+        ``out``: the stream that ordered itself after the last readers of the parameters). Returns
+        the event behind the 16-bit copy; ``drain`` before the host touches the state."""
+        master, grad, exp_avg, exp_avg_sq = step.host_views(group_index, lo, numel)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.up):
+            hyper, decoupled, grad_scale, step_dev, scale_dev = step.device_args(group_index,
+                                                                                 self.device)
+        done = None
+        with torch.cuda.device(self.device):
+            for a in range(0, numel, self.slot_numel):
+                n = min(self.slot_numel, numel - a)
+                k, self._next = self._next, (self._next + 1) % self.n_slots
+                done = self._piece(
+                    k, [t.narrow(0, a, n) for t in (master, grad, exp_avg, exp_avg_sq, out)],
+                    hyper, decoupled, grad_scale, step_dev, scale_dev, after)
+        self._pending.append((done, numel))
+        self.numel_gpu += numel
+        return done
+
+    def _piece(self, k, views, hyper, decoupled, grad_scale, step_dev, scale_dev,
+               after) -> torch.cuda.Event:
+        master, grad, exp_avg, exp_avg_sq, out = views
+        n = master.numel()
+        p, m, v, g = (self._buf(k, name, torch.float32, n) for name in ("p", "m", "v", "g"))
+        up, down = self.up, self.down
+        with torch.cuda.stream(up):
+            if self._free[k] is not None:
+                up.wait_event(self._free[k])  # the slot's last copies down have read it
+            pairs = [(master, p), (exp_avg, m), (exp_avg_sq, v)]
+            low_grad = self._buf(k, "g16", grad.dtype, n) if grad.dtype != torch.float32 else g
+            pairs.append((grad, low_grad))
+            for src, dst in pairs:
+                count_copy(self.transfers, src, dst)
+                dst.copy_(src, non_blocking=True)
+            if low_grad is not g:
+                g.copy_(low_grad)
+            adam_update(master=p, grad=g,
+                        state=AdamState(exp_avg=m, exp_avg_sq=v, step=step_dev.clone()),
+                        hyper=hyper, decoupled=decoupled, grad_scale=grad_scale,
+                        scale_tensor=scale_dev)
+            if after is not None:  # earlier chunks are published first, and the work
+                up.wait_stream(after)  # queued there before (the backward's reads) is done
+            low = out if out.device.type == "cuda" else self._buf(k, "out", out.dtype, n)
+            low.copy_(p)  # the 16-bit cast, on the GPU
+            stepped = torch.cuda.Event()
+            stepped.record(up)
+        with torch.cuda.stream(down):
+            down.wait_event(stepped)
+            done = stepped
+            if low is not out:  # a host 16-bit shard (stage 3, parameter offload)
+                count_copy(self.transfers, low, out)
+                out.copy_(low, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(down)
+            for src, dst in ((p, master), (m, exp_avg), (v, exp_avg_sq)):
+                count_copy(self.transfers, src, dst)
+                dst.copy_(src, non_blocking=True)
+            free = torch.cuda.Event()
+            free.record(down)
+        self._free[k] = free
+        return done
+
+    # ---- the end of a step --------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Host wait until every chunk's state is back in host memory (before the host reads
+        or writes it: the next step, a checkpoint, the next backward's gradients)."""
+        for e in self._free:
+            if e is not None:
+                e.synchronize()
+        self._pending = []
+
+    def order(self, stream: torch.cuda.Stream) -> None:
+        """``stream``'s later work follows every 16-bit copy submitted so far."""
+        stream.wait_stream(self.up)
+        stream.wait_stream(self.down)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [t for slot in self._bufs for t in slot.values()]
+
+    def stats(self) -> dict[str, int]:
+        return {"numel_gpu": self.numel_gpu, "numel_cpu": self.numel_cpu}
