@@ -79,7 +79,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
+from zeroio.config.zero import step_assist_enabled
 from zeroio.errors import ConfigError
+from zeroio.optim import assist
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
 FP32 = 4
@@ -371,6 +373,15 @@ def estimate_memory(
                 add("device-side publish staging (ratio)", "gpu",
                     b * min(PUBLISH_CHUNK_NUMEL, dev), buf,
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
+        if opt_dev == "cpu" and (stage < 3 or par_dev == "cpu") and shard > dev and \
+                step_assist_enabled(zero.tiering, "cuda"):
+            # [Note: step assist] in optim/assist.py: fp32 master, moments and gradient, the
+            # host gradient as it is, and at stage 3 the 16-bit copy for the host shard
+            hg = host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage)
+            per = 4 * FP32 + (hg if hg != FP32 else 0) + (b if stage == 3 else 0)
+            add("step assist slots (during the step)", "gpu",
+                assist.SLOTS * min(assist.SLOT_NUMEL, shard - dev) * per, buf,
+                f"{assist.SLOTS} * min({assist.SLOT_NUMEL}, offloaded elements per GPU) * {per}")
         if gas > 1 and grad_tier == "cpu" and stage == 3 and dtype != "fp32":
             add("gradient accumulation staging (pinned fp32)", "cpu", FP32 * (shard - dev), buf,
                 "4 * offloaded elements per GPU")

@@ -52,15 +52,16 @@ the host step's 64M-element chunks)."""
 class StepAssist:
     """GPU slots and two streams (up: copies in, Adam, the 16-bit copy; down: state back)."""
 
-    def __init__(self, device: torch.device, *, slot_numel: int | None = None,
-                 slots: int | None = None, backlog_numel: int | None = None,
-                 transfers: TierStats | None = None):
-        """Sizes default to the module's ``SLOT_NUMEL``, ``SLOTS``, ``BACKLOG_NUMEL`` (read
-        now, so a test or benchmark may set them)."""
+    def __init__(self, device: torch.device, *, host_numel: int,
+                 slot_numel: int | None = None, slots: int | None = None,
+                 backlog_numel: int | None = None, transfers: TierStats | None = None):
+        """``host_numel``: elements of the host optimizer state (no slot is larger). Sizes
+        default to the module's ``SLOT_NUMEL``, ``SLOTS``, ``BACKLOG_NUMEL`` (read now, so a
+        test or benchmark may set them)."""
         if device.type != "cuda":
             raise ValueError(f"StepAssist needs a CUDA device, got {device}")
         self.device = device
-        self.slot_numel = slot_numel or SLOT_NUMEL
+        self.slot_numel = max(1, min(slot_numel or SLOT_NUMEL, host_numel))
         self.n_slots = slots or SLOTS
         self.backlog_numel = backlog_numel or BACKLOG_NUMEL
         self.transfers = transfers
@@ -131,12 +132,8 @@ class StepAssist:
         with torch.cuda.stream(up):
             if self._free[k] is not None:
                 up.wait_event(self._free[k])  # the slot's last copies down have read it
-            pairs = [(master, p), (exp_avg, m), (exp_avg_sq, v)]
             low_grad = self._buf(k, "g16", grad.dtype, n) if grad.dtype != torch.float32 else g
-            pairs.append((grad, low_grad))
-            for src, dst in pairs:
-                count_copy(self.transfers, src, dst)
-                dst.copy_(src, non_blocking=True)
+            _copies(self.transfers, (master, exp_avg, exp_avg_sq, grad), (p, m, v, low_grad))
             if low_grad is not g:
                 g.copy_(low_grad)
             adam_update(master=p, grad=g,
@@ -157,9 +154,7 @@ class StepAssist:
                 out.copy_(low, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(down)
-            for src, dst in ((p, master), (m, exp_avg), (v, exp_avg_sq)):
-                count_copy(self.transfers, src, dst)
-                dst.copy_(src, non_blocking=True)
+            _copies(self.transfers, (p, m, v), (master, exp_avg, exp_avg_sq))
             free = torch.cuda.Event()
             free.record(down)
         self._free[k] = free
@@ -185,3 +180,11 @@ class StepAssist:
 
     def stats(self) -> dict[str, int]:
         return {"numel_gpu": self.numel_gpu, "numel_cpu": self.numel_cpu}
+
+
+def _copies(transfers: TierStats | None, srcs, dsts) -> None:
+    """``dst.copy_(src, non_blocking=True)`` for each pair, as one call (the worker thread
+    pays Python and the GIL per call, beside a training thread that also wants it)."""
+    for src, dst in zip(srcs, dsts, strict=True):
+        count_copy(transfers, src, dst)
+    torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)

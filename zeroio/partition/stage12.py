@@ -261,7 +261,8 @@ class Stage12Partitioner:
         self._out_in_pass = False
         if home.device.type == "cpu" and device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device)
-        self._assist = (StepAssist(device, transfers=self.transfers)
+        self._assist = (StepAssist(device, host_numel=sum(c.numel for c in self._chunks),
+                                   transfers=self.transfers)
                         if step_assist and self._copy_stream is not None and self._cpu_optimizer
                         else None)
         self._assist_step = None

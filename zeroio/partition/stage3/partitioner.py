@@ -158,7 +158,8 @@ class Stage3Partitioner:
                 isinstance(self.store, HostShards):
             self._publisher = DevicePublish(stream=self.streams.d2h, dtype=compute_dtype,
                                             transfers=self.transfers)
-        self._assist = (StepAssist(device, transfers=self.transfers)
+        host_numel = sum(sg.master.numel() for sg in self._sides[Side.HOST])
+        self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers)
                         if settings.step_assist and device.type == "cuda"
                         and settings.cpu_optimizer and isinstance(self.store, HostShards)
                         else None)  # [Note: step assist] in optim/assist.py
@@ -512,9 +513,10 @@ class Stage3Partitioner:
         """Hand the chunk to the GPU if the assist wants it now (the worker's jobs only;
         ``_await_shard`` waits for the copies into the shard)."""
         assist = self._assist if self._assist_step is not None else None
-        if assist is None or self._runner is None or not self._runner.running:
+        if assist is None:
             return False
-        if not assist.wants(numel):
+        if self._runner is None or not self._runner.running or not assist.wants(numel):
+            # the calling thread's groups (gathered ones, re-gathered right after) stay on it
             assist.cpu(numel)
             return False
         with self._clock.phase("assist"):
