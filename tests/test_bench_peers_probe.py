@@ -35,7 +35,11 @@ def test_needs_by_hand():
     base = P.HOST_BASELINE
     # bf16 shards 2 + fp32 master 4 + moments 8 + fp32 gradient 4 (no bf16 gradient shard);
     # the zero.Init build (bf16 init shards 2 + host shards 2 + masters and gradients 8) is less
-    assert P.needs(psi, ("cpu", "cpu")) == {"gpu": gpu, "host": 18 * psi + base, "disk": 0}
+    # optimizer on cpu: the step assist's 4 GPU slots of 16M elements (fp32 master, moments,
+    # gradient, and the bf16 copy bound for the host shard)
+    assist = 4 * (1 << 24) * (16 + 2)
+    assert P.needs(psi, ("cpu", "cpu")) == {"gpu": gpu + assist, "host": 18 * psi + base,
+                                            "disk": 0}
     # nvme optimizer: masters stay on the host (4), moments (8) on the disk, 4 pinned swap
     # buffers of sub_group_size (1e9) fp32 values
     assert P.needs(psi, ("cpu", "nvme")) == {"gpu": gpu, "host": 10 * psi + 16 * 10**9 + base,
@@ -46,7 +50,7 @@ def test_needs_by_hand():
     # ratio 0.5: 2.5e9 elements keep 12 (optimizer) + 4 (fp32 gradient) bytes on the GPU, with
     # the staging buffer of the device side's bf16 publish (2^26 bf16)
     dev = psi // 2
-    assert P.needs(psi, ("cpu", "cpu"), 0.5) == {"gpu": gpu + 16 * dev + 2 * (1 << 26),
+    assert P.needs(psi, ("cpu", "cpu"), 0.5) == {"gpu": gpu + 16 * dev + 2 * (1 << 26) + assist,
                                                  "host": 2 * psi + 16 * (psi - dev) + base,
                                                  "disk": 0}
     # with the shape: a decoder layer is the largest group, activations on the GPU
@@ -55,7 +59,8 @@ def test_needs_by_hand():
     n = P.llama_params(2, 64, 128, 100)
     acts = 16 * (2 * (30 * 64 + 6 * 128) + 10 * 100)
     got = P.needs(n, ("cpu", "cpu"), 1.0, shape)
-    assert got["gpu"] == 2 * 4 * layer + 2 * layer + 2 * 2 * n + acts + P.GPU_BASELINE
+    assert got["gpu"] == (2 * 4 * layer + 2 * layer + 2 * 2 * n + acts + P.GPU_BASELINE
+                          + 4 * n * (16 + 2))  # assist slots as large as the host state
     assert got["host"] == 18 * n + base
 
 
@@ -69,7 +74,9 @@ def test_needs_with_16bit_host_gradients(monkeypatch):
     host_side = psi - psi // 2
     assert got["host"] == 2 * psi + (12 + 2) * host_side + base
     assert fp32["host"] - got["host"] == 2 * host_side
-    assert got["gpu"] == fp32["gpu"]  # the device side keeps fp32 gradients
+    # the device side keeps fp32 gradients; the step assist's slots hold the bf16 host
+    # gradient too (4 slots of 16M elements)
+    assert got["gpu"] == fp32["gpu"] + 4 * (1 << 24) * 2
     # gradient accumulation or an NVMe optimizer keep fp32 host gradients
     assert P.needs(psi, ("cpu", "nvme"))["host"] == 10 * psi + 16 * 10**9 + base
 

@@ -186,7 +186,8 @@ def test_stage3_ratio_buffers_by_hand():
            + 2 * 4 * group + 2 * group  # two fp32 group buckets, bf16 autograd gradients
            + 2 * 2 * psi                # live params (max_live + G, capped at Psi), shard copies
            + 2 * (1 << 26)              # publish staging of the device side's bf16 values
-           + act)
+           + 4 * (1 << 24) * (16 + 2)   # step assist: 4 slots of fp32 master, moments and
+           + act)                       # gradient (fp32 host gradients), the bf16 shard copy
     host = 2 * psi + 16 * (psi - dev) + 4 * (psi - dev)  # bf16 shards, state, GA staging
     assert r.gpu_bytes_per_gpu == gpu
     assert r.cpu_bytes_per_node == host
@@ -220,7 +221,9 @@ def test_stage12_host_gradients_by_hand(monkeypatch, stage, ratio, mode):
            + (2 * psi if stage == 1 else 0)  # stage 1: the replicated bf16 gradients
            + (2 + 12 + 4) * dev            # device side: gradient partition, state, fp32 grad
            + 2 * 500_000_000               # one reduce bucket (bf16)
-           + 2 * 500_000_000)              # all-gather bucket
+           + 2 * 500_000_000               # all-gather bucket
+           + 4 * (1 << 24) * (16 + (2 if g == 2 else 0)))  # step assist slots (16M each):
+    # fp32 master, moments and gradient, and the bf16 host gradient as it comes up
     cpu = (2 + 12 + g) * host              # gradient partition, state, host gradient shard
     assert r.gpu_bytes_per_gpu == gpu
     assert r.cpu_bytes_per_node == n * cpu

@@ -358,7 +358,8 @@ def test_estimate_stage12_ratio_by_hand():
     est = zeroio.estimate_memory(psi, config=cfg, dtype="fp32")
     assert est.device_elements == 3000
     buffers = 4 * rbs + 4 * agbs  # one fp32 reduce bucket, the all-gather bucket
-    assert est.gpu_bytes_per_gpu == 4 * psi + 16 * 3000 + buffers
+    assist = 4 * 1000 * 16  # step assist: 4 slots as large as the 1000 host elements, fp32
+    assert est.gpu_bytes_per_gpu == 4 * psi + 16 * 3000 + buffers + assist
     assert est.cpu_bytes_per_node == 16 * 1000
     plain = zeroio.estimate_memory(psi, stage=2, offload_optimizer="cpu", dtype="fp32",
                                    zeroio_buffers=False)

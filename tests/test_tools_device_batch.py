@@ -54,10 +54,11 @@ def test_step_timeouts_leave_room_inside_the_contenders_own():
 
 
 def test_gpu_test_files_are_all_in_a_batch():
+    """Every file with -m gpu tests is run by a one-GPU test batch (gpu1-tests, gpu1-tests-b)."""
     marked = {p.name for p in (REPO / "tests").glob("test_*.py")
               if re.search(r"^(@pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu)", p.read_text(), re.M)}
-    covered = {Path(m).name for s in db.BY_NAME["gpu1-tests"].steps
-               for m in re.findall(r"tests/(test_\w+\.py)", s.shell)}
+    covered = {Path(m).name for b in db.BATCHES if b.name.startswith("gpu1-tests")
+               for s in b.steps for m in re.findall(r"tests/(test_\w+\.py)", s.shell)}
     assert marked and marked <= covered, marked - covered
 
 

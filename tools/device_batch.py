@@ -127,10 +127,17 @@ BATCHES: tuple[Batch, ...] = (
                                         "compile on that host (unmeasured: > 40 s once)"),
               Step(name="stage12", shell=_pytest("tests/test_stage12_equivalence.py"),
                    timeout_s=20, sized="skips on 1 GPU; collection only"),
+          )),
+    Batch(name="gpu1-tests-b", kind=Kind.H200,
+          what="the rest of the -m gpu tests on 1 GPU (gpu1-tests is full; 2-GPU ones skip)",
+          steps=(
               Step(name="stage3-16bit", shell=_pytest("tests/test_stage3_16bit_grads.py"),
-                   timeout_s=50, sized="27 s with another test (session 4); 2-GPU case skips"),
+                   timeout_s=60, sized="27 s with another test (session 4); 2-GPU case skips; "
+                                       "first kernel compile on a fresh host 14 s"),
               Step(name="stage3-linear", shell=_pytest("tests/test_stage3_linear.py"),
-                   timeout_s=40, sized="8 layers of 2048, 2 x 2 steps"),
+                   timeout_s=45, sized="34 s (session 5, call 1)"),
+              Step(name="step-assist", shell=_pytest("tests/test_step_assist.py"),
+                   timeout_s=90, sized="57 s after a warm kernel (session 5, call 2)"),
           )),
     Batch(name="gpu2-tests", kind=Kind.H200_X2,
           what="NCCL equivalence stage 1/2 and 3 on 2 GPUs, stage 2's ratio and stage 3's 2-byte "
@@ -510,6 +517,20 @@ KERNEL_BATCHES += (
               _row("zeroio-z3-cpu", 60, sized="39-50 s (session 4)", overlap=True),
               _row("ds-z2-cpu", 75, sized="61 s (session 4)"),
               _row("ds-z3-cpu", 58, sized="45-47 s (session 4)", inner=55),
+          )),
+    Batch(name="final5", kind=Kind.H200, peers=True,
+          what="session 5's table: the step assist's GPU tests (foreach copies, stage 3 fetch "
+               "ordered on the GPU), then zeroio z2/z3 + cpu with it beside DeepSpeed z2/z3 and "
+               "FSDP2 in one call",
+          steps=(
+              Step(name="warm", shell=WARM_BOTH, timeout_s=62, sized="57 s (assist call)"),
+              Step(name="assist-tests", shell=_pytest("tests/test_step_assist.py"),
+                   timeout_s=90, sized="57 s (assist call)"),
+              _row("zeroio-z2-cpu", 65, sized="49 s (assist call)", overlap=True),
+              _row("zeroio-z3-cpu", 60, sized="45 s (assist call)", overlap=True),
+              _row("ds-z2-cpu", 72, sized="62 s (assist call)"),
+              _row("ds-z3-cpu", 58, sized="46 s (assist call)", inner=55),
+              _row("fsdp2-cpu", 70, sized="48 s (session 4, call 2)"),
           )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "

@@ -72,7 +72,7 @@ from zeroio.partition.stage3.twin import (
     place,
 )
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
-from zeroio.tiering.stats import StallTimer, TierStats
+from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
 
@@ -268,7 +268,7 @@ class Stage3Partitioner:
         self.store.prefetch(upcoming)
         for nxt in upcoming:
             ng = self.pgroups[nxt]
-            if self.world == 1 and (nxt in self._unpublished or not self._assist_done(nxt)):
+            if self.world == 1 and nxt in self._unpublished:
                 continue  # the step is still on it: gather it when used (with more ranks
                 # the gathers are collectives, in the same order on every rank: wait)
             if ng.state is GroupState.SHARDED and not ng.plan.persistent and \
@@ -511,7 +511,7 @@ class Stage3Partitioner:
     def _assisting(self, gi: int, opt_group: int, lo: int, numel: int,
                    out: torch.Tensor) -> bool:
         """Hand the chunk to the GPU if the assist wants it now (the worker's jobs only;
-        ``_await_shard`` waits for the copies into the shard)."""
+        ``_await_shard`` orders the shard's fetch after the copies into it)."""
         assist = self._assist if self._assist_step is not None else None
         if assist is None:
             return False
@@ -524,10 +524,6 @@ class Stage3Partitioner:
         self._assisted.setdefault(gi, []).append(done)
         return True
 
-    def _assist_done(self, gi: int) -> bool:
-        """The GPU's copies into group ``gi``'s host shard have finished (or there are none)."""
-        return all(e.query() for e in self._assisted.get(gi, ()))
-
     def _await_shard(self, gi: int) -> None:
         """``ParamGroup.before_fetch``: the device side's copies of ``gi`` are ordered before
         its fetch, and the overlapped step's job of ``gi`` has finished."""
@@ -537,9 +533,8 @@ class Stage3Partitioner:
         if runner is not None and gi in self._unpublished:
             with torch.profiler.record_function("zeroio::stage3::await_step"):
                 runner.wait_for(self._job_of[gi])
-        for e in self._assisted.pop(gi, ()):  # the job is done: its list is complete
-            with StallTimer(self.transfers):
-                e.synchronize()
+        for e in self._assisted.pop(gi, ()):  # the job is done: its list is complete; the
+            self.streams.h2d.wait_event(e)     # shard's copy up follows the GPU's copies down
 
     def wait_step(self) -> None:
         """Wait for a step started by ``run_step`` (re-raising its worker's error); later
