@@ -532,6 +532,16 @@ KERNEL_BATCHES += (
               _row("ds-z3-cpu", 58, sized="46 s (assist call)", inner=55),
               _row("fsdp2-cpu", 70, sized="48 s (session 4, call 2)"),
           )),
+    Batch(name="probe13b-assist", kind=Kind.H200,
+          what="session 5: 13B at the plan's ratio with the step assist on (the default; the "
+               "plan counts its slots), and stage 3's 2-byte host gradient tests on the GPU",
+          steps=(
+              Step(name="plan-13b", shell=PLAN_13B, timeout_s=20, sized="estimate only (4 s)"),
+              Step(name="train-13b", shell=TRAIN_13B, timeout_s=170,
+                   sized="100 s without the assist (session 5, call 1)"),
+              Step(name="stage3-16bit", shell=_pytest("tests/test_stage3_16bit_grads.py"),
+                   timeout_s=60, sized="27 s with another test (session 4)"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
