@@ -542,6 +542,12 @@ KERNEL_BATCHES += (
               Step(name="stage3-16bit", shell=_pytest("tests/test_stage3_16bit_grads.py"),
                    timeout_s=60, sized="27 s with another test (session 4)"),
           )),
+    Batch(name="stage3-16bit", kind=Kind.H200,
+          what="stage 3's 2-byte host gradient GPU tests alone",
+          steps=(
+              Step(name="stage3-16bit", shell=_pytest("tests/test_stage3_16bit_grads.py"),
+                   timeout_s=60, sized="30 s (session 5, call 5)"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
