@@ -63,6 +63,15 @@ all-gather of buckets with no host element), and the host step's chunks cover
 host elements only, so a module whose parameters are all device-side waits
 for nothing in an overlapped step.
 
+[Note: stage 1/2 step assist]
+With ``step_assist`` ([Note: step assist] in optim/assist.py) ``_step_job``
+hands a chunk to the GPU when the assist wants it: the GPU casts the chunk's
+new values into the parameter buffer after everything queued on the copy
+stream so far (earlier chunks, the backward's last reads), and the copy
+stream waits for that cast before later chunks, the bucket's all-gather and
+the chunk's event, so ``events[i]`` still means "chunks 0..i are published".
+``wait_step`` drains the assist (state back in host memory) after the join.
+
 [Note: 16-bit host gradients]
 With 16-bit parameters, a host optimizer stepped by the one-pass CPU Adam
 (optim/cpu_adam.py; ``host_grad_dtype`` in host_grads.py decides, for every

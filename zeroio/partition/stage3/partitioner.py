@@ -37,6 +37,11 @@ device side was stepped before ``run_step`` (``TwinAdam.begin_chunked_step``):
 ``run_step`` publishes its pieces first, on the calling thread (on CUDA with
 host shards without a host wait: [Note: asynchronous device-side publish] in
 twin.py), and the jobs update and publish only host pieces.
+With the step assist ([Note: step assist] in optim/assist.py; host shards on
+CUDA) a job hands some of its chunks to the GPU, which writes their 16-bit
+values into the host shard itself; ``_await_shard`` then makes the shard's
+fetch wait on the GPU for those copies, and ``wait_step`` waits until the
+GPU's chunks of master and moments are back in host memory.
 """
 
 from __future__ import annotations
