@@ -548,6 +548,15 @@ KERNEL_BATCHES += (
               Step(name="stage3-16bit", shell=_pytest("tests/test_stage3_16bit_grads.py"),
                    timeout_s=60, sized="30 s (session 5, call 5)"),
           )),
+    Batch(name="gpu2-assist", kind=Kind.H200_X2,
+          what="the step assist on 2 GPUs (NCCL; \"auto\" is one-process only until this passes): "
+               "stage 2 fp32/bf16 and stage 3 bf16 against the reference",
+          steps=(
+              Step(name="assist-nccl", shell=_pytest(" ".join(
+                  f"'tests/test_step_assist.py::test_step_assist_matches_reference[2-{c}]'"
+                  for c in ("2-fp32", "2-bf16", "3-bf16"))),
+                  timeout_s=150, sized="57 s for the three cases on 1 GPU (session 5)"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "

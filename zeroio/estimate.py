@@ -374,7 +374,7 @@ def estimate_memory(
                     b * min(PUBLISH_CHUNK_NUMEL, dev), buf,
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
         if opt_dev == "cpu" and (stage < 3 or par_dev == "cpu") and shard > dev and \
-                step_assist_enabled(zero.tiering, "cuda"):
+                step_assist_enabled(zero.tiering, "cuda", n):
             # [Note: step assist] in optim/assist.py: fp32 master, moments and gradient, the
             # host gradient as it is, and at stage 3 the 16-bit copy for the host shard
             hg = host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage)
