@@ -15,7 +15,9 @@ clip_grad_norm_ and against the same run with the assist off:
 - the assist's element counts, the bytes it moved (14 per element up with a 16-bit
   gradient, 12 down), and a checkpoint saved right after an assisted step that loads into
   an engine without the assist with every state bit for bit (the GPU's writes reached host
-  memory before the save read it).
+  memory before the save read it);
+- slots that do not fit the GPU (an out-of-memory error after some were made): one
+  warning, the slots released, and the run equal bit for bit to the CPU-only one.
 
 On the GPU machine:  python3 -m pytest -q -m gpu tests/test_step_assist.py
 """
@@ -211,6 +213,57 @@ def test_step_assist_matches_reference(tmp_path, stage, dtype, world):
                 diff = (torch.tensor(a) - torch.tensor(b)).abs().max()
                 assert diff < (1e-5 if tight else 5e-3), (mode, diff)
         assert off["losses"] == pytest.approx(ref_losses, rel=1e-4 if tight else 3e-2)
+
+
+def _oom_body():
+    import os
+    import warnings
+
+    import zeroio
+    from zeroio.optim import assist
+
+    real = assist.StepAssist._buf
+
+    def no_room(self, k, name, dtype, n):  # the GPU fills up after some slot buffers
+        if name == "v" and k == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real(self, k, name, dtype, n)
+
+    os.environ["ZEROIO_CPU_ADAM"] = "compiled"
+    out = {}
+    for mode in ("full", "off"):
+        os.environ["ZEROIO_STEP_ASSIST"] = "1" if mode == "full" else "0"
+        assist.StepAssist._buf = no_room
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine, *_ = zeroio.initialize(model=tiny_mlp(), config=_config(2, "bf16"))
+            losses = r12._train(engine, STEPS, 1, engine.device)
+        assist.StepAssist._buf = real
+        stats = engine.stats()
+        out[mode] = {"losses": losses, "states": _states(engine),
+                     "counts": stats["sources"].get("stage12.step_assist"),
+                     "warned": [str(w.message) for w in caught if "step assist" in
+                                str(w.message)],
+                     "held_gpu": engine.partitioner._assist.held_tensors()
+                     if engine.partitioner._assist is not None else None,
+                     "host_numel": sum(g.master.numel() for g in engine.partitioner.groups)}
+        engine.close()
+    return out
+
+
+@pytest.mark.gpu
+def test_slots_that_do_not_fit_leave_the_step_to_the_cpu():
+    """A GPU too full for the slots: one warning, nothing queued on the GPU, and the run is
+    the CPU-only run bit for bit."""
+    need_cuda(1)
+    out, = run_ranks(_oom_body, 1, timeout=300)
+    full, off = out["full"], out["off"]
+    c = full["counts"]
+    assert c["off"] and c["numel_gpu"] == 0 and c["numel_cpu"] == STEPS * full["host_numel"]
+    assert len(full["warned"]) == 1 and "step_assist" in full["warned"][0]
+    assert full["held_gpu"] == []  # the slot buffers made before the failure are released
+    assert full["losses"] == off["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(full["states"], off["states"], strict=True))
 
 
 # ---- memory estimate (hand computation) ------------------------------------------------------

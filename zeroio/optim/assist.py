@@ -36,6 +36,8 @@ caller's publication stream).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from zeroio.optim.adam import AdamState, adam_update
@@ -75,6 +77,8 @@ class StepAssist:
         """Elements stepped on the GPU since start (``stats``)."""
         self.numel_cpu = 0
         """Elements the caller stepped on the CPU beside it (counted by ``cpu``)."""
+        self.off_reason: str | None = None
+        """Why the assist stopped taking chunks (its slots did not fit the GPU), else None."""
 
     # ---- the caller's decision ---------------------------------------------------------------
 
@@ -85,12 +89,40 @@ class StepAssist:
 
     def wants(self, numel: int) -> bool:
         """Whether the next chunk of ``numel`` elements should go to the GPU now."""
+        if self.off_reason is not None:
+            return False
         return self.backlog() + min(numel, self.backlog_numel) <= self.backlog_numel
 
     def cpu(self, numel: int) -> None:
         self.numel_cpu += numel
 
     # ---- a chunk on the GPU -----------------------------------------------------------------
+
+    def _slots_for(self, grad_dtype: torch.dtype, host_out: torch.dtype | None) -> bool:
+        """Every slot's buffers for this gradient dtype and output, allocated at once: a GPU
+        too full for them turns the assist off before any copy is queued (no chunk is left
+        half stepped), instead of failing the step."""
+        if self.off_reason is not None:
+            return False
+        names = [("p", torch.float32), ("m", torch.float32), ("v", torch.float32),
+                 ("g", torch.float32)]
+        if grad_dtype != torch.float32:
+            names.append(("g16", grad_dtype))
+        if host_out is not None:
+            names.append(("out", host_out))
+        try:
+            for k in range(self.n_slots):
+                for name, dtype in names:
+                    self._buf(k, name, dtype, 0)
+        except torch.cuda.OutOfMemoryError as e:
+            self._bufs = [{} for _ in range(self.n_slots)]
+            self.off_reason = (f"its {self.n_slots} GPU slots of {self.slot_numel} elements did "
+                               f"not fit ({e})")
+            warnings.warn(f"zeroio: the step assist is off for this run: {self.off_reason}; the "
+                          "CPU steps every chunk. Set zero_optimization.tiering.step_assist to "
+                          "false to skip it, or free GPU memory.", RuntimeWarning, stacklevel=2)
+            return False
+        return True
 
     def _buf(self, k: int, name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
         """Slot ``k``'s buffer ``name`` (allocated on first use), its first ``n`` elements."""
@@ -106,8 +138,12 @@ class StepAssist:
         the 16-bit result into ``out`` (``numel`` long, on the GPU or pinned host memory).
         ``after``: the 16-bit copies wait for the work queued on that stream so far (GPU
         ``out``: the stream that ordered itself after the last readers of the parameters). Returns
-        the event behind the 16-bit copy; ``drain`` before the host touches the state."""
+        the event behind the 16-bit copy; ``drain`` before the host touches the state.
+        None, with nothing queued, where the slots do not fit the GPU (the caller steps the
+        chunk itself; the assist stays off from then on, with one warning)."""
         master, grad, exp_avg, exp_avg_sq = step.host_views(group_index, lo, numel)
+        if not self._slots_for(grad.dtype, None if out.device.type == "cuda" else out.dtype):
+            return None
         with torch.cuda.device(self.device), torch.cuda.stream(self.up):
             hyper, decoupled, grad_scale, step_dev, scale_dev = step.device_args(group_index,
                                                                                  self.device)
@@ -178,8 +214,9 @@ class StepAssist:
     def held_tensors(self) -> list[torch.Tensor]:
         return [t for slot in self._bufs for t in slot.values()]
 
-    def stats(self) -> dict[str, int]:
-        return {"numel_gpu": self.numel_gpu, "numel_cpu": self.numel_cpu}
+    def stats(self) -> dict[str, int | bool]:
+        return {"numel_gpu": self.numel_gpu, "numel_cpu": self.numel_cpu,
+                "off": self.off_reason is not None}
 
 
 def _copies(transfers: TierStats | None, srcs, dsts) -> None:

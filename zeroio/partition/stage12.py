@@ -709,8 +709,7 @@ class Stage12Partitioner:
         hlo = lb + c.slice_lo - self._dev_len[b.group_index]  # host-side local offset
         assist = self._assist if self._assist_step is not None else None
         if assist is not None:
-            if assist.wants(c.numel):
-                self._assisted_job(c, i, b, hlo, dst)
+            if assist.wants(c.numel) and self._assisted_job(c, i, b, hlo, dst):
                 return
             assist.cpu(c.numel)
         out = None
@@ -755,18 +754,22 @@ class Stage12Partitioner:
                 comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
             self._runner.events[i].record(self._copy_stream)
 
-    def _assisted_job(self, c: StepChunk, i: int, b: Bucket, hlo: int, dst: torch.Tensor) -> None:
-        """Chunk ``i`` stepped on the GPU ([Note: step assist]): its 16-bit values are cast into
-        ``dst`` there, after every earlier chunk's publication; the copy stream (later chunks,
-        the bucket's all-gather, ``events[i]``) waits for them."""
+    def _assisted_job(self, c: StepChunk, i: int, b: Bucket, hlo: int, dst: torch.Tensor) -> bool:
+        """Chunk ``i`` stepped on the GPU ([Note: stage 1/2 step assist]): its 16-bit values are
+        cast into ``dst`` there, after every earlier chunk's publication; the copy stream
+        (later chunks, the bucket's all-gather, ``events[i]``) waits for them. False where
+        the assist could not take it (its slots did not fit): the caller steps it."""
         with self._runner.clock.phase("assist"):
             done = self._assist.submit(self._assist_step, b.group_index, hlo, c.numel, dst,
                                        after=self._copy_stream)
+        if done is None:
+            return False
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(done)
             if c.gather:
                 comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
             self._runner.events[i].record(self._copy_stream)
+        return True
 
     def _await_params(self, need: int, module, args) -> None:
         """Forward pre-hook (``overlap_forward``): this module's parameters are published."""

@@ -526,6 +526,9 @@ class Stage3Partitioner:
             return False
         with self._clock.phase("assist"):
             done = assist.submit(self._assist_step, opt_group, lo, numel, out)
+        if done is None:  # its slots did not fit the GPU: off from now on
+            assist.cpu(numel)
+            return False
         self._assisted.setdefault(gi, []).append(done)
         return True
 
