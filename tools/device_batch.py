@@ -558,6 +558,24 @@ KERNEL_BATCHES += (
                   for c in ("2-fp32", "2-bf16", "3-bf16"))),
                   timeout_s=150, sized="57 s for the three cases on 1 GPU (session 5)"),
           )),
+    Batch(name="peers-x2", kind=Kind.H200_X2, peers=True,
+          what="issue 9's --nproc 2 table on 2 GPUs (never run): zeroio z2/z3 + cpu with the "
+               "step assist off (\"auto\" at 2 ranks) and on (explicit), DeepSpeed z2/z3, "
+               "FSDP2; run gpu2-assist first",
+          steps=(
+              Step(name="warm", shell=WARM_BOTH, timeout_s=62, sized="57 s (session 5)"),
+              _row("zeroio-z2-cpu", 65, sized="49 s on 1 GPU (session 5)", overlap=True,
+                   extra="--nproc 2"),
+              _row("zeroio-z2-cpu", 65, sized="as zeroio-z2-cpu", name="zeroio-z2-cpu-assist",
+                   overlap=True,
+                   extra="--nproc 2 --set zero_optimization.tiering.step_assist=true"),
+              _row("zeroio-z3-cpu", 65, sized="49 s on 1 GPU (session 5)", overlap=True,
+                   extra="--nproc 2 --set zero_optimization.tiering.step_assist=true"),
+              _row("ds-z2-cpu", 78, sized="68 s on 1 GPU (session 5)", extra="--nproc 2"),
+              _row("ds-z3-cpu", 70, sized="56 s on 1 GPU (session 5)", inner=65,
+                   extra="--nproc 2"),
+              _row("fsdp2-cpu", 75, sized="61 s on 1 GPU (session 5)", extra="--nproc 2"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
