@@ -444,6 +444,9 @@ class Stage3Partitioner:
         # every rank has the same groups gathered and re-gathers them in the same order, also
         # one whose shard on this rank holds nothing to update
         now = [g.plan.index for g in self.pgroups if g.state is not GroupState.SHARDED]
+        # the gathered groups below are stepped here, on the CPU (counted as such)
+        self._assist_step = (step if self._assist is not None and out_in_pass
+                             and isinstance(self.store, HostShards) else None)
         later = [gi for gi in order if self.pgroups[gi].state is GroupState.SHARDED]
         with torch.profiler.record_function("zeroio::stage3::step_gathered"):
             for gi in now:
@@ -456,7 +459,6 @@ class Stage3Partitioner:
         self._runner = StepRunner(len(later), torch.device("cpu"),  # host writes: no events
                                   clock=self._clock)
         into_shard = out_in_pass and isinstance(self.store, HostShards)
-        self._assist_step = step if self._assist is not None and into_shard else None
         self._runner.start(lambda i: self._step_group(update, later[i], into_shard))
         if not self.settings.overlap_step:
             self.wait_step()
