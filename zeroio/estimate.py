@@ -78,6 +78,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from zeroio.config import Config, OffloadDevice, ZeroConfig
 from zeroio.config.zero import step_assist_enabled
 from zeroio.errors import ConfigError
@@ -86,6 +88,7 @@ from zeroio.optim import assist
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
 FP32 = 4
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TIERS = ("gpu", "cpu", "nvme")
 PUBLISH_CHUNK_NUMEL = 1 << 26
 """Elements of the GPU staging buffer through which stage 3 with ratio < 1 publishes the
@@ -375,10 +378,11 @@ def estimate_memory(
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
         if opt_dev == "cpu" and (stage < 3 or par_dev == "cpu") and shard > dev and \
                 step_assist_enabled(zero.tiering, "cuda", n):
-            # [Note: step assist] in optim/assist.py: fp32 master, moments and gradient, the
-            # host gradient as it is, and at stage 3 the 16-bit copy for the host shard
-            hg = host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage)
-            per = 4 * FP32 + (hg if hg != FP32 else 0) + (b if stage == 3 else 0)
+            # [Note: step assist] in optim/assist.py (assist.slot_layout); at stage 3 the
+            # 16-bit result goes to the host shard through a slot buffer
+            per = assist.slot_element_bytes(
+                _host_grad_dtype(dtype, opt_dev, gas, shard - dev, stage=stage),
+                _TORCH_DTYPES[dtype] if stage == 3 else None)
             add("step assist slots (during the step)", "gpu",
                 assist.SLOTS * min(assist.SLOT_NUMEL, shard - dev) * per, buf,
                 f"{assist.SLOTS} * min({assist.SLOT_NUMEL}, offloaded elements per GPU) * {per}")
@@ -410,14 +414,15 @@ def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
     ``opt_dev``, ``gradient_accumulation_steps`` ``gas``), as the partitioner will decide it
     (``host_grad_dtype`` in zeroio/partition/host_grads.py, from ZEROIO_CPU_ADAM without
     compiling anything)."""
-    import torch
+    return _host_grad_dtype(dtype, opt_dev, gas, host_numel, stage=stage).itemsize
 
+
+def _host_grad_dtype(dtype: str, opt_dev: str, gas: int, host_numel: int, *, stage: int):
     from zeroio.partition.host_grads import host_grad_dtype
 
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    return host_grad_dtype(stage=stage, compute_dtype=compute, cpu_optimizer=opt_dev == "cpu",
-                           accumulation_steps=gas, host_numel=host_numel,
-                           plan_only=True).itemsize
+    return host_grad_dtype(stage=stage, compute_dtype=_TORCH_DTYPES[dtype],
+                           cpu_optimizer=opt_dev == "cpu", accumulation_steps=gas,
+                           host_numel=host_numel, plan_only=True)
 
 
 def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab: int,

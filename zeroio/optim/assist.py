@@ -51,6 +51,25 @@ BACKLOG_NUMEL = 1 << 27
 the host step's 64M-element chunks)."""
 
 
+def slot_layout(grad_dtype: torch.dtype,
+                host_out: torch.dtype | None) -> list[tuple[str, torch.dtype]]:
+    """A slot's buffers: fp32 master, moments and gradient; the host gradient as it comes up
+    when it is not fp32; the 16-bit result bound for host memory (``host_out``: stage 3's host
+    shards; a GPU ``out`` is written directly)."""
+    names = [("p", torch.float32), ("m", torch.float32), ("v", torch.float32),
+             ("g", torch.float32)]
+    if grad_dtype != torch.float32:
+        names.append(("g16", grad_dtype))
+    if host_out is not None:
+        names.append(("out", host_out))
+    return names
+
+
+def slot_element_bytes(grad_dtype: torch.dtype, host_out: torch.dtype | None) -> int:
+    """GPU bytes per slot element (``zeroio.estimate`` counts ``SLOTS`` slots of them)."""
+    return sum(dtype.itemsize for _, dtype in slot_layout(grad_dtype, host_out))
+
+
 class StepAssist:
     """GPU slots and two streams (up: copies in, Adam, the 16-bit copy; down: state back)."""
 
@@ -72,6 +91,8 @@ class StepAssist:
         self._bufs: list[dict[str, torch.Tensor]] = [{} for _ in range(self.n_slots)]
         self._free: list[torch.cuda.Event | None] = [None] * self.n_slots
         self._next = 0
+        self._ready: set[tuple[torch.dtype, torch.dtype | None]] = set()
+        """(gradient dtype, host output dtype) pairs whose slot buffers all exist."""
         self._pending: list[tuple[torch.cuda.Event, int]] = []
         self.numel_gpu = 0
         """Elements stepped on the GPU since start (``stats``)."""
@@ -82,19 +103,27 @@ class StepAssist:
 
     # ---- the caller's decision ---------------------------------------------------------------
 
-    def backlog(self) -> int:
-        """Submitted elements whose 16-bit copy has not finished."""
-        self._pending = [(e, n) for e, n in self._pending if not e.query()]
-        return sum(n for _, n in self._pending)
-
-    def wants(self, numel: int) -> bool:
-        """Whether the next chunk of ``numel`` elements should go to the GPU now."""
-        if self.off_reason is not None:
-            return False
-        return self.backlog() + min(numel, self.backlog_numel) <= self.backlog_numel
+    def take(self, step, group_index: int, lo: int, numel: int, out: torch.Tensor,
+             after: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        """``submit`` the chunk if the GPU's backlog has room for it now; None, counted as the
+        CPU's, where the caller steps it itself (the backlog is full, or the assist is off)."""
+        if self._has_room(numel):
+            done = self.submit(step, group_index, lo, numel, out, after)
+            if done is not None:
+                return done
+        self.cpu(numel)
+        return None
 
     def cpu(self, numel: int) -> None:
+        """The caller stepped ``numel`` elements on the CPU (``stats``)."""
         self.numel_cpu += numel
+
+    def _has_room(self, numel: int) -> bool:
+        if self.off_reason is not None:
+            return False
+        self._pending = [(e, n) for e, n in self._pending if not e.query()]
+        backlog = sum(n for _, n in self._pending)  # submitted, 16-bit copy not finished
+        return backlog + min(numel, self.backlog_numel) <= self.backlog_numel
 
     # ---- a chunk on the GPU -----------------------------------------------------------------
 
@@ -102,26 +131,25 @@ class StepAssist:
         """Every slot's buffers for this gradient dtype and output, allocated at once: a GPU
         too full for them turns the assist off before any copy is queued (no chunk is left
         half stepped), instead of failing the step."""
+        key = (grad_dtype, host_out)
         if self.off_reason is not None:
             return False
-        names = [("p", torch.float32), ("m", torch.float32), ("v", torch.float32),
-                 ("g", torch.float32)]
-        if grad_dtype != torch.float32:
-            names.append(("g16", grad_dtype))
-        if host_out is not None:
-            names.append(("out", host_out))
+        if key in self._ready:
+            return True
         try:
             for k in range(self.n_slots):
-                for name, dtype in names:
+                for name, dtype in slot_layout(grad_dtype, host_out):
                     self._buf(k, name, dtype, 0)
         except torch.cuda.OutOfMemoryError as e:
             self._bufs = [{} for _ in range(self.n_slots)]
+            self._ready.clear()
             self.off_reason = (f"its {self.n_slots} GPU slots of {self.slot_numel} elements did "
                                f"not fit ({e})")
             warnings.warn(f"zeroio: the step assist is off for this run: {self.off_reason}; the "
                           "CPU steps every chunk. Set zero_optimization.tiering.step_assist to "
                           "false to skip it, or free GPU memory.", RuntimeWarning, stacklevel=2)
             return False
+        self._ready.add(key)
         return True
 
     def _buf(self, k: int, name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -205,11 +233,6 @@ class StepAssist:
             if e is not None:
                 e.synchronize()
         self._pending = []
-
-    def order(self, stream: torch.cuda.Stream) -> None:
-        """``stream``'s later work follows every 16-bit copy submitted so far."""
-        stream.wait_stream(self.up)
-        stream.wait_stream(self.down)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [t for slot in self._bufs for t in slot.values()]

@@ -707,11 +707,8 @@ class Stage12Partitioner:
         b, lb, size = c.bucket, self._local_base[c.bucket.index], c.bucket.slice_numel(self.world)
         dst = self.params.narrow(0, b.start + self.rank * size + c.slice_lo, c.numel)
         hlo = lb + c.slice_lo - self._dev_len[b.group_index]  # host-side local offset
-        assist = self._assist if self._assist_step is not None else None
-        if assist is not None:
-            if assist.wants(c.numel) and self._assisted_job(c, i, b, hlo, dst):
-                return
-            assist.cpu(c.numel)
+        if self._assist_step is not None and self._assisted_job(c, i, b, hlo, dst):
+            return
         out = None
         if self._copy_stream is None:  # parameters in host memory: written in the pass
             out = dst
@@ -758,10 +755,10 @@ class Stage12Partitioner:
         """Chunk ``i`` stepped on the GPU ([Note: stage 1/2 step assist]): its 16-bit values are
         cast into ``dst`` there, after every earlier chunk's publication; the copy stream
         (later chunks, the bucket's all-gather, ``events[i]``) waits for them. False where
-        the assist could not take it (its slots did not fit): the caller steps it."""
+        the assist does not take it (``StepAssist.take``): the caller steps it."""
         with self._runner.clock.phase("assist"):
-            done = self._assist.submit(self._assist_step, b.group_index, hlo, c.numel, dst,
-                                       after=self._copy_stream)
+            done = self._assist.take(self._assist_step, b.group_index, hlo, c.numel, dst,
+                                     after=self._copy_stream)
         if done is None:
             return False
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):

@@ -165,8 +165,7 @@ class Stage3Partitioner:
                                             transfers=self.transfers)
         host_numel = sum(sg.master.numel() for sg in self._sides[Side.HOST])
         self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers)
-                        if settings.step_assist and device.type == "cuda"
-                        and settings.cpu_optimizer and isinstance(self.store, HostShards)
+                        if settings.step_assist and isinstance(self.store, HostShards)
                         else None)  # [Note: step assist] in optim/assist.py
         self._assist_step = None
         self._assisted: dict[int, list[torch.cuda.Event]] = {}
@@ -444,21 +443,19 @@ class Stage3Partitioner:
         # every rank has the same groups gathered and re-gathers them in the same order, also
         # one whose shard on this rank holds nothing to update
         now = [g.plan.index for g in self.pgroups if g.state is not GroupState.SHARDED]
-        # the gathered groups below are stepped here, on the CPU (counted as such)
-        self._assist_step = (step if self._assist is not None and out_in_pass
-                             and isinstance(self.store, HostShards) else None)
         later = [gi for gi in order if self.pgroups[gi].state is GroupState.SHARDED]
+        into_shard = out_in_pass and isinstance(self.store, HostShards)
+        # the gathered groups below are stepped here, on the CPU (counted as such)
+        self._assist_step = step if self._assist is not None and into_shard else None
         with torch.profiler.record_function("zeroio::stage3::step_gathered"):
             for gi in now:
                 if gi in self._pieces:
-                    self._step_group(update, gi, out_in_pass and isinstance(self.store,
-                                                                            HostShards))
+                    self._step_group(update, gi, into_shard)
                 self.pgroups[gi].refresh()
         self._job_of = {gi: i for i, gi in enumerate(later)}
         self._unpublished = set(later)
         self._runner = StepRunner(len(later), torch.device("cpu"),  # host writes: no events
                                   clock=self._clock)
-        into_shard = out_in_pass and isinstance(self.store, HostShards)
         self._runner.start(lambda i: self._step_group(update, later[i], into_shard))
         if not self.settings.overlap_step:
             self.wait_step()
@@ -517,19 +514,17 @@ class Stage3Partitioner:
 
     def _assisting(self, gi: int, opt_group: int, lo: int, numel: int,
                    out: torch.Tensor) -> bool:
-        """Hand the chunk to the GPU if the assist wants it now (the worker's jobs only;
+        """Hand the chunk to the GPU if the assist takes it (the worker's jobs only;
         ``_await_shard`` orders the shard's fetch after the copies into it)."""
-        assist = self._assist if self._assist_step is not None else None
-        if assist is None:
+        if self._assist_step is None:
             return False
-        if self._runner is None or not self._runner.running or not assist.wants(numel):
+        if self._runner is None or not self._runner.running:
             # the calling thread's groups (gathered ones, re-gathered right after) stay on it
-            assist.cpu(numel)
+            self._assist.cpu(numel)
             return False
         with self._clock.phase("assist"):
-            done = assist.submit(self._assist_step, opt_group, lo, numel, out)
-        if done is None:  # its slots did not fit the GPU: off from now on
-            assist.cpu(numel)
+            done = self._assist.take(self._assist_step, opt_group, lo, numel, out)
+        if done is None:
             return False
         self._assisted.setdefault(gi, []).append(done)
         return True
