@@ -122,40 +122,36 @@ class ChunkedStep:
         return tuple(t.narrow(0, lo, numel) for t in (g.master, g.grad, st.exp_avg,
                                                       st.exp_avg_sq))
 
-    def device_args(self, group_index: int, device: torch.device) -> tuple:
-        """What a GPU step of this group's chunks needs ([Note: step assist]): the
-        hyperparameters, ``decoupled``, ``grad_scale``, and the step counter before this step
-        and ``grad_scale`` as float32 tensors on ``device`` (made once per step, on the
-        caller's current stream)."""
-        key = (group_index, device)
-        t = self._on_device.get(key)
-        if t is None:
-            t = self._on_device[key] = (
-                self._before[group_index].to(device),
-                torch.tensor(self._grad_scale, dtype=torch.float32, device=device))
-        return (self._hyper[group_index], self._opt.decoupled, self._grad_scale) + t
+    def adam(self, group_index: int, master: torch.Tensor, grad: torch.Tensor,
+             exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """torch's fused Adam(W) with this step's hyperparameters on a chunk's tensors, on
+        whatever device they are: the group's own (``update``) or a GPU slot of the step
+        assist (optim/assist.py). The step counter and ``grad_scale`` tensors it needs on
+        another device are made once per step, on the caller's current stream."""
+        before, scale = self._before[group_index], self._scale[group_index]
+        if master.device != before.device:
+            key = (group_index, master.device)
+            if key not in self._on_device:
+                self._on_device[key] = (before.to(master.device), scale.to(master.device))
+            before, scale = self._on_device[key]
+        adam_update(master=master, grad=grad,
+                    state=AdamState(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                                    step=before.clone()),  # the fused kernel increments it
+                    hyper=self._hyper[group_index], decoupled=self._opt.decoupled,
+                    grad_scale=self._grad_scale, scale_tensor=scale)
 
     def update(self, group_index: int, lo: int, numel: int,
                out: torch.Tensor | None = None) -> None:
         """Adam(W) on elements [lo, lo + numel) of group ``group_index``'s local tensors;
         ``out`` (``numel`` long, e.g. a 16-bit shard slice) gets the updated values."""
-        g = self._opt.groups_by_index[group_index]
-        st = self._state[group_index]
-        master = g.master.narrow(0, lo, numel)
+        master, grad, exp_avg, exp_avg_sq = self.host_views(group_index, lo, numel)
         with torch.profiler.record_function("zeroio::adam_chunk"):
             h = self._one_pass.get(group_index)
             if h is not None:  # [Note: one-pass CPU Adam]
-                cpu_adam.step_chunk(master=master, grad=g.grad.narrow(0, lo, numel),
-                                    exp_avg=st.exp_avg.narrow(0, lo, numel),
-                                    exp_avg_sq=st.exp_avg_sq.narrow(0, lo, numel), hyper=h,
-                                    out=out)
+                cpu_adam.step_chunk(master=master, grad=grad, exp_avg=exp_avg,
+                                    exp_avg_sq=exp_avg_sq, hyper=h, out=out)
                 return
-            adam_update(master=master, grad=g.grad.narrow(0, lo, numel),
-                        state=AdamState(exp_avg=st.exp_avg.narrow(0, lo, numel),
-                                        exp_avg_sq=st.exp_avg_sq.narrow(0, lo, numel),
-                                        step=self._before[group_index].clone()),
-                        hyper=self._hyper[group_index], decoupled=self._opt.decoupled,
-                        grad_scale=self._grad_scale, scale_tensor=self._scale[group_index])
+            self.adam(group_index, master, grad, exp_avg, exp_avg_sq)
             if out is not None:
                 out.copy_(master)
 

@@ -40,7 +40,6 @@ import warnings
 
 import torch
 
-from zeroio.optim.adam import AdamState, adam_update
 from zeroio.tiering.stats import TierStats, count_copy
 
 SLOT_NUMEL = 1 << 24
@@ -172,9 +171,6 @@ class StepAssist:
         master, grad, exp_avg, exp_avg_sq = step.host_views(group_index, lo, numel)
         if not self._slots_for(grad.dtype, None if out.device.type == "cuda" else out.dtype):
             return None
-        with torch.cuda.device(self.device), torch.cuda.stream(self.up):
-            hyper, decoupled, grad_scale, step_dev, scale_dev = step.device_args(group_index,
-                                                                                 self.device)
         done = None
         with torch.cuda.device(self.device):
             for a in range(0, numel, self.slot_numel):
@@ -182,13 +178,12 @@ class StepAssist:
                 k, self._next = self._next, (self._next + 1) % self.n_slots
                 done = self._piece(
                     k, [t.narrow(0, a, n) for t in (master, grad, exp_avg, exp_avg_sq, out)],
-                    hyper, decoupled, grad_scale, step_dev, scale_dev, after)
+                    step, group_index, after)
         self._pending.append((done, numel))
         self.numel_gpu += numel
         return done
 
-    def _piece(self, k, views, hyper, decoupled, grad_scale, step_dev, scale_dev,
-               after) -> torch.cuda.Event:
+    def _piece(self, k, views, step, group_index: int, after) -> torch.cuda.Event:
         master, grad, exp_avg, exp_avg_sq, out = views
         n = master.numel()
         p, m, v, g = (self._buf(k, name, torch.float32, n) for name in ("p", "m", "v", "g"))
@@ -200,10 +195,7 @@ class StepAssist:
             _copies(self.transfers, (master, exp_avg, exp_avg_sq, grad), (p, m, v, low_grad))
             if low_grad is not g:
                 g.copy_(low_grad)
-            adam_update(master=p, grad=g,
-                        state=AdamState(exp_avg=m, exp_avg_sq=v, step=step_dev.clone()),
-                        hyper=hyper, decoupled=decoupled, grad_scale=grad_scale,
-                        scale_tensor=scale_dev)
+            step.adam(group_index, p, g, m, v)
             if after is not None:  # earlier chunks are published first, and the work
                 up.wait_stream(after)  # queued there before (the backward's reads) is done
             low = out if out.device.type == "cuda" else self._buf(k, "out", out.dtype, n)
