@@ -65,8 +65,8 @@ for nothing in an overlapped step.
 
 [Note: stage 1/2 step assist]
 With ``step_assist`` ([Note: step assist] in optim/assist.py) ``_step_job``
-hands a chunk to the GPU when the assist wants it: the GPU casts the chunk's
-new values into the parameter buffer after everything queued on the copy
+hands a chunk to the GPU when ``StepAssist.take`` accepts it: the GPU casts
+the chunk's new values into the parameter buffer after everything queued on the copy
 stream so far (earlier chunks, the backward's last reads), and the copy
 stream waits for that cast before later chunks, the bucket's all-gather and
 the chunk's event, so ``events[i]`` still means "chunks 0..i are published".
