@@ -170,6 +170,7 @@ def main(argv=None) -> dict:
         "provenance": report.provenance(C.REPO),
         "run": {"model": {**vars(spec)}, "num_params": spec.num_params, "steps": args.steps,
                 "warmup": args.warmup, "nproc": args.nproc, "set": args.set,
+                "omp_num_threads": C.omp_threads(args.nproc),
                 "tokens_per_step_per_rank": spec.tokens_per_step(1)},
         "disk": disk,
         "rows": [vars(r) | {} for r in rows],

@@ -221,7 +221,10 @@ def test_stage12_host_gradients_by_hand(monkeypatch, stage, ratio, mode):
            + (2 * psi if stage == 1 else 0)  # stage 1: the replicated bf16 gradients
            + (2 + 12 + 4) * dev            # device side: gradient partition, state, fp32 grad
            + 2 * 500_000_000               # one reduce bucket (bf16)
-           + 2 * 500_000_000)              # all-gather bucket (4 ranks: no step assist)
+           + 2 * 500_000_000               # all-gather bucket
+           # step assist ("auto", any world): 4 slots of 16M elements, fp32 master, moments
+           # and gradient (16 B), + the 16-bit host gradient's landing (2 B) when it is 16-bit
+           + 4 * (1 << 24) * (16 + (2 if g == 2 else 0)))
     cpu = (2 + 12 + g) * host              # gradient partition, state, host gradient shard
     assert r.gpu_bytes_per_gpu == gpu
     assert r.cpu_bytes_per_node == n * cpu

@@ -73,3 +73,34 @@ def test_step_threads_knob(monkeypatch):
     monkeypatch.setenv("ZEROIO_STEP_THREADS", "zero")
     with pytest.raises(ConfigError, match="ZEROIO_STEP_THREADS"):
         StepRunner(1, torch.device("cpu")).start(lambda i: None)
+
+
+def test_step_threads_default_is_this_ranks_share_of_the_cores(monkeypatch):
+    """Unset ZEROIO_STEP_THREADS: the CPUs this process may use (counted by hand from the
+    affinity mask) over LOCAL_WORLD_SIZE, whatever torch's own count is (torchrun leaves it
+    at 1 in every rank)."""
+    import os
+
+    import torch
+
+    from zeroio.partition.step_overlap import StepRunner, step_threads
+
+    usable = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("ZEROIO_STEP_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        assert step_threads() == usable
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert step_threads() == max(1, usable // 2)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(usable * 4))
+        assert step_threads() == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        seen = []
+        runner = StepRunner(1, torch.device("cpu"))
+        runner.start(lambda i: seen.append(torch.get_num_threads()))
+        runner.join()
+        assert seen == [usable]
+    finally:
+        torch.set_num_threads(before)

@@ -76,8 +76,7 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             overlap_forward=off.device == "cpu" and overlap_step_enabled(cfg.zero_optimization.tiering),
             optimizer_ratio=off.ratio if off.device == "cpu" else 1.0,
             cpu_optimizer=off.device == "cpu", accumulation_steps=cfg.gradient_accumulation_steps,
-            step_assist=off.device == "cpu" and step_assist_enabled(zc.tiering, device,
-                                                                    comm.world_size()))
+            step_assist=off.device == "cpu" and step_assist_enabled(zc.tiering, device))
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 

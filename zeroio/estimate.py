@@ -377,7 +377,7 @@ def estimate_memory(
                     b * min(PUBLISH_CHUNK_NUMEL, dev), buf,
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
         if opt_dev == "cpu" and (stage < 3 or par_dev == "cpu") and shard > dev and \
-                step_assist_enabled(zero.tiering, "cuda", n):
+                step_assist_enabled(zero.tiering, "cuda"):
             # [Note: step assist] in optim/assist.py (assist.slot_layout); at stage 3 the
             # 16-bit result goes to the host shard through a slot buffer
             per = assist.slot_element_bytes(

@@ -216,14 +216,17 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_world(device: torch.device) -> tuple[int, int]:
-    """Join torchrun's world (NCCL on GPUs, gloo on CPU) or make a world of one."""
+def init_world(device: torch.device, *, cpu_collectives: bool = False) -> tuple[int, int]:
+    """Join torchrun's world (NCCL on GPUs, gloo on CPU) or make a world of one.
+    ``cpu_collectives``: on GPUs, gloo for CPU tensors beside NCCL."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and cpu_collectives:
+            backend = "cpu:gloo,cuda:nccl"
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         else:

@@ -41,7 +41,9 @@ def main(argv=None) -> None:
     spec = common.spec_from_args(args)
 
     device = common.pick_device()
-    rank, world = common.init_world(device)
+    # FSDP2's CPU-offloaded gradients reduce their norm on the CPU (clip_grad_norm_), which
+    # NCCL alone cannot: "No backend type associated with device type cpu" at 2 ranks
+    rank, world = common.init_world(device, cpu_collectives=True)
     host = common.HostPeak()
     model = common.build_model(spec)
     shard(model, device)

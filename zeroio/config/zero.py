@@ -138,7 +138,7 @@ class TieringConfig:
     chunks beside the CPU, streaming them in and out ([Note: step assist] in
     optim/assist.py); state stays in host memory. "auto" (None, the default): on wherever
     it applies; false: CPU only. The environment variable ZEROIO_STEP_ASSIST, when set
-    (1/0/auto), overrides it. "auto" is on for one process only (``step_assist_enabled``)."""
+    (1/0/auto), overrides it (``step_assist_enabled``)."""
 
 
 def _stage(value, path):
@@ -199,13 +199,12 @@ def overlap_step_enabled(tiering: TieringConfig | None) -> bool:
 STEP_ASSIST_ENV = "ZEROIO_STEP_ASSIST"
 
 
-def step_assist_enabled(tiering: TieringConfig | None, device, world: int = 1) -> bool:
+def step_assist_enabled(tiering: TieringConfig | None, device) -> bool:
     """Whether the GPU takes a share of the host optimizer step ([Note: step assist]):
     ``ZEROIO_STEP_ASSIST`` when set (1/true/yes, 0/false/no, auto), else
-    ``zero_optimization.tiering.step_assist``. "auto" is on for a CUDA device in a
-    one-process run (``world`` processes): with more ranks it is measured and tested on one
-    GPU only so far, so it waits for an explicit true there. On, with no CUDA device, is an
-    error naming the setting."""
+    ``zero_optimization.tiering.step_assist``. "auto" is on for a CUDA device, at any world
+    size (tested on 1 and 2 GPUs). On, with no CUDA device, is an error naming the
+    setting."""
     env = os.environ.get(STEP_ASSIST_ENV, "").strip().lower()
     if env:
         if env in ("1", "true", "yes"):
@@ -225,4 +224,4 @@ def step_assist_enabled(tiering: TieringConfig | None, device, world: int = 1) -
         raise ConfigError(f"{key} is on, but training runs on {device}: the step assist moves "
                           "host optimizer chunks to a CUDA GPU; set it to false or \"auto\"",
                           key=key)
-    return cuda and world == 1 if want is None else want
+    return cuda if want is None else want
