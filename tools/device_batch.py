@@ -112,6 +112,16 @@ STAGE3_16BIT = Step(name="stage3-16bit", shell=_pytest("tests/test_stage3_16bit_
 """Stage 3's 2-byte host gradient GPU tests: in gpu1-tests-b and the batches that re-ran them."""
 
 
+# the -m gpu files that no longer fit gpu1-tests (gpu1-tests-b, check6)
+GPU1_B = (
+    STAGE3_16BIT,
+    Step(name="stage3-linear", shell=_pytest("tests/test_stage3_linear.py"),
+         timeout_s=45, sized="34 s (session 5, call 1)"),
+    Step(name="step-assist", shell=_pytest("tests/test_step_assist.py"),
+         timeout_s=110, sized="64 s for 3 cases (session 5, call 5) + the "
+                              "slots-do-not-fit case (unmeasured)"),
+)
+
 BATCHES: tuple[Batch, ...] = (
     Batch(name="gpu1-tests", kind=Kind.H200, what="every -m gpu test on 1 GPU (2-GPU ones skip)",
           steps=(
@@ -136,14 +146,7 @@ BATCHES: tuple[Batch, ...] = (
           )),
     Batch(name="gpu1-tests-b", kind=Kind.H200,
           what="the rest of the -m gpu tests on 1 GPU (gpu1-tests is full; 2-GPU ones skip)",
-          steps=(
-              STAGE3_16BIT,
-              Step(name="stage3-linear", shell=_pytest("tests/test_stage3_linear.py"),
-                   timeout_s=45, sized="34 s (session 5, call 1)"),
-              Step(name="step-assist", shell=_pytest("tests/test_step_assist.py"),
-                   timeout_s=110, sized="64 s for 3 cases (session 5, call 5) + the "
-                                        "slots-do-not-fit case (unmeasured)"),
-          )),
+          steps=GPU1_B),
     Batch(name="gpu2-tests", kind=Kind.H200_X2,
           what="NCCL equivalence stage 1/2 and 3 on 2 GPUs, stage 2's ratio and stage 3's 2-byte "
                "host gradients on 2 GPUs, zeroio train 1b on 2 GPUs",
@@ -595,6 +598,17 @@ KERNEL_BATCHES += (
                    extra="--nproc 2"),
               _row("ds-z3-cpu", 75, sized="56 s on 1 GPU (session 5)", extra="--nproc 2"),
               _row("fsdp2-cpu", 75, sized="61 s on 1 GPU (session 5)", extra="--nproc 2"),
+          )),
+    Batch(name="check6", kind=Kind.H200, peers=True,
+          what="gpu1-tests-b (the step assist's out-of-memory fallback never ran) and 1-GPU "
+               "zeroio z2/z3 + cpu beside DeepSpeed z2: the host step's new thread default "
+               "at one rank",
+          steps=(
+              Step(name="warm", shell=WARM_BOTH, timeout_s=62, sized="50-60 s (session 6)"),
+              *GPU1_B,
+              _row("zeroio-z2-cpu", 60, sized="49 s (session 5)", overlap=True),
+              _row("zeroio-z3-cpu", 60, sized="49 s (session 5)", overlap=True),
+              _row("ds-z2-cpu", 78, sized="68 s (session 5)"),
           )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
