@@ -66,3 +66,23 @@ def test_env_is_present_from_process_start():
 
     assert run_ranks(_read_env_at_start, 2, env={"ZEROIO_TEST_START_ENV": "yes"}) == ["yes", "yes"]
     assert "ZEROIO_TEST_START_ENV" not in os.environ
+
+
+def _tensors_body(n):
+    import torch
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    return [torch.full((4096,), float(r * 1000 + i)) for i in range(n)]
+
+
+def test_tensor_results_arrive_after_the_rank_is_done():
+    """A result holding CPU tensors travels as file descriptors the parent fetches from the
+    rank while unpickling; the rank must still be alive then (it waits for the parent)."""
+    import torch
+
+    out = run_ranks(_tensors_body, 2, 64, timeout=120)
+    for r, tensors in enumerate(out):
+        assert len(tensors) == 64
+        for i, t in enumerate(tensors):
+            assert torch.equal(t, torch.full((4096,), float(r * 1000 + i)))

@@ -610,6 +610,11 @@ KERNEL_BATCHES += (
               _row("zeroio-z3-cpu", 60, sized="49 s (session 5)", overlap=True),
               _row("ds-z2-cpu", 78, sized="68 s (session 5)"),
           )),
+    Batch(name="assist-oom", kind=Kind.H200,
+          what="the step assist's GPU tests again, the out-of-memory fallback included (check6 "
+               "lost its result to the test harness: the rank exited before its tensors "
+               "were fetched)",
+          steps=GPU1_B[2:]),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "

@@ -41,7 +41,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, out) -> None:
+def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, out,
+               received) -> None:
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -68,6 +69,9 @@ def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, 
             if dist.is_initialized():
                 dist.destroy_process_group()
         out.put((rank, True, result))
+        # a tensor in the result travels as a file descriptor that the parent fetches from
+        # this process while it unpickles: exiting first loses it (EOFError in the parent)
+        received.wait(timeout=300)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
         out.put((rank, False, traceback.format_exc()))
 
@@ -92,11 +96,13 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    received = [ctx.Event() for _ in range(world_size)]
     port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, r, world_size, port, backend, threads, dict(env or {}), args, kwargs, out),
+            args=(fn, r, world_size, port, backend, threads, dict(env or {}), args, kwargs, out,
+                  received[r]),
             daemon=False,
         )
         for r in range(world_size)
@@ -127,6 +133,7 @@ def run_ranks(
                 )
             try:
                 rank, ok, payload = out.get(timeout=min(remaining, 1.0))
+                received[rank].set()
             except queue.Empty:
                 dead = [
                     r for r, p in enumerate(procs)
@@ -136,6 +143,7 @@ def run_ranks(
                     # give a rank that crashed after queueing its traceback a moment to arrive
                     try:
                         rank, ok, payload = out.get(timeout=2.0)
+                        received[rank].set()
                     except queue.Empty:
                         r = dead[0]
                         raise RankFailedError(
