@@ -195,8 +195,9 @@ def _one_step(a, engine, model, opt, ids, mark=lambda name: None):
     return loss
 
 
-def _profile(a, engine, model, opt, device, gen) -> dict:
-    """Where a step's time goes: synced phase seconds over 2 steps, then a profiler trace."""
+def _profile(a, engine, model, opt, device, gen, rank: int = 0) -> dict:
+    """Where a step's time goes: synced phase seconds over 2 steps, then a profiler trace
+    (every rank steps under the profiler; rank 0 writes the trace and the op table)."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
@@ -219,6 +220,8 @@ def _profile(a, engine, model, opt, device, gen) -> dict:
     with torch.profiler.profile(activities=acts) as prof:
         _one_step(a, engine, model, opt, ids)
         sync()
+    if rank != 0:
+        return {k: statistics.median(v) for k, v in phases.items()}
     tag = f"{a.mode}-{os.path.basename(a.config or 'plain').removesuffix('.json')}"
     prof.export_chrome_trace(os.path.join(a.profile, f"trace-{tag}.json"))
     with open(os.path.join(a.profile, f"ops-{tag}.txt"), "w") as f:
@@ -280,7 +283,7 @@ def main() -> None:
         times.append(time.perf_counter() - t)
         loss_val = loss.item()
         log(f"step {len(times)} {times[-1]:.2f} s loss {loss_val:.3f}")
-    phases = _profile(a, engine, model, opt, device, gen) \
+    phases = _profile(a, engine, model, opt, device, gen, rank) \
         if a.profile else None
     host_peak = rss.stop()
     timed = times[a.warmup:] or times

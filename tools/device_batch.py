@@ -615,6 +615,16 @@ KERNEL_BATCHES += (
                "lost its result to the test harness: the rank exited before its tensors "
                "were fetched)",
           steps=GPU1_B[2:]),
+    Batch(name="prof-x2", kind=Kind.H200_X2,
+          what="where zeroio z2 + cpu's step goes at 2 ranks (1.95x DeepSpeed in peers-x2b): "
+               "synced phases and one profiled step (rank 0's trace, gzipped)",
+          steps=(
+              Step(name="z2-x2-profile", shell="OMP_NUM_THREADS=16 python3 -m "
+                   "torch.distributed.run --standalone --nproc_per_node=2 "
+                   + Z2.removeprefix("python3 ") + " --profile {res}/prof; rc=$?; "
+                   "gzip -f {res}/prof/trace-*.json; exit $rc", timeout_s=170,
+                   sized="54 s for 6 steps (peers-x2b) + 2 synced steps + the profiler"),
+          )),
     Batch(name="ratio12", kind=Kind.H200,
           what="offload_optimizer.ratio at stage 2 (zeroio extension): 1.364B z2 + cpu with the "
                "overlapped step at ratio 1, 0.5, 0.25 on torch's CPU Adam, ratio 0.5 on the "
