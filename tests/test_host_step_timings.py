@@ -83,7 +83,7 @@ def test_step_threads_default_is_this_ranks_share_of_the_cores(monkeypatch):
 
     import torch
 
-    from zeroio.partition.step_overlap import StepRunner, step_threads
+    from zeroio.partition.step_overlap import StepRunner, cpu_share, step_threads
 
     usable = len(os.sched_getaffinity(0))
     monkeypatch.delenv("ZEROIO_STEP_THREADS", raising=False)
@@ -96,6 +96,7 @@ def test_step_threads_default_is_this_ranks_share_of_the_cores(monkeypatch):
         assert step_threads() == max(1, usable // 2)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(usable * 4))
         assert step_threads() == 1
+        assert cpu_share(2) == max(1, usable // 2)  # zeroio train --nproc 2, before launch
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
         seen = []
         runner = StepRunner(1, torch.device("cpu"))

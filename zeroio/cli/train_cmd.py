@@ -103,10 +103,10 @@ def run(args) -> int:
     if "RANK" not in os.environ and nproc > 1:
         check_options(opts)  # a typo fails here once, not on every launched rank
         from zeroio.cli.launch_cmd import launch, torchrun_argv
+        from zeroio.partition.step_overlap import cpu_share
 
         # one intra-op thread per rank per core share: ranks on a small machine must not fight
-        threads = max(1, (os.cpu_count() or 1) // nproc)
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))
         return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True))
 
     try:

@@ -730,8 +730,7 @@ class Stage12Partitioner:
         element over PCIe); otherwise the fp32 master goes up into a GPU landing zone and is
         cast there (no extra CPU pass). fp32 parameters take the master directly."""
         if self._copy_stream is None:
-            if c.gather:
-                comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
+            self._chunk_published(c, i, b)
             return
         src = self._host[b.group_index].master.narrow(0, hlo, c.numel)
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
@@ -747,9 +746,7 @@ class Stage12Partitioner:
                 count_copy(self.transfers, src, landing)
                 landing.copy_(src, non_blocking=True)
                 dst.copy_(landing)
-            if c.gather:
-                comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
-            self._runner.events[i].record(self._copy_stream)
+            self._chunk_published(c, i, b)
 
     def _assisted_job(self, c: StepChunk, i: int, b: Bucket, hlo: int, dst: torch.Tensor) -> bool:
         """Chunk ``i`` stepped on the GPU ([Note: stage 1/2 step assist]): its 16-bit values are
@@ -763,10 +760,17 @@ class Stage12Partitioner:
             return False
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(done)
-            if c.gather:
-                comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
-            self._runner.events[i].record(self._copy_stream)
+            self._chunk_published(c, i, b)
         return True
+
+    def _chunk_published(self, c: StepChunk, i: int, b: Bucket) -> None:
+        """After chunk ``i``'s values are in place (queued on the copy stream, the current one
+        here, when there is one): the bucket's all-gather after its last chunk, and
+        ``events[i]``."""
+        if c.gather:
+            comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
+        if self._copy_stream is not None:
+            self._runner.events[i].record(self._copy_stream)
 
     def _await_params(self, need: int, module, args) -> None:
         """Forward pre-hook (``overlap_forward``): this module's parameters are published."""

@@ -47,16 +47,17 @@ def step_threads() -> int:
     return n
 
 
-def cpu_share() -> int:
-    """The CPUs this process may run on, divided among the ranks of this host
-    (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 without it), at least 1."""
+def cpu_share(ranks: int | None = None) -> int:
+    """The CPUs this process may run on, divided among ``ranks`` processes of this host
+    (default: ``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 without it), at least 1."""
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         usable = os.cpu_count() or 1
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    local = int(raw) if raw.isdigit() and int(raw) > 0 else 1
-    return max(1, usable // local)
+    if ranks is None:
+        raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+        ranks = int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    return max(1, usable // max(1, ranks))
 
 
 class PhaseClock:
