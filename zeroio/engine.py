@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from zeroio.config import load_config
 from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
+from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
@@ -36,8 +37,6 @@ from zeroio.optim.lr_schedules import build_scheduler
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.tiering import stats as tstats
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def init_distributed() -> None:
@@ -63,7 +62,7 @@ def pick_device() -> torch.device:
 def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device):
     """The one place that maps ``zero_optimization.stage`` to a partitioner."""
     zc = cfg.zero_optimization
-    dtype = _DTYPES[cfg.compute_dtype]
+    dtype = DTYPES[cfg.compute_dtype]
     off = zc.offload_optimizer
     if off.device == "none":
         home = ShardHome(device=device)

@@ -78,17 +78,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from zeroio.config import Config, OffloadDevice, ZeroConfig
 from zeroio.config.zero import step_assist_enabled
+from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError
 from zeroio.optim import assist
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
 FP32 = 4
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TIERS = ("gpu", "cpu", "nvme")
 PUBLISH_CHUNK_NUMEL = 1 << 26
 """Elements of the GPU staging buffer through which stage 3 with ratio < 1 publishes the
@@ -382,7 +380,7 @@ def estimate_memory(
             # 16-bit result goes to the host shard through a slot buffer
             per = assist.slot_element_bytes(
                 _host_grad_dtype(dtype, opt_dev, gas, shard - dev, stage=stage),
-                _TORCH_DTYPES[dtype] if stage == 3 else None)
+                DTYPES[dtype] if stage == 3 else None)
             add("step assist slots (during the step)", "gpu",
                 assist.SLOTS * min(assist.SLOT_NUMEL, shard - dev) * per, buf,
                 f"{assist.SLOTS} * min({assist.SLOT_NUMEL}, offloaded elements per GPU) * {per}")
@@ -420,7 +418,7 @@ def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
 def _host_grad_dtype(dtype: str, opt_dev: str, gas: int, host_numel: int, *, stage: int):
     from zeroio.partition.host_grads import host_grad_dtype
 
-    return host_grad_dtype(stage=stage, compute_dtype=_TORCH_DTYPES[dtype],
+    return host_grad_dtype(stage=stage, compute_dtype=DTYPES[dtype],
                            cpu_optimizer=opt_dev == "cpu", accumulation_steps=gas,
                            host_numel=host_numel, plan_only=True)
 

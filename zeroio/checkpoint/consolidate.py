@@ -24,11 +24,11 @@ from tqdm import tqdm
 
 from zeroio.checkpoint.layout import Manifest
 from zeroio.checkpoint.reader import ArrayReader, ChunkCursor, _Request, resolve_tag
+from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError
 
 WEIGHT_KINDS = ("fp32", "param16")  # preferred source of weights, in order
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STREAM_WINDOW = 1 << 24  # elements per streamed piece: 64 MB of fp32
 READ_AHEAD = 2  # chunks read and verified ahead of an export's writer (64 MB each by default)
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -39,9 +39,9 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[name]
+        return DTYPES[name]
     except KeyError:
-        raise CheckpointError(f"dtype {name!r} is not one of {sorted(_DTYPES)}") from None
+        raise CheckpointError(f"dtype {name!r} is not one of {sorted(DTYPES)}") from None
 
 
 def weight_kind(manifest: Manifest) -> str:

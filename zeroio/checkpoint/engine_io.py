@@ -43,10 +43,10 @@ from zeroio.checkpoint.consolidate import (
 from zeroio.checkpoint.reader import load_sharded
 from zeroio.checkpoint.state import LazySegment, ParamEntry, Segment, ShardedState, split_by_param
 from zeroio.checkpoint.writer import SaveOptions, save_sharded
+from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError
 
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")
-_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GATHER_WINDOW = 1 << 25  # elements per reduce when gathering 16-bit weights
 
 
@@ -378,7 +378,7 @@ def gather_weights(engine, dtype: torch.dtype | None = None) -> dict[str, torch.
     streams instead."""
     comm = _comm(engine)
     index = _index(engine)
-    dtype = dtype or _COMPUTE[engine.config.compute_dtype]
+    dtype = dtype or DTYPES[engine.config.compute_dtype]
     segs = _weight_segments(engine, index, comm)
     total = sum(e.numel for e in index.values())
     out = {n: torch.empty(e.shape, dtype=dtype) for n, e in index.items()} if comm.rank == 0 else None
@@ -410,7 +410,7 @@ def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None,
         )
     comm = _comm(engine)
     index = _index(engine)
-    dtype = dtype or _COMPUTE[engine.config.compute_dtype]
+    dtype = dtype or DTYPES[engine.config.compute_dtype]
     segs = _weight_segments(engine, index, comm)
     specs = [TensorSpec(name=n, shape=e.shape, dtype=dtype) for n, e in index.items()]
     shards = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)

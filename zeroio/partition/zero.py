@@ -34,8 +34,6 @@ from zeroio.partition.stage3.init import (
 )
 from zeroio.partition.stage12 import wait_overlapped_steps
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def _config_dtype(config) -> torch.dtype | None:
     if config is None:
