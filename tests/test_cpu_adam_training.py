@@ -51,7 +51,8 @@ def _info(engine):
     opt = getattr(engine.optimizer, "host", engine.optimizer)
     part = engine.partitioner
     return {"engine_device": str(engine.device), "one_pass": bool(opt.one_pass),
-            "pinned_slots": len(getattr(part, "_stage_slots", []))}
+            "pinned_slots": len(getattr(part, "_stage_slots", [])),
+            "assist": getattr(part, "_assist", None) is not None}
 
 
 def _config(stage, dtype, overlap, tmpdir):
@@ -87,7 +88,9 @@ def _check(results, cuda):
             assert r["one_pass"], r  # the compiled kernel stepped the host masters
             stage, dtype, _ = r["case"]
             if cuda and stage == 2 and dtype == "bf16":
-                assert r["pinned_slots"] == 2, r  # the kernel wrote the pinned bf16 slots
+                # the kernel wrote the pinned bf16 slots: two, or four when the step assist is
+                # on (a CPU chunk's copy may queue behind the GPU's chunks)
+                assert r["pinned_slots"] == (4 if r["assist"] else 2), r
             assert not reference_failures(r, dtype, fp32_tol=5e-5), r
 
 

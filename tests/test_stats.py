@@ -66,20 +66,24 @@ def _train(cfg, *, overwrite=True):
     if not overwrite:  # the old publish path: read each shard back before replacing it
         engine.partitioner._whole = dict.fromkeys(engine.partitioner._whole, False)
     device = engine.device
-    steps = []
+    steps, assisted = [], []
     g = torch.Generator().manual_seed(0)
     for _ in range(STEPS):
         x = torch.randn(2, WIDTH, generator=g).to(device, torch.bfloat16)
         engine.backward(engine(x).float().pow(2).mean())
         engine.step()
-        steps.append(engine.stats()["last_step"])
+        now = engine.stats()
+        steps.append(now["last_step"])
+        assist = [v for k, v in now["sources"].items() if k.endswith(".step_assist")]
+        assisted.append(sum(a["numel_gpu"] for a in assist))  # since start
     out = engine.stats()
     groups = getattr(engine.partitioner, "pgroups", [])
     shard_numels = [g.plan.shard_numel for g in groups]
     engine.close()
     store = out.pop("sources").get("stage3.params")
     return {"total": out, "steps": steps, "shard_numels": shard_numels,
-            "store_tiers": store["tiers"] if store else None}
+            "store_tiers": store["tiers"] if store else None,
+            "assisted": [b - a for a, b in zip([0] + assisted[:-1], assisted, strict=True)]}
 
 
 def _body(tmpdir):
@@ -184,8 +188,12 @@ def test_overwrite_removes_the_publish_read(results):
 
 def _gpu_body(tmpdir):
     res = {}
-    res["z2_cpu"] = _train(_config(2, "none", "cpu", tmpdir))
-    res["z3_cpu"] = _train(_config(3, "cpu", "cpu", tmpdir))
+    for assist in (False, "auto"):  # off, and the default (on with a CUDA device)
+        tag = "" if assist is False else "_assist"
+        for name, stage, off_param in (("z2_cpu", 2, "none"), ("z3_cpu", 3, "cpu")):
+            cfg = _config(stage, off_param, "cpu", tmpdir)
+            cfg["zero_optimization"]["tiering"] = {"step_assist": assist}
+            res[name + tag] = _train(cfg)
     return res
 
 
@@ -195,10 +203,12 @@ def test_host_device_bytes_on_gpu(tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    res = run_ranks(_gpu_body, 1, str(tmp_path))[0]
+    # torch's CPU Adam: fp32 host gradients, as in the CPU fixture's hand counts
+    res = run_ranks(_gpu_body, 1, str(tmp_path), env={"ZEROIO_CPU_ADAM": "torch"})[0]
     # stage 2 cpu offload: each step the fp32 gradient shard goes down once, and the fp32
     # masters go up once (cast to bf16 on the GPU) -- or bf16 staging: 2 bytes
     z2 = res["z2_cpu"]
+    assert z2["assisted"] == [0] * STEPS
     for s in z2["steps"]:
         assert s["bytes_moved"]["gpu->cpu"] == 4 * NUMEL
         assert s["bytes_moved"]["cpu->gpu"] in (4 * NUMEL, 2 * NUMEL)
@@ -208,6 +218,22 @@ def test_host_device_bytes_on_gpu(tmp_path):
     for s in z3["steps"][1:]:
         assert s["bytes_moved"]["gpu->cpu"] == 4 * NUMEL
         assert 2 * NUMEL <= s["bytes_moved"]["cpu->gpu"] <= 2 * 2 * NUMEL
+    # the step assist ([Note: step assist] in optim/assist.py): for each element the GPU
+    # steps, master + exp_avg + exp_avg_sq (12 B) and the fp32 host gradient (4 B) go up and
+    # the 12 B of state come back down; at stage 2 that element's 16-bit value is cast on the
+    # GPU (no publication upload), at stage 3 it goes down to the host shard (2 B more)
+    z2a = res["z2_cpu_assist"]
+    assert sum(z2a["assisted"]) > 0, z2a["assisted"]
+    for s, a in zip(z2a["steps"], z2a["assisted"], strict=True):
+        moved = s["bytes_moved"]
+        assert moved["gpu->cpu"] == 4 * NUMEL + 12 * a, (moved, a)
+        assert moved["cpu->gpu"] - 16 * a in (4 * (NUMEL - a), 2 * (NUMEL - a)), (moved, a)
+    z3a = res["z3_cpu_assist"]
+    assert sum(z3a["assisted"]) > 0, z3a["assisted"]
+    for s, a in list(zip(z3a["steps"], z3a["assisted"], strict=True))[1:]:
+        moved = s["bytes_moved"]
+        assert moved["gpu->cpu"] == 4 * NUMEL + 14 * a, (moved, a)
+        assert 2 * NUMEL <= moved["cpu->gpu"] - 16 * a <= 2 * 2 * NUMEL, (moved, a)
     for r in res.values():
         _assert_totals_are_step_sums(r)
 
