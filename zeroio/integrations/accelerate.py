@@ -145,7 +145,7 @@ def requested_processes(environ: Mapping[str, str] | None = None,
         if n is not None:
             return int(n) if n.isdigit() else None
         return _config_processes(_option(argv, "--config_file", "--config-file"))
-    if argv is None and "MASTER_ADDR" in env and "WORLD_SIZE" not in env:
+    if not argv and "MASTER_ADDR" in env and "WORLD_SIZE" not in env:
         return 0
     return None
 

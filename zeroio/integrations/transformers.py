@@ -57,6 +57,7 @@ __all__ = ["Trainer", "TrainingArguments", "ZeroIOTrainer", "active_zero3_config
            "deactivate_zero3"]
 
 logger = logging.get_logger(__name__)
+_trainer_log = logging.get_logger("transformers.trainer")  # the Trainer's own log
 
 
 @contextlib.contextmanager
@@ -194,7 +195,7 @@ class Trainer(transformers.Trainer):
         self.optimizer = _EngineOptimizer(engine)
         self.lr_scheduler = _EngineScheduler(engine)
         if self.is_world_process_zero():
-            logger.info(describe(cfg, engine.world_size))
+            _trainer_log.info(describe(cfg, engine.world_size))
 
     def create_optimizer(self, model=None):
         if not self._zeroio_on:
