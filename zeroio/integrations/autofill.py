@@ -10,6 +10,7 @@ one of the two values.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -72,3 +73,23 @@ def check_no_contradictions(raw: Mapping[str, Any], source: str = "TrainingArgum
             + f'\nset these keys to "auto" (filled from {source}) or make the two agree',
             key=first_key,
         )
+
+
+def fill_known_autos(raw: Mapping[str, Any], **values: Any) -> dict[str, Any]:
+    """A copy of ``raw`` with every "auto" that ``values`` determine filled; the others stay "auto".
+
+    For a consumer that needs part of the config before all values are known
+    (``zero.Init`` before the model, hence before ``hidden_size`` and the step count).
+    """
+    checked = check_auto_values(values)
+    out = copy.deepcopy(dict(raw))
+    for path, rule in _RULES.items():
+        if any(n not in checked for n in rule.needs):
+            continue
+        *parents, leaf = path.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) == AUTO:
+            node[leaf] = rule.value(checked)
+    return out

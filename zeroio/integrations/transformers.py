@@ -1,13 +1,14 @@
-"""Hugging Face Trainer on a zeroio engine: ``ZeroIOTrainer``.
+"""Hugging Face Trainer on a zeroio engine: the drop-in ``Trainer`` and ``TrainingArguments``.
 
-The change to a Trainer script is as small as DeepSpeed's ``TrainingArguments(
-deepspeed="ds.json")``: import ``ZeroIOTrainer`` instead of ``Trainer`` and pass
-the config beside the arguments::
+A DeepSpeed-style Transformers script changes one line::
 
-    from zeroio.integrations.transformers import ZeroIOTrainer
-    trainer = ZeroIOTrainer(model=model, args=TrainingArguments(...),
-                            train_dataset=..., eval_dataset=...,
-                            zeroio_config="configs/zero3-nvme.json")
+    from zeroio.integrations.transformers import Trainer, TrainingArguments
+
+``TrainingArguments(deepspeed="ds.json" | dict)`` (or ``--deepspeed ds.json``
+through ``HfArgumentParser(TrainingArguments)``) is then the zeroio config
+(see zeroio/integrations/hf_args.py); without one, ``Trainer`` is the stock
+Trainer. ``ZeroIOTrainer(..., zeroio_config=...)`` with transformers' own
+TrainingArguments is the same class, given the config beside the arguments.
 
 Written against transformers 5.x (the Trainer whose loop is split into
 ``_prepare_for_training`` / ``_run_epoch``); it overrides the same hooks
@@ -26,94 +27,50 @@ Trainer-side gradient clipping is replaced by the engine's
 by ``zeroio.load_config`` (the same table as transformers' DeepSpeed
 integration); a key given explicitly with a different value is a
 ``ConfigError`` listing every such key, checked once at construction and again,
-with the step counts, when the engine is built. A config without an
-``optimizer`` block gets AdamW with every value "auto"; without a ``scheduler``
-block, TrainingArguments' ``lr_scheduler_type`` is mapped (linear ->
-WarmupDecayLR, constant[_with_warmup] -> WarmupLR).
+with the step counts, when the engine is built. ``optim`` and
+``lr_scheduler_type`` are honoured or refused, never replaced: see [Note:
+optim and lr_scheduler_type] in zeroio/integrations/hf_config.py.
+
+The Trainer's ``disable_tqdm`` also silences zeroio's own progress bars (model
+and checkpoint saves), and the engine's stage, offload and placement are
+logged once, at info level, when the engine is built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
-from transformers import Trainer
+import transformers
 from transformers.utils import logging
 
 from zeroio.errors import CheckpointError, ConfigError
+from zeroio.integrations.accelerate import check_launch
 from zeroio.integrations.autofill import check_no_contradictions
+from zeroio.integrations.hf_args import TrainingArguments, active_zero3_config, deactivate_zero3
+from zeroio.integrations.hf_config import auto_values, complete_config, describe, read_config
+
+__all__ = ["Trainer", "TrainingArguments", "ZeroIOTrainer", "active_zero3_config",
+           "deactivate_zero3"]
 
 logger = logging.get_logger(__name__)
-
-_SCHEDULERS = {
-    "linear": ("WarmupDecayLR", {"total_num_steps": "auto"}),
-    "constant_with_warmup": ("WarmupLR", {}),
-    "constant": ("WarmupLR", {}),
-}
+_trainer_log = logging.get_logger("transformers.trainer")  # the Trainer's own log
 
 
-def _read_config(config: str | os.PathLike | dict) -> dict[str, Any]:
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    path = Path(config)
-    if not path.is_file():
-        raise ConfigError(f"zeroio_config {path} does not exist", key="zeroio_config")
+@contextlib.contextmanager
+def _progress_bars(show: bool):
+    """zeroio's save bars off while the Trainer's ``disable_tqdm`` is set."""
+    if show or os.environ.get("ZEROIO_QUIET"):
+        yield
+        return
+    os.environ["ZEROIO_QUIET"] = "1"
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"zeroio_config {path} is not valid JSON: {e}", key="zeroio_config") from e
-
-
-def _scheduler_type(args) -> str:
-    value = args.lr_scheduler_type
-    return getattr(value, "value", value)
-
-
-def complete_config(raw: dict[str, Any], args) -> dict[str, Any]:
-    """``raw`` with an all-"auto" AdamW and a scheduler from ``lr_scheduler_type`` where absent."""
-    out = copy.deepcopy(raw)
-    out.setdefault("optimizer", {"type": "AdamW", "params": {
-        "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}})
-    if "scheduler" not in out:
-        kind = _scheduler_type(args)
-        if kind not in _SCHEDULERS:
-            raise ConfigError(
-                f"TrainingArguments lr_scheduler_type={kind!r} has no zeroio equivalent; use one of "
-                f"{', '.join(_SCHEDULERS)} or put a \"scheduler\" block in the zeroio config",
-                key="scheduler")
-        name, extra = _SCHEDULERS[kind]
-        warmup = 0 if kind == "constant" else "auto"
-        out["scheduler"] = {"type": name, "params": {
-            "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": warmup,
-            "warmup_type": "linear", **extra}}
-    for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size",
-                "gradient_clipping"):
-        out.setdefault(key, "auto")
-    return out
-
-
-def auto_values(args, model=None, num_training_steps: int | None = None) -> dict[str, Any]:
-    """The ``load_config`` keyword values TrainingArguments ``args`` stand for."""
-    values: dict[str, Any] = dict(
-        world_size=args.world_size,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon,
-        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        fp16=bool(args.fp16), bf16=bool(args.bf16),
-    )
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    if isinstance(hidden, int):
-        values["hidden_size"] = hidden
-    if num_training_steps is not None:
-        values["num_training_steps"] = num_training_steps
-        values["warmup_steps"] = args.get_warmup_steps(num_training_steps)
-    return values
+        yield
+    finally:
+        os.environ.pop("ZEROIO_QUIET", None)
 
 
 class _EngineModule(torch.nn.Module):
@@ -172,22 +129,40 @@ class _EngineScheduler:
         return {}
 
 
-class ZeroIOTrainer(Trainer):
-    """A ``transformers.Trainer`` that trains through ``zeroio.initialize``.
+def _config_source(args, zeroio_config):
+    from_args = getattr(args, "zeroio_config", None)
+    if getattr(args, "deepspeed", None):
+        raise ConfigError("transformers.TrainingArguments(deepspeed=...) runs DeepSpeed, not zeroio: "
+                          "import TrainingArguments from zeroio.integrations.transformers",
+                          key="deepspeed")
+    if from_args is not None and zeroio_config is not None:
+        raise ConfigError("pass either TrainingArguments(deepspeed=...) or zeroio_config=..., "
+                          "not both", key="deepspeed")
+    if zeroio_config is not None:
+        return read_config(zeroio_config)
+    raw = getattr(args, "zeroio_raw", None)
+    return copy.deepcopy(raw) if raw is not None else None
 
-    ``zeroio_config``: a DeepSpeed-schema config (path or dict); "auto" keys are
-    filled from ``args`` (see [Note: auto and contradictions]).
+
+class Trainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains through ``zeroio.initialize`` when given a config.
+
+    The config is ``args.zeroio_config`` (zeroio's ``TrainingArguments(deepspeed=...)``)
+    or ``zeroio_config`` (path or dict); "auto" keys are filled from ``args``
+    (see [Note: auto and contradictions]). Without either, the stock Trainer.
     """
 
-    def __init__(self, *args, zeroio_config: str | os.PathLike | dict, **kwargs):
-        self._zeroio_raw = _read_config(zeroio_config)
+    def __init__(self, *args, zeroio_config: str | os.PathLike | dict | None = None, **kwargs):
+        check_launch()
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self._zeroio_raw = _config_source(targs, zeroio_config) if targs is not None else (
+            read_config(zeroio_config) if zeroio_config is not None else None)
         self.zeroio_engine = None
         self._zeroio_module = None
         super().__init__(*args, **kwargs)
+        if self._zeroio_raw is None:
+            return
         targs = self.args
-        if getattr(targs, "deepspeed", None):
-            raise ConfigError("pass either TrainingArguments(deepspeed=...) or zeroio_config=..., "
-                              "not both", key="deepspeed")
         if targs.save_only_model and targs.load_best_model_at_end:
             raise ConfigError(
                 "save_only_model=True with load_best_model_at_end=True is not supported by "
@@ -196,6 +171,10 @@ class ZeroIOTrainer(Trainer):
         self._zeroio_raw = complete_config(self._zeroio_raw, targs)
         check_no_contradictions(self._zeroio_raw, "TrainingArguments",
                                 **auto_values(targs, self.model))
+
+    @property
+    def _zeroio_on(self) -> bool:
+        return self._zeroio_raw is not None
 
     # ---- engine ---------------------------------------------------------------------------
 
@@ -208,7 +187,6 @@ class ZeroIOTrainer(Trainer):
         check_no_contradictions(self._zeroio_raw, "TrainingArguments", **values)
         raw = copy.deepcopy(self._zeroio_raw)
         if not values["num_training_steps"]:  # evaluation only: a schedule needs >= 1 step
-            raw.get("scheduler", {}).get("params", {}).pop("total_num_steps", None)
             raw.pop("scheduler", None)
         cfg = zeroio.load_config(raw, **values)
         engine, _, _, _ = zeroio.initialize(model=self.model, config=cfg)
@@ -216,24 +194,34 @@ class ZeroIOTrainer(Trainer):
         self._zeroio_module = _EngineModule(engine)
         self.optimizer = _EngineOptimizer(engine)
         self.lr_scheduler = _EngineScheduler(engine)
+        if self.is_world_process_zero():
+            _trainer_log.info(describe(cfg, engine.world_size))
 
     def create_optimizer(self, model=None):
+        if not self._zeroio_on:
+            return super().create_optimizer(model) if model is not None else super().create_optimizer()
         self._zeroio_setup(self.state.max_steps)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if not self._zeroio_on:
+            return super().create_scheduler(num_training_steps, optimizer)
         self._zeroio_setup(num_training_steps)
         self.lr_scheduler = _EngineScheduler(self.zeroio_engine)
         self._created_lr_scheduler = True
         return self.lr_scheduler
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if not self._zeroio_on:
+            return super()._wrap_model(model, training, dataloader)
         self._zeroio_setup(self.state.max_steps if training else 0)
         return self._zeroio_module
 
     # ---- step (see [Note: who steps]) -----------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self._zeroio_on:
+            return super().training_step(model, inputs, num_items_in_batch)
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
@@ -245,9 +233,13 @@ class ZeroIOTrainer(Trainer):
         return loss.detach() / self.args.gradient_accumulation_steps
 
     def _clip_grad_norm(self, model):
+        if not self._zeroio_on:
+            return super()._clip_grad_norm(model)
         return self.zeroio_engine.last_grad_norm
 
     def _get_grad_norm(self, model, grad_norm=None):
+        if not self._zeroio_on:
+            return super()._get_grad_norm(model, grad_norm)
         return self.zeroio_engine.last_grad_norm if grad_norm is None else grad_norm
 
     # ---- saving and loading ---------------------------------------------------------------
@@ -263,10 +255,15 @@ class ZeroIOTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         engine = self.zeroio_engine
         if engine is None:
-            return super().save_model(output_dir, _internal_call)
+            if self._zeroio_on:  # not trained yet: build the engine so the saved model is its
+                self._zeroio_setup(0)
+                engine = self.zeroio_engine
+            else:
+                return super().save_model(output_dir, _internal_call)
         os.makedirs(output_dir, exist_ok=True)
         try:
-            engine.save_16bit_model(output_dir)
+            with _progress_bars(not self.args.disable_tqdm):
+                engine.save_16bit_model(output_dir)
         except CheckpointError as e:
             if not _internal_call:
                 raise
@@ -286,25 +283,44 @@ class ZeroIOTrainer(Trainer):
         Path(output_dir, "training_args.json").write_text(self.args.to_json_string())
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.zeroio_engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}")
+        if not self._zeroio_on:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        with _progress_bars(not self.args.disable_tqdm):
+            self.zeroio_engine.save_checkpoint(output_dir,
+                                               tag=f"global_step{self.state.global_step}")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._zeroio_on:
+            return super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             self.zeroio_engine.load_checkpoint(checkpoint)
 
     def _save_rng_state(self, output_dir: str) -> None:
-        """Not written: transformers pickles RNG states (torch.save), which zeroio never does."""
+        """Not written with zeroio: transformers pickles RNG states (torch.save)."""
+        if not self._zeroio_on:
+            return super()._save_rng_state(output_dir)
 
     def _load_rng_state(self, checkpoint) -> None:
-        """Nothing to load (see ``_save_rng_state``)."""
+        """Nothing to load with zeroio (see ``_save_rng_state``)."""
+        if not self._zeroio_on:
+            return super()._load_rng_state(checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        """Weights come back with the engine checkpoint in ``_load_optimizer_and_scheduler``."""
+        """With zeroio the weights come back with the engine checkpoint
+        (``_load_optimizer_and_scheduler``)."""
+        if not self._zeroio_on:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
+        if not self._zeroio_on:
+            return super()._load_best_model()
         best = self.state.best_model_checkpoint
         path, _ = self.zeroio_engine.load_checkpoint(
             best, load_optimizer_states=False, load_lr_scheduler_states=False)
         if path is None:
             raise ConfigError(f"load_best_model_at_end: no zeroio checkpoint in {best}",
                               key="load_best_model_at_end")
+
+
+ZeroIOTrainer = Trainer
+"""The same class under its earlier name (``ZeroIOTrainer(..., zeroio_config=...)``)."""
