@@ -8,7 +8,7 @@ engine allocates them) and reports seconds per step:
 
 - ``one_call``: one fused AdamW call on the main thread, grad_scale 2 (clipping active);
   torch's kernel then writes the unscaled gradient back (4 more bytes per element).
-- ``one_call_no_scale``: the same without a grad_scale (the raw bound of issue 9).
+- ``one_call_no_scale``: the same without a grad_scale (the raw memory-bandwidth bound).
 - ``chunks_main``: the same in ``--chunk``-element chunks on the main thread.
 - ``chunks_worker``: the chunks on a worker thread (as StepRunner runs them).
 - ``chunks_worker_h2d``: + each chunk's fp32 master copied to the GPU on a copy stream and

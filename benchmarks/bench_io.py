@@ -4,7 +4,7 @@ and pinned <-> GPU copies through zeroio's copy helpers vs plain ``tensor.to``.
     python benchmarks/bench_io.py --path /tmp/zeroio-bench --size 4G --copy-size 1G
 
 Writes benchmarks/results/io-<host>-<utc date>.json (machine, date, commit, numbers)
-and prints a table. Targets (issue 3): engine >= 90% of the raw device for
+and prints a table. Targets: engine >= 90% of the raw device for
 sequential read and write, helper copies >= 90% of plain non_blocking copies.
 Needs torch, numpy, tqdm and google-crc32c (not zarr).
 """

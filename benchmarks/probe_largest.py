@@ -1,4 +1,4 @@
-"""The largest Llama-style model zeroio trains on this machine (issue 9's probe).
+"""The largest Llama-style model zeroio trains on this machine.
 
     python benchmarks/probe_largest.py --nvme-dir /tmp/probe-nvme            # the H200 run
     python benchmarks/probe_largest.py --plan-only --ram-gib 125 --gpu-gib 139 --disk-gib 64

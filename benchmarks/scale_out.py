@@ -1,4 +1,4 @@
-"""Scale-out (issue 10): the same contenders on 1, 2, ... N GPUs; per-GPU tokens/s and efficiency.
+"""Scale-out: the same contenders on 1, 2, ... N GPUs; per-GPU tokens/s and efficiency.
 
     # on nvidia-h200-x2 (now), a 1.36B model (train_peers' default shape):
     python benchmarks/scale_out.py --nprocs 1,2 --nvme-dir /tmp/scale-nvme

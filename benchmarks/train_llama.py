@@ -1,6 +1,6 @@
 """Train a Llama-style model (random weights) with plain PyTorch or zeroio; print s/step and memory.
 
-    # 1 GPU, the 1.36B model of issue 9 (defaults), plain PyTorch + fused AdamW on GPU:
+    # 1 GPU, the 1.36B model (defaults), plain PyTorch + fused AdamW on GPU:
     python benchmarks/train_llama.py --mode plain --steps 12
     # zeroio ZeRO-2 + CPU offload / + NVMe offload of the optimizer state:
     python benchmarks/train_llama.py --mode zeroio --config configs/zero2-cpu.json --steps 12

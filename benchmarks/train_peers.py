@@ -1,4 +1,4 @@
-"""Side-by-side: plain PyTorch, zeroio, DeepSpeed and FSDP2 on one model, one table (issue 9).
+"""Side-by-side: plain PyTorch, zeroio, DeepSpeed and FSDP2 on one model, one table.
 
     # the H200 run (1 GPU; DeepSpeed from the carried wheel, libaio unpacked in a folder)
     python benchmarks/train_peers.py --nvme-dir /tmp/peers-nvme --libaio-dir /tmp/libaio
@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
         "disk": disk,
         "rows": [vars(r) | {} for r in rows],
         "disk_bound_s_per_step": bounds,
-        # issue 9's NVMe target: s/step within 1.25x of the disk-bound seconds
+        # the NVMe target: s/step within 1.25x of the disk-bound seconds
         "disk_bound_ratio": {name: r.s_per_step / b for r in rows
                              for name, b in bounds.items() if r.name == name and b > 0
                              and r.s_per_step is not None},

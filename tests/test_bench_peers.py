@@ -91,7 +91,7 @@ def test_s_per_step_is_median_of_contender_step_times(peers_run):
     for pair, n in stats["bytes_moved"].items():
         assert moved[pair] == pytest.approx(n / stats["global_steps"] / 1e9)
     # the moments' home is the disk (read from it in step 1); all of them fit the derived host
-    # budget, so none is written back during training (issue 9: no write of cached state)
+    # budget, so none is written back during training (no write of cached state)
     assert moved["nvme->cpu"] > 0 and "cpu->nvme" not in moved
     assert rows["zeroio-z2-cpu"]["gb_moved_per_step"] == {}
 

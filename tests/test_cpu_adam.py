@@ -86,7 +86,7 @@ def test_mode_names_the_variable_on_bad_input(monkeypatch):
     monkeypatch.setenv("ZEROIO_CPU_ADAM", "torch")
     assert not cpu_adam.wanted(1 << 30)
     monkeypatch.delenv("ZEROIO_CPU_ADAM")
-    assert cpu_adam.mode() == "auto"  # the default (measured on the H200 hosts, session 4)
+    assert cpu_adam.mode() == "auto"  # the default (measured in benchmarks/train_peers.py on H200 hosts)
     monkeypatch.setenv("ZEROIO_CPU_ADAM", "auto")
     assert not cpu_adam.wanted(cpu_adam.AUTO_MIN_NUMEL - 1)  # small: no compile
 

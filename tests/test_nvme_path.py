@@ -6,7 +6,7 @@ bandwidth (sleeps), logging every read and write as it is issued. Against it:
 - the bytes each step reads and writes equal the hand count of [Note: resident head,
   streamed tail] in zeroio/optim/swap.py, no piece is read twice without having been
   written in between, and moments that fit in the budget are never written during
-  training (the two slow runs of issue 9: a flush after every sub-group wrote every
+  training (two slow runs of the peers benchmark: a flush after every sub-group wrote every
   moment every step, synchronously);
 - with Adam slowed down as well, a step takes about max(Adam, disk) rather than their sum;
 - results equal plain single-process AdamW (zeroio.testing.reference) for stage 2 and

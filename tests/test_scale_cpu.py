@@ -1,4 +1,4 @@
-"""Issue 10, CPU part: zeroio at 4 and 8 gloo ranks trains like single-process AdamW.
+"""Scale-out, CPU part: zeroio at 4 and 8 gloo ranks trains like single-process AdamW.
 
 A tiny residual-MLP language model (fp32) trains STEPS steps with
 - stage 2, optimizer offloaded to the CPU, and

@@ -153,7 +153,7 @@ def _check(results, world, cuda):
             # rounded: within bf16's relative rounding, 2^-8)
             # (not with a CUDA device side: torch's fused CUDA Adam divides the gradient by
             # grad_scale in place, so after the step the ratio's device shard is unscaled;
-            # seen on the H200, session 5)
+            # seen on the H200)
             if not (cuda and ratio is not None):
                 assert abs(r["shard_norm"] - r["last_norm"]) <= 4e-3 * r["last_norm"], r
             assert not reference_failures(r, "bf16", fp32_tol=5e-5), r

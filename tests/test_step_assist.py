@@ -65,7 +65,7 @@ def test_config_resolution(monkeypatch, value, cpu, cuda):
 
 
 def test_auto_and_env(monkeypatch):
-    """"auto" is on for CUDA at any world size (the 2-GPU NCCL tests passed, session 6);
+    """"auto" is on for CUDA at any world size (its 2-GPU NCCL tests pass);
     the environment variable wins over the config either way."""
     monkeypatch.delenv("ZEROIO_STEP_ASSIST", raising=False)
     assert step_assist_enabled(_tiering("auto"), CUDA) is True

@@ -1,10 +1,10 @@
-"""tools/device_batch.py: batches fit the device tool's limits; a run packs what finished.
+"""tools/device_batch.py: named suites fit the device tool's limits; a run packs what finished.
 
-Batch sizes are checked against the tool's own limits (600 s per command,
-2,000 characters, 8 carried paths), the GPU test list against the files that
-carry ``pytest.mark.gpu``, and a run of a made-up batch (a passing step, a
-failing one, one killed at its deadline, one writing a train_peers-style
-result) against the tarball's members and the summary it writes.
+The suites are checked against the tool's limits (600 s per command, 2,000
+characters, 8 carried paths), the GPU suites against the test files that carry
+the gpu marker, and a run of a made-up suite of trivial shell steps (passing,
+failing, one killed at its deadline, one writing a result) against the
+tarball's members, the summary and the processes left behind.
 """
 
 from __future__ import annotations
@@ -23,131 +23,149 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import device_batch as db  # noqa: E402
 
-REQUIRED = {"gpu1-tests", "gpu2-tests", "peers-zeroio", "peers-others", "train-1b", "probe"}
+NAMED = {"gpu-tests", "gpu2-tests", "peers", "capacity", "train-default"}
 
 
-def test_required_batches_exist_and_fit_one_run_call():
-    assert REQUIRED <= set(db.BY_NAME)
-    for b in db.BATCHES:
-        assert b.total_s <= 540, (b.name, b.total_s)
-        assert all(s.timeout_s > 0 for s in b.steps)
-        params = db.run_params(b, "0" * 40, "--probe-layers 32" if b.name == "probe" else "")
-        assert len(params["command"]) <= 2000
-        assert len(params["carry"]) <= 8
-        assert params["timeout_s"] <= 600
-        assert params["kind"] in ("nvidia-h200", "nvidia-h200-x2")
-        assert f"ZEROIO_COMMIT={'0' * 40} " in params["command"]
-        # expanded step commands are what the device runs; none may depend on .git
-        for s in b.steps:
-            cmd = db.expand(s, Path("/r"), Path("/n"), Path("/l"), 32)
-            assert "{" not in cmd and "git " not in cmd, cmd
+def test_named_suites_exist_and_fit_one_run_call():
+    assert NAMED <= set(db.SUITES)
+    for s in db.SUITES.values():
+        params = db.run_params(s, "0" * 40, "--extra '--start-layers 32'")
+        assert len(params["command"]) <= 2000 and len(params["carry"]) <= 8
+        assert params["timeout_s"] == 600 and params["kind"].startswith("nvidia-h200")
+        assert params["command"].startswith(f"ZEROIO_COMMIT={'0' * 40} ")
+        for step in s.steps:
+            assert 0 < step.timeout_s <= db.BUDGET_S - s.setup_s
+            cmd = db.expand(step, Path("/r"), Path("/n"), Path("/l"), "--x")
+            assert "{" not in cmd.replace("${", "") and "git " not in cmd, cmd
+            m = re.search(r"--timeout (\d+)", cmd)
+            if m:  # the script's own deadline is inside the step's: it writes its failure row
+                assert int(m.group(1)) < step.timeout_s, (s.name, step.name)
 
 
-def test_step_timeouts_leave_room_inside_the_contenders_own():
-    """A train_peers/bench_train step's own --timeout is below the batch step's deadline, so the
-    script gets to write its JSON row (timeout row) before the batch kills it."""
-    for b in db.BATCHES:
-        for s in b.steps:
-            m = re.search(r"--timeout (\d+)", s.shell)
-            if m:
-                assert int(m.group(1)) < s.timeout_s, (b.name, s.name)
+def test_over_the_tool_limits_is_an_error():
+    with pytest.raises(ValueError, match="2000 characters"):
+        db.run_params(db.SUITES["peers"], "c", "--extra " + "x" * 2000)
 
 
-def test_gpu_test_files_are_all_in_a_batch():
-    """Every file with -m gpu tests is run by a one-GPU test batch (gpu1-tests, gpu1-tests-b)."""
-    marked = {p.name for p in (REPO / "tests").glob("test_*.py")
-              if re.search(r"^(@pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu)", p.read_text(), re.M)}
-    covered = {Path(m).name for b in db.BATCHES if b.name.startswith("gpu1-tests")
-               for s in b.steps for m in re.findall(r"tests/(test_\w+\.py)", s.shell)}
-    assert marked and marked <= covered, marked - covered
+def _marked_by_hand() -> set[str]:
+    out = set()
+    for p in (REPO / "tests").glob("test_*.py"):
+        for line in p.read_text().splitlines():
+            if line.lstrip().startswith("@pytest.mark.gpu") or (
+                    line.startswith("pytestmark") and "mark.gpu" in line):
+                out.add(p.name)
+    return out
 
 
-def test_two_gpu_batch_runs_the_nccl_tests_and_two_rank_train():
-    shells = " ".join(s.shell for s in db.BY_NAME["gpu2-tests"].steps)
-    assert "test_matches_single_process_adamw_nccl" in shells
-    assert "test_stage3_two_gpus_nccl" in shells
-    assert "--nprocs 2" in shells and "--preset 1b" in shells
-    assert db.BY_NAME["gpu2-tests"].kind is db.Kind.H200_X2
+def test_gpu_suites_run_every_gpu_test_file():
+    marked = _marked_by_hand()
+    assert marked and "test_tools_device_batch.py" not in marked
+    for name, kind in (("gpu-tests", "nvidia-h200"), ("gpu2-tests", "nvidia-h200-x2")):
+        suite = db.SUITES[name]
+        files = {m for s in suite.steps for m in re.findall(r"tests/(test_\w+\.py)", s.shell)}
+        assert files == marked, files ^ marked
+        assert suite.kind == kind and all(" -m gpu " in s.shell for s in suite.steps)
 
 
-def test_peers_batches_carry_peers_and_cover_every_contender():
-    import importlib
-
-    sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
-    contenders = importlib.import_module("contenders")
-    run = set()
-    for b in db.BATCHES:
-        for s in b.steps:
-            m = re.search(r"--only (\S+)", s.shell)
-            if m:
-                names = set(m.group(1).split(","))
-                run |= names
-                if any(n.startswith("ds-") for n in names):
-                    assert b.peers and ".peers" in b.carry and "--libaio-dir" in s.shell
-    assert run == set(contenders.BY_NAME)
+def test_peers_suite_runs_every_cpu_offload_contender_with_its_setup():
+    suite = db.SUITES["peers"]
+    only = {m.group(1): s for s in suite.steps if (m := re.search(r"--only (\S+)", s.shell))}
+    assert set(only) == {"zeroio-z2-cpu", "zeroio-z3-cpu", "ds-z2-cpu", "ds-z3-cpu", "fsdp2-cpu"}
+    assert suite.peers and ".peers" in suite.carry
+    for name, step in only.items():
+        assert ("--libaio-dir" in step.shell) == name.startswith("ds-")
+        assert "benchmarks/train_peers.py" in step.shell and "--nproc 1" in step.shell
+    assert "--nproc 2" in db.SUITES["peers2"].steps[1].shell
+    assert db.SUITES["peers2"].kind == "nvidia-h200-x2"
 
 
-def test_dry_run_and_print_run(capsys):
-    assert db.main(["peers-zeroio", "--dry-run"]) == 0
+def test_dry_run_prints_every_expanded_step(capsys):
+    assert db.main(["capacity", "--dry-run", "--extra", "--start-layers 32"]) == 0
     text = capsys.readouterr().out
+    assert "benchmarks/probe_largest.py --plan-only" in text
+    assert "--max-tries 1 --timeout 450 --out /tmp/zeroio-batch/capacity/results --start-layers 32" in text
     total = int(re.search(r"total (\d+) s", text).group(1))
-    assert total == db.BY_NAME["peers-zeroio"].total_s <= 540
-    assert db.main(["probe", "--print-run", "--probe-layers", "32"]) == 0
+    assert total == 30 + 30 + 465
+    assert db.main(["peers", "--print-run", "--extra", "--set a.b=1", "--only", "ds-z2-cpu"]) == 0
     params = json.loads(capsys.readouterr().out)
-    assert params["command"].endswith("--out $OUT --probe-layers 32")
-    assert params["carry"] == [".whl"]
+    assert params["command"].endswith("--out $OUT --only ds-z2-cpu --extra '--set a.b=1'")
+    assert params["carry"] == [".whl", ".peers"]
 
 
-def _fake_batch() -> db.Batch:
-    row = {"kind": "train_peers", "rows": [{"name": "plain", "world": 1, "status": "ok",
-                                            "s_per_step": 0.25, "tokens_per_s": 32768.0,
-                                            "peak_gpu_gib": 44.4, "reason": ""}],
-           "disk": None, "disk_bound_s_per_step": {}}
-    return db.Batch(name="fake", kind=db.Kind.H200, what="test", steps=(
-        db.Step(name="hello", shell="echo hello-from-step; echo $ZEROIO_COMMIT $NCCL_NVLS_ENABLE",
-                timeout_s=20, sized=""),
-        db.Step(name="writes", shell="echo '" + json.dumps(row).replace("{", "{{").replace("}", "}}")
-                + "' > {res}/peers-x.json",
-                timeout_s=20, sized=""),
-        db.Step(name="fails", shell="echo boom; echo 'ValueError: bad thing' >&2; exit 3",
-                timeout_s=20, sized=""),
-        db.Step(name="hangs", shell="sleep 60", timeout_s=2, sized=""),
-        db.Step(name="after", shell="echo after", timeout_s=20, sized=""),
+def _fake(tmp_path: Path) -> db.Suite:
+    out = tmp_path / "OUT"
+    return db.Suite("fake", "nvidia-h200", "test", (
+        db.Step("hello", "echo hello-from-step; echo $ZEROIO_COMMIT $NCCL_NVLS_ENABLE", 20),
+        db.Step("seen", f"tar tzf {out}/fake.tar.gz > {{res}}/seen.txt; echo row-line-1; "
+                "echo other; echo row-line-2", 20, quote="^row-line"),
+        db.Step("fails", "echo boom; echo 'ValueError: bad thing' >&2; exit 3", 20),
+        db.Step("hangs", "sleep 60 & echo $! > {res}/sleep.pid; wait", 2),
+        db.Step("after", "echo after-ran", 20),
     ))
 
 
-def test_run_batch_streams_and_packs_every_result(tmp_path, capsys):
+def _running(pid: int, wait_s: float = 5.0) -> bool:
+    """``pid`` is still a live process (a zombie awaiting its reaper counts as gone)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_run_packs_after_every_step_and_kills_a_step_at_its_deadline(tmp_path):
     out = tmp_path / "OUT"
     t0 = time.perf_counter()
-    rc = db.run_batch(_fake_batch(), out, "abc123", None, stage_root=tmp_path / "stage",
-                      nvme_root=tmp_path / "nvme", setup="echo setup-ran")
-    wall = time.perf_counter() - t0
+    rc = db.run_suite(_fake(tmp_path), out, "abc123", setup="echo setup-ran",
+                      stage_root=tmp_path / "stage", scratch_root=tmp_path / "scratch")
     assert rc == 1
-    assert wall < 30  # the hanging step was killed at its 2 s deadline, not after 60 s
-    printed = capsys.readouterr().out
-    assert "hello-from-step" in printed and "abc123 0" in printed
+    assert time.perf_counter() - t0 < 30  # the 60 s sleep died at its 2 s deadline
     assert sorted(p.name for p in out.iterdir()) == ["fake-summary.md", "fake.tar.gz"]
     with tarfile.open(out / "fake.tar.gz") as tar:
         names = set(tar.getnames())
-        summary = tar.extractfile("fake/summary.md").read().decode()
-        hello = tar.extractfile("fake/logs/hello.log").read().decode()
-    assert {"fake/results/peers-x.json", "fake/provenance.json", "fake/logs/setup.log",
-            "fake/logs/hangs.log"} <= names
-    assert "hello-from-step" in hello
+        read = {n: tar.extractfile(n).read().decode() for n in names if tar.getmember(n).isfile()}
+    # the tarball that the second step found was packed after the first
+    seen = set(read["fake/results/seen.txt"].split())
+    assert {"fake/logs/setup.log", "fake/logs/hello.log", "fake/summary.md"} <= seen
+    assert "fake/logs/seen.log" not in {n.rstrip("/") for n in seen}
+    assert "hello-from-step" in read["fake/logs/hello.log"] and "abc123 0" in read["fake/logs/hello.log"]
+    assert read["fake/logs/after.log"].splitlines() == ["$ echo after-ran", "after-ran"]
+    summary = read["fake/summary.md"]
     assert summary == (out / "fake-summary.md").read_text()
-    status = dict(re.findall(r"^\| (\w+) \| (\w+) \|", summary, re.M)[1:])
-    assert status == {"setup": "ok", "hello": "ok", "writes": "ok", "fails": "failed",
+    status = dict(re.findall(r"^\| ([\w-]+) \| (\w+) \|", summary, re.M)[1:])
+    assert status == {"setup": "ok", "hello": "ok", "seen": "ok", "fails": "failed",
                       "hangs": "timeout", "after": "ok"}
-    assert "ValueError: bad thing" in summary
-    assert "plain x1: ok 0.250 s/step 32,768 tok/s peak GPU 44.4 GiB" in summary
+    assert "exit code 3: ValueError: bad thing" in summary and "killed after 2 s" in summary
+    assert "    row-line-1\n    row-line-2\n" in summary and "other" not in summary
+    assert json.loads(read["fake/provenance.json"])["commit"] == "abc123"
+    pid = int((tmp_path / "stage/fake/results/sleep.pid").read_text())
+    assert not _running(pid)  # the step's whole process group is gone, its children too
 
 
-def test_budget_skips_steps_that_no_longer_fit(tmp_path):
-    out = tmp_path / "OUT"
-    db.run_batch(_fake_batch(), out, "c", None, stage_root=tmp_path / "s",
-                 nvme_root=tmp_path / "n", setup="true", budget_s=1.0)
-    summary = (out / "fake-summary.md").read_text()
-    assert "| after | skipped |" in summary
+def test_budget_skips_what_no_longer_fits_and_only_selects(tmp_path):
+    db.run_suite(_fake(tmp_path), tmp_path / "OUT", "c", setup="true", budget_s=1.0,
+                 stage_root=tmp_path / "s", scratch_root=tmp_path / "n")
+    summary = (tmp_path / "OUT" / "fake-summary.md").read_text()
+    # the hanging step gets what is left of the budget, not its own 2 s; nothing after it runs
+    assert re.search(r"^\| hangs \| timeout \| [01] \| 0 \| killed after [01] s \|$", summary, re.M)
+    assert "| after | skipped | 0 | 0 | no budget left |" in summary
+    db.run_suite(_fake(tmp_path), tmp_path / "O2", "c", setup="true", only={"after"},
+                 stage_root=tmp_path / "s2", scratch_root=tmp_path / "n2")
+    rows = re.findall(r"^\| ([\w-]+) \| (\w+) \|", (tmp_path / "O2/fake-summary.md").read_text(), re.M)
+    assert rows[1:] == [("setup", "ok"), ("after", "ok")]
+
+
+def test_a_failed_setup_runs_no_step(tmp_path):
+    rc = db.run_suite(_fake(tmp_path), tmp_path / "OUT", "c", setup="exit 1",
+                      stage_root=tmp_path / "s", scratch_root=tmp_path / "n")
+    assert rc == 1
+    rows = re.findall(r"^\| ([\w-]+) \| (\w+) \|", (tmp_path / "OUT/fake-summary.md").read_text(), re.M)
+    assert rows[1:] == [("setup", "failed")]
 
 
 def test_log_cap_keeps_the_tail(tmp_path, monkeypatch):
@@ -155,13 +173,12 @@ def test_log_cap_keeps_the_tail(tmp_path, monkeypatch):
     stage = tmp_path / "stage"
     (stage / "logs").mkdir(parents=True)
     (stage / "logs" / "big.log").write_bytes(b"x" * 1000 + b"THE-END")
-    db.pack(stage, tmp_path / "out", _fake_batch(), "s\n")
+    db.pack(stage, tmp_path / "out", "fake", "s\n")
     with tarfile.open(tmp_path / "out" / "fake.tar.gz") as tar:
         data = tar.extractfile("fake/logs/big.log").read()
     assert data.endswith(b"THE-END") and len(data) < 200
 
 
-@pytest.mark.parametrize("missing", ["--out"])
-def test_running_needs_out(missing, capsys):
+def test_running_needs_out():
     with pytest.raises(SystemExit):
-        db.main(["gpu1-tests"])
+        db.main(["gpu-tests"])

@@ -4,7 +4,7 @@ Each contender runs in its own process (train_peers.py launches it) and must
 train the *same* model on the *same* tokens, so the shape, the seed and the
 batch generator live here, once:
 
-- ``ModelSpec``: the Llama shape (issue 9's 1.364B model by default) and the
+- ``ModelSpec``: the Llama shape (the 1.364B model by default) and the
   run's batch geometry; ``llama_config`` turns it into a transformers config.
 - ``build_model`` is train_llama.py's own (imported, not copied): weights
   from torch.manual_seed(0), so every contender starts from the same model.
@@ -125,7 +125,7 @@ class BatchStream:
 
 def adamw_hyper() -> dict[str, Any]:
     """The optimizer every contender uses: train_llama.py's plain AdamW (lr 3e-4, weight decay
-    0.1, torch's betas and eps); clipping is 1.0 everywhere (issue 9)."""
+    0.1, torch's betas and eps); clipping is 1.0 everywhere."""
     return {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 

@@ -1,4 +1,4 @@
-"""The contenders of issue 9 and the command line that runs each one as its own process.
+"""The contenders of the peers benchmark and the command line that runs each one as its own process.
 
 plain PyTorch and zeroio run through benchmarks/train_llama.py (``--mode plain``
 / ``--mode zeroio --config FILE``); DeepSpeed through ds_runner.py on the very
@@ -131,7 +131,7 @@ def config_path(c: Contender, plan: RunPlan) -> Path:
 def omp_threads(world: int) -> str | None:
     """OMP_NUM_THREADS for every rank of a multi-rank contender: the CPUs over the ranks, as
     torchrun's warning asks users to set (its default, 1, made DeepSpeed's CPU Adam
-    single-threaded: 1.98 s/step at 2 ranks against 0.89 at 1, session 6). None: leave it
+    single-threaded: 1.98 s/step at 2 ranks against 0.89 at 1 in train_peers.py --nproc 2). None: leave it
     (one rank, or the caller set OMP_NUM_THREADS)."""
     if world == 1 or "OMP_NUM_THREADS" in os.environ:
         return None

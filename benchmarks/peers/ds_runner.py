@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     device = common.pick_device()
     rank, world = common.init_world(device)
     # deepspeed.comm wraps the world above; without it zero.Init's config sees world size 1
-    # and asserts train_batch_size == micro batch (stage 3 at 2 ranks, session 6)
+    # and asserts train_batch_size == micro batch (stage 3 at 2 ranks)
     deepspeed.init_distributed()
     host = common.HostPeak()
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ all of them every step. ``torch.empty(..., pin_memory=True)`` serves them from
 CUDA's caching host allocator, which (a) rounds every block up to a power of
 two, so a 5.4 GB master costs 8 GB of locked memory (about 12 GiB lost at
 1.36 B parameters), and (b) maps them in 4 KiB pages. On the H200 machine
-(benchmarks/bench_host_memory.py, 2026-11-29) fused CPU AdamW over 1.364e9
+(benchmarks/bench_host_memory.py, benchmarks/results/host-memory-h200/) fused CPU AdamW over 1.364e9
 elements took 0.317 s on such memory and 0.237 s on memory backed by
 transparent huge pages (TLB misses), with the same 55 GB/s copies to and from
 the GPU once registered.

@@ -4,7 +4,7 @@
 With ``offload_optimizer.device: cpu`` the optimizer state lives in pinned host
 memory and the host step is CPU Adam over chunks (step_overlap.py). On the H200
 machine that pass is bound by what 16 cores can pull through host memory
-(28 bytes per element at ~107 GB/s: 0.36 s for 1.364e9 elements, session 4),
+(28 bytes per element at ~107 GB/s: 0.36 s for 1.364e9 elements, benchmarks/train_peers.py),
 while the GPU waits for it and the PCIe link is idle. ``StepAssist`` lets the
 GPU take chunks of the same step: the chunk's master, moments and 16-bit
 gradient go up (14 bytes per element over PCIe, read by DMA, not by a core),

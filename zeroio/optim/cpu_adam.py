@@ -7,7 +7,7 @@ scaling and clipping folded into one divisor, [Note: grad_scale] in adam.py) it
 writes the unscaled gradient back into the gradient tensor, so it moves 32 bytes
 per element instead of 28. At stage 3 the host step then casts each chunk into
 the 16-bit shard, a second pass of 6 bytes per element. On the H200 host (16
-threads, 1.364e9 elements, bench_host_step.py, session 3) the fused kernel took
+threads, 1.364e9 elements, benchmarks/bench_host_step.py) the fused kernel took
 0.347 s with a grad_scale, 0.385 s per step inside training, and the cast 0.122 s.
 
 ``step_chunk`` does the same math in one pass: it reads the master, gradient and
@@ -25,7 +25,7 @@ moment, ``step_size = lr / (1 - beta1^t)`` and
 
 Which kernel runs: ``ZEROIO_CPU_ADAM`` = ``auto`` (default), ``compiled`` or ``torch``.
 ``auto`` uses the compiled kernel for host optimizer state of at least ``AUTO_MIN_NUMEL``
-elements, so small models do not pay a compile. Measured on the H200 hosts (session 4, four
+elements, so small models do not pay a compile. Measured on H200 hosts (benchmarks/train_peers.py, four
 machines): the first compile on a fresh machine 10-14 s, 3 s per later process (inductor's
 cache); 1.364B Llama stepping at parity with torch's kernel (z2 + cpu 0.533-0.557 s/step,
 host Adam 0.36-0.37 s against 0.385), with half the host gradient bytes, which is what let
@@ -161,7 +161,7 @@ def _no_isa_probes(active: bool):
     avx512_bf16 or AMX (the H200 host) inductor still probes those extensions: it
     builds a test library with g++ and loads it in a child Python that imports torch.
     Every process pays that (the answer is cached per process), in the H200 host's
-    training processes it had not returned after 52 s (session 4, first call), and the
+    training processes it had not returned after 52 s, and the
     compile there took 47.7 s instead of 1.6. Here the CPU's flags are taken as the answer
     (the cpuid check inductor runs first); a compiler without those flags fails the
     kernel's own build instead, which ``auto`` survives with torch's kernel."""

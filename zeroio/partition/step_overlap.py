@@ -31,8 +31,8 @@ from zeroio.errors import ConfigError
 def step_threads() -> int:
     """CPU threads of the host step: ``ZEROIO_STEP_THREADS``, else this rank's share of the
     host's cores (``cpu_share``). Not torch's thread count: torchrun sets OMP_NUM_THREADS=1
-    in every rank it starts, which made the step single-threaded (2.4x slower at 2 ranks,
-    session 6) and DeepSpeed's CPU Adam likewise."""
+    in every rank it starts, which made the step single-threaded (2.4x slower at 2 ranks in
+    benchmarks/train_peers.py --nproc 2) and DeepSpeed's CPU Adam likewise."""
     raw = os.environ.get("ZEROIO_STEP_THREADS", "").strip()
     if not raw:
         return cpu_share()

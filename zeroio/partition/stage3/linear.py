@@ -5,7 +5,7 @@
 transposed *view* for the backward. A view holds the storage it was made from, so when the
 post-forward hook releases the group (``p.data = empty``, the gathered buffer dropped), the
 buffer stays allocated until the backward has used the saved view: every layer's gathered
-parameters stay on the GPU from its forward to its backward. On the 13B probe (session 4)
+parameters stay on the GPU from its forward to its backward. On the 13B probe (benchmarks/probe_largest.py)
 that was the whole 16-bit model, 24 GiB, on top of the activations: the first try ran out of
 GPU memory in the forward, and the second peaked 34.7 GiB above its resting memory where the
 estimate expected 18 GiB.
