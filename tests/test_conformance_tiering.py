@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import tempfile
 
-import pytest
 from hypothesis import HealthCheck, settings
 
 from zeroio.testing.store import NvmeBackendTests, TieredStoreTests
@@ -45,8 +44,3 @@ class TestMemoryBackend(NvmeBackendTests):
 class TestTensorStoreBackend(NvmeBackendTests):
     def make_backend(self, tmp_path):
         return TensorStoreBackend(tmp_path / "nvme")
-
-    @pytest.mark.xfail(strict=True, reason="TensorStoreBackend.close removes its folder but "
-                       "names() still lists the arrays (backend.py: a closed store has none)")
-    def test_names_delete_and_close(self, tmp_path):
-        super().test_names_delete_and_close(tmp_path)

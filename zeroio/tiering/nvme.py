@@ -74,3 +74,4 @@ class TensorStoreBackend(NvmeBackend):
         self._store.close()
         self._engine.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        self._keys.clear()  # a closed store holds no arrays (backend.py's contract)
