@@ -107,7 +107,8 @@ def run(args) -> int:
 
         # one intra-op thread per rank per core share: ranks on a small machine must not fight
         os.environ.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))
-        return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True))
+        return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True,
+                                    guard=True))
 
     try:
         train(opts)

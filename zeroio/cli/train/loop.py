@@ -95,7 +95,7 @@ def setup_world() -> World:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # run directly with --nproc 1
-            from zeroio.testing.multirank import free_port
+            from zeroio.cli.ports import free_port
 
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(free_port()))
