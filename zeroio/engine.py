@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zeroio.config import load_config
+from zeroio.config.loader import collective_timeout
 from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
 from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError
@@ -39,8 +40,9 @@ from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.tiering import stats as tstats
 
 
-def init_distributed() -> None:
-    """Join the torchrun world if not joined yet; a bare process becomes a world of 1."""
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Join the torchrun world if not joined yet; a bare process becomes a world of 1.
+    ``timeout_s``: every collective's wait (``distributed.timeout_s``)."""
     if dist.is_initialized():
         return
     cuda = torch.cuda.is_available()
@@ -48,9 +50,9 @@ def init_distributed() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if cuda else "gloo"
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend)
+        comm.init_world(backend, timeout_s)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        comm.init_world("gloo", timeout_s, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def pick_device() -> torch.device:
@@ -115,7 +117,7 @@ class Engine:
 
     def __init__(self, *, model, config, model_parameters=None, optimizer=None,
                  lr_scheduler=None):
-        init_distributed()
+        init_distributed(collective_timeout(config))
         self.world_size = comm.world_size()
         self.global_rank = comm.rank()
         self.config = config if not isinstance(config, (str, os.PathLike, dict)) else (
