@@ -290,7 +290,7 @@ def _one_step(engine, blocks: TokenBlocks, order: ShardedOrder, step: int, gas: 
         engine.step()
         total += loss.detach().double().cpu()
     mean = (total / gas).to(world.device)  # NCCL reduces device tensors only
-    dist.all_reduce(mean)
+    comm.all_reduce_scalar(mean)  # a rank that stopped answering is named
     step_loss = mean.item() / world.world_size
     if not math.isfinite(step_loss):
         raise FloatingPointError(f"loss became {step_loss} at step {step + 1}; "
