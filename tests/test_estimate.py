@@ -154,7 +154,7 @@ def test_cli_table_and_error():
     out = _cli("--params", "1.4B", "--gpus-per-node", "2", "--config", "configs/zero3-nvme.json")
     assert out.returncode == 0 and "NVMe space per node" in out.stdout
     bad = _cli("--params", "lots", "--gpus-per-node", "2", "--stage", "3")
-    assert bad.returncode == 1 and "parameter count" in bad.stderr
+    assert bad.returncode == 2 and "parameter count" in bad.stderr
 
 
 def test_cli_ratio_matches_the_library():

@@ -122,6 +122,6 @@ def test_preflight_fails_before_step_one_with_needed_and_free(runs, tmp_path, mo
 ])
 def test_no_checkpoint_conflicts_are_config_errors(tmp_path, extra, clash):
     proc = _cmd(tmp_path / "run", "--no-checkpoint", *extra)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a ConfigError: bad arguments, like argparse's
     assert "--no-checkpoint" in proc.stderr and clash in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()

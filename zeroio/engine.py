@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from zeroio.config import load_config
+from zeroio.config.loader import collective_timeout
 from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
 from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError
@@ -39,8 +41,9 @@ from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.tiering import stats as tstats
 
 
-def init_distributed() -> None:
-    """Join the torchrun world if not joined yet; a bare process becomes a world of 1."""
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Join the torchrun world if not joined yet; a bare process becomes a world of 1.
+    ``timeout_s``: every collective's wait (``distributed.timeout_s``)."""
     if dist.is_initialized():
         return
     cuda = torch.cuda.is_available()
@@ -48,9 +51,9 @@ def init_distributed() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if cuda else "gloo"
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend)
+        comm.init_world(backend, timeout_s)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        comm.init_world("gloo", timeout_s, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def pick_device() -> torch.device:
@@ -115,7 +118,7 @@ class Engine:
 
     def __init__(self, *, model, config, model_parameters=None, optimizer=None,
                  lr_scheduler=None):
-        init_distributed()
+        init_distributed(collective_timeout(config))
         self.world_size = comm.world_size()
         self.global_rank = comm.rank()
         self.config = config if not isinstance(config, (str, os.PathLike, dict)) else (
@@ -144,6 +147,9 @@ class Engine:
         # [Note: per-step transfer stats]: merged counters at the last two step boundaries
         self._stats_at_boundary: dict | None = None
         self._stats_last_step: dict | None = None
+        # steps_per_print: (time, samples, tokens, bytes_moved) at the last printed line
+        self._tokens = 0
+        self._print_mark: tuple[float, int, int, dict] = (time.perf_counter(), 0, 0, {})
 
     def _scheduler(self, client):
         if client is None:
@@ -158,6 +164,9 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+            self._tokens += ids.numel()  # token ids: tokens/s in the steps_per_print line
         t = time.perf_counter()
         with torch.profiler.record_function("zeroio::forward"):
             out = self.module(*args, **kwargs)
@@ -333,12 +342,32 @@ class Engine:
         return out
 
     def _maybe_print(self) -> None:
+        """[Note: steps_per_print] Rank 0 prints one line on stderr every ``steps_per_print``
+        optimizer steps (None, DeepSpeed's default, never): step, lr, loss scale, samples/s
+        (and tokens/s when the forward's ``input_ids`` or first argument holds token ids:
+        this rank's count times the world size) and the bytes moved per tier pair since the
+        previous line; with ``wall_clock_breakdown`` also the phase totals and the last step's
+        transfers."""
         every = self.config.steps_per_print
-        if (self.config.wall_clock_breakdown and every and self.global_rank == 0
-                and self.global_steps % every == 0):
+        if not every or self.global_rank != 0 or self.global_steps % every:
+            return
+        now = time.perf_counter()
+        moved = dict((self._stats_at_boundary or {}).get("bytes_moved", {}))
+        t0, samples0, tokens0, moved0 = self._print_mark
+        self._print_mark = (now, self.global_samples, self._tokens, moved)
+        dt = max(now - t0, 1e-9)
+        lr = ", ".join(f"{x:.4g}" for x in self.get_lr())
+        rate = f"samples/s {(self.global_samples - samples0) / dt:,.1f}"
+        if self._tokens > tokens0:
+            rate += f" tokens/s {(self._tokens - tokens0) * self.world_size / dt:,.0f}"
+        since = " ".join(f"{k} {_gb(v - moved0.get(k, 0))}" for k, v in sorted(moved.items())
+                         if v - moved0.get(k, 0)) or "no transfers"
+        line = (f"[zeroio] step {self.global_steps} lr {lr} loss_scale "
+                f"{self.loss_scaler.scale:g} {rate} | moved since the last line: {since}")
+        if self.config.wall_clock_breakdown:
             t = " ".join(f"{k.removesuffix('_s')} {v:.3f}s" for k, v in self._timings.items())
-            print(f"[zeroio] step {self.global_steps} lr {self.get_lr()} total {t} | "
-                  f"last step {format_step_stats(self._stats_last_step)}", flush=True)
+            line += f" | total {t} | last step {format_step_stats(self._stats_last_step)}"
+        print(line, file=sys.stderr, flush=True)
 
     # ---- checkpoints (zeroio/checkpoint owns the format) -----------------------------------
 

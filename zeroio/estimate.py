@@ -80,9 +80,7 @@ from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
 from zeroio.config.zero import step_assist_enabled
-from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError
-from zeroio.optim import assist
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
 FP32 = 4
@@ -378,6 +376,9 @@ def estimate_memory(
                 step_assist_enabled(zero.tiering, "cuda"):
             # [Note: step assist] in optim/assist.py (assist.slot_layout); at stage 3 the
             # 16-bit result goes to the host shard through a slot buffer
+            from zeroio.dtypes import DTYPES
+            from zeroio.optim import assist
+
             per = assist.slot_element_bytes(
                 _host_grad_dtype(dtype, opt_dev, gas, shard - dev, stage=stage),
                 DTYPES[dtype] if stage == 3 else None)
@@ -411,11 +412,14 @@ def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
     """Bytes per element of the host gradient shard (``host_numel`` elements; offload
     ``opt_dev``, ``gradient_accumulation_steps`` ``gas``), as the partitioner will decide it
     (``host_grad_dtype`` in zeroio/partition/host_grads.py, from ZEROIO_CPU_ADAM without
-    compiling anything)."""
+    compiling anything). No torch import where no CPU Adam steps the shard (fp32 then)."""
+    if opt_dev != "cpu" or host_numel <= 0:  # host_grad_dtype's first rule, without torch
+        return FP32
     return _host_grad_dtype(dtype, opt_dev, gas, host_numel, stage=stage).itemsize
 
 
 def _host_grad_dtype(dtype: str, opt_dev: str, gas: int, host_numel: int, *, stage: int):
+    from zeroio.dtypes import DTYPES
     from zeroio.partition.host_grads import host_grad_dtype
 
     return host_grad_dtype(stage=stage, compute_dtype=DTYPES[dtype],
@@ -432,4 +436,81 @@ def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab
     return tokens * (layers * (a * hidden + c * intermediate) + 10 * vocab)
 
 
-__all__ = ["estimate_memory", "host_grad_bytes", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count"]
+def llama_num_params(*, hidden: int, intermediate: int, layers: int, vocab: int, heads: int,
+                     kv_heads: int | None = None, head_dim: int | None = None,
+                     tied: bool = False, attention_bias: bool = False,
+                     mlp_bias: bool = False) -> tuple[int, int]:
+    """(parameters, parameters of one decoder layer) of a Llama-style decoder: q/k/v/o
+    projections (grouped-query: ``kv_heads`` key/value heads of ``head_dim``), a gated MLP of
+    three matrices, two RMSNorm weights per layer, a final norm, the embedding and (unless
+    ``tied``) the output head."""
+    kv = kv_heads or heads
+    hd = head_dim or hidden // heads
+    attn = 2 * hidden * heads * hd + 2 * hidden * kv * hd
+    if attention_bias:
+        attn += heads * hd + 2 * kv * hd + hidden
+    mlp = 3 * hidden * intermediate + ((2 * intermediate + hidden) if mlp_bias else 0)
+    layer = attn + mlp + 2 * hidden
+    return layers * layer + vocab * hidden * (1 if tied else 2) + hidden, layer
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a decoder read from a Hugging Face ``config.json`` (no transformers)."""
+
+    source: str
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    num_params: int
+    layer_params: int
+
+
+def model_shape(path: str) -> ModelShape:
+    """Read ``config.json`` (or a folder holding one) of a Llama-style model: vocab_size,
+    hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads, head_dim, tie_word_embeddings (default false, Llama's),
+    attention_bias, mlp_bias. Plain JSON: no torch, no transformers."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"--model-config {p} does not exist; pass a config.json or the model "
+                          "folder holding one", key="model_config")
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--model-config {p} is not a JSON file: {e}", key="model_config") \
+            from None
+    raw = raw.get("text_config", raw) if isinstance(raw, dict) else raw  # multimodal wrappers
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--model-config {p} must hold a JSON object", key="model_config")
+
+    def need(key: str) -> int:
+        v = raw.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"--model-config {p}: {key} is {v!r}; expected a positive "
+                              "integer (a Llama-style decoder config)", key=f"model_config.{key}")
+        return v
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    kv = raw.get("num_key_value_heads") or heads
+    hd = raw.get("head_dim") or hidden // heads
+    shape = dict(hidden=hidden, intermediate=need("intermediate_size"),
+                 layers=need("num_hidden_layers"), vocab=need("vocab_size"), heads=heads,
+                 kv_heads=int(kv), head_dim=int(hd), tied=bool(raw.get("tie_word_embeddings",
+                                                                        False)))
+    total, layer = llama_num_params(**shape, attention_bias=bool(raw.get("attention_bias")),
+                                    mlp_bias=bool(raw.get("mlp_bias")))
+    return ModelShape(source=str(p), num_params=total, layer_params=layer, **shape)
+
+
+__all__ = ["estimate_memory", "llama_num_params", "model_shape", "ModelShape", "host_grad_bytes", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count"]

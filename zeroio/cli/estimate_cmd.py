@@ -3,14 +3,20 @@
     zeroio estimate --params 7.5B --gpus-per-node 8 --nodes 8 --stage 3 \
         [--offload-optimizer none|cpu|nvme] [--offload-param none|cpu|nvme] \
         [--dtype bf16|fp16|fp32] [--config C] [--no-buffers] [--json]
+    zeroio estimate --model-config path/to/config.json (or the model folder) ...
 
-With --config, stage, offload devices, dtype and the bucket/buffer sizes come
+--model-config takes the parameter count (and stage 3's largest flat group, one
+decoder layer) from a Llama-style Hugging Face config.json, read as plain JSON.
+The arithmetic imports no torch (an answer in a fraction of a second), except
+with offload_optimizer cpu, where the CPU Adam plan decides the host gradient's
+dtype. With --config, stage, offload devices, dtype and the bucket/buffer sizes come
 from that file unless given on the command line. The model behind the
 numbers is documented in zeroio/estimate.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 _GB = 1e9
@@ -19,8 +25,10 @@ _GB = 1e9
 def add_parser(sub) -> None:
     p = sub.add_parser("estimate", help="memory per GPU, CPU and NVMe for a model and config",
                        description=__doc__.splitlines()[0])
-    p.add_argument("--params", required=True,
-                   help="number of model parameters: 7.5e9, 1.4B, 350M, 125k")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="number of model parameters: 7.5e9, 1.4B, 350M, 125k")
+    src.add_argument("--model-config", metavar="config.json",
+                     help="a Llama-style config.json (or its folder): the shape is read from it")
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (ranks) per node")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
@@ -48,14 +56,27 @@ def run(args) -> int:
     from zeroio.estimate import estimate_memory
 
     config = load_config(args.config) if args.config else None
+    shape = None
+    if args.model_config is not None:
+        from zeroio.estimate import model_shape
+
+        shape = model_shape(args.model_config)
     report = estimate_memory(
-        args.params, args.gpus_per_node, args.nodes, stage=args.stage,
+        shape.num_params if shape else args.params, args.gpus_per_node, args.nodes,
+        stage=args.stage, largest_group=shape.layer_params if shape else None,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         dtype=args.dtype, config=config, zeroio_buffers=not args.no_buffers, ratio=args.ratio)
     if args.json:
-        print(json.dumps(report.to_dict()))
+        out = report.to_dict()
+        if shape is not None:
+            out["model"] = dataclasses.asdict(shape)
+        print(json.dumps(out))
         return 0
     r = report
+    if shape is not None:
+        print(f"{shape.source}: hidden {shape.hidden}, intermediate {shape.intermediate}, "
+              f"{shape.layers} layers, {shape.heads} heads ({shape.kv_heads} key/value), vocab "
+              f"{shape.vocab}, embeddings {'tied' if shape.tied else 'untied'}")
     print(f"{r.num_params:,} parameters, {r.gpus_per_node} GPU(s) x {r.nodes} node(s), "
           f"ZeRO stage {r.stage}, {r.dtype}, offload optimizer={r.offload_optimizer} "
           f"param={r.offload_param}")

@@ -9,11 +9,22 @@ and ``accelerate launch``.
 
 On one node with no ``--master-port`` a free port is picked, so two launches
 on one machine do not collide on torchrun's fixed default (29500).
+
+DeepSpeed's and torchrun's spellings are accepted as aliases: ``--num_gpus`` /
+``--nproc_per_node`` for ``--nproc``, ``--num_nodes`` for ``--nnodes``,
+``--master_port``, ``--master_addr``, ``--node_rank`` (underscores or hyphens).
+
+Each rank is started through ``zeroio.cli.rank``, which makes it die with this
+launcher (rank.[Note: ranks die with their launcher]). When a rank fails, the
+summary line names the rank that failed first: the one not stopped by the
+launcher itself (torch's launcher sends SIGTERM to the survivors of a failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from zeroio.errors import ConfigError
@@ -25,12 +36,16 @@ def add_parser(sub) -> None:
         help="run a script on N processes (torch.distributed.run)",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", "--num_gpus", "--num-gpus", "--nproc_per_node", "--nproc-per-node",
+                   dest="nproc", type=int, default=None,
                    help="processes per node (default: the number of GPUs, or 1 without CUDA)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=None,
+    p.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", type=int, default=1,
+                   help="number of nodes (default 1)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                   help="this node's rank (default 0)")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
+                   help="address of node 0 (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
                    help="port on node 0 (default: a free port on one node, 29500 on several)")
     p.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a module name, like python -m")
@@ -55,8 +70,10 @@ def torchrun_argv(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     module: bool = False,
+    guard: bool = False,
 ) -> list[str]:
-    """The ``torch.distributed.run`` argument list for one launch (validated)."""
+    """The ``torch.distributed.run`` argument list for one launch (validated). ``guard``: start
+    each rank through ``zeroio.cli.rank`` (it dies with the launcher; see that module)."""
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
     if nnodes < 1:
@@ -68,7 +85,7 @@ def torchrun_argv(
         if nnodes > 1:
             master_port = 29500  # every node must agree on it, so no random choice
         else:
-            from zeroio.testing.multirank import free_port
+            from zeroio.cli.ports import free_port
 
             master_port = free_port()
     argv = [
@@ -78,9 +95,37 @@ def torchrun_argv(
         f"--master-addr={master_addr}",
         f"--master-port={master_port}",
     ]
+    if guard:
+        return argv + ["--module", "zeroio.cli.rank", *(["-m"] if module else []), script,
+                       *script_args]
     if module:
         argv.append("--module")
     return argv + [script, *script_args]
+
+
+def root_failure(failures: dict) -> tuple[int, object]:
+    """(global rank, failure) of the rank that failed first, from torch's ``ChildFailedError``
+    failures (rank -> ProcessFailure with exitcode, timestamp). The launcher sends SIGTERM to
+    every survivor of a failure, so ranks ended by SIGTERM are victims unless all of them were;
+    among the rest the earliest timestamp, then the lowest rank."""
+    term = -int(signal.SIGTERM)
+    cands = [r for r, f in failures.items() if f.exitcode != term] or list(failures)
+    rank = min(cands, key=lambda r: (getattr(failures[r], "timestamp", 0), r))
+    return rank, failures[rank]
+
+
+def describe_failure(rank: int, failure) -> tuple[str, int]:
+    """('rank 1 was killed by signal 9 (SIGKILL)' or 'rank 1 exited with code 3', exit status)."""
+    code = failure.exitcode
+    if isinstance(code, int) and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"rank {rank} was killed by signal {-code} ({name})", 128 - code
+    if isinstance(code, int) and code > 0:
+        return f"rank {rank} exited with code {code}", code
+    return f"rank {rank} failed (exit status {code})", 1
 
 
 def launch(argv: list[str]) -> int:
@@ -89,16 +134,19 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torch_run
 
+    from zeroio.cli.rank import LAUNCHER_ENV
+
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # torch's launcher runs here: the ranks' parent
     try:
         torch_run(get_args_parser().parse_args(argv))
     except ChildFailedError as e:
         # torchrun has already printed each failed rank's error; only the summary line here
         failures = e.failures  # global rank -> ProcessFailure
-        rank = min(failures)
-        first = failures[rank]
-        print(f"zeroio launch: {len(failures)} process(es) failed; rank {rank} "
-              f"exited with code {first.exitcode}", file=sys.stderr)
-        return first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1
+        what, status = describe_failure(*root_failure(failures))
+        others = len(failures) - 1
+        print(f"zeroio launch: {what}" + (f" ({others} other rank(s) also ended)"
+                                          if others else ""), file=sys.stderr)
+        return status
     return 0
 
 
@@ -110,4 +158,5 @@ def run(args) -> int:
     return launch(torchrun_argv(
         args.script, script_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, module=args.module,
+        guard=True,
     ))

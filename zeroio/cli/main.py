@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module of this package and exposes
 ``add_parser(subparsers)``, which registers its parser and sets
-``func=run`` through ``set_defaults``. Modules are imported only when the
+``func=run`` through ``set_defaults``. Exit status: 0 done, 1 a failure
+(zeroio.ZeroIOError), 2 bad arguments or config (argparse's usage errors and
+zeroio.ConfigError alike). Modules are imported only when the
 command line is parsed, so ``zeroio --help`` does not import torch.
 """
 
@@ -19,17 +21,21 @@ COMMANDS = [
     ("bench", "benchmarks: `zeroio bench io`"),
     ("tune", "tuning sweeps: `zeroio tune io`"),
     ("estimate", "memory per GPU, CPU and NVMe for a model and config"),
+    ("report", "versions, GPUs, memory limits and kernels of this machine (like ds_report)"),
     ("consolidate", "write a checkpoint as a safetensors folder"),
     ("inspect", "list what a checkpoint holds"),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from zeroio import __version__
+
     parser = argparse.ArgumentParser(
         prog="zeroio",
         description="Train models whose state is larger than the GPUs: ZeRO 1/2/3 with GPU, "
         "pinned-CPU and NVMe tiers. `zeroio COMMAND --help` for each command.",
     )
+    parser.add_argument("--version", action="version", version=f"zeroio {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, _help in COMMANDS:
         module = importlib.import_module(f"zeroio.cli.{name}_cmd")
@@ -43,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from zeroio.errors import ZeroIOError
+    from zeroio.errors import ConfigError, ZeroIOError
 
     try:
         return int(args.func(args) or 0)
+    except ConfigError as e:  # bad arguments or config, like argparse's usage errors
+        print(f"zeroio {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except ZeroIOError as e:
         print(f"zeroio {args.command}: error: {e}", file=sys.stderr)
         return 1

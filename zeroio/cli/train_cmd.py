@@ -1,13 +1,15 @@
 """`zeroio train`: train a decoder-only language model end to end (the main job).
 
-With no arguments: the tiny Llama preset on the built-in corpus, 2 ranks,
+With no arguments: the tiny Llama preset on the built-in corpus, one rank per
+visible GPU (2 on a machine without CUDA),
 ZeRO stage 3 with parameters and optimizer state on NVMe under
 ./zeroio_run/nvme, checkpoints under ./zeroio_run/checkpoints and a
 from_pretrained model in ./zeroio_run/model.
 
 When not already under a launcher (no RANK in the environment) and --nproc
-is above 1, the command re-runs itself on --nproc processes through
-``torch.distributed.run`` (the same path as ``zeroio launch``); each process
+is above 1, every argument and config error is checked once (exit 2), then the
+command re-runs itself on --nproc processes through ``torch.distributed.run``
+(the same path as ``zeroio launch``, each rank dying with it); each process
 then runs the job in ``zeroio/cli/train/loop.py``.
 """
 
@@ -47,6 +49,10 @@ _OPTIONS: dict[str, dict] = {
                     help="zero_optimization.offload_optimizer.ratio: offload this fraction of "
                          "each rank's optimizer state, keep the rest on the GPU (stages 1-3; "
                          "default: the config's, or 1)"),
+    "--timeout": dict(type=float, default=None, metavar="SECONDS",
+                      help="distributed.timeout_s: how long a collective waits for a rank that "
+                           "stopped answering before the run fails naming it (default: the "
+                           "config's, or 600)"),
 }
 _FLAGS = {
     "--resume": "continue from the newest checkpoint under DIR/checkpoints",
@@ -63,7 +69,8 @@ def add_parser(sub) -> None:
     for name, kw in _OPTIONS.items():
         p.add_argument(name, **kw)
     p.add_argument("--nproc", type=int, default=None,
-                   help="processes (default 2; ignored under a launcher)")
+                   help="processes (default: the number of visible GPUs, 2 without CUDA; "
+                        "ignored under a launcher)")
     for name, help_ in _FLAGS.items():
         p.add_argument(name, action="store_true", help=help_)
     p.set_defaults(func=run)
@@ -88,11 +95,18 @@ def child_argv(args) -> list[str]:
     return argv + [name for name in _FLAGS if getattr(args, _dest(name))]
 
 
+def default_nproc() -> int:
+    """One rank per visible GPU; 2 gloo ranks on a machine without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
 def run(args) -> int:
-    from zeroio.cli.train.loop import TrainOptions, check_options, train
+    from zeroio.cli.train.loop import TrainOptions, check_before_launch, train
     from zeroio.errors import ConfigError
 
-    nproc = args.nproc if args.nproc is not None else 2
+    nproc = args.nproc if args.nproc is not None else default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
     opts = TrainOptions(
@@ -101,13 +115,14 @@ def run(args) -> int:
         given=_given(args),
     )
     if "RANK" not in os.environ and nproc > 1:
-        check_options(opts)  # a typo fails here once, not on every launched rank
+        check_before_launch(opts, nproc)  # a typo fails here once, not on every launched rank
         from zeroio.cli.launch_cmd import launch, torchrun_argv
         from zeroio.partition.step_overlap import cpu_share
 
         # one intra-op thread per rank per core share: ranks on a small machine must not fight
         os.environ.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))
-        return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True))
+        return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True,
+                                    guard=True))
 
     try:
         train(opts)

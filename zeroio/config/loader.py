@@ -33,7 +33,13 @@ from zeroio.config.fields import (
     field as cfg_field,
 )
 from zeroio.config.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
-from zeroio.config.sections import AioConfig, BF16Config, CheckpointConfig, FP16Config
+from zeroio.config.sections import (
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    DistributedConfig,
+    FP16Config,
+)
 from zeroio.config.zero import OffloadDevice, ZeroConfig
 from zeroio.errors import ConfigError
 
@@ -54,6 +60,7 @@ class _Scalars:
     fp16: FP16Config = sub(FP16Config)
     bf16: BF16Config = sub(BF16Config)
     checkpoint: CheckpointConfig = sub(CheckpointConfig)
+    distributed: DistributedConfig = sub(DistributedConfig)
     # optimizer/scheduler have their own builders (their params depend on type).
     optimizer: Any = cfg_field(None, coerce=lambda v, p: build_optimizer(v, p))
     scheduler: Any = cfg_field(None, coerce=lambda v, p: build_scheduler(v, p))
@@ -91,6 +98,8 @@ class Config:
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """zeroio's process-group settings: ``timeout_s`` of every collective."""
     unimplemented: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({}), metadata={"json": False})
     """DeepSpeed keys present in the file that zeroio accepts but does not implement
@@ -231,10 +240,21 @@ def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
         optimizer=scalars.optimizer,
         scheduler=scalars.scheduler,
         checkpoint=scalars.checkpoint,
+        distributed=scalars.distributed,
         unimplemented=MappingProxyType(unimplemented),
     )
     _check_offload(cfg)
     return cfg
 
 
-__all__ = ["Config", "load_config", "did_you_mean", "section"]
+def collective_timeout(path_or_dict: Any) -> float:
+    """``distributed.timeout_s`` of a config (path, dict or ``Config``), read before the rest
+    is resolved: the process group is created before the world size is known."""
+    if isinstance(path_or_dict, Config):
+        return path_or_dict.distributed.timeout_s
+    raw = legacy.rewrite(_read(path_or_dict)) if path_or_dict is not None else {}
+    block = raw.get("distributed")
+    return build(DistributedConfig, {} if block is None else block, "distributed").timeout_s
+
+
+__all__ = ["Config", "load_config", "collective_timeout", "did_you_mean", "section"]

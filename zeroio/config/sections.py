@@ -1,4 +1,5 @@
-"""Top-level sections other than ZeRO: ``aio``, ``fp16``, ``bf16``, ``checkpoint``.
+"""Top-level sections other than ZeRO: ``aio``, ``fp16``, ``bf16``, ``checkpoint``, and
+zeroio's own ``distributed``.
 
 Defaults are DeepSpeed 0.19's source defaults (swap_tensor/constants.py,
 precision_config.py, runtime/constants.py).
@@ -111,3 +112,12 @@ class CheckpointConfig:
     use_node_local_storage: bool = field(False, coerce=as_bool)
     """Each node writes to its own local storage (rank 0 of each node writes shared files)."""
     parallel_write: ParallelWriteConfig = sub(ParallelWriteConfig)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """``distributed``: zeroio's own process-group settings (not a DeepSpeed key)."""
+
+    timeout_s: float = field(600.0, coerce=float_coercer(gt=0))
+    """Seconds a collective waits for the other ranks before it fails, naming the ranks that
+    stopped answering (applies where zeroio creates the process group)."""

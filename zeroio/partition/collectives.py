@@ -12,15 +12,94 @@ gloo has no reduce-scatter and (depending on the build) no
 contract: ``reduce_scatter_inplace`` all-reduces the whole bucket (the
 caller reads only its slice), ``all_gather_inplace`` gathers into a list of
 slices of the same buffer. Only this module knows which backend runs.
+
+[Note: naming the rank that stopped answering]
+A collective whose peer is stopped (SIGSTOP, a hung host) or gone fails after
+the process group's timeout (``distributed.timeout_s``) with the backend's
+words only ("Timed out waiting 5000ms for recv"), and the group is unusable
+afterwards. So every wait here turns such a failure into a
+``DistributedError`` that names the ranks: the failing rank writes
+``zeroio/peer_check/<rank>`` into the rendezvous store and waits a few
+seconds for every other rank's key. A live rank reaches the same point (its
+own collective times out too); a stopped or dead one never does, and is named.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zeroio.errors import DistributedError
+
+# backend words of a peer that stopped answering or went away (gloo and NCCL)
+_PEER_LOST = ("timed out", "timeout", "closed by peer", "reset by peer", "connection refused",
+              "broken pipe", "pair closure")
+_PEER_CHECK_S = 5.0
+
+
+def init_world(backend: str, timeout_s: float, **kwargs) -> None:
+    """``init_process_group`` with every collective's timeout (``distributed.timeout_s``)."""
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(w in text for w in _PEER_LOST)
+
+
+def silent_ranks(wait_s: float = _PEER_CHECK_S) -> list[int] | None:
+    """Ranks that did not report within ``wait_s`` (see [Note: naming the rank that stopped
+    answering]); None when the rendezvous store cannot be reached either."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=wait_s))
+        store.set(f"zeroio/peer_check/{me}", str(os.getpid()))
+        pending = [r for r in range(world) if r != me]
+        deadline = time.monotonic() + wait_s
+        while pending and time.monotonic() < deadline:
+            pending = [r for r in pending if not store.check([f"zeroio/peer_check/{r}"])]
+            if pending:
+                time.sleep(0.1)
+        return pending
+    except Exception:  # noqa: BLE001 - the store is as unreachable as the peers
+        return None
+
+
+def peer_error(exc: BaseException, op: str) -> BaseException:
+    """``exc`` (a failed collective) as a ``DistributedError`` naming the silent ranks, or
+    ``exc`` itself when it is not a lost peer."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, DistributedError) or \
+            not dist.is_initialized() or not _peer_lost(exc):
+        return exc
+    me = dist.get_rank()
+    silent = silent_ranks()
+    if silent is None:
+        who = "the rendezvous store is unreachable too (its host, rank 0 or the launcher, stopped)"
+    elif silent:
+        who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+               f"stopped answering (no report within {_PEER_CHECK_S:g} s: stopped, hung or dead)")
+    else:
+        who = "every rank answered the peer check: one of them is slow or in another collective"
+    return DistributedError(
+        f"{op} failed on rank {me}: {who}. Backend said: {str(exc).strip()[:300]}. "
+        "The wait is distributed.timeout_s in the config (zeroio train --timeout)")
+
+
+def _guarded(op: str, fn: Callable[[], object]):
+    try:
+        return fn()
+    except RuntimeError as e:
+        err = peer_error(e, op)
+        if err is e:
+            raise
+        raise err from e
 
 
 @dataclass(eq=False)
@@ -30,12 +109,13 @@ class CommHandle:
     work: object | None
     after: Callable[[], None] | None = None
     _done: bool = field(default=False)
+    op: str = "collective"
 
     def wait(self) -> None:
         if self._done:
             return
         if self.work is not None:
-            self.work.wait()
+            _guarded(self.op, self.work.wait)
         if self.after is not None:
             self.after()
         self._done = True
@@ -57,7 +137,8 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> CommHa
     """Sum ``tensor`` over ranks in place, asynchronously."""
     if world_size(group) == 1:
         return CommHandle(None)
-    return CommHandle(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    return CommHandle(_guarded("all_reduce", lambda: dist.all_reduce(
+        tensor, op=op, group=group, async_op=True)), op="all_reduce")
 
 
 def reduce_scatter_inplace(bucket: torch.Tensor, group=None) -> CommHandle:
@@ -69,10 +150,12 @@ def reduce_scatter_inplace(bucket: torch.Tensor, group=None) -> CommHandle:
     if world == 1:
         return CommHandle(None)
     if not _is_nccl(group):
-        return CommHandle(dist.all_reduce(bucket, group=group, async_op=True))
+        return CommHandle(_guarded("reduce_scatter", lambda: dist.all_reduce(
+            bucket, group=group, async_op=True)), op="reduce_scatter")
     shard = bucket.numel() // world
     out = bucket.narrow(0, rank(group) * shard, shard)
-    return CommHandle(dist.reduce_scatter_tensor(out, bucket, group=group, async_op=True))
+    return CommHandle(_guarded("reduce_scatter", lambda: dist.reduce_scatter_tensor(
+        out, bucket, group=group, async_op=True)), op="reduce_scatter")
 
 
 def all_gather_inplace(buffer: torch.Tensor, group=None) -> CommHandle:
@@ -83,16 +166,18 @@ def all_gather_inplace(buffer: torch.Tensor, group=None) -> CommHandle:
     shard = buffer.numel() // world
     mine = buffer.narrow(0, rank(group) * shard, shard)
     if _is_nccl(group):
-        return CommHandle(dist.all_gather_into_tensor(buffer, mine, group=group, async_op=True))
+        return CommHandle(_guarded("all_gather", lambda: dist.all_gather_into_tensor(
+            buffer, mine, group=group, async_op=True)), op="all_gather")
     # gloo: a private copy of the input, since the outputs alias it (see [Note: gloo fallbacks])
     outs = list(buffer.split(shard))
-    return CommHandle(dist.all_gather(outs, mine.clone(), group=group, async_op=True))
+    return CommHandle(_guarded("all_gather", lambda: dist.all_gather(
+        outs, mine.clone(), group=group, async_op=True)), op="all_gather")
 
 
 def all_reduce_scalar(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Blocking all-reduce of a small tensor (norms, overflow flags); returns it."""
     if world_size(group) > 1:
-        dist.all_reduce(value, op=op, group=group)
+        _guarded("all_reduce", lambda: dist.all_reduce(value, op=op, group=group))
     return value
 
 
@@ -100,4 +185,11 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> CommHandle:
     """Overwrite ``tensor`` on every rank with rank ``src``'s (global rank), asynchronously."""
     if world_size(group) == 1:
         return CommHandle(None)
-    return CommHandle(dist.broadcast(tensor, src=src, group=group, async_op=True))
+    return CommHandle(_guarded("broadcast", lambda: dist.broadcast(
+        tensor, src=src, group=group, async_op=True)), op="broadcast")
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank (a lost peer is named, as for every collective here)."""
+    if world_size(group) > 1:
+        _guarded("barrier", lambda: dist.barrier(group=group))

@@ -24,21 +24,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from zeroio.cli.ports import free_port
 from zeroio.errors import RankFailedError
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on localhost."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, out,

@@ -21,7 +21,6 @@ import os
 import shutil
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from zeroio.cli.train.disk import MODEL_DTYPES
 from zeroio.cli.train.model import build_model
 from zeroio.cli.train.presets import llama_config, num_parameters
 from zeroio.errors import ConfigError
+from zeroio.partition import collectives as comm
 
 SMALL_PRESETS = ("tiny", "small")
 
@@ -75,6 +75,8 @@ class TrainOptions:
     """Write no training checkpoint; the final model comes from the live engine."""
     model_dtype: str = "fp32"
     """dtype of the final from_pretrained model: fp32 (the masters) or bf16."""
+    timeout: float | None = None
+    """distributed.timeout_s (seconds a collective waits); None = the config's (600 s)."""
     given: frozenset[str] = frozenset()
     """Names of the options the user typed (only these can contradict a config)."""
 
@@ -87,30 +89,31 @@ class World:
     device: torch.device
 
 
-def setup_world() -> World:
-    """Join the process group the launcher described (or a 1-rank one), gloo on CPU, NCCL on GPU."""
+def setup_world(timeout_s: float = 600.0) -> World:
+    """Join the process group the launcher described (or a 1-rank one), gloo on CPU, NCCL on GPU;
+    ``timeout_s``: every collective's wait (distributed.timeout_s)."""
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # run directly with --nproc 1
-            from zeroio.testing.multirank import free_port
+            from zeroio.cli.ports import free_port
 
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(free_port()))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+        comm.init_world("nccl" if cuda else "gloo", timeout_s)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                  device=device)
 
 
-def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
-    """The built-in or user config as a ``Config``, "auto" filled from the options."""
+def resolve_config(opts: TrainOptions, mcfg, *, world_size: int, cuda: bool, out: Path):
+    """The built-in or user config as a ``Config``, "auto" filled from the options (before the
+    process group exists: its timeout is in the config)."""
     from zeroio.config import load_config
     from zeroio.integrations.autofill import check_no_contradictions
 
-    cuda = world.device.type == "cuda"
     if opts.config is None:
         raw = default_config(out / "nvme", cuda=cuda)
     else:
@@ -123,6 +126,8 @@ def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
             raise ConfigError(f"--config {path} is not valid JSON: {e}", key="config") from e
     if opts.ratio is not None:
         raw = with_ratio(raw, opts.ratio, "--config " + str(opts.config) if opts.config else None)
+    if opts.timeout is not None:
+        raw = with_timeout(raw, opts.timeout, "--config " + str(opts.config) if opts.config else None)
     lr = opts.lr if opts.lr is not None else (3e-3 if (opts.preset or "tiny") in SMALL_PRESETS
                                               and opts.model_config is None else 3e-4)
     values = dict(
@@ -136,8 +141,19 @@ def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
              "steps": "num_training_steps", "warmup": "warmup_steps"}
     check_no_contradictions(raw, "the command line",
                             **{v: values[v] for k, v in typed.items() if k in opts.given})
-    cfg = load_config(raw, world_size=world.world_size, hidden_size=mcfg.hidden_size, **values)
+    cfg = load_config(raw, world_size=world_size, hidden_size=mcfg.hidden_size, **values)
     return cfg
+
+
+def with_timeout(raw: dict, timeout: float, source: str | None) -> dict:
+    """``raw`` with distributed.timeout_s = ``timeout`` (--timeout); a config that sets another
+    value contradicts it (ConfigError)."""
+    block = dict(raw.get("distributed") or {})
+    if source is not None and "timeout_s" in block and float(block["timeout_s"]) != timeout:
+        raise ConfigError(f"--timeout {timeout:g} contradicts distributed.timeout_s = "
+                          f"{block['timeout_s']} in {source}; drop one of them",
+                          key="distributed.timeout_s")
+    return {**raw, "distributed": {**block, "timeout_s": timeout}}
 
 
 def with_ratio(raw: dict, ratio: float, source: str | None) -> dict:
@@ -274,7 +290,7 @@ def _one_step(engine, blocks: TokenBlocks, order: ShardedOrder, step: int, gas: 
         engine.step()
         total += loss.detach().double().cpu()
     mean = (total / gas).to(world.device)  # NCCL reduces device tensors only
-    dist.all_reduce(mean)
+    comm.all_reduce_scalar(mean)  # a rank that stopped answering is named
     step_loss = mean.item() / world.world_size
     if not math.isfinite(step_loss):
         raise FloatingPointError(f"loss became {step_loss} at step {step + 1}; "
@@ -308,6 +324,8 @@ def check_options(opts: TrainOptions):
         raise ConfigError(f"--stop-after must be >= 1, got {opts.stop_after}", key="stop_after")
     if opts.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {opts.steps}", key="steps")
+    if opts.timeout is not None and not opts.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {opts.timeout:g}", key="timeout")
     if opts.model_dtype not in MODEL_DTYPES:
         raise ConfigError(f"--model-dtype {opts.model_dtype!r}: choose one of {', '.join(MODEL_DTYPES)}",
                           key="model_dtype")
@@ -330,6 +348,14 @@ def check_options(opts: TrainOptions):
     return mcfg
 
 
+def check_before_launch(opts: TrainOptions, world_size: int) -> None:
+    """Every argument and config error, found once before any rank starts (each rank repeats
+    the same checks, deterministic for the same world size)."""
+    mcfg = check_options(opts)
+    resolve_config(opts, mcfg, world_size=world_size, cuda=torch.cuda.is_available(),
+                   out=Path(opts.output))
+
+
 def train(opts: TrainOptions) -> dict[str, Any]:
     """Run the job on this rank; rank 0 returns (and prints) the summary, others return {}."""
     from tqdm import tqdm
@@ -339,8 +365,10 @@ def train(opts: TrainOptions) -> dict[str, Any]:
     mcfg = check_options(opts)
     if opts.quiet or opts.json:
         os.environ["ZEROIO_QUIET"] = "1"  # the checkpoint layer's save bars too
-    world = setup_world()
     out = Path(opts.output)
+    cfg = resolve_config(opts, mcfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                         cuda=torch.cuda.is_available(), out=out)
+    world = setup_world(cfg.distributed.timeout_s)
     rank0 = world.rank == 0
     show = rank0 and not opts.json and not opts.quiet
 
@@ -348,7 +376,6 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         if show:
             print(msg, file=sys.stderr, flush=True)
 
-    cfg = resolve_config(opts, mcfg, world, out)
     _preflight(opts, mcfg, cfg, world, out)
     ckpt = _prepare_dirs(opts, world, out)
     blocks = TokenBlocks(ByteTokenizer().encode(read_text(opts.data)), opts.seq_len)

@@ -1,0 +1,95 @@
+"""The rank side of `zeroio launch` and `zeroio train`: a rank dies with its launcher.
+
+    python -m zeroio.cli.rank SCRIPT ARGS...        (what torchrun starts per rank)
+    python -m zeroio.cli.rank -m MODULE ARGS...
+
+[Note: ranks die with their launcher]
+torch's launcher starts each rank in a session of its own, so a SIGKILL of the
+launcher's process group (a scheduler's hard kill, a closed terminal) does not
+reach the ranks: they would be re-parented to init and keep training and
+writing checkpoints. `zeroio launch` therefore exports ``ZEROIO_LAUNCHER_PID``
+(its own pid: torch's launcher runs in that process and is every rank's parent)
+and starts each rank through this module, which, before the user's code runs:
+
+1. asks the kernel for SIGKILL when the parent exits (Linux
+   ``prctl(PR_SET_PDEATHSIG)``), then checks that the parent is still the
+   launcher (it may have died before the request was made: exit at once);
+2. where prctl is not available, starts a daemon thread that polls the parent
+   pid every second and kills this process when it changes.
+
+Only ranks started by zeroio's launcher are guarded: a script under plain
+``torchrun`` or ``accelerate launch`` runs as those launchers run it.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import threading
+
+LAUNCHER_ENV = "ZEROIO_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl_pdeathsig(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)``; False where the call does not exist or fails."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch(launcher: int, interval: float) -> None:
+    import time
+
+    while os.getppid() == launcher:
+        time.sleep(interval)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def guard_parent(launcher: int | None = None, *, interval: float = 1.0) -> str:
+    """Make this process die when ``launcher`` (default ``$ZEROIO_LAUNCHER_PID``) exits.
+
+    Returns how: "prctl", "watchdog" or "off" (no launcher pid known). A parent that is
+    already gone ends this process now (see [Note: ranks die with their launcher])."""
+    if launcher is None:
+        text = os.environ.get(LAUNCHER_ENV, "")
+        if not text.isdigit():
+            return "off"
+        launcher = int(text)
+    how = "prctl" if _prctl_pdeathsig(signal.SIGKILL) else "watchdog"
+    if os.getppid() != launcher:  # the launcher died before the request took effect
+        os._exit(128 + signal.SIGKILL)
+    if how == "watchdog":
+        threading.Thread(target=_watch, args=(launcher, interval), name="zeroio-parent-watch",
+                         daemon=True).start()
+    return how
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Guard this rank, then run SCRIPT (or ``-m MODULE``) as ``python`` would, as __main__."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    guard_parent()
+    module = argv[:1] == ["-m"]
+    if module:
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit("usage: python -m zeroio.cli.rank [-m] SCRIPT_OR_MODULE [ARGS...]")
+    target, args = argv[0], argv[1:]
+    sys.argv = [target, *args]
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python SCRIPT` sets it
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
