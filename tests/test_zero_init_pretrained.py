@@ -126,10 +126,6 @@ def _load_and_compare(folder: str, seed: int = 11) -> dict:
     )
 
 
-def _cases(folders: list[str]) -> list[dict]:
-    return [_load_and_compare(f) for f in folders]
-
-
 def _check_partitioned(r: dict) -> None:
     for name, (placeholder, kept, numel) in r["sizes"].items():
         assert placeholder == 0, name
@@ -142,22 +138,6 @@ def _check_partitioned(r: dict) -> None:
     assert r["buffers"]
     assert r["info"][0] == r["info"][1]
     assert r["buckets"] == (64 * 64, int(0.9 * 64 * 64), 10 * 64)
-
-
-def test_partitioned_from_pretrained_single_sharded_bf16(tmp_path):
-    folders = [_save(tmp_path / "single", tied=False),
-               _save(tmp_path / "sharded", tied=True, max_shard_size="20KB"),
-               _save(tmp_path / "bf16", tied=False, dtype="bfloat16")]
-    from zeroio.io.safetensors_reader import INDEX_NAME
-
-    assert (tmp_path / "sharded" / INDEX_NAME).is_file()  # really sharded
-    for results in run_ranks(_cases, 2, folders, timeout=240):
-        single, sharded, bf16 = results
-        for r in results:
-            _check_partitioned(r)
-        assert single["dtypes"] == sharded["dtypes"] == ["torch.float32"]
-        assert bf16["dtypes"] == ["torch.bfloat16"]
-        assert sharded["tied"] == (True, True) and single["tied"] == (False, False)
 
 
 def _edited_checkpoint(tmp_path) -> str:
@@ -174,15 +154,27 @@ def _edited_checkpoint(tmp_path) -> str:
     return folder
 
 
-def test_missing_and_unexpected_keys_as_transformers(tmp_path):
-    folder = _edited_checkpoint(tmp_path)
-    for (r,) in run_ranks(_cases, 2, [folder], timeout=180):
-        missing, unexpected, _ = r["info"][0].values()
-        assert missing == ["model.layers.1.mlp.down_proj.weight"], r["info"]
-        assert unexpected == ["model.layers.0.extra.weight"], r["info"]
-        assert r["info"][0] == r["info"][1]
-        assert not r["unequal"], r["unequal"]  # the missing weight: HF's init, same seed
-        assert all(p == 0 and k == -(-n // 2) for p, k, n in r["sizes"].values())
+def _fallback(folder: str) -> dict:
+    """A ``state_dict`` argument: transformers' own loader sets full tensors, zero.Init
+    partitions them as they are created."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import zeroio
+    from zeroio.partition.stage3 import registry
+
+    sd = load_file(f"{folder}/model.safetensors")
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    with zeroio.zero.Init(config=SEED_AUTO):
+        model = type(ref).from_pretrained(None, config=AutoConfig.from_pretrained(folder),
+                                          state_dict=sd)
+    named = dict(model.named_parameters())
+    kept = {n: (p.numel(), registry.INIT_SHARDS[p].shard.numel()) for n, p in named.items()}
+    with zeroio.zero.GatheredParameters(list(named.values())):
+        unequal = [n for n, p in ref.named_parameters() if not torch.equal(named[n], p)]
+    return dict(kept=kept, numel={n: p.numel() for n, p in ref.named_parameters()},
+                unequal=unequal)
 
 
 def _train(folder: str, steps: int) -> dict:
@@ -196,7 +188,7 @@ def _train(folder: str, steps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     lr, clip = 1e-3, 0.05
-    batches = token_batches(2, steps=steps, gas=1, micro=2)
+    batches = token_batches(2, steps=1, gas=1, micro=2) * steps  # one batch: the loss falls
     plain = AutoModelForCausalLM.from_pretrained(folder).train()
     ref_losses, ref_params = adamw_reference(plain, batches, lm_loss, lr=lr,
                                              weight_decay=0.01, clip=clip)
@@ -213,14 +205,62 @@ def _train(folder: str, steps: int) -> dict:
                 diff=max((got[n] - p.float()).abs().max().item() for n, p in ref_params.items()))
 
 
-def test_partitioned_from_pretrained_trains_like_plain_pytorch(tmp_path):
-    from zeroio.testing.models import tiny_llama
+def _all(folders: dict) -> dict:
+    out = {k: _load_and_compare(folders[k]) for k in ("single", "sharded", "bf16", "edited")}
+    out["fallback"] = _fallback(folders["single"])
+    out["train"] = _train(folders["tiny"], 4)
+    return out
 
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """One 2-rank run for every case below (a rank's start-up is most of its time)."""
     import torch
 
+    from zeroio.testing.models import tiny_llama
+
+    tmp = tmp_path_factory.mktemp("pretrained")
+    folders = {"single": _save(tmp / "single", tied=False),
+               "sharded": _save(tmp / "sharded", tied=True, max_shard_size="20KB"),
+               "bf16": _save(tmp / "bf16", tied=False, dtype="bfloat16"),
+               "edited": _edited_checkpoint(tmp)}
     torch.manual_seed(0)
-    folder = str(tmp_path / "tiny")
-    tiny_llama(checkpointing=False).save_pretrained(folder)
-    for r in run_ranks(_train, 2, folder, 4, timeout=240):
+    folders["tiny"] = str(tmp / "tiny")
+    tiny_llama(checkpointing=False).save_pretrained(folders["tiny"])
+    from zeroio.io.safetensors_reader import INDEX_NAME
+
+    assert (tmp / "sharded" / INDEX_NAME).is_file()  # really sharded
+    return run_ranks(_all, 2, folders, timeout=400)
+
+
+@pytest.mark.parametrize("case", ["single", "sharded", "bf16"])
+def test_partitioned_from_pretrained_holds_shards_and_gathers_exactly(ranks, case):
+    for r in ranks:
+        _check_partitioned(r[case])
+        want = ["torch.bfloat16"] if case == "bf16" else ["torch.float32"]
+        assert r[case]["dtypes"] == want
+        assert r[case]["tied"] == ((True, True) if case == "sharded" else (False, False))
+
+
+def test_missing_and_unexpected_keys_as_transformers(ranks):
+    for r in (x["edited"] for x in ranks):
+        missing, unexpected, _ = r["info"][0].values()
+        assert missing == ["model.layers.1.mlp.down_proj.weight"], r["info"]
+        assert unexpected == ["model.layers.0.extra.weight"], r["info"]
+        assert r["info"][0] == r["info"][1]
+        assert not r["unequal"], r["unequal"]  # the missing weight: HF's init, same seed
+        assert all(p == 0 and k == -(-n // 2) for p, k, n in r["sizes"].values())
+
+
+def test_state_dict_argument_still_partitioned(ranks):
+    for r in (x["fallback"] for x in ranks):
+        assert not r["unequal"], r["unequal"]
+        for name, (placeholder, kept) in r["kept"].items():
+            assert placeholder == 0 and kept == -(-r["numel"][name] // 2), name
+
+
+def test_partitioned_from_pretrained_trains_like_plain_pytorch(ranks):
+    for r in (x["train"] for x in ranks):
         assert r["losses"] == pytest.approx(r["ref"], rel=2e-5), (r["losses"], r["ref"])
         assert r["diff"] < 2e-5, r["diff"]
+        assert r["losses"][-1] < r["losses"][0]
