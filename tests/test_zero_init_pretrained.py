@@ -178,14 +178,13 @@ def _fallback(folder: str) -> dict:
 
 
 def _train(folder: str, steps: int) -> dict:
-    import torch
+
+    from transformers import AutoModelForCausalLM
 
     import zeroio
     from zeroio.testing.models import lm_loss, stage3_config, token_batches
     from zeroio.testing.reference import adamw_reference
     from zeroio.testing.training import gathered_params, train_steps
-
-    from transformers import AutoModelForCausalLM
 
     lr, clip = 1e-3, 0.05
     batches = token_batches(2, steps=1, gas=1, micro=2) * steps  # one batch: the loss falls
