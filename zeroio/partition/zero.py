@@ -121,6 +121,11 @@ class Init(PartitionOnCreate):
         if h is not None and self._source is not None and not isinstance(self._source, Config):
             self.config = _init_config(self._source, hidden_size=h)
 
+    def _on_register(self, module: nn.Module, name: str, param):
+        if param is not None and param.is_meta:  # from_pretrained building its model
+            pretrained.patch()
+        return super()._on_register(module, name, param)
+
     def _on_child(self, parent: nn.Module, name: str, child):
         self._hf.saw(parent)
         if _is_hf_model(child):  # its __init__ (and post_init) just returned

@@ -26,6 +26,8 @@ zeroio/partition/zero.py). Other code re-initialises with
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
@@ -106,9 +108,10 @@ def write_back_param(p: nn.Parameter, full: torch.Tensor, src: int, group=None) 
     p.data = torch.empty(0, dtype=rec.dtype, device=p.device)
 
 
-def param_from_file(reader, key: str, like: nn.Parameter, *, dtype: torch.dtype, group=None,
+def param_from_file(reader, key: str, shape: tuple[int, ...], *, dtype: torch.dtype,
+                    requires_grad: bool = True, group=None,
                     device: torch.device | None = None) -> nn.Parameter:
-    """A new partitioned parameter shaped like ``like`` whose shard is read from ``key``.
+    """A new partitioned parameter of ``shape`` whose shard is read from ``key``.
 
     ``reader`` is a ``zeroio.io.safetensors_reader.SafetensorsReader``; only this
     rank's elements ``[rank*S, (rank+1)*S)`` of the flattened tensor are read
@@ -117,7 +120,7 @@ def param_from_file(reader, key: str, like: nn.Parameter, *, dtype: torch.dtype,
     ``device`` (default: host), like one ``partition_param`` left.
     """
     world, rank = comm.world_size(group), comm.rank(group)
-    numel = like.numel()
+    numel = math.prod(shape)
     shard = max(1, -(-numel // world))
     lo, hi = min(numel, rank * shard), min(numel, (rank + 1) * shard)
     piece = torch.zeros(shard, dtype=reader.dtype(key), device=_HOST)
@@ -126,8 +129,8 @@ def param_from_file(reader, key: str, like: nn.Parameter, *, dtype: torch.dtype,
         piece = piece.to(dtype)
     device = device if device is not None else _HOST
     p = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
-                     requires_grad=like.requires_grad and dtype.is_floating_point)
-    registry.INIT_SHARDS[p] = registry.InitShard(shape=tuple(like.shape), dtype=dtype,
+                     requires_grad=requires_grad and dtype.is_floating_point)
+    registry.INIT_SHARDS[p] = registry.InitShard(shape=tuple(shape), dtype=dtype,
                                                  numel=numel, shard=piece, world=world)
     return p
 

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from zeroio.errors import CheckpointError
+from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.init import param_from_file
 
 _ACTIVE: list = []  # zero.Init contexts entered, innermost last
@@ -58,8 +59,15 @@ _NAMES = ("_load_pretrained_model", "_finalize_model_loading")
 def install(init) -> None:
     """Route ``from_pretrained`` through ``init`` while it is entered (nested: the innermost)."""
     _ACTIVE.append(init)
+    patch()
+
+
+def patch() -> None:
+    """Wrap the two loading steps if transformers is loaded and they are not wrapped yet
+    (zero.Init calls it again when a meta parameter is registered: transformers may have
+    been imported after the context was entered)."""
     mu = sys.modules.get("transformers.modeling_utils")
-    if _SAVED or mu is None:
+    if _SAVED or mu is None or not _ACTIVE:
         return
     cls = mu.PreTrainedModel
     if not all(isinstance(cls.__dict__.get(n), staticmethod) for n in _NAMES):
@@ -184,12 +192,14 @@ def load_partitioned(model, reader, plan, load_config, init):
         missing.discard(target)
         if id(ref) in done:
             continue
-        if tuple(ref.shape) != reader.shape(key):
-            mismatched.add((target, reader.shape(key), tuple(ref.shape)))
+        shape = registry.true_shape(ref)  # a parameter built off meta is partitioned already
+        if shape != reader.shape(key):
+            mismatched.add((target, reader.shape(key), shape))
             continue
         dtype = _target_dtype(target, ref, load_config, init.dtype)
         if id(ref) in params:
-            new = param_from_file(reader, key, ref, dtype=dtype, group=init.group,
+            new = param_from_file(reader, key, shape, dtype=dtype,
+                                  requires_grad=ref.requires_grad, group=init.group,
                                   device=init.device)
         else:
             new = reader.read(key).to(dtype)
@@ -208,4 +218,4 @@ def load_partitioned(model, reader, plan, load_config, init):
                               "load without zero.Init or use transformers 5.17-5.24") from None
 
 
-__all__ = ["install", "uninstall", "load_partitioned"]
+__all__ = ["install", "patch", "uninstall", "load_partitioned"]
