@@ -128,3 +128,29 @@ def test_one_process_load_equals_plain(tmp_path):
     assert r["tied"] == (True, True) and r["safe_open_calls"] == 0
     assert r["info"][0] == r["info"][1]
     assert all(p == 0 and k == n for p, k, n in r["sizes"].values())
+
+
+def test_base_and_head_checkpoints_cross_load_as_transformers(tmp_path):
+    """The base-model prefix is removed or added as transformers does: a base model from a
+    head checkpoint (lm_head unexpected), a head model from a base checkpoint (lm_head
+    missing, initialised from the same seed as the plain load)."""
+    from test_zero_init_pretrained import SEED_AUTO, _info, _save
+    from transformers import LlamaForCausalLM, LlamaModel
+
+    import zeroio
+
+    head = _save(tmp_path / "head", tied=False)
+    base = str(tmp_path / "base")
+    LlamaForCausalLM.from_pretrained(head).model.save_pretrained(base)
+    for cls, folder, key in ((LlamaModel, head, "unexpected_keys"),
+                             (LlamaForCausalLM, base, "missing_keys")):
+        torch.manual_seed(1)
+        ref, ref_info = cls.from_pretrained(folder, output_loading_info=True)
+        torch.manual_seed(1)
+        with zeroio.zero.Init(config=SEED_AUTO):
+            model, info = cls.from_pretrained(folder, output_loading_info=True)
+        assert _info(info) == _info(ref_info) and _info(info)[key] == ["lm_head.weight"]
+        named = dict(model.named_parameters())
+        with zeroio.zero.GatheredParameters(list(named.values())):
+            unequal = [n for n, p in ref.named_parameters() if not torch.equal(named[n], p)]
+        assert not unequal, (cls.__name__, unequal)
