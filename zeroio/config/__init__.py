@@ -6,7 +6,7 @@ import torch.
 """
 
 from zeroio.config.legacy import ConfigWarning
-from zeroio.config.loader import Config, load_config
+from zeroio.config.loader import Config, load_config, load_init_config
 from zeroio.config.optim import OptimizerConfig, SchedulerConfig
 from zeroio.config.sections import (
     AioConfig,
@@ -26,6 +26,7 @@ from zeroio.config.zero import (
 
 __all__ = [
     "load_config",
+    "load_init_config",
     "Config",
     "ConfigWarning",
     "ZeroConfig",

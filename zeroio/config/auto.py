@@ -167,8 +167,36 @@ def resolve_auto(raw: dict[str, Any], values: dict[str, Any]) -> tuple[dict[str,
     return out, unfilled
 
 
+def drop_unfillable(raw: dict[str, Any], values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of ``raw`` without the "auto" entries that ``values`` cannot fill, and their paths.
+
+    What ``zero.Init`` reads of a config written for the Trainer: it needs the
+    stage, the 16-bit switches and the zero_optimization block, not the
+    learning rate or batch sizes, so an "auto" it cannot fill takes the key's
+    default instead of being an error (the later ``load_config`` with the
+    Trainer's arguments still fills or rejects it).
+    """
+    out = dict(raw)
+    dropped = []
+    for path, rule in _RULES.items():
+        parts = path.split(".")
+        parent: Any = out
+        for part in parts[:-1]:
+            child = parent.get(part) if isinstance(parent, Mapping) else None
+            if not isinstance(child, Mapping):
+                parent = None
+                break
+            parent[part] = dict(child)
+            parent = parent[part]
+        if (isinstance(parent, dict) and parent.get(parts[-1]) == AUTO
+                and any(n not in values for n in rule.needs)):
+            del parent[parts[-1]]
+            dropped.append(path)
+    return out, dropped
+
+
 # Public name of the rule table (integrations/autofill.py compares explicit values against it).
 RULES = _RULES
 
-__all__ = ["AUTO", "AUTO_VALUE_CHECKS", "BATCH_KEYS", "RULES", "check_auto_values", "resolve_auto",
-           "join"]
+__all__ = ["AUTO", "AUTO_VALUE_CHECKS", "BATCH_KEYS", "RULES", "check_auto_values", "drop_unfillable",
+           "resolve_auto", "join"]

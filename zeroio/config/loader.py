@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from zeroio.config import legacy
-from zeroio.config.auto import BATCH_KEYS, check_auto_values, resolve_auto
+from zeroio.config.auto import BATCH_KEYS, check_auto_values, drop_unfillable, resolve_auto
 from zeroio.config.batch import complete
 from zeroio.config.fields import (
     as_bool,
@@ -257,4 +257,22 @@ def collective_timeout(path_or_dict: Any) -> float:
     return build(DistributedConfig, {} if block is None else block, "distributed").timeout_s
 
 
-__all__ = ["Config", "load_config", "collective_timeout", "did_you_mean", "section"]
+def load_init_config(path_or_dict: Any, **auto_values: Any) -> Config:
+    """The config as ``zero.Init`` reads it: ``load_config``, except that an "auto" which
+    ``auto_values`` cannot fill takes the key's default instead of being an error.
+
+    zero.Init needs only the stage, the 16-bit switches and zero_optimization;
+    a seed config's "auto" learning rate, batch sizes or gradient clipping are
+    filled later, by the ``load_config`` of ``zeroio.initialize`` or the Trainer.
+    Without ``hidden_size`` the bucket and persistence "auto" keys take
+    DeepSpeed's defaults (docs/stage3.md).
+    """
+    if isinstance(path_or_dict, Config):
+        return path_or_dict
+    values = check_auto_values(auto_values)
+    raw, _ = drop_unfillable(_read(path_or_dict), values)
+    return load_config(raw, **auto_values)
+
+
+__all__ = ["Config", "load_config", "load_init_config", "collective_timeout", "did_you_mean",
+           "section"]

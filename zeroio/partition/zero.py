@@ -22,9 +22,10 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from zeroio.config import Config
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
-from zeroio.partition.stage3 import registry
+from zeroio.partition.stage3 import pretrained, registry
 from zeroio.partition.stage3.init import (
     PartitionOnCreate,
     gather_param,
@@ -35,21 +36,46 @@ from zeroio.partition.stage3.init import (
 from zeroio.partition.stage12 import wait_overlapped_steps
 
 
-def _config_dtype(config) -> torch.dtype | None:
+def _init_config(config, hidden_size: int | None = None):
+    """The config as zero.Init reads it (``load_init_config``: an "auto" it cannot fill takes
+    its default); None without one."""
     if config is None:
         return None
-    if isinstance(config, (str, dict)) or hasattr(config, "__fspath__"):
-        import zeroio
+    from zeroio.config import load_init_config
 
-        config = zeroio.load_config(config, world_size=comm.world_size())
+    values = {"world_size": comm.world_size()}
+    if hidden_size is not None:
+        values["hidden_size"] = hidden_size
+    config = load_init_config(config, **values)
     stage = config.zero_optimization.stage
     if stage != 3:
         raise ConfigError(f"zero.Init needs zero_optimization.stage 3, the config has {stage}",
                           key="zero_optimization.stage")
+    return config
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    if config is None:
+        return None
     if config.bf16.enabled:
         return torch.bfloat16
     if config.fp16.enabled:
         return torch.float16
+    return None
+
+
+def _hidden_size(model_config) -> int | None:
+    """Hugging Face's rule for the bucket "auto" keys: ``hidden_size``, else the largest of
+    ``hidden_sizes``, else the text config's."""
+    for cfg in (model_config, getattr(model_config, "get_text_config", lambda: None)()):
+        if cfg is None:
+            continue
+        sizes = getattr(cfg, "hidden_sizes", None)
+        if sizes:
+            return int(max(sizes))
+        size = getattr(cfg, "hidden_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
     return None
 
 
@@ -73,11 +99,32 @@ class Init(PartitionOnCreate):
 
     def __init__(self, *, config=None, dtype: torch.dtype | None = None, enabled: bool = True,
                  data_parallel_group=None, device: torch.device | str | None = "auto"):
-        dtype = dtype if dtype is not None else _config_dtype(config)
+        self._source = config
+        self.config = _init_config(config) if enabled else None
+        """The config as read here (zero_optimization and the 16-bit switches are what count);
+        after a ``from_pretrained`` inside, its bucket "auto" keys follow that model's
+        hidden size."""
+        dtype = dtype if dtype is not None else _config_dtype(self.config)
         device = _default_device() if device == "auto" else device
         super().__init__(group=data_parallel_group, dtype=dtype, enabled=enabled, device=device)
         self._hf = _HFInit(group=data_parallel_group, device=device)
         self._child_handle = None
+        self.last_read_stats = None
+        """The safetensors reader's counts (reads, bytes_read, largest_read_bytes) of the
+        last ``from_pretrained`` inside (None before one; see stage3/pretrained.py)."""
+
+    def pretrained_model(self, model: nn.Module) -> None:
+        """``from_pretrained`` is filling ``model`` (built on meta): it is not initialised at
+        exit, and the config's bucket "auto" keys take its hidden size."""
+        self._hf.skip.update(id(m) for m in model.modules())
+        h = _hidden_size(getattr(model, "config", None))
+        if h is not None and self._source is not None and not isinstance(self._source, Config):
+            self.config = _init_config(self._source, hidden_size=h)
+
+    def _on_register(self, module: nn.Module, name: str, param):
+        if param is not None and param.is_meta:  # from_pretrained building its model
+            pretrained.patch()
+        return super()._on_register(module, name, param)
 
     def _on_child(self, parent: nn.Module, name: str, child):
         self._hf.saw(parent)
@@ -89,12 +136,14 @@ class Init(PartitionOnCreate):
         super().__enter__()
         if self.enabled:
             self._child_handle = register_module_module_registration_hook(self._on_child)
+            pretrained.install(self)
         return self
 
     def __exit__(self, *exc):
         if self._child_handle is not None:
             self._child_handle.remove()
             self._child_handle = None
+            pretrained.uninstall(self)
         try:
             if exc[0] is None:  # before the last modules are partitioned: see the note
                 self._hf.finish()
@@ -139,6 +188,7 @@ class _HFInit:
         self.seen: list[nn.Module] = []
         self.modules: set[int] = set()  # modules this pass initialised
         self.params: set[int] = set()  # parameters this pass initialised
+        self.skip: set[int] = set()  # modules of models from_pretrained fills
 
     def saw(self, parent: nn.Module) -> None:
         if _is_hf_model(parent) and not any(m is parent for m in self.seen):
@@ -153,6 +203,9 @@ class _HFInit:
 
     def run(self, model) -> None:
         from transformers.initialization import guard_torch_init_functions
+
+        if id(model) in self.skip or any(p.is_meta for p in model.parameters()):
+            return  # from_pretrained builds on meta and initialises what it does not load
 
         custom = model.is_remote_code() if hasattr(model, "is_remote_code") else False
         marked: list[nn.Parameter] = []

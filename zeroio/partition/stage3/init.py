@@ -26,6 +26,8 @@ zeroio/partition/zero.py). Other code re-initialises with
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
@@ -106,6 +108,33 @@ def write_back_param(p: nn.Parameter, full: torch.Tensor, src: int, group=None) 
     p.data = torch.empty(0, dtype=rec.dtype, device=p.device)
 
 
+def param_from_file(reader, key: str, shape: tuple[int, ...], *, dtype: torch.dtype,
+                    requires_grad: bool = True, group=None,
+                    device: torch.device | None = None) -> nn.Parameter:
+    """A new partitioned parameter of ``shape`` whose shard is read from ``key``.
+
+    ``reader`` is a ``zeroio.io.safetensors_reader.SafetensorsReader``; only this
+    rank's elements ``[rank*S, (rank+1)*S)`` of the flattened tensor are read
+    (every rank reads its own range of the same file, so nothing is broadcast),
+    then cast to ``dtype``. The parameter holds an empty placeholder on
+    ``device`` (default: host), like one ``partition_param`` left.
+    """
+    world, rank = comm.world_size(group), comm.rank(group)
+    numel = math.prod(shape)
+    shard = max(1, -(-numel // world))
+    lo, hi = min(numel, rank * shard), min(numel, (rank + 1) * shard)
+    piece = torch.zeros(shard, dtype=reader.dtype(key), device=_HOST)
+    reader.read_range(key, lo, hi - lo, out=piece.narrow(0, 0, hi - lo))
+    if piece.dtype != dtype:
+        piece = piece.to(dtype)
+    device = device if device is not None else _HOST
+    p = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                     requires_grad=requires_grad and dtype.is_floating_point)
+    registry.INIT_SHARDS[p] = registry.InitShard(shape=tuple(shape), dtype=dtype,
+                                                 numel=numel, shard=piece, world=world)
+    return p
+
+
 def repartition_param(p: nn.Parameter, src: int, group=None) -> None:
     """After a modifier rank changed ``p`` in place: broadcast it and keep the new slice."""
     registry.INIT_SHARDS.pop(p, None)
@@ -156,13 +185,15 @@ class PartitionOnCreate:
         self.device = device
         """Where modules are built (their initialisers run there); None = torch's default."""
         self._pending: list[nn.Module] = []
+        self.holding = False
+        """While set, registered modules only queue (``flush`` partitions them later)."""
         self._handle = None
         self._device_ctx = None
 
     def _on_register(self, module: nn.Module, name: str, param):
         if param is None:
             return None
-        if self._pending and self._pending[-1] is not module:
+        if self._pending and self._pending[-1] is not module and not self.holding:
             self._flush(keep=module)
         if not self._pending or self._pending[-1] is not module:
             self._pending.append(module)
@@ -175,12 +206,16 @@ class PartitionOnCreate:
                 still.append(m)
                 continue
             for p in list(m._parameters.values()):
-                if p is not None:
+                if p is not None and not p.is_meta:  # meta: from_pretrained fills it (pretrained.py)
                     partition_param(p, group=self.group, dtype=self.dtype)
             flushed = True
         self._pending = still
         if flushed and comm.world_size(self.group) > 1:  # one rank keeps the storage itself
             return_freed_memory()
+
+    def flush(self) -> None:
+        """Partition every queued module now."""
+        self._flush()
 
     def __enter__(self):
         if self.enabled:
