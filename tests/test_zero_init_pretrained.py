@@ -263,3 +263,37 @@ def test_partitioned_from_pretrained_trains_like_plain_pytorch(ranks):
         assert r["losses"] == pytest.approx(r["ref"], rel=2e-5), (r["losses"], r["ref"])
         assert r["diff"] < 2e-5, r["diff"]
         assert r["losses"][-1] < r["losses"][0]
+
+
+def _gpu_all(folders: dict) -> dict:
+    from zeroio.testing.cuda import exact_cuda_device
+
+    exact_cuda_device()
+    out = {k: _load_and_compare(folders[k]) for k in ("single", "sharded")}
+    out["train"] = _train(folders["tiny"], 4)
+    return out
+
+
+@pytest.mark.gpu
+def test_partitioned_from_pretrained_on_one_gpu(tmp_path):
+    """The CUDA path: shards placed on the GPU, NCCL for the missing-key broadcast; gathers
+    bit for bit and trains like plain PyTorch (GPU summation order: fp32 tolerance 1e-4)."""
+    import torch
+
+    from zeroio.testing.cuda import need_cuda
+    from zeroio.testing.models import tiny_llama
+
+    need_cuda(1)
+    folders = {"single": _save(tmp_path / "single", tied=False),
+               "sharded": _save(tmp_path / "sharded", tied=True, max_shard_size="20KB")}
+    torch.manual_seed(0)
+    folders["tiny"] = str(tmp_path / "tiny")
+    tiny_llama(checkpointing=False).save_pretrained(folders["tiny"])
+    r = run_ranks(_gpu_all, 1, folders, backend="nccl", timeout=300)[0]
+    for case in ("single", "sharded"):
+        assert r[case]["safe_open_calls"] == 0
+        assert r[case]["names"] and not r[case]["unequal"], r[case]["unequal"]
+        assert r[case]["info"][0] == r[case]["info"][1]
+    t = r["train"]
+    assert t["losses"] == pytest.approx(t["ref"], rel=1e-4), (t["losses"], t["ref"])
+    assert t["diff"] < 1e-4 and t["losses"][-1] < t["losses"][0]
