@@ -131,7 +131,15 @@ def _fast_path_applies(state_dict, files, load_config) -> bool:
     return (state_dict is None and bool(files)
             and all(str(f).endswith(".safetensors") for f in files)
             and getattr(load_config, "hf_quantizer", None) is None
-            and getattr(load_config, "device_map", None) is None)
+            and _whole_model_map(getattr(load_config, "device_map", None)))
+
+
+def _whole_model_map(device_map) -> bool:
+    """No device map, or one that puts the whole model on one device ({"": device}):
+    transformers derives the latter from the default-device context zero.Init enters on
+    CUDA. Shards go where zero.Init places them either way; a map that splits the model
+    across devices goes through transformers' loader."""
+    return device_map is None or (isinstance(device_map, dict) and set(device_map) == {""})
 
 
 def _key_plan(keys: list[str], model, load_config):
