@@ -114,13 +114,7 @@ def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
     if opts.config is None:
         raw = default_config(out / "nvme", cuda=cuda)
     else:
-        path = Path(opts.config)
-        if not path.is_file():
-            raise ConfigError(f"--config {path} does not exist", key="config")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--config {path} is not valid JSON: {e}", key="config") from e
+        raw = _read_config(opts.config)
     if opts.ratio is not None:
         raw = with_ratio(raw, opts.ratio, "--config " + str(opts.config) if opts.config else None)
     lr = opts.lr if opts.lr is not None else (3e-3 if (opts.preset or "tiny") in SMALL_PRESETS
@@ -138,6 +132,15 @@ def resolve_config(opts: TrainOptions, mcfg, world: World, out: Path):
                             **{v: values[v] for k, v in typed.items() if k in opts.given})
     cfg = load_config(raw, world_size=world.world_size, hidden_size=mcfg.hidden_size, **values)
     return cfg
+
+
+def _read_config(config: str) -> dict:
+    """The --config file's JSON object (the config layer's reader: UTF-8, no repeated key)."""
+    from zeroio.config.loader import read_config
+
+    if not Path(config).is_file():
+        raise ConfigError(f"--config {config} does not exist", key="config")
+    return read_config(config)
 
 
 def with_ratio(raw: dict, ratio: float, source: str | None) -> dict:
@@ -318,8 +321,8 @@ def check_options(opts: TrainOptions):
             raise ConfigError(f"--no-checkpoint writes no checkpoint, so it cannot be combined with "
                               f"{' or '.join(clash)} (they read or write checkpoints); drop one of them",
                               key="no_checkpoint")
-    if opts.config is not None and not Path(opts.config).is_file():
-        raise ConfigError(f"--config {opts.config} does not exist", key="config")
+    if opts.config is not None:
+        _read_config(opts.config)  # not UTF-8, not JSON, a repeated key: fail before launching
     if opts.data is not None and not Path(opts.data).exists():
         raise ConfigError(f"--data path {opts.data} does not exist; pass a text file or folder",
                           key="data")
