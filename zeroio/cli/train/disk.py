@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from zeroio.checkpoint.writer import existing_parent, tree_bytes
-from zeroio.errors import CheckpointError
+from zeroio.errors import CapacityError, CheckpointError
 
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -165,3 +165,33 @@ def check(p: DiskPlan, *, checkpoint: bool, model_dtype: str) -> None:
         f"--output {p.output} needs {p.need:,} bytes ({p.need / 1e9:.2f} GB: {p.breakdown()}) but "
         f"its file system has {p.free:,} bytes ({p.free / 1e9:.2f} GB) free; nothing was trained or "
         f"written. Fix: {'; or '.join(fixes)}")
+
+
+def check_nvme_reserve(cfg, *, numel: int, world_size: int) -> None:
+    """CapacityError naming the path, its free bytes, the reserve and its key, unless every
+    file system holding an ``nvme_path`` keeps room for the swap after the reserve.
+
+    With ``nvme_budget_bytes`` unset the tiered store's NVMe budget is the free space minus
+    ``zero_optimization.tiering.nvme_reserve_bytes`` (docs/tiering.md); a file system below
+    the reserve would otherwise fail only at the first ``register``, as if no nvme_path were
+    set. The swap bytes are zeroio.estimate's NVMe term, the upper bound ``plan`` counts too.
+    """
+    zo = cfg.zero_optimization
+    if zo.tiering.nvme_budget_bytes is not None:
+        return
+    paths = sorted({Path(b.nvme_path) for b in (zo.offload_param, zo.offload_optimizer)
+                    if b.device.value == "nvme" and b.nvme_path})
+    if not paths:
+        return
+    need = nvme_bytes(cfg, numel, world_size)
+    reserve = zo.tiering.nvme_reserve_bytes
+    for path in paths:
+        free = shutil.disk_usage(existing_parent(path)).free
+        if free - reserve >= need:
+            continue
+        raise CapacityError(
+            f"NVMe swap under {path}: its file system has {free:,} bytes free and "
+            f"zero_optimization.tiering.nvme_reserve_bytes keeps {reserve:,} of them free, which "
+            f"leaves {max(0, free - reserve):,} bytes for up to {need:,} bytes of swap; nothing was "
+            "trained or written. Fix: free space there; or point nvme_path at a file system with "
+            "room; or lower zero_optimization.tiering.nvme_reserve_bytes in --config")

@@ -243,6 +243,7 @@ def _preflight(opts: TrainOptions, mcfg, cfg, world: World, out: Path) -> None:
                          write_model=end >= opts.steps, model_dtype=opts.model_dtype,
                          fresh=not opts.resume)
         disk.check(plan, checkpoint=not opts.no_checkpoint, model_dtype=opts.model_dtype)
+        disk.check_nvme_reserve(cfg, numel=num_parameters(mcfg), world_size=world.world_size)
     except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
         err = e
     ok = torch.tensor([0 if err else 1], dtype=torch.int32, device=world.device)
