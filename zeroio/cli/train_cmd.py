@@ -38,7 +38,11 @@ _OPTIONS: dict[str, dict] = {
     "--save-every": dict(type=int, default=0, metavar="N",
                          help="checkpoint every N steps (default: only at the end)"),
     "--output": dict(default="zeroio_run", metavar="DIR",
-                     help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run)"),
+                     help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run); one "
+                          "run at a time (DIR/zeroio.lock)"),
+    "--tag": dict(default=None, metavar="TAG",
+                  help="with --resume: continue from checkpoint TAG (e.g. step100) instead of "
+                       "the newest"),
     "--seed": dict(type=int, default=1234, help="model init and data order seed"),
     "--model-dtype": dict(default="fp32", choices=("fp32", "bf16"),
                           help="dtype of the final from_pretrained model (default fp32, the masters; "
@@ -49,7 +53,9 @@ _OPTIONS: dict[str, dict] = {
                          "default: the config's, or 1)"),
 }
 _FLAGS = {
-    "--resume": "continue from the newest checkpoint under DIR/checkpoints",
+    "--resume": "continue from the newest checkpoint under DIR/checkpoints (or --tag's)",
+    "--overwrite": "let a fresh run delete files zeroio did not write in DIR/model, "
+                   "DIR/checkpoints and DIR/nvme (without it the run refuses to start)",
     "--quiet": "no progress bar, only the final summary",
     "--json": "print one JSON summary on stdout and nothing else",
     "--no-checkpoint": "write no training checkpoint, only the final model (from the live engine); "
@@ -66,7 +72,7 @@ def add_parser(sub) -> None:
                    help="processes (default 2; ignored under a launcher)")
     for name, help_ in _FLAGS.items():
         p.add_argument(name, action="store_true", help=help_)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run_in_dir)
 
 
 def _dest(name: str) -> str:
@@ -86,6 +92,17 @@ def child_argv(args) -> list[str]:
         if value != kw["default"]:
             argv += [name, str(value)]
     return argv + [name for name in _FLAGS if getattr(args, _dest(name))]
+
+
+def run_in_dir(args) -> int:
+    """`run` holding the run directory's lock, taken once per job before any rank starts
+    ([Note: run directory] in zeroio/cli/train/rundir.py)."""
+    from pathlib import Path
+
+    from zeroio.cli.train import rundir
+
+    with rundir.claim(Path(args.output), resume=args.resume, overwrite=args.overwrite):
+        return run(args)
 
 
 def run(args) -> int:

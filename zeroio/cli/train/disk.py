@@ -16,8 +16,11 @@ model is exported. The peak is therefore
   16-bit parameter shard with offload_param nvme, the two moments with
   offload_optimizer nvme). An upper bound: what stays resident in host memory
   is never written, but the tier may write all of it.
-What a fresh run deletes first (old checkpoints/ and nvme/, [Note: fresh runs
-start clean] in loop.py) and the old model/ folder count as free.
+What the run deletes before writing counts as free: what zeroio wrote in model/
+(replaced by the export) and, on a fresh run, in checkpoints/ ([Note: run
+directory] in rundir.py; with --overwrite those folders whole, nvme/ too), and
+crashed runs' swap folders under the NVMe paths ([Note: swap folders] in
+zeroio/io/swapdir.py).
 JSON metadata (manifests, config.json) is kilobytes and not counted.
 """
 
@@ -130,7 +133,8 @@ def nvme_bytes(cfg, numel: int, world_size: int) -> int:
 
 
 def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_every: int,
-         checkpoint: bool, write_model: bool, model_dtype: str, fresh: bool) -> DiskPlan:
+         checkpoint: bool, write_model: bool, model_dtype: str, fresh: bool,
+         overwrite: bool = False) -> DiskPlan:
     """What a run writes under ``out``, and the free bytes it has for it ([Note: what the run writes])."""
     specs = param_specs(mcfg, MODEL_DTYPES[model_dtype])
     numel = sum(s.numel for s in specs)
@@ -143,9 +147,13 @@ def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_ev
     swap = nvme_paths(cfg, out)
     if swap:
         items.append(DiskItem(name="NVMe swap", nbytes=nvme_bytes(cfg, numel, world_size)))
-    freed = tree_bytes(out / "model")
-    if fresh:
-        freed += tree_bytes(out / "checkpoints") + sum(tree_bytes(p) for p in swap)
+    from zeroio.cli.train.rundir import removable_bytes
+    from zeroio.io.swapdir import find_stale
+
+    parts = ("model", "checkpoints", "nvme") if fresh else ("model",)
+    freed = removable_bytes(out, parts, overwrite=overwrite)
+    if not (fresh and overwrite):
+        freed += sum(tree_bytes(d) for p in swap for d in find_stale(p))
     return DiskPlan(output=out, items=tuple(items),
                     free=shutil.disk_usage(existing_parent(out)).free + freed)
 
