@@ -100,9 +100,19 @@ def run_in_dir(args) -> int:
     from pathlib import Path
 
     from zeroio.cli.train import rundir
+    from zeroio.cli.train.loop import check_options
 
+    check_options(options(args))  # a bad option is reported before the folder is looked at
     with rundir.claim(Path(args.output), resume=args.resume, overwrite=args.overwrite):
         return run(args)
+
+
+def options(args):
+    """The parsed command line as ``TrainOptions``."""
+    from zeroio.cli.train.loop import TrainOptions
+
+    return TrainOptions(**{_dest(n): getattr(args, _dest(n)) for n in (*_OPTIONS, *_FLAGS)},
+                        given=_given(args))
 
 
 def run(args) -> int:

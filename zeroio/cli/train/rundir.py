@@ -259,7 +259,13 @@ def refuse_foreign(out: Path, parts: Iterable[str]) -> None:
     found = foreign(out, parts)
     if not found:
         return
-    shown = ", ".join(str(f) for f in found[:_SHOW]) + (f" and {len(found) - _SHOW} more"
+    listed = _read_written(out)
+
+    def name(f: Path) -> str:
+        changed = f.is_relative_to(out) and f.relative_to(out).as_posix() in listed
+        return f"{f} (changed since zeroio wrote it)" if changed else str(f)
+
+    shown = ", ".join(name(f) for f in found[:_SHOW]) + (f" and {len(found) - _SHOW} more"
                                                          if len(found) > _SHOW else "")
     what = "a fresh run empties" if "checkpoints" in parts else "the final export replaces"
     raise ConfigError(
