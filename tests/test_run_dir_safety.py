@@ -81,6 +81,33 @@ def test_a_lock_naming_another_host_is_not_taken_over(tmp_path):
     assert json.loads((tmp_path / rundir.LOCK).read_text())["host"] == "node-17"
 
 
+def test_what_zeroio_wrote_is_removed_and_nothing_else(tmp_path):
+    out = tmp_path
+    tag = out / "checkpoints" / "step4"
+    (tag / "fp32" / "c").mkdir(parents=True)
+    (tag / "fp32" / "c" / "0").write_bytes(b"x" * 10)
+    rundir.record(out, [tag])
+    (out / "checkpoints" / "mine.txt").write_text("user")  # not written by zeroio
+    (out / "model").mkdir()
+    (out / "model" / "config.json").write_text("{}")
+    rundir.record(out, [out / "model"])
+    (out / "model" / "config.json").write_text('{"edited": 1}')  # changed since
+    # a save interrupted by a crash: claimed before writing, never recorded as finished
+    half = out / "checkpoints" / "step6"
+    rundir.record(out, [half], claim=True)
+    (half / "exp_avg" / "c").mkdir(parents=True)
+    (half / "exp_avg" / "c" / "0").write_bytes(b"y" * 3)
+    assert rundir.foreign(out) == [out / "checkpoints" / "mine.txt", out / "model" / "config.json"]
+    rundir.remove_written(out, ("checkpoints", "model"), overwrite=False)
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert left == ["checkpoints", "checkpoints/mine.txt", "model", "model/config.json",
+                    rundir.WRITTEN]
+    # only the changed file is still listed (as what zeroio once wrote there, for the message)
+    assert list(json.loads((out / rundir.WRITTEN).read_text())["files"]) == ["model/config.json"]
+    with pytest.raises(ConfigError, match="config.json \\(changed since zeroio wrote it\\)"):
+        rundir.refuse_foreign(out, rundir.PARTS)
+
+
 # -- zeroio train end to end --------------------------------------------------------------
 
 

@@ -201,6 +201,7 @@ def write_model(ckpt: Path, tag: str, mcfg, model_dir: Path, *, progress: bool,
 
     out = model_dir.parent
     rundir.remove_written(out, ("model",), overwrite=overwrite)
+    rundir.record(out, [model_dir], claim=True)
     write_safetensors(ckpt, model_dir, tag, progress=progress, dtype=dtype)
     if not (model_dir / "config.json").is_file():
         mcfg.save_pretrained(model_dir)
@@ -215,6 +216,7 @@ def write_model_live(engine, mcfg, model_dir: Path, dtype: torch.dtype, *, rank0
 
     if rank0:
         rundir.remove_written(model_dir.parent, ("model",), overwrite=overwrite)
+        rundir.record(model_dir.parent, [model_dir], claim=True)
     dist.barrier()
     save_16bit_model(engine, model_dir, dtype=dtype)
     if rank0 and not (model_dir / "config.json").is_file():
@@ -309,6 +311,8 @@ def _save(engine, ckpt: Path, tag: str, losses: list[float], rank0: bool) -> Non
     """Checkpoint ``tag``; rank 0 lists its files (and ``latest``) as written by zeroio."""
     from zeroio.checkpoint.layout import LATEST
 
+    if rank0:  # a save a crash interrupts is still known as zeroio's
+        rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST], claim=True)
     engine.save_checkpoint(ckpt, tag=tag, client_state={"losses": losses})
     if rank0:
         rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST])

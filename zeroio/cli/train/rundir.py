@@ -15,7 +15,11 @@
   and DIR too when the lock made it and nothing else was written.
 - What zeroio wrote. ``DIR/zeroio-run.json`` lists every file zeroio wrote
   under DIR/checkpoints and DIR/model (path, size, mtime), updated by rank 0
-  after each checkpoint and after the model export. Swap folders under
+  after each checkpoint and after the model export. Before each of those
+  writes it claims the folder (or file) it is about to write: everything
+  under a claim counts as zeroio's, so what a crash or kill left half-written
+  is still removed by the next fresh run; the finished write replaces the
+  claim by the exact list. Swap folders under
   DIR/nvme carry their own marker ([Note: swap folders] in zeroio/io/swapdir.py).
 - Fresh run (no --resume). A file in DIR/model, DIR/checkpoints or DIR/nvme
   that zeroio did not write (not listed, or changed since; outside a marked
@@ -220,12 +224,19 @@ def _files(p: Path) -> Iterable[Path]:
                 yield q
 
 
-def record(out: Path, paths: Iterable[Path]) -> None:
+_CLAIM = [-1, -1]
+
+
+def record(out: Path, paths: Iterable[Path], *, claim: bool = False) -> None:
     """List every file now under ``paths`` (files or folders inside DIR) as written by zeroio,
-    replacing what was listed under them before."""
+    replacing what was listed under them before; ``claim``: before writing there, claim
+    everything under ``paths`` as zeroio's until the write is recorded."""
     files = _read_written(out)
     for p in paths:
         rel = p.relative_to(out).as_posix()
+        if claim:
+            files[rel] = _CLAIM
+            continue
         files = {k: v for k, v in files.items() if k != rel and not k.startswith(rel + "/")}
         for f in _files(p):
             files[f.relative_to(out).as_posix()] = _sig(f)
@@ -233,7 +244,10 @@ def record(out: Path, paths: Iterable[Path]) -> None:
 
 
 def _ours(out: Path, f: Path, files: dict[str, list[int]]) -> bool:
-    sig = files.get(f.relative_to(out).as_posix())
+    rel = f.relative_to(out)
+    if any(files.get(p.as_posix()) == _CLAIM for p in (rel, *rel.parents)):
+        return True
+    sig = files.get(rel.as_posix())
     return sig is not None and not f.is_symlink() and _sig(f) == sig
 
 
@@ -299,6 +313,8 @@ def remove_written(out: Path, parts: Iterable[str], *, overwrite: bool) -> None:
                     f.unlink()
                 kept.pop(f.relative_to(out).as_posix(), None)
                 dirs.update(d for d in f.parents if d != top and top in d.parents)
+        kept = {k: v for k, v in kept.items()  # claims here: everything under them is gone
+                if not (v == _CLAIM and (k == part or k.startswith(part + "/")))}
         for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
             with contextlib.suppress(OSError):
                 d.rmdir()  # only when empty
