@@ -40,7 +40,11 @@ _OPTIONS: dict[str, dict] = {
     "--save-every": dict(type=int, default=0, metavar="N",
                          help="checkpoint every N steps (default: only at the end)"),
     "--output": dict(default="zeroio_run", metavar="DIR",
-                     help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run)"),
+                     help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run); one "
+                          "run at a time (DIR/zeroio.lock)"),
+    "--tag": dict(default=None, metavar="TAG",
+                  help="with --resume: continue from checkpoint TAG (e.g. step100) instead of "
+                       "the newest"),
     "--seed": dict(type=int, default=1234, help="model init and data order seed"),
     "--model-dtype": dict(default="fp32", choices=("fp32", "bf16"),
                           help="dtype of the final from_pretrained model (default fp32, the masters; "
@@ -55,7 +59,9 @@ _OPTIONS: dict[str, dict] = {
                            "config's, or 600)"),
 }
 _FLAGS = {
-    "--resume": "continue from the newest checkpoint under DIR/checkpoints",
+    "--resume": "continue from the newest checkpoint under DIR/checkpoints (or --tag's)",
+    "--overwrite": "let a fresh run delete files zeroio did not write in DIR/model, "
+                   "DIR/checkpoints and DIR/nvme (without it the run refuses to start)",
     "--quiet": "no progress bar, only the final summary",
     "--json": "print one JSON summary on stdout and nothing else",
     "--no-checkpoint": "write no training checkpoint, only the final model (from the live engine); "
@@ -73,7 +79,7 @@ def add_parser(sub) -> None:
                         "ignored under a launcher)")
     for name, help_ in _FLAGS.items():
         p.add_argument(name, action="store_true", help=help_)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run_in_dir)
 
 
 def _dest(name: str) -> str:
@@ -102,18 +108,35 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def run_in_dir(args) -> int:
+    """`run` holding the run directory's lock, taken once per job before any rank starts
+    ([Note: run directory] in zeroio/cli/train/rundir.py)."""
+    from pathlib import Path
+
+    from zeroio.cli.train import rundir
+    from zeroio.cli.train.loop import check_options
+
+    check_options(options(args))  # a bad option is reported before the folder is looked at
+    with rundir.claim(Path(args.output), resume=args.resume, overwrite=args.overwrite):
+        return run(args)
+
+
+def options(args):
+    """The parsed command line as ``TrainOptions``."""
+    from zeroio.cli.train.loop import TrainOptions
+
+    return TrainOptions(**{_dest(n): getattr(args, _dest(n)) for n in (*_OPTIONS, *_FLAGS)},
+                        given=_given(args))
+
+
 def run(args) -> int:
-    from zeroio.cli.train.loop import TrainOptions, check_before_launch, train
+    from zeroio.cli.train.loop import check_before_launch, train
     from zeroio.errors import ConfigError
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
-    opts = TrainOptions(
-        **{_dest(n): getattr(args, _dest(n)) for n in _OPTIONS},
-        **{_dest(n): getattr(args, _dest(n)) for n in _FLAGS},
-        given=_given(args),
-    )
+    opts = options(args)
     if "RANK" not in os.environ and nproc > 1:
         check_before_launch(opts, nproc)  # a typo fails here once, not on every launched rank
         from zeroio.cli.launch_cmd import launch, torchrun_argv

@@ -1,6 +1,7 @@
 """``Config`` (the whole resolved config) and ``load_config``.
 
-Loading is one pass, in this order: read JSON -> rewrite legacy shapes ->
+Loading is one pass, in this order: read JSON (UTF-8, no key repeated in an
+object: ``read_config``) -> rewrite legacy shapes ->
 fill "auto" -> build every section (types, ranges, unknown keys) -> complete
 the batch triple -> cross-section checks. Nothing here imports torch.
 """
@@ -121,25 +122,69 @@ class Config:
         return out
 
 
-def _read(path_or_dict: Any) -> dict[str, Any]:
+class _Object(dict):
+    """A JSON object as parsed, with the keys it held more than once (``repeated``)."""
+
+    __slots__ = ("repeated",)
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object()
+    obj.repeated = []
+    for key, value in pairs:
+        if key in obj:
+            obj.repeated.append((key, obj[key], value))
+        obj[key] = value
+    return obj
+
+
+def _plain(value: Any, path: Path, at: str) -> Any:
+    """``value`` with plain dicts for ``_Object``s; ConfigError at the first repeated key."""
+    if isinstance(value, _Object):
+        if value.repeated:
+            key, first, again = value.repeated[0]
+            where = f"{at}.{key}" if at else key
+            raise ConfigError(
+                f"config file {path}: key {where} appears twice in one JSON object (values "
+                f"{json.dumps(first)} and {json.dumps(again)}); DeepSpeed rejects duplicate keys, "
+                "keep one of them", key=where)
+        return {k: _plain(v, path, f"{at}.{k}" if at else k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v, path, f"{at}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def read_config(path_or_dict: Any) -> dict[str, Any]:
+    """The raw JSON object of a config file (or a copy of a dict), before any check.
+
+    A file must be UTF-8 JSON holding one object with no key repeated within an
+    object; anything else is a ConfigError naming the file (and the byte offset of
+    the first undecodable byte, or the key path of the repeated key).
+    """
     if isinstance(path_or_dict, Mapping):
         return dict(path_or_dict)
     if isinstance(path_or_dict, (str, os.PathLike)):
         path = Path(path_or_dict)
         try:
-            text = path.read_text(encoding="utf-8")
+            data = path.read_bytes()
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist", key=None) from None
-        except (OSError, ValueError) as e:  # ValueError: undecodable bytes, NUL in the path
+        except (OSError, ValueError) as e:  # ValueError: NUL in the path
             raise ConfigError(f"cannot read config file {str(path)!r}: {e}", key=None) from None
         try:
-            data = json.loads(text)
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text: byte {e.start} (0x{data[e.start]:02x}) "
+                f"is not valid UTF-8 ({e.reason}); save the file as UTF-8", key=None) from None
+        try:
+            parsed = json.loads(text, object_pairs_hook=_pairs)
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}", key=None) from None
-        if not isinstance(data, dict):
+        if not isinstance(parsed, dict):
             raise ConfigError(f"config file {path} must hold a JSON object, not "
-                              f"{type(data).__name__}", key=None)
-        return data
+                              f"{type(parsed).__name__}", key=None)
+        return _plain(parsed, path, "")
     raise ConfigError(f"config must be a path or a dict, not {type(path_or_dict).__name__}",
                       key=None)
 
@@ -211,7 +256,7 @@ def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
         auto_values.setdefault("world_size", path_or_dict.world_size)
         path_or_dict = path_or_dict.to_dict()
     values = check_auto_values(auto_values)
-    raw = legacy.rewrite(_read(path_or_dict))
+    raw = legacy.rewrite(read_config(path_or_dict))
     world_size = _world_size(values)
     raw, unfilled = resolve_auto(raw, values)
     token = legacy._seen.set({})
@@ -252,7 +297,7 @@ def collective_timeout(path_or_dict: Any) -> float:
     is resolved: the process group is created before the world size is known."""
     if isinstance(path_or_dict, Config):
         return path_or_dict.distributed.timeout_s
-    raw = legacy.rewrite(_read(path_or_dict)) if path_or_dict is not None else {}
+    raw = legacy.rewrite(read_config(path_or_dict)) if path_or_dict is not None else {}
     block = raw.get("distributed")
     return build(DistributedConfig, {} if block is None else block, "distributed").timeout_s
 
@@ -270,9 +315,9 @@ def load_init_config(path_or_dict: Any, **auto_values: Any) -> Config:
     if isinstance(path_or_dict, Config):
         return path_or_dict
     values = check_auto_values(auto_values)
-    raw, _ = drop_unfillable(_read(path_or_dict), values)
+    raw, _ = drop_unfillable(read_config(path_or_dict), values)
     return load_config(raw, **auto_values)
 
 
-__all__ = ["Config", "load_config", "load_init_config", "collective_timeout", "did_you_mean",
-           "section"]
+__all__ = ["Config", "load_config", "load_init_config", "read_config", "collective_timeout",
+           "did_you_mean", "section"]

@@ -129,6 +129,9 @@ class TieringConfig:
     """Bytes of (pinned) host memory the tiered store may hold; None = derived at start."""
     nvme_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
     """Bytes the NVMe store may write; None = derived at start."""
+    nvme_reserve_bytes: int = field(1 << 30, coerce=_NONNEG)
+    """Free bytes of the ``nvme_path`` file system a derived NVMe budget leaves untouched
+    (1 GiB): with ``nvme_budget_bytes`` unset the budget is the free space minus this."""
     overlap_step: bool = field(False, coerce=as_bool)
     """Stages 0-2 with offload_optimizer cpu: ``step()`` returns while the CPU optimizer
     still runs and the next forward waits per module for its parameters (docs/engine.md).

@@ -91,10 +91,14 @@ def crc_of_zeros(nbytes: int, crc: int = 0) -> int:
 class TensorStore:
     """A zarr v3 group of flat 1-D arrays; see the notes at the top of the module."""
 
-    def __init__(self, root: str | os.PathLike, engine: IOEngine | None = None):
+    def __init__(self, root: str | os.PathLike, engine: IOEngine | None = None, *,
+                 private: bool = False):
+        """``private``: every folder the store makes is 0700 and every file 0600, set
+        explicitly whatever the umask (swap state: [Note: swap folders] in swapdir.py)."""
         self.root = os.path.abspath(os.fspath(root))
+        self.private = private
         try:
-            os.makedirs(self.root, exist_ok=True)
+            self._makedirs(self.root)
         except OSError as e:
             raise SwapIOError(e.errno or errno.EIO, f"TensorStore: cannot create {self.root}: {e.strerror}") from e
         if not os.access(self.root, os.W_OK | os.X_OK):
@@ -143,11 +147,11 @@ class TensorStore:
                 )
         else:
             self._ensure_parents(name)
-            os.makedirs(os.path.join(directory, "c"), exist_ok=True)
+            self._makedirs(os.path.join(directory, "c"))
             attrs = dict(attributes or {})
             meta = array_metadata(info, attrs)
             meta["attributes"]["zeroio"]["preallocated"] = bool(preallocate)
-            write_json_atomic(meta_path, meta)
+            self._write_json(meta_path, meta)
         with self._lock:
             self._infos[name] = info
         if preallocate:
@@ -239,14 +243,37 @@ class TensorStore:
     def _ensure_group(self, directory: str) -> None:
         meta = os.path.join(directory, "zarr.json")
         if not os.path.exists(meta):
-            write_json_atomic(meta, group_metadata())
+            self._write_json(meta, group_metadata())
 
     def _ensure_parents(self, name: str) -> None:
         parts = name.split("/")[:-1]
         for i in range(1, len(parts) + 1):
             d = os.path.join(self.root, *parts[:i])
-            os.makedirs(d, exist_ok=True)
+            self._makedirs(d)
             self._ensure_group(d)
+
+    def _makedirs(self, d: str) -> None:
+        if self.private:
+            from zeroio.io.swapdir import make_private_dirs
+
+            make_private_dirs(d)
+        else:
+            os.makedirs(d, exist_ok=True)
+
+    def _write_json(self, path: str, obj: dict) -> None:
+        write_json_atomic(path, obj)
+        if self.private:
+            os.chmod(path, 0o600)
+
+    def _create_private(self, path: str) -> None:
+        """A private store's chunk file exists 0600 before the engine opens it (O_CREAT there
+        would give the engine's default mode)."""
+        if self.private and not os.path.exists(path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
 
     def _check_range(self, info: ArrayInfo, t: torch.Tensor, offset: int, op: str) -> np.ndarray:
         if t.dtype != info.dtype:
@@ -324,6 +351,7 @@ class TensorStore:
         self.engine.pwrite_from(files, tail, info.chunk_bytes)
 
     def _write_chunk(self, info: ArrayInfo, k: int, a: int, b: int, src: np.ndarray) -> None:
+        self._create_private(self._chunk_path(info.name, k))
         files = self.engine.open_files(self._chunk_path(info.name, k), "rw")
         try:
             fd = files.direct if files.direct is not None else files.buffered
@@ -395,8 +423,10 @@ class TensorStore:
         if info.chunk_bytes not in self._zero_crc:
             self._zero_crc[info.chunk_bytes] = crc_of_zeros(info.chunk_bytes)
         for path in missing:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600 if self.private else 0o644)
             try:
+                if self.private:
+                    os.fchmod(fd, 0o600)
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if os.fstat(fd).st_size == 0:  # a concurrent writer may have got here first
                     try:

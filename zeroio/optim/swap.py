@@ -175,7 +175,10 @@ class SwappedAdam:
         path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
                                                                f"zeroio-optim-rank{_rank()}")
         if path is not None:
-            os.makedirs(path, exist_ok=True)
+            from zeroio.io import swapdir
+
+            swapdir.remove_stale(off.nvme_path)  # crashed runs' folders, any rank's
+            swapdir.make_private_dirs(path)
         # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top.
         self.store = TieredStore(cfg, cfg.aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
                                  cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0)

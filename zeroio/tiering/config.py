@@ -141,6 +141,8 @@ class Budgets:
     gpu: int
     cpu: int
     nvme: int
+    nvme_free: int | None = None
+    """Free bytes under ``nvme_path`` when the NVMe budget was derived from them (else None)."""
 
     def of(self, tier: Tier) -> int:
         return {Tier.GPU: self.gpu, Tier.CPU: self.cpu, Tier.NVME: self.nvme}[tier]
@@ -159,12 +161,14 @@ class Budgets:
             cpu = cfg.cpu_budget_bytes
         else:
             cpu = max(int(psutil.virtual_memory().available * cfg.cpu_fraction), cfg.min_cpu_bytes)
+        nvme_free = None
         if not has_nvme:
             nvme = 0
         elif cfg.nvme_budget_bytes is not None:
             nvme = cfg.nvme_budget_bytes
         elif cfg.nvme_path is not None:
-            nvme = max(0, shutil.disk_usage(cfg.nvme_path).free - cfg.nvme_reserve_bytes)
+            nvme_free = shutil.disk_usage(cfg.nvme_path).free
+            nvme = max(0, nvme_free - cfg.nvme_reserve_bytes)
         else:
             nvme = 0
-        return cls(gpu=int(gpu), cpu=int(cpu), nvme=int(nvme))
+        return cls(gpu=int(gpu), cpu=int(cpu), nvme=int(nvme), nvme_free=nvme_free)

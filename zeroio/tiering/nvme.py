@@ -5,15 +5,16 @@ arrays are named by registration order (``s000000``...) because tensor names
 (``model.layers.0.mlp.weight``, or anything a caller picks) need not be valid
 zarr paths; the original name goes in the array's attributes. A fresh
 subdirectory per store keeps two stores (ranks, tests) on one path apart, and
-``close`` removes it: the tier holds swap space, not checkpoints.
+``close`` removes it: the tier holds swap space, not checkpoints. The folder is
+private (0700, files 0600) and marked with its owner, so a crashed run's folder
+is removed by the next store on the same path ([Note: swap folders] in
+zeroio/io/swapdir.py).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
-import uuid
 from concurrent.futures import Future
 
 import torch
@@ -24,12 +25,13 @@ from zeroio.tiering.backend import NvmeBackend
 
 class TensorStoreBackend(NvmeBackend):
     def __init__(self, nvme_path: str | os.PathLike, aio_cfg: object = None):
+        from zeroio.io import swapdir
         from zeroio.io.engine import IOEngine
         from zeroio.io.store import TensorStore
 
-        self.root = os.path.join(os.fspath(nvme_path), f"zeroio-swap-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.root = swapdir.create(nvme_path)
         self._engine = IOEngine(aio_cfg)
-        self._store = TensorStore(self.root, self._engine)
+        self._store = TensorStore(self.root, self._engine, private=True)
         self._keys: dict[str, str] = {}
         self._lock = threading.Lock()
         self._counter = 0
@@ -71,7 +73,9 @@ class TensorStoreBackend(NvmeBackend):
         return sorted(d for d in os.listdir(self.root) if d.startswith("s"))
 
     def close(self) -> None:
+        from zeroio.io import swapdir
+
         self._store.close()
         self._engine.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+        swapdir.remove(self.root)
         self._keys.clear()  # a closed store holds no arrays (backend.py's contract)

@@ -180,10 +180,19 @@ class TieredStore:
         if cpu.cost(nbytes) > cpu.budget and want is not Tier.GPU:
             hint = (f"; the CPU budget ({cpu.budget}) must hold the largest tensor ({cpu.cost(nbytes)} "
                     f"bytes as pages), since NVMe data passes through pinned host memory")
+        if self._backend is None:
+            fix = "set an nvme_path"
+        else:
+            fix = "give the NVMe tier more room"
+            if self.budgets.nvme_free is not None:  # derived: free space minus the reserve
+                hint += (f"; the NVMe budget is the {self.budgets.nvme_free:,} bytes free under "
+                         f"{self.cfg.nvme_path} minus zero_optimization.tiering.nvme_reserve_bytes "
+                         f"= {self.cfg.nvme_reserve_bytes:,} (kept free): free space there, point "
+                         "nvme_path at a file system with room, or lower nvme_reserve_bytes")
         raise CapacityError(
             f"register({name!r}): {nbytes} bytes fit in no tier from {want.value} down. Budgets "
             f"in bytes: {lines}; registered so far {total} + {nbytes} needed{hint}. Raise "
-            f"zero_optimization.tiering.{{gpu,cpu,nvme}}_budget_bytes or set an nvme_path"
+            f"zero_optimization.tiering.{{gpu,cpu,nvme}}_budget_bytes or {fix}"
         )
 
     # -- acquire / release ----------------------------------------------------

@@ -16,8 +16,11 @@ model is exported. The peak is therefore
   16-bit parameter shard with offload_param nvme, the two moments with
   offload_optimizer nvme). An upper bound: what stays resident in host memory
   is never written, but the tier may write all of it.
-What a fresh run deletes first (old checkpoints/ and nvme/, [Note: fresh runs
-start clean] in loop.py) and the old model/ folder count as free.
+What the run deletes before writing counts as free: what zeroio wrote in model/
+(replaced by the export) and, on a fresh run, in checkpoints/ ([Note: run
+directory] in rundir.py; with --overwrite those folders whole, nvme/ too), and
+crashed runs' swap folders under the NVMe paths ([Note: swap folders] in
+zeroio/io/swapdir.py).
 JSON metadata (manifests, config.json) is kilobytes and not counted.
 """
 
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from zeroio.checkpoint.writer import existing_parent, tree_bytes
-from zeroio.errors import CheckpointError
+from zeroio.errors import CapacityError, CheckpointError
 
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -130,7 +133,8 @@ def nvme_bytes(cfg, numel: int, world_size: int) -> int:
 
 
 def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_every: int,
-         checkpoint: bool, write_model: bool, model_dtype: str, fresh: bool) -> DiskPlan:
+         checkpoint: bool, write_model: bool, model_dtype: str, fresh: bool,
+         overwrite: bool = False) -> DiskPlan:
     """What a run writes under ``out``, and the free bytes it has for it ([Note: what the run writes])."""
     specs = param_specs(mcfg, MODEL_DTYPES[model_dtype])
     numel = sum(s.numel for s in specs)
@@ -143,9 +147,13 @@ def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_ev
     swap = nvme_paths(cfg, out)
     if swap:
         items.append(DiskItem(name="NVMe swap", nbytes=nvme_bytes(cfg, numel, world_size)))
-    freed = tree_bytes(out / "model")
-    if fresh:
-        freed += tree_bytes(out / "checkpoints") + sum(tree_bytes(p) for p in swap)
+    from zeroio.cli.train.rundir import removable_bytes
+    from zeroio.io.swapdir import find_stale
+
+    parts = ("model", "checkpoints", "nvme") if fresh else ("model",)
+    freed = removable_bytes(out, parts, overwrite=overwrite)
+    if not (fresh and overwrite):
+        freed += sum(tree_bytes(d) for p in swap for d in find_stale(p))
     return DiskPlan(output=out, items=tuple(items),
                     free=shutil.disk_usage(existing_parent(out)).free + freed)
 
@@ -165,3 +173,33 @@ def check(p: DiskPlan, *, checkpoint: bool, model_dtype: str) -> None:
         f"--output {p.output} needs {p.need:,} bytes ({p.need / 1e9:.2f} GB: {p.breakdown()}) but "
         f"its file system has {p.free:,} bytes ({p.free / 1e9:.2f} GB) free; nothing was trained or "
         f"written. Fix: {'; or '.join(fixes)}")
+
+
+def check_nvme_reserve(cfg, *, numel: int, world_size: int) -> None:
+    """CapacityError naming the path, its free bytes, the reserve and its key, unless every
+    file system holding an ``nvme_path`` keeps room for the swap after the reserve.
+
+    With ``nvme_budget_bytes`` unset the tiered store's NVMe budget is the free space minus
+    ``zero_optimization.tiering.nvme_reserve_bytes`` (docs/tiering.md); a file system below
+    the reserve would otherwise fail only at the first ``register``, as if no nvme_path were
+    set. The swap bytes are zeroio.estimate's NVMe term, the upper bound ``plan`` counts too.
+    """
+    zo = cfg.zero_optimization
+    if zo.tiering.nvme_budget_bytes is not None:
+        return
+    paths = sorted({Path(b.nvme_path) for b in (zo.offload_param, zo.offload_optimizer)
+                    if b.device.value == "nvme" and b.nvme_path})
+    if not paths:
+        return
+    need = nvme_bytes(cfg, numel, world_size)
+    reserve = zo.tiering.nvme_reserve_bytes
+    for path in paths:
+        free = shutil.disk_usage(existing_parent(path)).free
+        if free - reserve >= need:
+            continue
+        raise CapacityError(
+            f"NVMe swap under {path}: its file system has {free:,} bytes free and "
+            f"zero_optimization.tiering.nvme_reserve_bytes keeps {reserve:,} of them free, which "
+            f"leaves {max(0, free - reserve):,} bytes for up to {need:,} bytes of swap; nothing was "
+            "trained or written. Fix: free space there; or point nvme_path at a file system with "
+            "room; or lower zero_optimization.tiering.nvme_reserve_bytes in --config")

@@ -7,9 +7,11 @@ model (inside ``zero.Init`` for stage 3) -> engine -> resume -> steps
 (progress bar on rank 0) -> checkpoints -> consolidated ``from_pretrained``
 folder (or, with --no-checkpoint, one written from the live engine) -> summary.
 
-[Note: fresh runs start clean] Without ``--resume`` the run's checkpoint and
-NVMe folders are emptied first: a stale checkpoint with a higher step than
-the new run reaches would otherwise be the one a later ``--resume`` picks.
+[Note: fresh runs start clean] Without ``--resume`` what zeroio wrote in the
+run's checkpoint folder is deleted first: a stale checkpoint with a higher step
+than the new run reaches would otherwise be the one a later ``--resume`` picks.
+Files zeroio did not write are never deleted (the run refuses before launching
+unless ``--overwrite``): [Note: run directory] in rundir.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroio.cli.train import disk
+from zeroio.cli.train import disk, rundir
 from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
 from zeroio.cli.train.defaults import default_config
 from zeroio.cli.train.disk import MODEL_DTYPES
@@ -66,6 +67,10 @@ class TrainOptions:
     """Checkpoint every N steps (0 = only at the end)."""
     output: str = "zeroio_run"
     resume: bool = False
+    tag: str | None = None
+    """With resume: the checkpoint tag to continue from; None = the newest complete one."""
+    overwrite: bool = False
+    """A fresh run may delete files zeroio did not write in model/, checkpoints/, nvme/."""
     quiet: bool = False
     json: bool = False
     seed: int = 1234
@@ -117,13 +122,7 @@ def resolve_config(opts: TrainOptions, mcfg, *, world_size: int, cuda: bool, out
     if opts.config is None:
         raw = default_config(out / "nvme", cuda=cuda)
     else:
-        path = Path(opts.config)
-        if not path.is_file():
-            raise ConfigError(f"--config {path} does not exist", key="config")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--config {path} is not valid JSON: {e}", key="config") from e
+        raw = _read_config(opts.config)
     if opts.ratio is not None:
         raw = with_ratio(raw, opts.ratio, "--config " + str(opts.config) if opts.config else None)
     if opts.timeout is not None:
@@ -154,6 +153,15 @@ def with_timeout(raw: dict, timeout: float, source: str | None) -> dict:
                           f"{block['timeout_s']} in {source}; drop one of them",
                           key="distributed.timeout_s")
     return {**raw, "distributed": {**block, "timeout_s": timeout}}
+
+
+def _read_config(config: str) -> dict:
+    """The --config file's JSON object (the config layer's reader: UTF-8, no repeated key)."""
+    from zeroio.config.loader import read_config
+
+    if not Path(config).is_file():
+        raise ConfigError(f"--config {config} does not exist", key="config")
+    return read_config(config)
 
 
 def with_ratio(raw: dict, ratio: float, source: str | None) -> dict:
@@ -188,8 +196,7 @@ def swap_summary(stats: dict[str, Any]) -> str:
 def _prepare_dirs(opts: TrainOptions, world: World, out: Path) -> Path:
     ckpt = out / "checkpoints"
     if world.local_rank == 0 and not opts.resume:  # see [Note: fresh runs start clean]
-        shutil.rmtree(ckpt, ignore_errors=True)
-        shutil.rmtree(out / "nvme", ignore_errors=True)
+        rundir.remove_written(out, ("checkpoints", "nvme"), overwrite=opts.overwrite)
     if world.local_rank == 0:
         (out / "nvme").mkdir(parents=True, exist_ok=True)
         if not opts.no_checkpoint:
@@ -199,42 +206,78 @@ def _prepare_dirs(opts: TrainOptions, world: World, out: Path) -> Path:
 
 
 def write_model(ckpt: Path, tag: str, mcfg, model_dir: Path, *, progress: bool,
-                dtype: torch.dtype = torch.float32) -> None:
+                dtype: torch.dtype = torch.float32, overwrite: bool = False) -> None:
     """Consolidate checkpoint ``tag`` into a from_pretrained folder (safetensors + config.json).
 
     The fp32 masters cast to ``dtype``, streamed shard by shard by the checkpoint
-    layer, so a multi-billion-parameter model never sits whole in memory.
+    layer, so a multi-billion-parameter model never sits whole in memory. What zeroio
+    wrote there before goes first (no stale shards), and the new files are listed as its.
     """
     from zeroio.checkpoint import write_safetensors
 
-    shutil.rmtree(model_dir, ignore_errors=True)  # no stale shards from an earlier run
+    out = model_dir.parent
+    rundir.remove_written(out, ("model",), overwrite=overwrite)
+    rundir.record(out, [model_dir], claim=True)
     write_safetensors(ckpt, model_dir, tag, progress=progress, dtype=dtype)
     if not (model_dir / "config.json").is_file():
         mcfg.save_pretrained(model_dir)
+    rundir.record(out, [model_dir])
 
 
-def write_model_live(engine, mcfg, model_dir: Path, dtype: torch.dtype, *, rank0: bool) -> None:
+def write_model_live(engine, mcfg, model_dir: Path, dtype: torch.dtype, *, rank0: bool,
+                     overwrite: bool = False) -> None:
     """The same folder as `write_model`, from the live engine's fp32 masters (no checkpoint):
     collective, each window reduced onto rank 0, cast and streamed (engine_io.save_16bit_model)."""
     from zeroio.checkpoint.engine_io import save_16bit_model
 
     if rank0:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        rundir.remove_written(model_dir.parent, ("model",), overwrite=overwrite)
+        rundir.record(model_dir.parent, [model_dir], claim=True)
     dist.barrier()
     save_16bit_model(engine, model_dir, dtype=dtype)
     if rank0 and not (model_dir / "config.json").is_file():
         mcfg.save_pretrained(model_dir)
+    if rank0:
+        rundir.record(model_dir.parent, [model_dir])
 
 
-def _resume_step(ckpt: Path) -> int:
-    """The step of the checkpoint --resume will pick (``latest`` = "stepN"), or 0."""
+def _resume_step(ckpt: Path, tag: str | None = None) -> int:
+    """The step of the checkpoint --resume will pick (--tag, else ``latest``; "stepN"), or 0."""
     from zeroio.checkpoint.layout import LATEST
 
-    try:
-        tag = (ckpt / LATEST).read_text().strip()
-    except OSError:
-        return 0
+    if tag is None:
+        try:
+            tag = (ckpt / LATEST).read_text().strip()
+        except OSError:
+            return 0
     return int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else 0
+
+
+def check_tag(opts: TrainOptions) -> None:
+    """--tag: with --resume, one folder name, a complete checkpoint under --output/checkpoints
+    (else a ConfigError listing the tags there)."""
+    from zeroio.checkpoint.layout import scan_tags
+
+    if opts.tag is None:
+        return
+    if not opts.resume:
+        raise ConfigError(f"--tag {opts.tag} names the checkpoint --resume continues from; add "
+                          "--resume, or drop --tag", key="tag")
+    ckpt = Path(opts.output) / "checkpoints"
+    if opts.tag in ("", ".", "..") or "/" in opts.tag or os.sep in opts.tag:
+        raise ConfigError(f"--tag {opts.tag!r} must be the name of one checkpoint folder under "
+                          f"{ckpt} (e.g. step100)", key="tag")
+    tags = scan_tags(ckpt)
+    found = next((t for t in tags if t.tag == opts.tag), None)
+    if found is not None and found.complete:
+        return
+    complete = [t.tag for t in tags if t.complete]
+    broken = [f"{t.tag} ({t.reason})" for t in tags if not t.complete]
+    have = (f"complete checkpoints there: {', '.join(complete) or 'none'}"
+            + (f"; incomplete: {'; '.join(broken)}" if broken else ""))
+    why = "is incomplete" if found is not None else "does not exist"
+    raise ConfigError(f"--resume --tag {opts.tag}: {ckpt / opts.tag} {why}; {have}. Pass one "
+                      "of those to --tag, or drop --tag for the newest", key="tag")
 
 
 def _preflight(opts: TrainOptions, mcfg, cfg, world: World, out: Path) -> None:
@@ -247,15 +290,16 @@ def _preflight(opts: TrainOptions, mcfg, cfg, world: World, out: Path) -> None:
             "zero_optimization.stage3_gather_16bit_weights_on_model_save true in --config "
             f"{opts.config}; set it, or drop --no-checkpoint",
             key="zero_optimization.stage3_gather_16bit_weights_on_model_save")
-    start = _resume_step(out / "checkpoints") if opts.resume else 0
+    start = _resume_step(out / "checkpoints", opts.tag) if opts.resume else 0
     end = max(start, opts.steps if opts.stop_after is None else min(opts.steps, opts.stop_after))
     err = None
     try:
         plan = disk.plan(out=out, mcfg=mcfg, cfg=cfg, world_size=world.world_size, start=start,
                          end=end, save_every=opts.save_every, checkpoint=not opts.no_checkpoint,
                          write_model=end >= opts.steps, model_dtype=opts.model_dtype,
-                         fresh=not opts.resume)
+                         fresh=not opts.resume, overwrite=opts.overwrite)
         disk.check(plan, checkpoint=not opts.no_checkpoint, model_dtype=opts.model_dtype)
+        disk.check_nvme_reserve(cfg, numel=num_parameters(mcfg), world_size=world.world_size)
     except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
         err = e
     ok = torch.tensor([0 if err else 1], dtype=torch.int32, device=world.device)
@@ -267,15 +311,27 @@ def _preflight(opts: TrainOptions, mcfg, cfg, world: World, out: Path) -> None:
                           "see its error", key="output")
 
 
-def _resume(engine, ckpt: Path, say) -> tuple[int, list[float]]:
-    """(step to continue from, loss history) from the newest checkpoint, or (0, []) if none."""
-    path, client = engine.load_checkpoint(ckpt)
+def _resume(engine, ckpt: Path, say, tag: str | None = None) -> tuple[int, list[float]]:
+    """(step to continue from, loss history) from checkpoint ``tag`` (None: the newest), or
+    (0, []) if there is none."""
+    path, client = engine.load_checkpoint(ckpt, tag=tag)
     if path is None:
         say(f"--resume: no checkpoint under {ckpt}; starting from step 0")
         return 0, []
     start = int(engine.global_steps)
     say(f"--resume: continuing from {path} at step {start}")
     return start, list((client or {}).get("losses", []))[:start]
+
+
+def _save(engine, ckpt: Path, tag: str, losses: list[float], rank0: bool) -> None:
+    """Checkpoint ``tag``; rank 0 lists its files (and ``latest``) as written by zeroio."""
+    from zeroio.checkpoint.layout import LATEST
+
+    if rank0:  # a save a crash interrupts is still known as zeroio's
+        rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST], claim=True)
+    engine.save_checkpoint(ckpt, tag=tag, client_state={"losses": losses})
+    if rank0:
+        rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST])
 
 
 def _one_step(engine, blocks: TokenBlocks, order: ShardedOrder, step: int, gas: int,
@@ -336,11 +392,12 @@ def check_options(opts: TrainOptions):
             raise ConfigError(f"--no-checkpoint writes no checkpoint, so it cannot be combined with "
                               f"{' or '.join(clash)} (they read or write checkpoints); drop one of them",
                               key="no_checkpoint")
-    if opts.config is not None and not Path(opts.config).is_file():
-        raise ConfigError(f"--config {opts.config} does not exist", key="config")
+    if opts.config is not None:
+        _read_config(opts.config)  # not UTF-8, not JSON, a repeated key: fail before launching
     if opts.data is not None and not Path(opts.data).exists():
         raise ConfigError(f"--data path {opts.data} does not exist; pass a text file or folder",
                           key="data")
+    check_tag(opts)
     mcfg = llama_config(opts.preset, opts.model_config)
     if opts.seq_len > mcfg.max_position_embeddings:
         raise ConfigError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
@@ -391,7 +448,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
 
     engine, *_ = zeroio.initialize(model=build_model(mcfg, cfg, opts.seed), config=cfg)
     try:
-        start, losses = _resume(engine, ckpt, say) if opts.resume else (0, [])
+        start, losses = _resume(engine, ckpt, say, opts.tag) if opts.resume else (0, [])
         end = max(start, opts.steps if opts.stop_after is None else min(opts.steps, opts.stop_after))
         if start >= opts.steps:
             say(f"already at step {start} of --steps {opts.steps}; nothing to train")
@@ -410,7 +467,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
             step_times.append(time.perf_counter() - t0)
             done = step + 1
             if opts.save_every and done % opts.save_every == 0:
-                engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"losses": losses})
+                _save(engine, ckpt, f"step{done}", losses, rank0)
                 saved_at = done
             bar.set_postfix_str(f"loss {losses[-1]:.3f}  tok/s "
                                 f"{tokens_per_step / (time.perf_counter() - t0):,.0f}  "
@@ -424,14 +481,15 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         wall = time.perf_counter() - t_start
 
         if end > start and saved_at != end and not opts.no_checkpoint:
-            engine.save_checkpoint(ckpt, tag=f"step{end}", client_state={"losses": losses})
+            _save(engine, ckpt, f"step{end}", losses, rank0)
         dist.barrier()
         model_dir = out / "model" if end >= opts.steps and end > 0 else None
         if model_dir is not None and opts.no_checkpoint:
-            write_model_live(engine, mcfg, model_dir, MODEL_DTYPES[opts.model_dtype], rank0=rank0)
+            write_model_live(engine, mcfg, model_dir, MODEL_DTYPES[opts.model_dtype], rank0=rank0,
+                             overwrite=opts.overwrite)
         elif rank0 and model_dir is not None:
             write_model(ckpt, f"step{end}", mcfg, model_dir, progress=show,
-                        dtype=MODEL_DTYPES[opts.model_dtype])
+                        dtype=MODEL_DTYPES[opts.model_dtype], overwrite=opts.overwrite)
         dist.barrier()
         stats = engine.stats()
     finally:

@@ -69,6 +69,9 @@ class TieredShards:
         self.resident = resident_keys(shard_numels, settings.max_in_cpu)
         size = torch.empty((), dtype=dtype).element_size()
         resident_cost = sum(host_cost(shard_numels[k] * size) for k in self.resident)
+        from zeroio.io import swapdir
+
+        swapdir.remove_stale(settings.nvme_path)  # crashed runs' folders, any rank's
         path = os.path.join(settings.nvme_path, f"stage3-params-rank{rank}")
         self.store = TieredStore(None, None, nvme_path=path, device=device if device.type == "cuda"
                                  else None, gpu_budget_bytes=0,
