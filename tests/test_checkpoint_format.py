@@ -142,11 +142,16 @@ def test_save_that_does_not_fit_fails_before_writing_and_keeps_the_last(tmp_path
     assert not (tmp_path / "next").exists()
     assert (tmp_path / "latest").read_text().strip() == "good"
     assert before == {p: p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()}
-    # exactly enough fits; replacing a tag counts the bytes it frees
+    # exactly enough fits
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need))
     save_sharded(sharded(0, 1, seed=1), tmp_path, "next", options=OPTS)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 0))
-    save_sharded(sharded(0, 1, seed=2), tmp_path, "next", options=OPTS)  # the old "next" frees it
+    # replacing a tag keeps the old copy until the new one is complete: its bytes are not counted
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need - 1))
+    with pytest.raises(CheckpointError, match=r"existing 'next' is kept until the new copy is complete"):
+        save_sharded(sharded(0, 1, seed=2), tmp_path, "next", options=OPTS)
+    assert load_sharded(tmp_path, "next", empty_like_template(0, 1)).scalars == {"step": 6}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need))
+    save_sharded(sharded(0, 1, seed=2), tmp_path, "next", options=OPTS)
     res = load_sharded(tmp_path, "next", empty_like_template(0, 1))
     assert res.scalars == {"step": 7}
 
@@ -288,16 +293,21 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path):
     save_sharded(sharded(0, 1, 0), tmp_path, "first", options=OPTS)
     with pytest.raises(RankFailedError):
         run_ranks(_save_then_die, 2, str(tmp_path), 2, timeout=60)
-    assert (tmp_path / "second").is_dir() and not (tmp_path / "second" / "manifest.json").exists()
+    # the save wrote beside the tag, never into it: no "second" tag; its staging folder has no
+    # manifest (rank 0, which saw rank 1 die, may already have removed it)
+    stage = tmp_path / ".zeroio-new.second"
+    assert not (tmp_path / "second").exists()
+    assert not (stage / "manifest.json").exists()
     status = {s.tag: s.complete for s in scan_tags(tmp_path)}
-    assert status == {"first": True, "second": False}
+    assert status == {"first": True}
     tmpl = empty_like_template(0, 1)
-    with pytest.warns(CheckpointWarning, match=r"second.*interrupted"):
-        res = load_sharded(tmp_path, None, tmpl)
+    res = load_sharded(tmp_path, None, tmpl)
     assert res.tag == "first" and res.scalars["step"] == 5
     assert torch.equal(torch.cat([s.tensor for s in tmpl.arrays["fp32"]]), reference("fp32", 0))
-    with pytest.raises(CheckpointError, match=r"second is incomplete.*interrupted"):
+    with pytest.raises(CheckpointError, match=r"tag 'second' not found.*\['first'\]"):
         load_sharded(tmp_path, "second", tmpl)
+    save_sharded(sharded(0, 1, 2), tmp_path, "third", options=OPTS)  # the next save cleans up
+    assert not stage.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["first", "latest", "third"]
 
 
 def test_latest_naming_broken_tag_falls_back_with_warning(saved):

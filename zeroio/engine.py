@@ -29,7 +29,7 @@ import torch.distributed as dist
 from zeroio.config import load_config
 from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
 from zeroio.dtypes import DTYPES
-from zeroio.errors import ConfigError
+from zeroio.errors import CheckpointError, ConfigError
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
 from zeroio.optim.loss_scaler import build_loss_scaler
@@ -139,6 +139,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_applied = False
+        self._load_failure: str | None = None  # set by a load that failed after it began writing
         self._timings: dict[str, float] = defaultdict(float)
         self._t0 = time.perf_counter()
         # [Note: per-step transfer stats]: merged counters at the last two step boundaries
@@ -214,6 +215,8 @@ class Engine:
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary; counts the micro step always."""
+        if self._load_failure is not None:
+            raise CheckpointError(self._load_failure)
         if self.is_gradient_accumulation_boundary():
             t = time.perf_counter()
             with torch.profiler.record_function("zeroio::step"):
