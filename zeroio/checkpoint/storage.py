@@ -17,11 +17,6 @@ wherever rank boundaries fall, not aligned to the 4 KiB that O_DIRECT wants.
 created with mode 0o666 / 0o777 less the process umask, as `open` and `mkdir`
 do: a group-shared umask (0o007) makes a checkpoint the group can load, and
 no file (manifest.json, latest, zarr.json included) is special.
-
-[Note: fault points] `fault_point(what)` is called before each change a
-save makes on disk (a piece written, a file created, renamed, removed). It
-does nothing unless a test sets `FAULT_HOOK`, which is how the crash tests
-kill a save at each of those points in turn.
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ import errno
 import json
 import os
 import secrets
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,14 +36,6 @@ import torch
 from zeroio.errors import CheckpointError, SwapIOError
 
 FILE_MODE = 0o666  # less the umask: see [Note: file modes]
-FAULT_HOOK: Callable[[str], None] | None = None
-
-
-def fault_point(what: str) -> None:
-    """A point where a save is about to change the disk ([Note: fault points])."""
-    hook = FAULT_HOOK
-    if hook is not None:
-        hook(what)
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -58,7 +44,6 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 def pwrite_all(path: str | os.PathLike, data: np.ndarray, offset: int) -> None:
     """Write every byte of ``data`` at ``offset`` of ``path`` (created if missing, never truncated)."""
-    fault_point(f"write {path}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE)
     try:
         view = memoryview(data).cast("B")
@@ -154,14 +139,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     modes]), not with mkstemp's 0o600."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    fault_point(f"create {tmp}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        fault_point(f"rename {tmp} -> {path}")
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -187,7 +170,6 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
 
 def set_size(path: str | os.PathLike, nbytes: int) -> None:
     """Create ``path`` if needed and set its length (the zero-padded tail of a last chunk)."""
-    fault_point(f"size {path}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE)
     try:
         os.ftruncate(fd, nbytes)

@@ -33,12 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroio.checkpoint import layout
-from zeroio.checkpoint.storage import exchange, fault_point, fsync_dir
+from zeroio.checkpoint.storage import exchange, fsync_dir
 from zeroio.errors import CheckpointError
 
 STAGING_PREFIX = ".zeroio-new."
 RETIRED_PREFIX = ".zeroio-old."
 _TEMP_FILE = re.compile(r"^\..+\.tmp$")  # atomic_write_text's temp files
+_ROOT_TEMP = re.compile(r"^\.latest\.[0-9a-f]{12}\.tmp$")  # `latest` before its rename
+_MARKER_TEMP = re.compile(r"^\.zarr\.json\.[0-9a-f]+\.tmp$")  # the marker, before its rename
 _CHUNK = re.compile(r"^[0-9]+$")
 _DONE = re.compile(r"^rank-[0-9]+\.json$")
 _ARRAY_FILES = re.compile(r"^zarr\.json$")
@@ -107,43 +109,42 @@ def _complete(d: Path) -> bool:
     return True
 
 
-def _unlink(p: Path) -> None:
-    fault_point(f"remove {p}")
-    p.unlink()
-
-
 def _remove_known(d: Path, files: re.Pattern) -> None:
     """Unlink the regular files of ``d`` whose names match ``files`` (or are temp files)."""
     for p in sorted(d.iterdir()):
         if p.is_file() and not p.is_symlink() and (files.match(p.name) or _TEMP_FILE.match(p.name)):
-            _unlink(p)
+            p.unlink()
 
 
 def _rmdir_if_empty(d: Path) -> None:
     if d.is_dir() and not d.is_symlink() and not any(d.iterdir()):
-        fault_point(f"rmdir {d}")
         d.rmdir()
 
 
 def remove_owned(path: Path) -> list[Path]:
     """Remove a checkpoint copy zeroio wrote ([Note: deleting only what zeroio wrote]);
     returns what was left because zeroio did not write it. A folder without the marker is a
-    CheckpointError unless it is empty."""
+    CheckpointError, unless it is empty or holds only the marker's temp file."""
     path = Path(path)
     if path.is_symlink():
-        _unlink(path)  # the link, never what it points at
+        path.unlink()  # the link, never what it points at
         return []
     if not path.exists():
         return []
     if not path.is_dir() or not owned(path):
-        if path.is_dir() and not any(path.iterdir()):
+        # empty (a removal killed after the marker went), or a staging folder killed before its
+        # marker was renamed in: it holds nothing else
+        if path.is_dir() and all(path.name.startswith(STAGING_PREFIX) and p.is_file() and not p.is_symlink()
+                                 and _MARKER_TEMP.match(p.name) for p in path.iterdir()):
+            for p in path.iterdir():
+                p.unlink()
             path.rmdir()
             return []
         raise CheckpointError(
             f"{path} is not a zeroio checkpoint (no zarr.json with zeroio's marker); zeroio does "
             "not delete what it did not write: move it away or save under another tag")
     if (path / layout.MANIFEST).exists():  # unpublish first: a half-removed copy is never complete
-        _unlink(path / layout.MANIFEST)
+        (path / layout.MANIFEST).unlink()
         fsync_dir(path)
     for sub in sorted(path.iterdir()):
         if sub.is_symlink() or not sub.is_dir():
@@ -170,19 +171,25 @@ def remove_owned(path: Path) -> list[Path]:
 def recover(root: Path, tags: list[str] | None = None) -> None:
     """Finish or undo what a crashed save left beside its tag ([Note: re-saving a tag]):
     a complete copy standing in for a missing tag folder is renamed into place, every
-    other staging or retired copy is removed. Rank 0, at the start of a save."""
+    other staging or retired copy is removed, and so is a temp file of `latest`. Rank 0, at
+    the start of a save."""
     root = Path(root)
+    for p in root.iterdir():
+        if _ROOT_TEMP.match(p.name) and p.is_file() and not p.is_symlink():
+            p.unlink()
     for tag, folders in side_folders(root).items():
         if tags is not None and tag not in tags:
             continue
         keep = pending_copy(root, tag)
         if keep is not None:
-            fault_point(f"rename {keep} -> {root / tag}")
             os.rename(keep, root / tag)
             fsync_dir(root)
         for d in folders:
             if d != keep:
-                discard(d)
+                try:
+                    discard(d)
+                except CheckpointError as e:  # not provably zeroio's: left alone
+                    warnings.warn(str(e), layout.CheckpointWarning, stacklevel=2)
 
 
 def discard(d: Path) -> None:
@@ -207,19 +214,15 @@ def commit(staging: Path, final: Path) -> Path | None:
     holds the previous copy (to remove once `latest` is written), or None for a new tag."""
     root = final.parent
     if not os.path.lexists(final):
-        fault_point(f"rename {staging} -> {final}")
         os.rename(staging, final)
         fsync_dir(root)
         return None
-    fault_point(f"exchange {staging} <-> {final}")
     if exchange(staging, final):
         fsync_dir(root)
         return staging
     old = retired_dir(root, final.name)
-    fault_point(f"rename {final} -> {old}")
     os.rename(final, old)
     fsync_dir(root)
-    fault_point(f"rename {staging} -> {final}")
     os.rename(staging, final)
     fsync_dir(root)
     return old

@@ -20,6 +20,7 @@ failed save leaves the tag (old copy) and `latest` as they were.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -43,7 +44,6 @@ from zeroio.checkpoint.storage import (
     FileIO,
     atomic_write_json,
     atomic_write_text,
-    fault_point,
     fsync_file,
     open_engine,
     pread_exact,
@@ -148,13 +148,7 @@ def check_disk_space(tdir: Path, numel: int, dtypes: dict[str, torch.dtype],
             "or save to another directory; nothing was written, earlier checkpoints are intact")
 
 
-def _mkdir(path: Path) -> None:
-    fault_point(f"mkdir {path}")
-    path.mkdir()
-
-
 def _create(path: Path) -> None:
-    fault_point(f"create {path}")
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE))
 
 
@@ -165,16 +159,18 @@ def _layout_tag(root: Path, tag: str, numel: int, dtypes: dict[str, torch.dtype]
     tags.check_replaceable(final)
     if root.is_dir():
         tags.recover(root)  # what crashed saves left beside their tags
+    if os.path.lexists(stage):
+        raise CheckpointError(
+            f"{stage} (where zeroio writes a new copy of {tag!r}) still holds files zeroio did not "
+            "write; move them out of it and save again")
     check_disk_space(final, numel, dtypes, chunk_elems)
-    if not root.is_dir():
-        fault_point(f"mkdir {root}")
-        root.mkdir(parents=True, exist_ok=True)
-    _mkdir(stage)
+    root.mkdir(parents=True, exist_ok=True)
+    stage.mkdir()
     atomic_write_json(stage / "zarr.json", layout.group_metadata())  # the marker, first
-    _mkdir(stage / layout.DONE_DIR)
+    (stage / layout.DONE_DIR).mkdir()
     for kind, dtype in dtypes.items():
-        _mkdir(stage / kind)
-        _mkdir(stage / kind / "c")
+        (stage / kind).mkdir()
+        (stage / kind / "c").mkdir()
         atomic_write_json(stage / kind / "zarr.json", layout.array_metadata(numel, dtype, chunk_elems[kind]))
         n_chunks = -(-numel // chunk_elems[kind])
         for i in range(n_chunks - 1):  # created here, so each file's mode is the checkpoint's
@@ -395,7 +391,14 @@ def save_sharded(state: ShardedState, save_dir: str | os.PathLike, tag: str, *,
             _layout_tag(root, tag, state.numel, dtypes, chunk_elems)
 
     def write():
-        pieces = _write_rank(state, stage, dtypes, chunk_elems, options, comm)
+        try:
+            pieces = _write_rank(state, stage, dtypes, chunk_elems, options, comm)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise SwapIOError(e.errno, f"saving checkpoint {tag!r} ran out of space: {e}. Nothing was "
+                              f"committed: {root / tag} and `latest` are as they were; free space or "
+                              "save to another directory") from e
         by_kind = defaultdict(list)
         for p in sorted(pieces, key=lambda p: (p.kind, p.chunk, p.start)):
             by_kind[p.kind].append([p.chunk, p.start, p.nbytes, p.crc])
