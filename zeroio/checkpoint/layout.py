@@ -81,7 +81,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def valid_name(name) -> bool:
     """One safe path component: letters, digits, '_', '-', '.'; not '.', '..' or hidden."""
-    return isinstance(name, str) and bool(_NAME_RE.match(name)) and not name.startswith(".")
+    return isinstance(name, str) and bool(_NAME_RE.fullmatch(name)) and not name.startswith(".")
 
 
 def check_name(kind: str, what: str) -> str:

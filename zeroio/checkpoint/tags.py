@@ -85,7 +85,9 @@ def owned(path: Path) -> bool:
         doc = json.loads((Path(path) / "zarr.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        return False
+    attrs = doc.get("attributes")
     mark = attrs.get("zeroio") if isinstance(attrs, dict) else None
     return isinstance(mark, dict) and mark.get("format") == layout.FORMAT
 
