@@ -159,11 +159,16 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        self._check_usable()
         t = time.perf_counter()
         with torch.profiler.record_function("zeroio::forward"):
             out = self.module(*args, **kwargs)
         self._timings["forward_s"] += time.perf_counter() - t
         return out
+
+    def _check_usable(self) -> None:
+        if self._load_failure is not None:  # set by checkpoint/engine_io.load_checkpoint
+            raise CheckpointError(self._load_failure)
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -215,8 +220,7 @@ class Engine:
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary; counts the micro step always."""
-        if self._load_failure is not None:
-            raise CheckpointError(self._load_failure)
+        self._check_usable()
         if self.is_gradient_accumulation_boundary():
             t = time.perf_counter()
             with torch.profiler.record_function("zeroio::step"):

@@ -325,13 +325,15 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         engine._load_failure = (f"{why}; the engine's state is partly loaded, so it cannot train: load "
                                 "a checkpoint again")
         raise CheckpointError(engine._load_failure) from err
+    engine.partitioner.publish_params()  # collective: only once every rank has its state
     engine._load_failure = None
     return str(res.path), res.client_state
 
 
 def _apply(engine, load: ShardedLoad, frozen_buf, locals_, load_optimizer_states: bool,
            load_lr_scheduler_states: bool):
-    """Write a verified load into the engine (the only step of a load that changes it)."""
+    """Write a verified load into this rank's state (the only step of a load that changes it;
+    no collective, so a rank that fails here cannot leave the others waiting)."""
     res = load.apply()
     params = _module_params(engine)
     for n, buf in frozen_buf.items():
@@ -343,7 +345,6 @@ def _apply(engine, load: ShardedLoad, frozen_buf, locals_, load_optimizer_states
         # TwinAdam group split between device and host): hand them back before publishing
         for (gi, kind), t in locals_.items():
             write_local(gi, kind, t)
-    engine.partitioner.publish_params()
     return res
 
 
