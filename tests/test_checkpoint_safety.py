@@ -289,8 +289,9 @@ def test_inspect_and_consolidate_say_what_to_pass(two, tmp_path, capsys):
 
 
 def test_inspect_verify_memory_is_a_few_chunks_not_the_array(tmp_path):
-    """Peak RSS of a child that verifies a 64 MiB array of 1 MiB chunks: a whole-array read
-    raises the peak by 64 MiB; chunk by chunk by ~3 MiB (read-ahead 2 + the one in hand)."""
+    """Peak RSS (VmHWM, reset through /proc/self/clear_refs) of a child verifying a 64 MiB
+    array of 1 MiB chunks: a whole-array read raises it by the array (+87 MiB measured),
+    chunk by chunk by a few chunks and the reader threads' arenas (+22 MiB measured)."""
     n = 16 << 20
     big = tmp_path / "big"
     st = ShardedState(index=build_index([("w", (n,))]), arrays={"fp32": [Segment(0, torch.ones(n))]})
@@ -298,20 +299,21 @@ def test_inspect_verify_memory_is_a_few_chunks_not_the_array(tmp_path):
     small = tmp_path / "small"
     save_sharded(state(0), small, "t", options=OPTS)
     code = f"""
-import resource
 from zeroio.cli.inspect_cmd import describe
+def mib(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key)) // 1024
 describe({str(small)!r}, verify=True)  # warm: imports, pools, engine
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
+before = mib("VmRSS:")
 info = describe({str(big)!r}, verify=True)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 assert info["tags"][0]["verified"], info
-print((after - before) // 1024)
+print(mib("VmHWM:") - before)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr
     grew_mib = int(out.stdout.split()[-1])
-    assert grew_mib < 24, f"inspect --verify of a 64 MiB array raised the peak RSS by {grew_mib} MiB"
+    assert grew_mib < 40, f"inspect --verify of a 64 MiB array raised the peak RSS by {grew_mib} MiB"
 
 
 # ---------------------------------------------------------------- file modes
