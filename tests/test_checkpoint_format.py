@@ -271,7 +271,7 @@ def test_missing_tag_and_missing_array(saved):
 # ---------------------------------------------------------------- a rank dies mid-save
 
 
-def _save_then_die(root, world):
+def _save_then_die(root, world, tag):
     comm = Comm.default()
     if comm.rank == 1:
         import zeroio.checkpoint.writer as writer
@@ -285,27 +285,30 @@ def _save_then_die(root, world):
             real(*a)
 
         writer.pwrite_all = dying
-    save_sharded(sharded(comm.rank, world, 1), root, "second", options=SaveOptions(chunk_bytes=64, progress=False,
-                                                                                 threads=1))
+    save_sharded(sharded(comm.rank, world, 1), root, tag, options=SaveOptions(chunk_bytes=64, progress=False,
+                                                                            threads=1))
 
 
-def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("tag", ["second", "first"], ids=["new-tag", "existing-tag"])
+def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path, tag):
     save_sharded(sharded(0, 1, 0), tmp_path, "first", options=OPTS)
     with pytest.raises(RankFailedError):
-        run_ranks(_save_then_die, 2, str(tmp_path), 2, timeout=60)
-    # the save wrote beside the tag, never into it: no "second" tag; its staging folder has no
-    # manifest (rank 0, which saw rank 1 die, may already have removed it)
-    stage = tmp_path / ".zeroio-new.second"
-    assert not (tmp_path / "second").exists()
+        run_ranks(_save_then_die, 2, str(tmp_path), 2, tag, timeout=60)
+    # the save wrote beside the tag, never into it; its staging folder has no manifest (rank 0,
+    # which saw rank 1 die, may already have removed it)
+    stage = tmp_path / f".zeroio-new.{tag}"
     assert not (stage / "manifest.json").exists()
     status = {s.tag: s.complete for s in scan_tags(tmp_path)}
     assert status == {"first": True}
+    assert (tmp_path / "latest").read_text().strip() == "first"
     tmpl = empty_like_template(0, 1)
-    res = load_sharded(tmp_path, None, tmpl)
+    res = load_sharded(tmp_path, None, tmpl)  # the old copy of "first", whole
     assert res.tag == "first" and res.scalars["step"] == 5
-    assert torch.equal(torch.cat([s.tensor for s in tmpl.arrays["fp32"]]), reference("fp32", 0))
-    with pytest.raises(CheckpointError, match=r"tag 'second' not found.*\['first'\]"):
-        load_sharded(tmp_path, "second", tmpl)
+    for k, segs in tmpl.arrays.items():
+        assert torch.equal(torch.cat([s.tensor for s in segs]), reference(k, 0))
+    if tag == "second":
+        with pytest.raises(CheckpointError, match=r"tag 'second' not found.*\['first'\]"):
+            load_sharded(tmp_path, "second", tmpl)
     save_sharded(sharded(0, 1, 2), tmp_path, "third", options=OPTS)  # the next save cleans up
     assert not stage.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["first", "latest", "third"]
 
