@@ -142,11 +142,16 @@ def test_save_that_does_not_fit_fails_before_writing_and_keeps_the_last(tmp_path
     assert not (tmp_path / "next").exists()
     assert (tmp_path / "latest").read_text().strip() == "good"
     assert before == {p: p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()}
-    # exactly enough fits; replacing a tag counts the bytes it frees
+    # exactly enough fits
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need))
     save_sharded(sharded(0, 1, seed=1), tmp_path, "next", options=OPTS)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 0))
-    save_sharded(sharded(0, 1, seed=2), tmp_path, "next", options=OPTS)  # the old "next" frees it
+    # replacing a tag keeps the old copy until the new one is complete: its bytes are not counted
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need - 1))
+    with pytest.raises(CheckpointError, match=r"existing 'next' is kept until the new copy is complete"):
+        save_sharded(sharded(0, 1, seed=2), tmp_path, "next", options=OPTS)
+    assert load_sharded(tmp_path, "next", empty_like_template(0, 1)).scalars == {"step": 6}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, need))
+    save_sharded(sharded(0, 1, seed=2), tmp_path, "next", options=OPTS)
     res = load_sharded(tmp_path, "next", empty_like_template(0, 1))
     assert res.scalars == {"step": 7}
 
@@ -266,7 +271,7 @@ def test_missing_tag_and_missing_array(saved):
 # ---------------------------------------------------------------- a rank dies mid-save
 
 
-def _save_then_die(root, world):
+def _save_then_die(root, world, tag):
     comm = Comm.default()
     if comm.rank == 1:
         import zeroio.checkpoint.writer as writer
@@ -280,24 +285,32 @@ def _save_then_die(root, world):
             real(*a)
 
         writer.pwrite_all = dying
-    save_sharded(sharded(comm.rank, world, 1), root, "second", options=SaveOptions(chunk_bytes=64, progress=False,
-                                                                                 threads=1))
+    save_sharded(sharded(comm.rank, world, 1), root, tag, options=SaveOptions(chunk_bytes=64, progress=False,
+                                                                            threads=1))
 
 
-def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("tag", ["second", "first"], ids=["new-tag", "existing-tag"])
+def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path, tag):
     save_sharded(sharded(0, 1, 0), tmp_path, "first", options=OPTS)
     with pytest.raises(RankFailedError):
-        run_ranks(_save_then_die, 2, str(tmp_path), 2, timeout=60)
-    assert (tmp_path / "second").is_dir() and not (tmp_path / "second" / "manifest.json").exists()
+        run_ranks(_save_then_die, 2, str(tmp_path), 2, tag, timeout=60)
+    # the save wrote beside the tag, never into it; its staging folder has no manifest (rank 0,
+    # which saw rank 1 die, may already have removed it)
+    stage = tmp_path / f".zeroio-new.{tag}"
+    assert not (stage / "manifest.json").exists()
     status = {s.tag: s.complete for s in scan_tags(tmp_path)}
-    assert status == {"first": True, "second": False}
+    assert status == {"first": True}
+    assert (tmp_path / "latest").read_text().strip() == "first"
     tmpl = empty_like_template(0, 1)
-    with pytest.warns(CheckpointWarning, match=r"second.*interrupted"):
-        res = load_sharded(tmp_path, None, tmpl)
+    res = load_sharded(tmp_path, None, tmpl)  # the old copy of "first", whole
     assert res.tag == "first" and res.scalars["step"] == 5
-    assert torch.equal(torch.cat([s.tensor for s in tmpl.arrays["fp32"]]), reference("fp32", 0))
-    with pytest.raises(CheckpointError, match=r"second is incomplete.*interrupted"):
-        load_sharded(tmp_path, "second", tmpl)
+    for k, segs in tmpl.arrays.items():
+        assert torch.equal(torch.cat([s.tensor for s in segs]), reference(k, 0))
+    if tag == "second":
+        with pytest.raises(CheckpointError, match=r"tag 'second' not found.*\['first'\]"):
+            load_sharded(tmp_path, "second", tmpl)
+    save_sharded(sharded(0, 1, 2), tmp_path, "third", options=OPTS)  # the next save cleans up
+    assert not stage.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["first", "latest", "third"]
 
 
 def test_latest_naming_broken_tag_falls_back_with_warning(saved):

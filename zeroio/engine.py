@@ -31,7 +31,7 @@ from zeroio.config import load_config
 from zeroio.config.loader import collective_timeout
 from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
 from zeroio.dtypes import DTYPES
-from zeroio.errors import ConfigError
+from zeroio.errors import CheckpointError, ConfigError
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
 from zeroio.optim.loss_scaler import build_loss_scaler
@@ -142,6 +142,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_applied = False
+        self._load_failure: str | None = None  # set by a load that failed after it began writing
         self._timings: dict[str, float] = defaultdict(float)
         self._t0 = time.perf_counter()
         # [Note: per-step transfer stats]: merged counters at the last two step boundaries
@@ -164,6 +165,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        self._check_usable()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
             self._tokens += ids.numel()  # token ids: tokens/s in the steps_per_print line
@@ -172,6 +174,10 @@ class Engine:
             out = self.module(*args, **kwargs)
         self._timings["forward_s"] += time.perf_counter() - t
         return out
+
+    def _check_usable(self) -> None:
+        if self._load_failure is not None:  # set by checkpoint/engine_io.load_checkpoint
+            raise CheckpointError(self._load_failure)
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -223,6 +229,7 @@ class Engine:
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary; counts the micro step always."""
+        self._check_usable()
         if self.is_gradient_accumulation_boundary():
             t = time.perf_counter()
             with torch.profiler.record_function("zeroio::step"):

@@ -12,15 +12,10 @@ from __future__ import annotations
 
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.consolidate import consolidate, write_folder, write_safetensors
-from zeroio.checkpoint.layout import FORMAT_VERSION, Manifest, read_manifest, scan_tags
-from zeroio.checkpoint.reader import (
-    ArrayReader,
-    CheckpointWarning,
-    LoadResult,
-    load_sharded,
-    resolve_tag,
-)
+from zeroio.checkpoint.layout import FORMAT_VERSION, CheckpointWarning, Manifest, read_manifest
+from zeroio.checkpoint.reader import ArrayReader, LoadResult, ShardedLoad, load_sharded, resolve_tag
 from zeroio.checkpoint.state import LazySegment, ParamEntry, Segment, ShardedState, build_index
+from zeroio.checkpoint.tags import TagStatus, check_tag, scan_tags
 from zeroio.checkpoint.writer import SaveOptions, save_sharded
 
 __all__ = [
@@ -32,6 +27,9 @@ __all__ = [
     "Manifest",
     "ParamEntry",
     "SaveOptions",
+    "ShardedLoad",
+    "TagStatus",
+    "check_tag",
     "LazySegment",
     "Segment",
     "ShardedState",

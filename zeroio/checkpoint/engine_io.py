@@ -40,8 +40,9 @@ from zeroio.checkpoint.consolidate import (
     plan_shards,
     stream_shards,
 )
-from zeroio.checkpoint.reader import load_sharded
+from zeroio.checkpoint.reader import ShardedLoad
 from zeroio.checkpoint.state import LazySegment, ParamEntry, Segment, ShardedState, split_by_param
+from zeroio.checkpoint.tags import check_tag
 from zeroio.checkpoint.writer import SaveOptions, save_sharded
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError
@@ -278,28 +279,63 @@ def build_state(engine, *, kinds=("fp32", *OPTIMIZER_KINDS), comm: Comm | None =
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, *, options: SaveOptions | None = None):
     """Collective: every rank writes its shards of ``engine``'s state as ``save_dir/tag``."""
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     comm = _comm(engine)
     state = build_state(engine, comm=comm, client_state=client_state)
     opts = options or SaveOptions(progress=engine.global_rank == 0 and not os.environ.get("ZEROIO_QUIET"))
-    return save_sharded(state, save_dir, str(tag), comm=comm, options=opts)
+    return save_sharded(state, save_dir, tag, comm=comm, options=opts)
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
                     load_lr_scheduler_states=True, strict=True):
-    """Collective: every rank reads its own ranges; returns ``(tag_dir, client_state)``."""
+    """Collective: every rank reads its own ranges; returns ``(tag_dir, client_state)``.
+
+    All or nothing ([Note: verify, then apply] in reader.py): every rank first checks the
+    manifest, the model and every chunk it will read, and the scalars; if any rank finds a
+    problem, every rank raises and the engine is exactly as it was. Should applying still
+    fail, the engine is marked unusable (`engine.step()` raises) until a load succeeds."""
     comm = _comm(engine)
     kinds = ("fp32", *OPTIMIZER_KINDS) if load_optimizer_states else ("fp32",)
     index = _index(engine)
     frozen = _uncovered(engine, index, comm)
-    # every rank reads its shards (stage 0: all of them) and every frozen parameter whole
-    locals_ = {}
-    arrays = {k: _load_segments(engine, k, locals_) for k in kinds}
-    frozen_buf = {n: torch.empty(index[n].numel, dtype=torch.float32) for n in frozen}
-    arrays["fp32"] += [Segment(index[n].offset, frozen_buf[n]) for n in frozen]
-    template = ShardedState(index=index, arrays=arrays)
+    err, load, locals_, frozen_buf = None, None, {}, {}
+    try:
+        # every rank reads its shards (stage 0: all of them) and every frozen parameter whole
+        arrays = {k: _load_segments(engine, k, locals_) for k in kinds}
+        frozen_buf = {n: torch.empty(index[n].numel, dtype=torch.float32) for n in frozen}
+        arrays["fp32"] += [Segment(index[n].offset, frozen_buf[n]) for n in frozen]
+        load = ShardedLoad(load_dir, tag, ShardedState(index=index, arrays=arrays), kinds=kinds,
+                           strict=strict, comm=comm)
+        _check_scalars(engine, load.manifest, load_optimizer_states)
+        load.verify()
+    except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
+        err = e
+    if not comm.all_ok(err is None):
+        if err is not None:
+            raise err
+        raise CheckpointError("checkpoint load failed on another rank (see its error); this engine "
+                              "is unchanged")
+    try:
+        res = _apply(engine, load, frozen_buf, locals_, load_optimizer_states, load_lr_scheduler_states)
+    except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
+        err = e
+    if not comm.all_ok(err is None):
+        why = f"loading {load.manifest.tag_dir} failed after it was verified" + (f": {err}" if err else
+                                                                                " on another rank")
+        engine._load_failure = (f"{why}; the engine's state is partly loaded, so it cannot train: load "
+                                "a checkpoint again")
+        raise CheckpointError(engine._load_failure) from err
+    engine.partitioner.publish_params()  # collective: only once every rank has its state
+    engine._load_failure = None
+    return str(res.path), res.client_state
+
+
+def _apply(engine, load: ShardedLoad, frozen_buf, locals_, load_optimizer_states: bool,
+           load_lr_scheduler_states: bool):
+    """Write a verified load into this rank's state (the only step of a load that changes it;
+    no collective, so a rank that fails here cannot leave the others waiting)."""
+    res = load.apply()
     params = _module_params(engine)
-    res = load_sharded(load_dir, tag, template, kinds=kinds, strict=strict, comm=comm)
     for n, buf in frozen_buf.items():
         if n in res.loaded_names:
             params[n].data.copy_(buf.view(params[n].shape))
@@ -309,10 +345,33 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         # TwinAdam group split between device and host): hand them back before publishing
         for (gi, kind), t in locals_.items():
             write_local(gi, kind, t)
-    engine.partitioner.publish_params()
-    if not comm.all_ok(True):
-        raise CheckpointError("checkpoint load failed on another rank")
-    return str(res.path), res.client_state
+    return res
+
+
+def _check_scalars(engine, manifest, load_optimizer_states: bool) -> None:
+    """Everything `_apply_scalars` will read is there and of the right kind (before any change)."""
+    s = manifest.scalars
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {manifest.path}: {what}; the file is damaged or not an engine "
+                               "checkpoint")
+
+    e = s.get("engine")
+    if not isinstance(e, dict) or any(not isinstance(e.get(k), int) for k in
+                                      ("global_steps", "micro_steps", "global_samples", "skipped_steps")):
+        raise bad("scalars.engine lacks its integer counters")
+    if not isinstance(s.get("loss_scaler"), dict):
+        raise bad("scalars.loss_scaler is missing")
+    if load_optimizer_states:
+        opt = s.get("optimizer")
+        if not isinstance(opt, dict) or not isinstance(opt.get("steps"), list) or \
+                not isinstance(opt.get("param_groups"), list):
+            raise bad("scalars.optimizer is missing")
+        if len(opt["steps"]) != len(engine.partitioner.groups):
+            raise CheckpointError(
+                f"checkpoint {manifest.path} has {len(opt['steps'])} optimizer param groups, "
+                f"the engine {len(engine.partitioner.groups)}; load with load_optimizer_states=False"
+            )
 
 
 def _apply_scalars(engine, res, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
@@ -325,11 +384,6 @@ def _apply_scalars(engine, res, load_optimizer_states: bool, load_lr_scheduler_s
     engine.last_grad_norm = e.get("last_grad_norm")
     if load_optimizer_states:
         opt = s["optimizer"]
-        if len(opt["steps"]) != len(engine.partitioner.groups):
-            raise CheckpointError(
-                f"checkpoint {res.manifest.path} has {len(opt['steps'])} optimizer param groups, "
-                f"the engine {len(engine.partitioner.groups)}; load with load_optimizer_states=False"
-            )
         for i, n in enumerate(opt["steps"]):
             engine.optimizer.set_steps(i, n)
         for live, saved in zip(engine.optimizer.param_groups, opt["param_groups"], strict=False):

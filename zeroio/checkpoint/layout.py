@@ -7,11 +7,19 @@
     <dir>/<tag>/done/rank-<r>.json  rank r wrote and synced its pieces (with their crcs)
     <dir>/<tag>/manifest.json       the commit point: written last, renamed into place
 
-[Note: atomic tags] A tag is a checkpoint only once manifest.json exists. The
+[Note: atomic tags] A copy is complete only once manifest.json exists. The
 manifest is written by rank 0 after every rank's done marker is present, to a
-temp file that is renamed into place; `latest` is updated only after that.
-A crash at any earlier point leaves a tag directory without a manifest,
-which loading ignores and reports.
+temp file that is renamed into place, inside the staging folder the whole
+save writes to; the staging folder then becomes the tag ([Note: re-saving a
+tag] in tags.py) and `latest` is updated only after that.
+
+[Note: manifest checks] A manifest is trusted only after: its format version
+is one this zeroio reads; its `manifest_crc32c` equals the crc32c of the rest
+of the document (canonical JSON: sorted keys, no spaces), so a damaged or
+hand-edited manifest is refused; every array name is one safe path component
+(it becomes a folder name); the index entries tile [0, numel) exactly (no
+gap, no overlap, in bounds) and every array has numel elements and one crc
+per chunk. Only then is a byte of a chunk used.
 """
 
 from __future__ import annotations
@@ -26,12 +34,18 @@ from typing import Any
 
 import torch
 
+from zeroio.checkpoint.crc import crc32c
 from zeroio.checkpoint.state import ParamEntry
 from zeroio.checkpoint.storage import read_json
 from zeroio.errors import CheckpointError
 
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint directory holds something that was skipped (an interrupted save)."""
+
 FORMAT = "zeroio-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest_crc32c; version 1 manifests (without it) are still read
+CRC_KEY = "manifest_crc32c"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 DONE_DIR = "done"
@@ -65,14 +79,16 @@ def torch_dtype(name: str) -> torch.dtype:
         raise CheckpointError(f"unknown stored dtype {name!r}; known: {sorted(_TORCH_DTYPE)}") from None
 
 
+def valid_name(name) -> bool:
+    """One safe path component: letters, digits, '_', '-', '.'; not '.', '..' or hidden."""
+    return isinstance(name, str) and bool(_NAME_RE.fullmatch(name)) and not name.startswith(".")
+
+
 def check_name(kind: str, what: str) -> str:
-    if not _NAME_RE.match(kind):
-        raise CheckpointError(f"{what} {kind!r} must match {_NAME_RE.pattern}")
+    if not valid_name(kind):
+        raise CheckpointError(f"{what} {kind!r} must be one folder name matching {_NAME_RE.pattern}, "
+                              "not starting with '.'")
     return kind
-
-
-def tag_dir(root: str | os.PathLike, tag: str) -> Path:
-    return Path(root) / check_name(tag, "tag")
 
 
 def chunk_path(tdir: Path, kind: str, i: int) -> Path:
@@ -163,8 +179,19 @@ class Manifest:
         return self.path.parent
 
 
+def manifest_crc(doc: dict) -> int:
+    """crc32c of a manifest without its own crc field ([Note: manifest checks])."""
+    body = {k: v for k, v in doc.items() if k != CRC_KEY}
+    return crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def seal(doc: dict) -> dict:
+    """``doc`` with its `manifest_crc32c` (re)computed."""
+    return {**{k: v for k, v in doc.items() if k != CRC_KEY}, CRC_KEY: manifest_crc(doc)}
+
+
 def manifest_json(*, tag, world_size, index, arrays, scalars, rank_scalars, client_state, meta, created_unix):
-    return {
+    return seal({
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tag": tag,
@@ -179,19 +206,22 @@ def manifest_json(*, tag, world_size, index, arrays, scalars, rank_scalars, clie
         "scalars": scalars,
         "client_state": client_state,
         "rank_scalars": rank_scalars,
-    }
+    })
 
 
 def _field(doc: dict, key: str, typ, path: Path):
-    if key not in doc or not isinstance(doc[key], typ):
+    if key not in doc or not isinstance(doc[key], typ) or isinstance(doc[key], bool) and typ is int:
         raise CheckpointError(f"manifest {path} has no valid {key!r} field; the file is damaged")
     return doc[key]
 
 
-def read_manifest(path: str | os.PathLike) -> Manifest:
-    """Parse manifest.json; a newer format version or a damaged file is a CheckpointError."""
-    path = Path(path)
-    doc = read_json(path, "checkpoint manifest")
+def _int(v, what: str, path: Path, lo: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise CheckpointError(f"manifest {path}: {what} is {v!r}, not an integer >= {lo}; the file is damaged")
+    return v
+
+
+def _check_version(doc, path: Path) -> int:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a zeroio checkpoint manifest (format != {FORMAT!r})")
     version = doc.get("format_version")
@@ -202,88 +232,93 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
             f"manifest {path} has format_version {version}; this zeroio reads up to "
             f"{FORMAT_VERSION}. Upgrade zeroio to load it."
         )
-    model = _field(doc, "model", dict, path)
-    index = {
-        name: ParamEntry(offset=int(off), shape=tuple(int(s) for s in shape))
-        for name, off, shape in _field(model, "index", list, path)
-    }
-    arrays = {}
-    for kind, a in _field(doc, "arrays", dict, path).items():
-        info = ArrayInfo(
-            kind=kind,
-            numel=int(a["numel"]),
-            dtype=torch_dtype(a["dtype"]),
-            chunk_elems=int(a["chunk_elems"]),
-            chunk_crc32c=tuple(int(c) for c in a["chunk_crc32c"]),
-        )
-        if len(info.chunk_crc32c) != info.num_chunks:
+    if version >= 2:
+        stored, want = doc.get(CRC_KEY), manifest_crc(doc)
+        if stored != want:
             raise CheckpointError(
-                f"manifest {path}: array {kind!r} lists {len(info.chunk_crc32c)} chunk crcs "
-                f"for {info.num_chunks} chunks; the file is damaged"
-            )
-        arrays[kind] = info
+                f"manifest {path} is damaged or was edited: its {CRC_KEY} is {stored!r}, its "
+                f"contents have {want}. Load another tag, or restore the file")
+    return version
+
+
+def parse_index(model: dict, path: Path) -> tuple[dict[str, ParamEntry], int]:
+    """The index, checked to tile [0, numel) exactly ([Note: manifest checks])."""
+    numel = _int(model.get("numel"), "model.numel", path)
+    index: dict[str, ParamEntry] = {}
+    for item in _field(model, "index", list, path):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and isinstance(item[2], list)):
+            raise CheckpointError(f"manifest {path}: index entry {item!r} is not [name, offset, shape]")
+        name, off, shape = item
+        if name in index:
+            raise CheckpointError(f"manifest {path}: parameter {name!r} is listed twice in the index")
+        index[name] = ParamEntry(offset=_int(off, f"the offset of {name!r}", path),
+                                 shape=tuple(_int(d, f"a dimension of {name!r}", path) for d in shape))
+    pos = 0
+    for name, e in sorted(index.items(), key=lambda kv: (kv[1].offset, kv[1].numel)):
+        if e.offset != pos:
+            what = "a gap" if e.offset > pos else "an overlap"
+            raise CheckpointError(
+                f"manifest {path}: the index does not tile the arrays: {what} at element {min(pos, e.offset)} "
+                f"({name!r} starts at {e.offset}, the entries before it end at {pos}); the file is damaged")
+        pos += e.numel
+    if pos != numel:
+        raise CheckpointError(f"manifest {path}: the index covers {pos} elements, model.numel is {numel}; "
+                              "the file is damaged")
+    return index, numel
+
+
+def parse_array(kind, a, numel: int, path: Path) -> ArrayInfo:
+    check_name(kind, f"manifest {path}: array")
+    if not isinstance(a, dict) or not isinstance(a.get("chunk_crc32c"), list) or not isinstance(a.get("dtype"), str):
+        raise CheckpointError(f"manifest {path}: array {kind!r} has no valid dtype / chunk_crc32c")
+    info = ArrayInfo(
+        kind=kind, numel=_int(a.get("numel"), f"array {kind!r} numel", path), dtype=torch_dtype(a["dtype"]),
+        chunk_elems=_int(a.get("chunk_elems"), f"array {kind!r} chunk_elems", path, lo=1),
+        chunk_crc32c=tuple(_int(c, f"a chunk crc of {kind!r}", path) for c in a["chunk_crc32c"]),
+    )
+    if info.numel != numel:
+        raise CheckpointError(f"manifest {path}: array {kind!r} has {info.numel} elements, the index "
+                              f"{numel}; the file is damaged")
+    if len(info.chunk_crc32c) != info.num_chunks or any(c >> 32 for c in info.chunk_crc32c):
+        raise CheckpointError(
+            f"manifest {path}: array {kind!r} lists {len(info.chunk_crc32c)} chunk crcs "
+            f"for {info.num_chunks} chunks; the file is damaged"
+        )
+    return info
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """Parse and check manifest.json ([Note: manifest checks]); anything wrong is a
+    CheckpointError naming the file."""
+    path = Path(path)
+    doc = read_json(path, "checkpoint manifest")
+    _check_version(doc, path)
+    index, numel = parse_index(_field(doc, "model", dict, path), path)
+    arrays = {kind: parse_array(kind, a, numel, path) for kind, a in _field(doc, "arrays", dict, path).items()}
+    world_size = _int(_field(doc, "world_size", int, path), "world_size", path, lo=1)
+    rank_scalars = _field(doc, "rank_scalars", list, path)
+    if rank_scalars and (len(rank_scalars) != world_size or not all(isinstance(r, dict) for r in rank_scalars)):
+        raise CheckpointError(f"manifest {path}: {len(rank_scalars)} rank_scalars for world_size {world_size}")
+    created = doc.get("created_unix", 0.0)
     return Manifest(
         path=path,
         tag=str(_field(doc, "tag", str, path)),
-        world_size=int(_field(doc, "world_size", int, path)),
+        world_size=world_size,
         index=index,
         arrays=arrays,
         scalars=_field(doc, "scalars", dict, path),
-        rank_scalars=_field(doc, "rank_scalars", list, path),
+        rank_scalars=rank_scalars,
         client_state=_field(doc, "client_state", dict, path),
         meta=_field(doc, "meta", dict, path),
-        created_unix=float(doc.get("created_unix", 0.0)),
+        created_unix=float(created) if isinstance(created, (int, float)) else 0.0,
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TagStatus:
-    """A tag directory found in a checkpoint directory."""
-
-    tag: str
-    path: Path
-    complete: bool
-    reason: str  # "" when complete; why not otherwise
-    created_unix: float
-
-
-def scan_tags(root: str | os.PathLike) -> list[TagStatus]:
-    """Every zeroio tag directory under ``root``, oldest first; incomplete ones included."""
-    root = Path(root)
-    found = []
-    if not root.is_dir():
-        return found
-    for d in root.iterdir():
-        if not d.is_dir() or not (d / "zarr.json").is_file():
-            continue
-        try:
-            attrs = json.loads((d / "zarr.json").read_text()).get("attributes", {})
-        except (OSError, json.JSONDecodeError):
-            continue
-        if not isinstance(attrs, dict) or "zeroio" not in attrs:
-            continue
-        man = d / MANIFEST
-        if not man.exists():
-            done = len(list((d / DONE_DIR).glob("rank-*.json"))) if (d / DONE_DIR).is_dir() else 0
-            found.append(TagStatus(
-                tag=d.name, path=d, complete=False, created_unix=d.stat().st_mtime,
-                reason=f"no {MANIFEST}: the save was interrupted ({done} rank(s) had finished)",
-            ))
-            continue
-        try:
-            m = read_manifest(man)
-            found.append(TagStatus(tag=d.name, path=d, complete=True, reason="", created_unix=m.created_unix))
-        except CheckpointError as e:
-            found.append(TagStatus(tag=d.name, path=d, complete=False, reason=str(e),
-                                   created_unix=man.stat().st_mtime))
-    found.sort(key=lambda s: (s.created_unix, s.tag))
-    return found
 
 
 def read_latest(root: str | os.PathLike) -> str | None:
     p = Path(root) / LATEST
     try:
         tag = p.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+    except (OSError, UnicodeDecodeError):  # missing, or not a text file: no usable `latest`
         return None
     return tag or None

@@ -20,16 +20,26 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from zeroio.checkpoint import layout
+from zeroio.checkpoint import layout, tags
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.crc import crc32c
+from zeroio.checkpoint.layout import CheckpointWarning
 from zeroio.checkpoint.state import LazySegment, ParamEntry, ShardedState, split_by_param
 from zeroio.checkpoint.storage import FileIO, open_engine, read_chunk
 from zeroio.errors import CheckpointError
 
+__all__ = ["ArrayReader", "ChunkCursor", "CheckpointWarning", "LoadResult", "ShardedLoad", "load_sharded",
+           "resolve_tag"]
 
-class CheckpointWarning(UserWarning):
-    """A checkpoint directory holds something that was skipped (an interrupted save)."""
+
+def check_root(root: Path) -> None:
+    """``root`` must be a checkpoint directory: not missing, not one tag's folder."""
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if tags.is_tag_folder(root):
+        raise CheckpointError(
+            f"{root} is the folder of checkpoint tag {root.name!r}, not a checkpoint directory: pass "
+            f"its parent {root.parent}, and --tag {root.name} (tag={root.name!r}) to pick this tag")
 
 
 def resolve_tag(root: str | os.PathLike, tag: str | None = None, *, warn: bool = True) -> layout.Manifest:
@@ -41,30 +51,29 @@ def resolve_tag(root: str | os.PathLike, tag: str | None = None, *, warn: bool =
     that is missing or incomplete is a CheckpointError.
     """
     root = Path(root)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {root} does not exist")
-    tags = scan = layout.scan_tags(root)
+    check_root(root)
+    scan = tags.scan_tags(root)
     complete = [t for t in scan if t.complete]
     broken = [t for t in scan if not t.complete]
 
-    def report(skip: Iterable[layout.TagStatus]) -> None:
+    def report(skip: Iterable[tags.TagStatus]) -> None:
         if warn:
             for t in skip:
                 warnings.warn(f"ignoring incomplete checkpoint {t.path}: {t.reason}", CheckpointWarning,
                               stacklevel=3)
 
     if tag is not None:
-        tdir = layout.tag_dir(root, tag)
-        if not tdir.is_dir():
+        tags.check_tag(tag)
+        status = next((t for t in scan if t.tag == tag), None)
+        if status is None:
             raise CheckpointError(
                 f"checkpoint tag {tag!r} not found in {root}; complete tags: {[t.tag for t in complete]}"
             )
-        status = next((t for t in tags if t.tag == tag), None)
-        if status is None or not status.complete:
-            reason = status.reason if status else "not a zeroio checkpoint (no zarr.json with zeroio attributes)"
-            raise CheckpointError(f"checkpoint {tdir} is incomplete: {reason}")
+        if not status.complete:
+            raise CheckpointError(f"checkpoint {status.path} is incomplete: {status.reason}; complete tags: "
+                                  f"{[t.tag for t in complete]}")
         report(t for t in broken if t.created_unix > status.created_unix)
-        return layout.read_manifest(tdir / layout.MANIFEST)
+        return layout.read_manifest(status.path / layout.MANIFEST)
 
     latest = layout.read_latest(root)
     chosen = next((t for t in complete if t.tag == latest), None)
@@ -134,7 +143,8 @@ class ArrayReader:
         if got != want:
             raise CheckpointError(
                 f"checkpoint file {path} (array {info.kind!r}, chunk {i}) is corrupt: crc32c "
-                f"{got:#010x}, manifest {self.manifest.path} recorded {want:#010x}"
+                f"{got:#010x}, manifest {self.manifest.path} recorded {want:#010x}; restore the file "
+                "or load another tag"
             )
         return buf.view(info.dtype)
 
@@ -163,6 +173,19 @@ class ArrayReader:
             for f in [io.submit(one, c) for c in sorted(by_chunk)]:
                 bar.update(f.result())
         bar.close()
+
+    def verify(self, kind: str, chunks: Iterable[int] | None = None, *, depth: int = 2) -> int:
+        """Read chunks of ``kind`` (default: all) and check each crc32c, writing nothing.
+        Memory: ``depth + 1`` chunks ([Note: read-ahead bound]), whatever the array's size.
+        Returns the number of chunks checked."""
+        info = self.info(kind)
+        order = range(info.num_chunks) if chunks is None else sorted(chunks)
+        n = 0
+        with ChunkCursor(self, kind, order, depth=depth) as cursor:
+            for _c, data in cursor:
+                del data
+                n += 1
+        return n
 
     def read(self, kind: str, offset: int = 0, numel: int | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -300,28 +323,76 @@ def plan(manifest: layout.Manifest, index: Mapping[str, ParamEntry], segments, n
     return reqs
 
 
+def chunks_of(info: layout.ArrayInfo, requests: list[_Request]) -> list[int]:
+    """The chunks ``requests`` touch, in order."""
+    ce = info.chunk_elems
+    return sorted({c for r in requests if r.numel for c in range(r.src // ce, -(-r.end // ce))})
+
+
+class ShardedLoad:
+    """A load in two steps ([Note: verify, then apply]): `verify` reads and checks every chunk
+    this rank will use, writing nothing; `apply` fills the template.
+
+    [Note: verify, then apply] A load that fails halfway would leave the destination half
+    old, half new. So the engine verifies first: the manifest is checked, the model
+    matched, every chunk its ranges touch is read and crc-checked (bounded memory, a few
+    chunks at a time), and only when that passed on every rank is anything written. The
+    price is reading the ranges twice. `apply` checks every crc again; should it still fail
+    (the disk changed in between), the engine marks itself unusable.
+    """
+
+    def __init__(self, load_dir: str | os.PathLike, tag: str | None, template: ShardedState, *,
+                 kinds: Iterable[str] | None = None, strict: bool = True, comm: Comm | None = None,
+                 threads: int = 4, progress: bool = False):
+        self.comm = comm or Comm.default()
+        self.template = template
+        self.manifest = resolve_tag(load_dir, tag, warn=self.comm.rank == 0)
+        self.names = set(check_model(self.manifest, template.index, strict))
+        self.kinds = list(template.arrays) if kinds is None else list(kinds)
+        self.reader = ArrayReader(self.manifest, threads=threads, progress=progress and self.comm.rank == 0)
+        for kind in self.kinds:
+            self.reader.info(kind)  # every asked-for kind must exist before anything is overwritten
+        self.requests = {kind: plan(self.manifest, template.index, template.arrays[kind], self.names)
+                         for kind in self.kinds}
+        for kind, reqs in self.requests.items():
+            numel = self.reader.info(kind).numel
+            for r in reqs:
+                if r.src < 0 or r.end > numel:
+                    raise CheckpointError(f"range [{r.src}, {r.end}) is outside array {kind!r} of {numel} "
+                                          f"in {self.manifest.path}")
+
+    def verify(self) -> None:
+        """Every chunk this rank's ranges touch is read and its crc checked; nothing is written."""
+        for kind, reqs in self.requests.items():
+            self.reader.verify(kind, chunks_of(self.reader.info(kind), reqs))
+
+    def apply(self) -> LoadResult:
+        """Fill the template's segments (each chunk's crc checked again before use)."""
+        for kind, reqs in self.requests.items():
+            self.reader.read_requests(kind, reqs)
+        m, index = self.manifest, self.template.index
+        ranks = m.rank_scalars
+        return LoadResult(
+            manifest=m, path=m.tag_dir, tag=m.tag, scalars=m.scalars,
+            rank_scalars=ranks[self.comm.rank % len(ranks)] if ranks else {},
+            client_state=m.client_state,
+            loaded_names=[n for n in index if n in self.names],
+            skipped_names=[n for n in index if n not in self.names],
+        )
+
+
 def load_sharded(load_dir: str | os.PathLike, tag: str | None, template: ShardedState, *,
                  kinds: Iterable[str] | None = None, strict: bool = True,
-                 comm: Comm | None = None, threads: int = 4, progress: bool = False) -> LoadResult:
+                 comm: Comm | None = None, threads: int = 4, progress: bool = False,
+                 verify_first: bool = False) -> LoadResult:
     """Fill ``template``'s segments (this rank's ranges) from checkpoint ``tag`` of ``load_dir``.
 
-    Not collective: each rank reads its own ranges, whatever world size wrote them.
+    Not collective: each rank reads its own ranges, whatever world size wrote them. With
+    ``verify_first`` every chunk is checked before the first byte is written, so a corrupt
+    checkpoint leaves the template as it was ([Note: verify, then apply]).
     """
-    comm = comm or Comm.default()
-    manifest = resolve_tag(load_dir, tag, warn=comm.rank == 0)
-    names = set(check_model(manifest, template.index, strict))
-    kinds = list(template.arrays) if kinds is None else list(kinds)
-    reader = ArrayReader(manifest, threads=threads, progress=progress and comm.rank == 0)
-    for kind in kinds:
-        reader.info(kind)  # every asked-for kind must exist before anything is overwritten
-    for kind in kinds:
-        reader.read_requests(kind, plan(manifest, template.index, template.arrays[kind], names))
-    ranks = manifest.rank_scalars
-    return LoadResult(
-        manifest=manifest, path=manifest.tag_dir, tag=manifest.tag,
-        scalars=manifest.scalars,
-        rank_scalars=ranks[comm.rank % len(ranks)] if ranks else {},
-        client_state=manifest.client_state,
-        loaded_names=[n for n in template.index if n in names],
-        skipped_names=[n for n in template.index if n not in names],
-    )
+    load = ShardedLoad(load_dir, tag, template, kinds=kinds, strict=strict, comm=comm, threads=threads,
+                       progress=progress)
+    if verify_first:
+        load.verify()
+    return load.apply()

@@ -116,7 +116,14 @@ class ShardedState:
         return last.offset + last.numel
 
     def validate(self) -> None:
-        """Segments are 1-D, inside the array, and do not overlap within a kind."""
+        """The index tiles [0, numel) (what a reader checks, [Note: manifest checks] in
+        layout.py); segments are 1-D, inside the array, and do not overlap within a kind."""
+        pos = 0
+        for name, e in sorted(self.index.items(), key=lambda kv: (kv[1].offset, kv[1].numel)):
+            if e.offset != pos:
+                raise CheckpointError(f"index entry {name!r} starts at {e.offset}, the entries before it "
+                                      f"end at {pos}: an index must tile the flat order (no gap, no overlap)")
+            pos += e.numel
         total = self.numel
         for kind, segments in self.arrays.items():
             spans = sorted((s.offset, s.end) for s in segments)

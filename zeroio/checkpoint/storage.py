@@ -12,13 +12,20 @@ checkpoint code can switch to the direct-I/O engine by constructing that
 instead. It is a small thread pool over `os.pwrite` / `os.preadv` (both
 release the GIL), which is what checkpoint pieces need: their byte ranges are
 wherever rank boundaries fall, not aligned to the 4 KiB that O_DIRECT wants.
+
+[Note: file modes] Every file and folder of a checkpoint or an export is
+created with mode 0o666 / 0o777 less the process umask, as `open` and `mkdir`
+do: a group-shared umask (0o007) makes a checkpoint the group can load, and
+no file (manifest.json, latest, zarr.json included) is special.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
-import tempfile
+import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,8 @@ import torch
 
 from zeroio.errors import CheckpointError, SwapIOError
 
+FILE_MODE = 0o666  # less the umask: see [Note: file modes]
+
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -35,7 +44,7 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 def pwrite_all(path: str | os.PathLike, data: np.ndarray, offset: int) -> None:
     """Write every byte of ``data`` at ``offset`` of ``path`` (created if missing, never truncated)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE)
     try:
         view = memoryview(data).cast("B")
         done = 0
@@ -44,6 +53,7 @@ def pwrite_all(path: str | os.PathLike, data: np.ndarray, offset: int) -> None:
                 n = os.pwrite(fd, view[done:], offset + done)
             except OSError as e:
                 raise SwapIOError(
+                    e.errno or errno.EIO,
                     f"writing {len(view) - done} bytes at offset {offset + done} of {path} "
                     f"failed: {e.strerror}"
                 ) from e
@@ -123,9 +133,13 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to a temp file beside ``path``, fsync it, rename it into place."""
+    """Write ``text`` to a temp file beside ``path``, fsync it, rename it into place.
+
+    The temp file is created like any other (mode 0o666 less the umask, [Note: file
+    modes]), not with mkstemp's 0o600."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -156,7 +170,7 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
 
 def set_size(path: str | os.PathLike, nbytes: int) -> None:
     """Create ``path`` if needed and set its length (the zero-padded tail of a last chunk)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE)
     try:
         os.ftruncate(fd, nbytes)
     finally:
@@ -192,3 +206,23 @@ def read_chunk(engine, path: str | os.PathLike, nbytes: int) -> torch.Tensor:
     except SwapIOError as e:
         raise CheckpointError(f"reading checkpoint file {path} failed: {e}") from e
     return buf.tensor
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two existing paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the
+    system or the file system cannot (the caller falls back to two renames)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, f"exchanging {a} and {b} failed: {os.strerror(err)}")

@@ -1,22 +1,30 @@
 """Saving a `ShardedState`: every rank writes its pieces, rank 0 commits a manifest.
 
-Phases (see [Note: atomic tags] in layout.py and [Note: piece crcs] in crc.py):
-1. rank 0 lays out the tag: group and array metadata, padded last chunks;
+Phases (see [Note: atomic tags] in layout.py, [Note: re-saving a tag] in tags.py and
+[Note: piece crcs] in crc.py):
+1. rank 0 finishes or removes what a crashed save left beside the tag, then lays
+   out the staging folder: group metadata (zeroio's marker) first, array
+   metadata, chunk files (the last one padded);
 2. every rank writes its segments into the chunk files (concurrently, each to
    its own byte ranges, the arrays interleaved), taking each piece's crc32c from
    the bytes handed to the write; as soon as its last piece of a file is in,
    fsyncs that file and reads its pieces back against those crcs (beside the
    remaining writes; [Note: what verify proves]); renames a done marker;
 3. rank 0 checks that the pieces tile every chunk, combines their crcs into
-   chunk crcs, renames manifest.json into place, then `latest`.
-Every phase ends in `Comm.all_ok`, so one failing rank fails the save on all.
+   chunk crcs, renames manifest.json into place, makes the staging folder the tag
+   (rename, or an atomic exchange with the old copy), writes `latest`, and removes
+   the old copy.
+Every phase ends in `Comm.all_ok`, so one failing rank fails the save on all; a
+failed save leaves the tag (old copy) and `latest` as they were.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
+import warnings
 from collections import defaultdict
 from concurrent.futures import as_completed
 from dataclasses import dataclass
@@ -27,15 +35,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from zeroio.checkpoint import layout
+from zeroio.checkpoint import layout, tags
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.crc import combine, crc32c, zeros_crc
 from zeroio.checkpoint.state import LazySegment, ShardedState, segment_dtype
 from zeroio.checkpoint.storage import (
+    FILE_MODE,
     FileIO,
     atomic_write_json,
     atomic_write_text,
-    fsync_dir,
     fsync_file,
     open_engine,
     pread_exact,
@@ -126,36 +134,50 @@ def checkpoint_bytes(numel: int, dtypes: dict[str, torch.dtype],
 def check_disk_space(tdir: Path, numel: int, dtypes: dict[str, torch.dtype],
                      chunk_elems: dict[str, int]) -> None:
     """Raise before anything is touched when the file system holding ``tdir`` cannot take the
-    checkpoint (``checkpoint_bytes``) against its free bytes, plus what a tag of the same name
-    (replaced) holds now."""
+    checkpoint (``checkpoint_bytes``) against its free bytes. An old copy of the same tag is not counted: it stays
+    until the new one is complete ([Note: re-saving a tag])."""
     need = checkpoint_bytes(numel, dtypes, chunk_elems)
     probe = existing_parent(tdir)
-    free = shutil.disk_usage(probe).free + tree_bytes(tdir)
+    free = shutil.disk_usage(probe).free
     if need > free:
+        again = (f" (an existing {tdir.name!r} is kept until the new copy is complete, so it is "
+                 "not counted: save under another tag, or remove it first)") if tdir.exists() else ""
         raise CheckpointError(
             f"checkpoint {tdir} needs {need / 1e9:.2f} GB ({', '.join(dtypes)}) but the file "
-            f"system of {probe} has {free / 1e9:.2f} GB free: free {(need - free) / 1e9:.2f} GB "
+            f"system of {probe} has {free / 1e9:.2f} GB free{again}: free {(need - free) / 1e9:.2f} GB "
             "or save to another directory; nothing was written, earlier checkpoints are intact")
 
 
-def _layout_tag(tdir: Path, numel: int, dtypes: dict[str, torch.dtype], chunk_elems: dict[str, int]) -> None:
-    check_disk_space(tdir, numel, dtypes, chunk_elems)
-    if tdir.exists():
-        # unpublish first: a reader must never see the old manifest beside new chunks
-        man = tdir / layout.MANIFEST
-        if man.exists():
-            man.unlink()
-            fsync_dir(tdir)
-        shutil.rmtree(tdir)
-    tdir.mkdir(parents=True)
-    atomic_write_json(tdir / "zarr.json", layout.group_metadata())
-    (tdir / layout.DONE_DIR).mkdir()
+def _create(path: Path) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE))
+
+
+def _layout_tag(root: Path, tag: str, numel: int, dtypes: dict[str, torch.dtype],
+                chunk_elems: dict[str, int]) -> Path:
+    """Rank 0: clear the way and lay out the staging folder of ``tag``; returns it."""
+    final, stage = root / tag, tags.staging_dir(root, tag)
+    tags.check_replaceable(final)
+    if root.is_dir():
+        tags.recover(root)  # what crashed saves left beside their tags
+    if os.path.lexists(stage):
+        raise CheckpointError(
+            f"{stage} (where zeroio writes a new copy of {tag!r}) still holds files zeroio did not "
+            "write; move them out of it and save again")
+    check_disk_space(final, numel, dtypes, chunk_elems)
+    root.mkdir(parents=True, exist_ok=True)
+    stage.mkdir()
+    atomic_write_json(stage / "zarr.json", layout.group_metadata())  # the marker, first
+    (stage / layout.DONE_DIR).mkdir()
     for kind, dtype in dtypes.items():
-        (tdir / kind / "c").mkdir(parents=True)
-        atomic_write_json(tdir / kind / "zarr.json", layout.array_metadata(numel, dtype, chunk_elems[kind]))
+        (stage / kind).mkdir()
+        (stage / kind / "c").mkdir()
+        atomic_write_json(stage / kind / "zarr.json", layout.array_metadata(numel, dtype, chunk_elems[kind]))
         n_chunks = -(-numel // chunk_elems[kind])
+        for i in range(n_chunks - 1):  # created here, so each file's mode is the checkpoint's
+            _create(layout.chunk_path(stage, kind, i))
         if n_chunks:
-            set_size(layout.chunk_path(tdir, kind, n_chunks - 1), chunk_elems[kind] * dtype.itemsize)
+            set_size(layout.chunk_path(stage, kind, n_chunks - 1), chunk_elems[kind] * dtype.itemsize)
+    return stage
 
 
 def _write_piece(path: Path, get, byte_offset: int, nbytes: int, engine=None) -> int:
@@ -322,8 +344,15 @@ def _commit(state, tdir, tag, dtypes, chunk_elems, comm, opts, root) -> None:
         client_state=state.client_state, meta=meta, created_unix=time.time(),
     )
     atomic_write_json(tdir / layout.MANIFEST, doc)
+    old = tags.commit(tdir, Path(root) / tag)
     if opts.set_latest:
         atomic_write_text(Path(root) / layout.LATEST, tag + "\n")
+    if old is not None:
+        try:
+            tags.discard(old)
+        except (OSError, CheckpointError) as e:  # the new copy is committed; the next save retries
+            warnings.warn(f"checkpoint {tag!r} is saved, but removing its previous copy {old} "
+                          f"failed: {e}", layout.CheckpointWarning, stacklevel=2)
 
 
 def _phase(comm: Comm, fn, what: str):
@@ -345,35 +374,58 @@ def save_sharded(state: ShardedState, save_dir: str | os.PathLike, tag: str, *,
                  comm: Comm | None = None, options: SaveOptions = SaveOptions()) -> Path:
     """Write ``state`` (this rank's part) as checkpoint ``tag`` of ``save_dir``; returns the tag dir.
 
-    Collective: every rank of ``comm`` calls it with its own segments.
+    Collective: every rank of ``comm`` calls it with its own segments. The tag is checked
+    before anything is touched; the new copy is written beside the tag and swapped in only
+    when complete ([Note: re-saving a tag]).
     """
     comm = comm or Comm.default()
-    tdir = layout.tag_dir(save_dir, tag)
+    tags.check_tag(tag)
+    root = Path(save_dir)
+    stage = tags.staging_dir(root, tag)
     state.validate()
     dtypes = _kind_dtypes(state)
     chunk_elems = chunk_elems_for(dtypes, options.chunk_bytes)
 
     def lay_out():
         if comm.rank == 0:
-            _layout_tag(tdir, state.numel, dtypes, chunk_elems)
-
-    _phase(comm, lay_out, f"laying out {tdir}")
+            _layout_tag(root, tag, state.numel, dtypes, chunk_elems)
 
     def write():
-        pieces = _write_rank(state, tdir, dtypes, chunk_elems, options, comm)
+        try:
+            pieces = _write_rank(state, stage, dtypes, chunk_elems, options, comm)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise SwapIOError(e.errno, f"saving checkpoint {tag!r} ran out of space: {e}. Nothing was "
+                              f"committed: {root / tag} and `latest` are as they were; free space or "
+                              "save to another directory") from e
         by_kind = defaultdict(list)
         for p in sorted(pieces, key=lambda p: (p.kind, p.chunk, p.start)):
             by_kind[p.kind].append([p.chunk, p.start, p.nbytes, p.crc])
-        atomic_write_json(tdir / layout.DONE_DIR / f"rank-{comm.rank:05d}.json", {
+        atomic_write_json(stage / layout.DONE_DIR / f"rank-{comm.rank:05d}.json", {
             "rank": comm.rank, "world_size": comm.world_size,
             "pieces": dict(by_kind), "rank_scalars": state.rank_scalars,
         })
 
-    _phase(comm, write, f"writing {tdir}")
-
     def commit():
         if comm.rank == 0:
-            _commit(state, tdir, tag, dtypes, chunk_elems, comm, options, save_dir)
+            _commit(state, stage, tag, dtypes, chunk_elems, comm, options, root)
 
-    _phase(comm, commit, f"committing {tdir / layout.MANIFEST}")
-    return tdir
+    try:
+        _phase(comm, lay_out, f"laying out {stage}")
+        _phase(comm, write, f"writing {stage}")
+        _phase(comm, commit, f"committing {root / tag}")
+    except BaseException:
+        if comm.rank == 0:  # every rank has stopped writing (each phase ends in all_ok)
+            _clean_up(root, tag)
+        raise
+    return root / tag
+
+
+def _clean_up(root: Path, tag: str) -> None:
+    """After a failed save: remove the incomplete copy (the tag and `latest` are untouched)."""
+    try:
+        tags.recover(root, [tag])
+    except (OSError, CheckpointError) as e:
+        warnings.warn(f"the failed save of {tag!r} left {tags.staging_dir(root, tag)}; the next save "
+                      f"removes it ({e})", layout.CheckpointWarning, stacklevel=3)
