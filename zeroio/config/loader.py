@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,8 +35,8 @@ from zeroio.config.fields import (
 )
 from zeroio.config.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
 from zeroio.config.sections import AioConfig, BF16Config, CheckpointConfig, FP16Config
-from zeroio.config.zero import OffloadDevice, ZeroConfig
-from zeroio.errors import ConfigError
+from zeroio.config.zero import OffloadDevice, ZeroConfig, ineffective_tiering_keys
+from zeroio.errors import ConfigError, ConfigWarning
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,7 +235,16 @@ def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
         unimplemented=MappingProxyType(unimplemented),
     )
     _check_offload(cfg)
+    _warn_ineffective(cfg, raw)
     return cfg
+
+
+def _warn_ineffective(cfg: Config, raw: Any) -> None:
+    """One ``ConfigWarning`` per key that can have no effect in this config."""
+    zero_raw = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    tiering = zero_raw.get("tiering") if isinstance(zero_raw, dict) else None
+    for key, why in ineffective_tiering_keys(cfg.zero_optimization, tiering):
+        warnings.warn(ConfigWarning(f"{key} has no effect: {why}"), stacklevel=3)
 
 
 __all__ = ["Config", "load_config", "did_you_mean", "section"]
