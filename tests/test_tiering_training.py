@@ -182,12 +182,13 @@ def test_trace_moves_fewer_nvme_bytes_than_lru(results, stage):
         # the trace schedule by hand: the optimizer's share (half the moments' pages, 69632 B)
         # minus the window (the current piece + prefetch_depth 1 = 2 pairs of 8192 B) holds
         # 6 resident pieces; the other 11 are read and written once per step
-        # (the last piece's write-behind may land in the next step's count)
+        # (the next step's first streamed piece, read ahead at the end of a step, and the
+        # last piece's write-behind may land on either side of a step boundary)
         streamed = 2 * 4 * (NUMEL - 6 * 1024)
-        last = 2 * 4 * (NUMEL - (PIECES - 1) * 1024)
+        head, last = 2 * 4 * 1024, 2 * 4 * (NUMEL - (PIECES - 1) * 1024)
         for s in results[(stage, "trace")]["steps"][1:]:
-            assert s["moved"]["nvme->cpu"] == streamed, s
-            assert s["moved"]["cpu->nvme"] in (streamed, streamed - last, streamed + last), s
+            assert abs(s["moved"]["nvme->cpu"] - streamed) <= head, s
+            assert abs(s["moved"]["cpu->nvme"] - streamed) <= last, s
 
 
 @pytest.mark.parametrize("stage", (2, 3))
