@@ -62,7 +62,7 @@ def test_defaults_are_deepspeed_019_source_defaults():
     assert (op.device, op.buffer_count, op.buffer_size, op.max_in_cpu, op.pin_memory) == (
         "none", 5, 100_000_000, 1_000_000_000, True)
     t = z.tiering
-    assert (t.policy, t.prefetch_depth) == ("lru", 2)
+    assert (t.policy, t.prefetch_depth) == ("trace", None)  # docs/tiering.md: the default
     assert t.gpu_budget_bytes is t.cpu_budget_bytes is t.nvme_budget_bytes is None
     a = cfg.aio
     assert (a.block_size, a.queue_depth, a.intra_op_parallelism) == (1_048_576, 8, 1)

@@ -251,8 +251,30 @@ def _mlp():
                                torch.nn.Tanh(), torch.nn.Linear(40, 5))
 
 
-def _engine_body(tmpdir, stage):
+def _config(tmpdir, stage, rank, budget):
     import os
+
+    tiering = {} if budget is None else {"cpu_budget_bytes": budget}
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": {
+                "stage": stage, "sub_group_size": 256, "tiering": tiering,
+                "offload_optimizer": {"device": "nvme", "pipeline_read": True,
+                                      "pipeline_write": True,
+                                      "nvme_path": os.path.join(tmpdir, f"s{stage}-r{rank}")}}}
+
+
+def _held_host_bytes(cfg, init):
+    model = _mlp()
+    model.load_state_dict(init)
+    engine, *_ = zeroio.initialize(model=model, config=cfg)
+    held = engine.stats()["sources"]["held"]["tiers"]["cpu"]["used_bytes"]
+    engine.close()
+    return held
+
+
+def _engine_body(tmpdir, stage):
 
     import torch.distributed as dist
 
@@ -274,15 +296,11 @@ def _engine_body(tmpdir, stage):
     numel = sum(p.numel() for p in model.parameters())
     local = -(-numel // world)
     del local
-    budget = 6 * 2 * PAGE  # window of 4 pieces (sub-groups of 256: a page per moment) + 2 resident
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-           "gradient_clipping": CLIP,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-           "zero_optimization": {
-               "stage": stage, "sub_group_size": 256,
-               "tiering": {"cpu_budget_bytes": budget},
-               "offload_optimizer": {"device": "nvme", "pipeline_read": True, "pipeline_write": True,
-                                     "nvme_path": os.path.join(tmpdir, f"s{stage}-r{rank}")}}}
+    # the optimizer's share: a window of 4 pieces (sub-groups of 256: a page per moment) + 2
+    # resident; cpu_budget_bytes also counts the host state outside the store (masters,
+    # gradients, flat buffers: [Note: budgets in training]), read off an unbudgeted engine
+    budget = 6 * 2 * PAGE + _held_host_bytes(_config(tmpdir, stage, rank, None), init)
+    cfg = _config(tmpdir, stage, rank, budget)
     engine, *_ = zeroio.initialize(model=model, config=cfg)
     opt = engine.optimizer
     losses = []

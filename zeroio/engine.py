@@ -88,27 +88,76 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
                       key="zero_optimization.stage")
 
 
-def build_optimizer(cfg, partitioner, spec: OptimizerSpec):
+def build_optimizer(cfg, partitioner, spec: OptimizerSpec, shares: dict | None = None):
+    """``shares``: the NVMe optimizer's share of explicit tier budgets (``fit_budgets``)."""
     split = getattr(partitioner, "optimizer_split", None)
     if split is not None:  # offload_optimizer.ratio < 1: partition/stage3/twin.py, stage12.py
         from zeroio.optim.twin import TwinAdam
 
         return TwinAdam(device=ShardedAdam(split.device, spec.hyper, decoupled=spec.decoupled),
-                        host=_offloaded_optimizer(cfg, split.host, spec, partitioner),
+                        host=_offloaded_optimizer(cfg, split.host, spec, partitioner, shares),
                         groups=partitioner.groups)
-    return _offloaded_optimizer(cfg, partitioner.groups, spec, partitioner)
+    return _offloaded_optimizer(cfg, partitioner.groups, spec, partitioner, shares)
 
 
-def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner):
+def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares=None):
     off = cfg.zero_optimization.offload_optimizer
     if off.device == "nvme":
         from zeroio.optim.swap import SwappedAdam
 
-        return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg)
+        return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg,
+                           **(shares or {}))
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
                        grad_divisor=getattr(partitioner, "host_grad_divisor", 1.0))
+
+
+def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
+    """Split explicit ``tiering`` budgets among the state outside stores (``held_cpu`` host
+    bytes), stage 3's NVMe parameter store (its share set here) and the NVMe optimizer
+    (the returned ``SwappedAdam`` keywords): [Note: budgets in training] in
+    tiering/budget.py. CapacityError when the CPU budget cannot hold what must stay."""
+    from zeroio.tiering.budget import split_host_budget
+
+    zc = cfg.zero_optimization
+    opt_nvme = zc.offload_optimizer.device == "nvme"
+    pstore = getattr(partitioner, "store", None)
+    pstore = pstore if hasattr(pstore, "cpu_floor") else None  # stage 3 offload_param nvme
+    shares: dict = {}
+    if not (opt_nvme or pstore):
+        return shares
+    if zc.tiering.cpu_budget_bytes is not None:
+        opt_floor = 0
+        if opt_nvme:
+            from zeroio.optim.swap import min_host_bytes
+
+            split = getattr(partitioner, "optimizer_split", None)
+            opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
+                                       zc.sub_group_size)
+        cut = split_host_budget(zc.tiering.cpu_budget_bytes, held=held_cpu,
+                                param_floor=pstore.cpu_floor() if pstore else 0,
+                                param_ask=pstore.cpu_ask() if pstore else 0,
+                                optimizer_floor=opt_floor)
+        if pstore is not None:
+            pstore.store.shrink_budget("cpu", cut.params)
+        shares["cpu_budget_bytes"] = cut.optimizer
+    if zc.tiering.nvme_budget_bytes is not None and pstore is not None:
+        homes = pstore.store.stats()["tiers"]["nvme"]["home_bytes"]
+        pstore.store.shrink_budget("nvme", homes)
+        shares["nvme_budget_bytes"] = max(0, zc.tiering.nvme_budget_bytes - homes)
+    return shares if opt_nvme else {}
+
+
+def explicit_budgets(cfg) -> dict[str, int]:
+    """The user's tier budgets that bound training state (what ``engine.stats()`` reports
+    as ``budget_bytes``): cpu and nvme, when something is offloaded to NVMe."""
+    zc = cfg.zero_optimization
+    if not (zc.offload_optimizer.device == "nvme" or
+            (zc.stage == 3 and zc.offload_param.device == "nvme")):
+        return {}
+    return {t: b for t, b in (("cpu", zc.tiering.cpu_budget_bytes),
+                              ("nvme", zc.tiering.nvme_budget_bytes)) if b is not None}
 
 
 class Engine:
@@ -132,7 +181,13 @@ class Engine:
             self.config.optimizer, model, model_parameters)
         self.client_optimizer = optimizer
         self.partitioner = build_partitioner(self.config, self.module, spec, self.device)
-        self.optimizer = build_optimizer(self.config, self.partitioner, spec)
+        self._budgets = explicit_budgets(self.config)  # [Note: budgets in training]
+        self.optimizer = None
+        nvme_opt = self.config.zero_optimization.offload_optimizer.device == "nvme"
+        shares = fit_budgets(self.config, self.partitioner, self._held_cpu()) if nvme_opt else None
+        self.optimizer = build_optimizer(self.config, self.partitioner, spec, shares)
+        if not nvme_opt:  # in-memory moments count among the held state
+            fit_budgets(self.config, self.partitioner, self._held_cpu())
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.global_steps = 0
@@ -309,11 +364,16 @@ class Engine:
         held = getattr(self.partitioner, "held_tensors", None)
         out = list(held()) if held is not None else [
             t for sg in self.partitioner.groups for t in (sg.master, sg.grad)]
-        if isinstance(self.optimizer, ShardedAdam):
+        if self.optimizer is None:  # still being built (fit_budgets)
+            pass
+        elif isinstance(self.optimizer, ShardedAdam):
             out += [t for st in self.optimizer.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
         elif hasattr(self.optimizer, "held_tensors"):  # TwinAdam
             out += self.optimizer.held_tensors()
         return out
+
+    def _held_cpu(self) -> int:
+        return tstats.held_bytes(self._held_tensors()).get("cpu", 0)
 
     def _stats_boundary(self) -> None:
         """[Note: per-step transfer stats] Each source keeps its own step counters, reset at
@@ -337,6 +397,8 @@ class Engine:
         self.synchronize()
         sources = self._stats_sources()
         out: dict[str, Any] = tstats.merge(sources)
+        for tier, budget in self._budgets.items():  # the user's budget, not the stores' shares
+            out["tiers"].setdefault(tier, {"used_bytes": 0})["budget_bytes"] = budget
         out["last_step"] = self._stats_last_step
         out["step"] = tstats.diff(out, self._stats_at_boundary)
         out["timings"] = dict(self._timings)

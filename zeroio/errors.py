@@ -47,6 +47,12 @@ class CheckpointError(ZeroIOError, ValueError):
     """A checkpoint is missing, incomplete, corrupt, of a newer format or of another model."""
 
 
+class ConfigWarning(UserWarning):
+    """A config key that can have no effect in the config it is in (e.g. a tiering budget
+    with nothing offloaded to NVMe); the message names the key and why. Emitted once, by
+    ``load_config``."""
+
+
 class DistributedError(ZeroIOError, RuntimeError):
     """A collective or the process group is not in the state an operation needs."""
 
@@ -67,6 +73,7 @@ __all__ = [
     "IntegrityError",
     "CapacityError",
     "ResidencyError",
+    "ConfigWarning",
     "CheckpointError",
     "DistributedError",
     "RankFailedError",

@@ -54,7 +54,16 @@ def ds_config(setup: Setup, spec: ModelSpec, world: int, nvme_dir: Path | None) 
             # a quarter of this rank's Adam moments (8 bytes per parameter) in host memory
             moments = 8 * -(-spec.num_params // world)
             zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
-            zero["tiering"] = {"cpu_budget_bytes": moments // 4}
+            # cpu_budget_bytes bounds all host state (docs/tiering.md, "Budgets in
+            # training"): the estimate's host bytes without the optimizer's derived swap
+            # buffers, plus the quarter of the moments
+            from zeroio.estimate import estimate_memory
+
+            est = estimate_memory(spec.num_params, gpus_per_node=world, stage=3,
+                                  offload_optimizer="nvme", offload_param="nvme", dtype="bf16")
+            host = sum(i.bytes_per_gpu for i in est.items if i.tier == "cpu"
+                       and i.name != "optimizer swap buffers (pinned)")
+            zero["tiering"] = {"cpu_budget_bytes": host + moments // 4}
     return {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,8 +42,8 @@ from zeroio.config.sections import (
     DistributedConfig,
     FP16Config,
 )
-from zeroio.config.zero import OffloadDevice, ZeroConfig
-from zeroio.errors import ConfigError
+from zeroio.config.zero import OffloadDevice, ZeroConfig, ineffective_tiering_keys
+from zeroio.errors import ConfigError, ConfigWarning
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,6 +290,7 @@ def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
         unimplemented=MappingProxyType(unimplemented),
     )
     _check_offload(cfg)
+    _warn_ineffective(cfg, raw)
     return cfg
 
 
@@ -317,6 +319,14 @@ def load_init_config(path_or_dict: Any, **auto_values: Any) -> Config:
     values = check_auto_values(auto_values)
     raw, _ = drop_unfillable(read_config(path_or_dict), values)
     return load_config(raw, **auto_values)
+
+
+def _warn_ineffective(cfg: Config, raw: Any) -> None:
+    """One ``ConfigWarning`` per key that can have no effect in this config."""
+    zero_raw = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    tiering = zero_raw.get("tiering") if isinstance(zero_raw, dict) else None
+    for key, why in ineffective_tiering_keys(cfg.zero_optimization, tiering):
+        warnings.warn(ConfigWarning(f"{key} has no effect: {why}"), stacklevel=3)
 
 
 __all__ = ["Config", "load_config", "load_init_config", "read_config", "collective_timeout",

@@ -117,18 +117,32 @@ class TieringConfig:
     hard cap; exceeding it is a CapacityError, never a silent overflow.
     """
 
-    policy: EvictionPolicy = field(EvictionPolicy.LRU, coerce=enum_coercer(EvictionPolicy))
-    """Eviction order: lru (least recently used), fifo (first in), trace (farthest next use
-    in the access trace recorded during the first step; lru until a trace exists)."""
-    prefetch_depth: int = field(2, coerce=_NONNEG)
-    """How many upcoming tensors the prefetch queue moves toward the GPU ahead of use
-    (0 disables prefetch; 2 double-buffers)."""
+    policy: EvictionPolicy = field(EvictionPolicy.TRACE, coerce=enum_coercer(EvictionPolicy))
+    """Which copy of NVMe-homed state leaves host memory when the CPU budget is full, for
+    the NVMe optimizer state (offload_optimizer nvme) and stage-3 NVMe parameter shards:
+    trace (the default: farthest next use in the access trace recorded during the first
+    step, lru until then; the optimizer keeps the pieces that fit resident and streams the
+    rest, which is what that rule converges to on its cyclic sweep), lru (least recently
+    used) or fifo (first in). The policy never changes the numbers, only the bytes moved
+    (docs/tiering.md, "What each key changes in training")."""
+    prefetch_depth: int | None = field(None, coerce=optional(_NONNEG))
+    """Read-ahead of the NVMe swap: the optimizer requests this many pieces ahead of the one
+    it updates, and stage 3's parameter store (trace policy) prefetches this many upcoming
+    shard accesses beyond the partitioner's own prefetch. None (default): each keeps its
+    built-in read-ahead (optimizer: 3 pieces with offload_optimizer.pipeline_read, else
+    none; parameters: stage3_prefetch_bucket_size only). 0 = demand only."""
     gpu_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
-    """Bytes of GPU memory the tiered store may hold; None = derived at start."""
+    """Bytes of GPU memory the tiered stores may hold; None = derived at start. No store
+    places training state on the GPU tier today, so setting it gives a ConfigWarning."""
     cpu_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
-    """Bytes of (pinned) host memory the tiered store may hold; None = derived at start."""
+    """Host bytes for ALL state the engine keeps in host memory when something is on NVMe
+    (masters, gradient shards, flat buffers, staging, and the NVMe stores' buffers):
+    ``engine.stats()["tiers"]["cpu"]`` stays within it. The stores get what the state
+    outside them leaves (docs/tiering.md, "Budgets in training"); too small is a
+    CapacityError at initialize. None = derived at start."""
     nvme_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
-    """Bytes the NVMe store may write; None = derived at start."""
+    """Bytes the NVMe stores may write (parameter shards first, the optimizer's moments
+    the rest); None = derived at start."""
     nvme_reserve_bytes: int = field(1 << 30, coerce=_NONNEG)
     """Free bytes of the ``nvme_path`` file system a derived NVMe budget leaves untouched
     (1 GiB): with ``nvme_budget_bytes`` unset the budget is the free space minus this."""
@@ -142,6 +156,36 @@ class TieringConfig:
     optim/assist.py); state stays in host memory. "auto" (None, the default): on wherever
     it applies; false: CPU only. The environment variable ZEROIO_STEP_ASSIST, when set
     (1/0/auto), overrides it (``step_assist_enabled``)."""
+
+
+def ineffective_tiering_keys(zero: ZeroConfig, raw_tiering: object) -> list[tuple[str, str]]:
+    """(key path, why) for each ``zero_optimization.tiering`` key the user set (present, not
+    null, not the default) that can have no effect with this ``zero`` section: the policy,
+    read-ahead and budgets act only on state offloaded to NVMe, and no store places state on
+    the GPU tier. ``load_config`` warns once per key (``ConfigWarning``)."""
+    if not isinstance(raw_tiering, dict):
+        return []
+    defaults = TieringConfig()
+    nvme = zero.offload_optimizer.device is OffloadDevice.NVME or (
+        zero.stage == 3 and zero.offload_param.device is OffloadDevice.NVME)
+    out = []
+    for name in ("policy", "prefetch_depth", "cpu_budget_bytes", "nvme_budget_bytes",
+                 "gpu_budget_bytes"):
+        value = raw_tiering.get(name)
+        if value is None or getattr(getattr(defaults, name), "value", getattr(defaults, name)) \
+                == (value.lower() if isinstance(value, str) else value):
+            continue
+        key = f"zero_optimization.tiering.{name}"
+        if name == "gpu_budget_bytes":
+            out.append((key, "no tiered store places training state on the GPU tier; "
+                             "remove the key"))
+        elif not nvme:
+            what = "the NVMe budget needs an nvme_path" if name == "nvme_budget_bytes" else \
+                "it acts on state offloaded to NVMe"
+            out.append((key, f"nothing is offloaded to NVMe (offload_optimizer.device / "
+                             f"offload_param.device), and {what}; remove the key or offload "
+                             "to nvme"))
+    return out
 
 
 def _stage(value, path):

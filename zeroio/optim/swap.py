@@ -10,28 +10,34 @@ sub-group piece by piece gives the same numbers as updating it at once.
 [Note: resident head, streamed tail]
 The step sweeps the pieces in the same order every step, so the best use of a
 host budget smaller than the moments is known in advance (it is what Belady's
-farthest-next-use rule converges to on a cyclic sweep): the first pieces that
-fit in the budget minus a small window stay resident (acquired once, held,
-never written back during training), and the rest stream through the window:
+farthest-next-use rule converges to on a cyclic sweep). With
+``tiering.policy: trace`` (the default) that is the schedule: the first pieces
+that fit in the budget minus a small window stay resident (acquired once,
+held, never written back during training), and the rest stream through the
+window:
 
     read(i+1..i+read_ahead)  |  update(i)  |  write-back(i-1)
 
 Each streamed piece is read once and written once per step, and nothing else
 moves: bytes per step = 2 x (moments - resident). A resident piece is written
 only when the store flushes or closes (checkpoint save reads it from memory).
-LRU on the same sweep would evict exactly the piece needed next and read
-everything every step; holding the head makes the schedule the same whatever
-``tiering.policy`` says (the policy only ever sees the window's one released
-piece as a candidate).
 
-``pipeline_read`` asks for the next ``read_ahead`` pieces while piece i is
+With ``lru`` or ``fifo`` nothing is held: every piece is acquired, updated and
+released, and the store's own lru / fifo eviction decides which released
+pieces stay in the budget. On this cyclic sweep both evict the piece needed
+soonest, so when the moments do not fit every piece is read and written every
+step (2 x moments): the policy changes the bytes moved, never the numbers.
+
+The read-ahead is ``tiering.prefetch_depth`` pieces when set, else 3 with
+``pipeline_read`` (else none): the next pieces are requested while piece i is
 updated (the window holds them and piece i; the last one starts reading as
-soon as the write-back of piece i-1 frees its space), and at the end of a step the head of the next step's stream (it loads
-during forward and backward); ``pipeline_write`` starts the write-back of a
-streamed piece as soon as it is updated (``TieredStore.evict``) instead of when
-its space is next needed. Both false (DeepSpeed's defaults) gives a plain
-synchronous swap; with a budget that holds all moments there is no swap I/O
-after the first step either way.
+soon as the space of piece i-1 is free), and at the end of a step the head of
+the next step's stream (it loads during forward and backward).
+``pipeline_write`` (trace schedule) starts the write-back of a streamed piece
+as soon as it is updated (``TieredStore.evict``) instead of when its space is
+next needed; under lru / fifo the policy's victim is written when room is
+needed. With a budget that holds all moments there is no swap I/O after the
+first step whatever the policy.
 
 [Note: masters stay on the host]
 The fp32 master shard stays in the partitioner's (pinned) host memory, as with
@@ -103,6 +109,8 @@ class SwapPlan:
     """Pieces requested ahead of the one being updated (0: read on demand)."""
     cpu_budget: int
     """Host bytes of the optimizer's store."""
+    fits: bool = False
+    """Every piece's moments fit in ``cpu_budget`` at once (no swap after the first step)."""
 
     @property
     def streamed_bytes(self) -> int:
@@ -111,8 +119,12 @@ class SwapPlan:
 
     @classmethod
     def make(cls, subs: list[SubGroup], *, cpu_budget: int | None, buffer_count: int,
-             pipeline_read: bool, piece_elems: int | None = None) -> SwapPlan:
-        ahead = READ_AHEAD if pipeline_read else 0
+             pipeline_read: bool, piece_elems: int | None = None, read_ahead: int | None = None,
+             hold: bool = True) -> SwapPlan:
+        """``read_ahead``: pieces read ahead (None: ``READ_AHEAD`` with ``pipeline_read``, else
+        0). ``hold``: keep the head resident (the trace schedule); False: nothing is held,
+        the store's eviction policy decides ([Note: resident head, streamed tail])."""
+        ahead = read_ahead if read_ahead is not None else (READ_AHEAD if pipeline_read else 0)
         total = sum(pair_cost(s) for s in subs)
         if piece_elems is None:
             piece_elems = MAX_PIECE_ELEMS
@@ -127,15 +139,18 @@ class SwapPlan:
             cpu_budget = min(total, max(4, buffer_count) * sub_bytes)
             cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest))
         if cpu_budget >= total:
-            return cls(pieces=pieces, resident=len(pieces), read_ahead=ahead, cpu_budget=cpu_budget)
+            return cls(pieces=pieces, resident=len(pieces) if hold else 0, read_ahead=ahead,
+                       cpu_budget=cpu_budget, fits=True)
         while ahead and (1 + ahead) * largest > cpu_budget:
             ahead -= 1
         window = (1 + ahead) * largest
         if window > cpu_budget:
             raise CapacityError(
-                f"offload_optimizer nvme: the host budget of {cpu_budget} bytes cannot hold one "
-                f"piece's two moments ({largest} bytes); raise "
+                f"offload_optimizer nvme: the optimizer's host share of {cpu_budget} bytes cannot "
+                f"hold one piece's two moments ({largest} bytes needed); raise "
                 f"zero_optimization.tiering.cpu_budget_bytes or lower sub_group_size")
+        if not hold:
+            return cls(pieces=pieces, resident=0, read_ahead=ahead, cpu_budget=cpu_budget)
         room, resident = cpu_budget - window, 0
         for p in pieces:
             if pair_cost(p) > room:
@@ -143,6 +158,13 @@ class SwapPlan:
             room -= pair_cost(p)
             resident += 1
         return cls(pieces=pieces, resident=resident, read_ahead=ahead, cpu_budget=cpu_budget)
+
+
+def min_host_bytes(groups: list[ShardGroup], sub_group_size: int) -> int:
+    """The smallest host share the optimizer can step with: one smallest piece's two moments
+    (or all moments, when smaller). What ``SwapPlan.make`` needs at the least."""
+    total = sum(pair_cost(s) for s in split(groups, sub_group_size))
+    return min(total, len(KINDS) * _PAGE)
 
 
 def _rank() -> int:
@@ -155,8 +177,13 @@ class SwappedAdam:
     """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
-                 cfg, backend=None, piece_elems: int | None = None):
-        from zeroio.tiering import Tier, TieredStore
+                 cfg, backend=None, piece_elems: int | None = None,
+                 cpu_budget_bytes: int | None = None, nvme_budget_bytes: int | None = None):
+        """``cpu_budget_bytes`` / ``nvme_budget_bytes``: this optimizer's share of the tier
+        budgets (the engine's split, [Note: budgets in training] in tiering/budget.py);
+        None: ``zero_optimization.tiering``'s value (or derived, as DeepSpeed's
+        buffer_count)."""
+        from zeroio.tiering import PolicyKind, Tier, TieredStore
 
         off = cfg.zero_optimization.offload_optimizer
         if off.nvme_path is None and backend is None:
@@ -168,9 +195,16 @@ class SwappedAdam:
         self.pipeline_read = bool(off.pipeline_read)
         self.pipeline_write = bool(off.pipeline_write)
         self.subs = split(groups, cfg.zero_optimization.sub_group_size)
-        self.plan = SwapPlan.make(self.subs, cpu_budget=cfg.zero_optimization.tiering.cpu_budget_bytes,
+        tiering = cfg.zero_optimization.tiering
+        self.policy = PolicyKind.parse(tiering.policy)
+        if cpu_budget_bytes is None:
+            cpu_budget_bytes = tiering.cpu_budget_bytes
+        self.plan = SwapPlan.make(self.subs, cpu_budget=cpu_budget_bytes,
                                   buffer_count=off.buffer_count, pipeline_read=self.pipeline_read,
-                                  piece_elems=piece_elems)
+                                  piece_elems=piece_elems, read_ahead=tiering.prefetch_depth,
+                                  hold=self.policy is PolicyKind.TRACE)
+        # write-behind is the trace schedule's: under lru / fifo the policy picks the victim
+        self._write_behind = self.pipeline_write and self.policy is PolicyKind.TRACE
         self.pieces = list(self.plan.pieces)
         path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
                                                                f"zeroio-optim-rank{_rank()}")
@@ -179,9 +213,13 @@ class SwappedAdam:
 
             swapdir.remove_stale(off.nvme_path)  # crashed runs' folders, any rank's
             swapdir.make_private_dirs(path)
-        # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top.
+        # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top. The
+        # store evicts by tiering.policy (under trace the head is held, so its only
+        # candidates are the window's released pieces).
+        extra = {} if nvme_budget_bytes is None else {"nvme_budget_bytes": nvme_budget_bytes}
         self.store = TieredStore(cfg, cfg.aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
-                                 cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0)
+                                 cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0,
+                                 policy=self.policy, **extra)
         self._tier = Tier.CPU
         for piece in self.pieces:
             for kind in KINDS:
@@ -235,13 +273,13 @@ class SwappedAdam:
             return
         for k in KINDS:
             self.store.release(p.name(k), self._tier)
-            if self.pipeline_write:
+            if self._write_behind:
                 self.store.evict(p.name(k), self._tier)  # write behind: it is used again next step
 
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
         with torch.profiler.record_function("zeroio::optimizer_step_nvme"):
             for i, p in enumerate(self.pieces):
-                if self.pipeline_read:  # piece i first: requests are served in order
+                if self.plan.read_ahead:  # piece i first: requests are served in order
                     self._read_ahead(i, 1 + self.plan.read_ahead)
                 exp_avg, exp_avg_sq = self._take(i)
                 g = self.groups[p.group_index]
@@ -256,7 +294,7 @@ class SwappedAdam:
                 sub = self._last_of_sub.get(i)
                 if sub is not None and on_updated is not None:
                     on_updated(sub.group_index, sub.start, sub.numel)
-            if self.pipeline_read:
+            if self.plan.read_ahead:
                 self._read_ahead(0, self.plan.read_ahead)  # the next step's stream starts loading
             self.store.step_boundary()
 

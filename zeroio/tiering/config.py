@@ -88,6 +88,8 @@ class TieringPolicyConfig:
         for key, value in src.items():
             if key not in known:
                 raise ConfigError(f"{_KEY}: unknown key {key!r}", key=f"{_KEY}.{key}")
+            if key == "prefetch_depth" and value is None:
+                continue  # unset in the config: the store's default (its users pick their own)
             values[key] = value
         if zero is not None:
             for off_name in ("offload_optimizer", "offload_param"):

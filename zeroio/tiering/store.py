@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -575,6 +576,32 @@ class TieredStore:
                     space.memory.close()
         if self._backend is not None:
             self._backend.close()
+
+    def shrink_budget(self, tier: Tier | str, nbytes: int) -> None:
+        """Lower ``tier``'s budget to ``nbytes`` (the engine's split of a user budget among
+        stores, [Note: budgets in training] in budget.py): cache copies beyond it are
+        evicted now (dirty ones written back first). ``CapacityError`` when the homes (and,
+        for CPU, room for the largest NVMe-homed tensor) do not fit in ``nbytes``."""
+        tier = Tier.parse(tier)
+        with self._lock:
+            self._check_open()
+            space = self._spaces[tier]
+            if nbytes >= space.budget:
+                return
+            staging = max((self._spaces[Tier.CPU].cost(e.nbytes) for e in self._entries.values()
+                           if e.home is Tier.NVME), default=0) if tier is Tier.CPU else 0
+            need = space.home_used + staging
+            if nbytes < need:
+                raise CapacityError(
+                    f"tiered store: the {tier.value} tier's share of {nbytes} bytes cannot hold "
+                    f"its homes ({space.home_used} bytes) and one NVMe transfer ({staging} "
+                    f"bytes): {need} bytes needed; raise "
+                    f"zero_optimization.tiering.{tier.value}_budget_bytes")
+            if space.used > nbytes:
+                self._mover.make_room(space, space.budget - nbytes, "<budget>", prefetch=False)
+                self._mover.quiesce()
+            space.budget = nbytes
+            self.budgets = replace(self.budgets, **{tier.value: nbytes})
 
     def held_host_bytes(self) -> int:
         """Bytes the CPU tier's buffer pool has handed out (0 after close)."""

@@ -25,6 +25,17 @@ tier use; its CPU budget is the swap buffers (``buffer_count * buffer_size``
 page-rounded bytes, so a resident shard never takes a buffer's room.
 ``max_in_cpu: 0`` keeps nothing beyond the buffers.
 
+[Note: the parameter store's config]
+The store is built from the user's ``zero_optimization.tiering`` and ``aio``
+blocks: ``tiering.policy`` picks which cached shard leaves the buffers (trace:
+farthest next use in the first step's shard order), ``tiering.prefetch_depth``
+(when set) how many upcoming shard accesses the store prefetches on top of the
+partitioner's own ``stage3_prefetch_bucket_size`` prefetch, and ``aio`` the
+I/O engine. With an explicit ``tiering.cpu_budget_bytes`` the resident shards
+are capped so that they and one buffer of the largest shard fit in it, and the
+engine then lowers the store's share to what the state outside stores leaves
+([Note: budgets in training] in tiering/budget.py: ``cpu_floor``/``cpu_ask``).
+
 ``update_pieces(whole=True)`` (the optimizer's publish, which replaces every
 trainable element of the shard) acquires the host copy *for overwrite*: the
 tiered store allocates it without reading the old shard from NVMe, so a step
@@ -47,14 +58,20 @@ def _name(key: int) -> str:
     return f"stage3.param.{key}"
 
 
-def resident_keys(shard_numels: dict[int, int], max_in_cpu: int) -> set[int]:
+def resident_keys(shard_numels: dict[int, int], max_in_cpu: int, *,
+                  max_bytes: int | None = None, elem_size: int = 2) -> set[int]:
     """Groups whose shard stays in host memory: greedily in group order while the elements
-    fit in ``max_in_cpu`` ([Note: shards resident in CPU (max_in_cpu)])."""
+    fit in ``max_in_cpu`` (and their host bytes in ``max_bytes``, when given) ([Note: shards
+    resident in CPU (max_in_cpu)])."""
     keep, left = set(), max_in_cpu
+    room = max_bytes
     for key in sorted(shard_numels):
-        if shard_numels[key] <= left:
+        cost = host_cost(shard_numels[key] * elem_size)
+        if shard_numels[key] <= left and (room is None or cost <= room):
             keep.add(key)
             left -= shard_numels[key]
+            if room is not None:
+                room -= cost
     return keep
 
 
@@ -66,16 +83,28 @@ class TieredShards:
 
         self.device = device
         self.transfers = transfers
-        self.resident = resident_keys(shard_numels, settings.max_in_cpu)
         size = torch.empty((), dtype=dtype).element_size()
+        tiering = settings.tiering
+        user_cpu = getattr(tiering, "cpu_budget_bytes", None)
+        largest = max((host_cost(n * size) for n in shard_numels.values()), default=0)
+        self.resident = resident_keys(
+            shard_numels, settings.max_in_cpu, elem_size=size,
+            max_bytes=None if user_cpu is None else max(0, user_cpu - largest))
         resident_cost = sum(host_cost(shard_numels[k] * size) for k in self.resident)
         from zeroio.io import swapdir
 
         swapdir.remove_stale(settings.nvme_path)  # crashed runs' folders, any rank's
+        swapped = sum(host_cost(n * size) for k, n in shard_numels.items() if k not in self.resident)
+        self._floor = resident_cost + (largest if swapped else 0)  # resident + one buffer
+        # DeepSpeed's buffers, at most what the swapped shards need ([Note: budgets in training])
+        self._ask = resident_cost + min(settings.host_buffer_bytes, swapped)
+        budget = self._ask if user_cpu is None else min(self._ask, user_cpu)
+        depth = getattr(tiering, "prefetch_depth", None)
         path = os.path.join(settings.nvme_path, f"stage3-params-rank{rank}")
-        self.store = TieredStore(None, None, nvme_path=path, device=device if device.type == "cuda"
-                                 else None, gpu_budget_bytes=0,
-                                 cpu_budget_bytes=settings.host_buffer_bytes + resident_cost,
+        self.store = TieredStore(tiering, settings.aio, nvme_path=path,
+                                 device=device if device.type == "cuda" else None,
+                                 gpu_budget_bytes=0, cpu_budget_bytes=budget,
+                                 prefetch_depth=0 if depth is None else depth,
                                  pin_memory=settings.pin_memory)
         self._bytes: dict[int, int] = {}
         self._reading: dict[int, torch.cuda.Event] = {}  # H2D copies still reading a buffer
@@ -134,6 +163,14 @@ class TieredShards:
 
     def prefetch(self, keys):
         self.store.prefetch([_name(k) for k in keys], Tier.CPU)
+
+    def cpu_floor(self) -> int:
+        """Least host bytes this store can run in: resident shards + one largest shard."""
+        return self._floor
+
+    def cpu_ask(self) -> int:
+        """Host bytes ``offload_param`` asks for: resident shards + swap buffers."""
+        return self._ask
 
     def resident_bytes(self):
         st = self.store.stats()["tiers"]

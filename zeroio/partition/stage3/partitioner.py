@@ -615,7 +615,8 @@ def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.devi
     settings = Stage3Settings.from_zero_config(
         cfg.zero_optimization, accumulation_steps=cfg.gradient_accumulation_steps)
     settings = dataclasses.replace(settings, step_assist=settings.cpu_optimizer and
-                                   step_assist_enabled(cfg.zero_optimization.tiering, device))
+                                   step_assist_enabled(cfg.zero_optimization.tiering, device),
+                                   aio=getattr(cfg, "aio", None))
     return Stage3Partitioner(module=module, param_groups=spec.param_groups,
                              compute_dtype=compute_dtype, device=device, home=home,
                              settings=settings)

@@ -61,6 +61,12 @@ class Stage3Settings:
     call, smaller ones find more of the chunk in cache. 64M, as stage12.STEP_CHUNK_NUMEL: on
     the H200 machine (2026-11-29, 1.36B, overlapped step) 64M gave 0.709 s/step, 16M 0.722."""
 
+    tiering: object = None
+    """``zero_optimization.tiering`` (its TieringConfig): the NVMe parameter store's policy,
+    read-ahead and budgets ([Note: the parameter store's config] in nvme_store.py)."""
+    aio: object = None
+    """The ``aio`` block: the NVMe parameter store's I/O engine settings."""
+
     step_assist: bool = False
     """offload_optimizer cpu with host shards on CUDA: the GPU steps a share of the host
     chunks ([Note: step assist] in optim/assist.py); ``build_stage3_partitioner`` resolves
@@ -111,6 +117,7 @@ class Stage3Settings:
             optimizer_ratio=_optimizer_ratio(zero),
             cpu_optimizer=_offload_device(getattr(zero, "offload_optimizer", None)) == "cpu",
             accumulation_steps=int(accumulation_steps),
+            tiering=getattr(zero, "tiering", None),
         )
 
 
