@@ -103,7 +103,7 @@ def _load_and_compare(folder: str, seed: int = 11) -> dict:
              zip(named, zip(named.values(), shards.values(), strict=True), strict=True)}
     shard_bytes = {n: s.shard.numel() * s.shard.element_size() for n, s in shards.items()}
     with zeroio.zero.GatheredParameters(list(named.values())):
-        full = {n: p.detach().clone() for n, p in named.items()}
+        full = {n: p.detach().cpu().clone() for n, p in named.items()}  # CUDA shards too
     refp = dict(ref.named_parameters())
     stats = init.last_read_stats
     return dict(
@@ -117,7 +117,7 @@ def _load_and_compare(folder: str, seed: int = 11) -> dict:
         dtypes=sorted({str(t.dtype) for t in full.values()}),
         tied=(model.lm_head.weight is model.model.embed_tokens.weight,
               ref.lm_head.weight is ref.model.embed_tokens.weight),
-        buffers=all(torch.equal(b, dict(ref.named_buffers())[n])
+        buffers=all(torch.equal(b.cpu(), dict(ref.named_buffers())[n])
                     for n, b in model.named_buffers()),
         info=(_info(info), _info(ref_info)),
         buckets=(init.config.zero_optimization.reduce_bucket_size,

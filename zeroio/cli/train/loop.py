@@ -256,7 +256,7 @@ def _resume_step(ckpt: Path, tag: str | None = None) -> int:
 def check_tag(opts: TrainOptions) -> None:
     """--tag: with --resume, one folder name, a complete checkpoint under --output/checkpoints
     (else a ConfigError listing the tags there)."""
-    from zeroio.checkpoint.layout import scan_tags
+    from zeroio.checkpoint.tags import scan_tags
 
     if opts.tag is None:
         return
