@@ -198,7 +198,7 @@ def _train(folder: str, steps: int) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder)
     model.train()
     engine, *_ = zeroio.initialize(model=model, config=cfg)
-    losses = train_steps(engine, batches)
+    losses = train_steps(engine, batches, device=engine.device)
     got = gathered_params(engine)
     return dict(losses=losses, ref=ref_losses,
                 diff=max((got[n] - p.float()).abs().max().item() for n, p in ref_params.items()))

@@ -20,7 +20,8 @@ with their stored dtype; each array is a zarr v3 array ``<tag>/<kind>/`` of raw
 little-endian chunks, 16-bit floats stored as their raw bits (``uint16``) with
 the torch dtype named in the manifest; ``meta.hf_config`` is the model's config.
 Unknown manifest keys are ignored. Chunk checksums (crc32c) are checked with
-``--verify`` when the ``google_crc32c`` package is importable.
+``--verify`` when the ``google_crc32c`` package is importable, and so is the
+manifest's own crc32c (format 2).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 import zarr
 
 FORMAT = "zeroio-checkpoint"
-READS_FORMAT_VERSION = 1
+READS_FORMAT_VERSION = 2  # 2 adds the manifest's own crc32c ("manifest_crc32c")
 WEIGHT_KINDS = ("fp32", "param16")
 _ST_NAME = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64",
             "int64": "I64", "int32": "I32", "uint8": "U8"}
@@ -85,8 +86,32 @@ def read_manifest(tdir: Path) -> dict:
         arrays = {str(k): dict(v) for k, v in doc["arrays"].items()}
     except (KeyError, TypeError, ValueError) as e:
         raise RecoverError(f"{path}: damaged model index or arrays ({e!r})") from None
+    for name in arrays:  # used as folder names below: one plain component each
+        if not name or name.startswith(".") or "/" in name or "\\" in name:
+            raise RecoverError(f"{path}: array name {name!r} is not one folder name")
     meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
-    return {"index": index, "arrays": arrays, "hf_config": meta.get("hf_config")}
+    return {"index": index, "arrays": arrays, "hf_config": meta.get("hf_config"),
+            "manifest_crc32c": doc.get(MANIFEST_CRC_KEY), "doc": doc}
+
+
+MANIFEST_CRC_KEY = "manifest_crc32c"
+
+
+def verify_manifest(man: dict, path: Path) -> None:
+    """The manifest's own crc32c (format 2): over its JSON without that key, keys sorted,
+    no spaces (needs google_crc32c; a format-1 manifest has none to check)."""
+    want = man.get("manifest_crc32c")
+    if want is None:
+        return
+    try:
+        import google_crc32c
+    except ImportError:
+        raise RecoverError("--verify needs the google_crc32c package") from None
+    body = {k: v for k, v in man["doc"].items() if k != MANIFEST_CRC_KEY}
+    crc = google_crc32c.value(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    if crc != want:
+        raise RecoverError(f"{path}: the manifest's crc32c does not match its contents; it is "
+                           "damaged or was edited")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -187,6 +212,7 @@ def recover(ckpt: str | os.PathLike, out: str | os.PathLike, *, tag: str | None 
     if target not in _ST_NAME:
         raise RecoverError(f"stored dtype {stored!r} has no safetensors name")
     if verify:
+        verify_manifest(man, tdir / "manifest.json")
         verify_chunks(tdir, kind, man["arrays"][kind])
     arr = zarr.open_array(store=str(tdir / kind), mode="r")
     itemsize = np.dtype({"bfloat16": "uint16"}.get(target, target)).itemsize
