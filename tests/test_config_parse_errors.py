@@ -77,7 +77,7 @@ def test_train_cli_reports_the_file_before_launching(tmp_path, content, words):
     proc = subprocess.run([sys.executable, "-m", "zeroio.cli.main", "train", "--config", str(cfg),
                            "--steps", "1", "--nproc", "2", "--output", str(out)],
                           capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "UnicodeDecodeError" not in proc.stderr, proc.stderr
     assert str(cfg) in proc.stderr and all(w in proc.stderr for w in words), proc.stderr
     assert "torch.distributed" not in proc.stderr  # refused in the parent, no rank was launched

@@ -149,7 +149,7 @@ def test_two_ranks_run_under_their_parents_lock(runs):
 def test_fresh_run_refuses_over_a_file_zeroio_did_not_write(runs):
     out, res = runs
     proc = res["refused"]
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert USER_FILE in proc.stderr and "--overwrite" in proc.stderr and "--output" in proc.stderr
     assert "Traceback" not in proc.stderr
     # nothing was deleted: the user's file and every checkpoint are where they were
@@ -160,7 +160,7 @@ def test_fresh_run_refuses_over_a_file_zeroio_did_not_write(runs):
 def test_a_second_run_on_a_locked_dir_is_refused_naming_pid_and_host(runs):
     _, res = runs
     proc = res["concurrent"]
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"pid {os.getpid()} on host {socket.gethostname()}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 

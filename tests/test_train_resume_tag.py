@@ -58,8 +58,8 @@ def test_resume_from_a_chosen_tag_retraces_the_original_run(runs):
 def test_a_missing_tag_lists_the_available_ones(runs):
     out, res = runs
     proc = res["missing"]
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "step3" in proc.stderr and "step2" in proc.stderr and "step4" in proc.stderr, proc.stderr
     assert str(out / "checkpoints") in proc.stderr and "Traceback" not in proc.stderr
     proc = res["no_resume"]
-    assert proc.returncode == 1 and "--resume" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and "--resume" in proc.stderr, proc.stderr[-3000:]
