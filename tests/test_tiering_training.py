@@ -183,12 +183,13 @@ def test_trace_moves_fewer_nvme_bytes_than_lru(results, stage):
         # minus the window (the current piece + prefetch_depth 1 = 2 pairs of 8192 B) holds
         # 6 resident pieces; the other 11 are read and written once per step
         # (the next step's first streamed piece, read ahead at the end of a step, and the
-        # last piece's write-behind may land on either side of a step boundary)
+        # write-behinds of the last pieces may land on either side of a step boundary: on a
+        # loaded machine two of them were seen counted in the next step)
         streamed = 2 * 4 * (NUMEL - 6 * 1024)
-        head, last = 2 * 4 * 1024, 2 * 4 * (NUMEL - (PIECES - 1) * 1024)
+        head, piece = 2 * 4 * 1024, 2 * 4 * 1024
         for s in results[(stage, "trace")]["steps"][1:]:
             assert abs(s["moved"]["nvme->cpu"] - streamed) <= head, s
-            assert abs(s["moved"]["cpu->nvme"] - streamed) <= last, s
+            assert abs(s["moved"]["cpu->nvme"] - streamed) <= 2 * piece, s
 
 
 @pytest.mark.parametrize("stage", (2, 3))
