@@ -187,7 +187,10 @@ def _train(folder: str, steps: int) -> dict:
     from zeroio.testing.training import gathered_params, train_steps
 
     lr, clip = 1e-3, 0.05
-    batches = token_batches(2, steps=1, gas=1, micro=2) * steps  # one batch: the loss falls
+    import torch.distributed as dist
+
+    # one batch (the loss falls), rows for every rank of this world
+    batches = token_batches(dist.get_world_size(), steps=1, gas=1, micro=2) * steps
     plain = AutoModelForCausalLM.from_pretrained(folder).train()
     ref_losses, ref_params = adamw_reference(plain, batches, lm_loss, lr=lr,
                                              weight_decay=0.01, clip=clip)
