@@ -412,13 +412,17 @@ def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
     """Bytes per element of the host gradient shard (``host_numel`` elements; offload
     ``opt_dev``, ``gradient_accumulation_steps`` ``gas``), as the partitioner will decide it
     (``host_grad_dtype`` in zeroio/partition/host_grads.py, from ZEROIO_CPU_ADAM without
-    compiling anything). No torch import where no CPU Adam steps the shard (fp32 then)."""
-    if opt_dev != "cpu" or host_numel <= 0:  # host_grad_dtype's first rule, without torch
-        return FP32
-    return _host_grad_dtype(dtype, opt_dev, gas, host_numel, stage=stage).itemsize
+    compiling anything): the same rules, without importing torch."""
+    from zeroio.optim.cpu_adam_plan import host_grad_may_be_16bit, planned
+
+    half = host_grad_may_be_16bit(stage=stage, half=dtype in ("bf16", "fp16"),
+                                  cpu_optimizer=opt_dev == "cpu", accumulation_steps=gas,
+                                  host_numel=host_numel)
+    return 2 if half and planned(host_numel) else FP32
 
 
 def _host_grad_dtype(dtype: str, opt_dev: str, gas: int, host_numel: int, *, stage: int):
+    """The torch dtype of ``host_grad_bytes`` (for the step assist's slot sizes)."""
     from zeroio.dtypes import DTYPES
     from zeroio.partition.host_grads import host_grad_dtype
 

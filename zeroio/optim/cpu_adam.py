@@ -45,7 +45,6 @@ with one warning under ``auto``, and raises under ``compiled``.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -54,15 +53,10 @@ from unittest import mock
 
 import torch
 
-from zeroio.errors import ConfigError
-
-AUTO_MIN_NUMEL = 1 << 24
-"""``auto`` compiles for host optimizer state of at least this many elements (64 MB fp32)."""
+from zeroio.optim.cpu_adam_plan import AUTO_MIN_NUMEL, mode, planned  # noqa: F401 (re-exported)
 
 COMPILE_HINT_NUMEL = 1 << 22
 """Length of the compile-time call (the size hint inductor parallelizes by)."""
-
-_MODES = ("auto", "compiled", "torch")
 
 # h: [grad_scale, beta1, beta2, eps, lr * wd (AdamW), step_size, bias_correction2_sqrt,
 #     wd (Adam's L2 term)]
@@ -177,23 +171,6 @@ def _no_isa_probes(active: bool):
 
 
 _KERNELS = _Kernels()
-
-
-def mode() -> str:
-    raw = os.environ.get("ZEROIO_CPU_ADAM", "auto").strip().lower() or "auto"
-    if raw not in _MODES:
-        raise ConfigError(f"ZEROIO_CPU_ADAM={raw!r}: expected one of {', '.join(_MODES)} "
-                          "(auto: the compiled one-pass kernel for large host optimizer state)",
-                          key="ZEROIO_CPU_ADAM")
-    return raw
-
-
-def planned(total_numel: int) -> bool:
-    """Whether ``wanted`` would choose the compiled kernel for host optimizer state of
-    ``total_numel`` elements, from ``ZEROIO_CPU_ADAM`` and the size alone: nothing is compiled
-    (zeroio.estimate plans with it; ``auto`` is counted as compiling)."""
-    m = mode()
-    return m == "compiled" or (m == "auto" and total_numel >= AUTO_MIN_NUMEL)
 
 
 _UNKNOWN = object()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from zeroio.optim import cpu_adam
+from zeroio.optim.cpu_adam_plan import host_grad_may_be_16bit
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -36,8 +37,9 @@ def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bo
     size alone, compiling nothing (zeroio.estimate)."""
     if not (cpu_optimizer and host_numel > 0):
         return torch.float32
-    host_accumulates = stage != 1 and accumulation_steps > 1
-    grad = compute_dtype if compute_dtype in _HALF and not host_accumulates else torch.float32
+    grad = compute_dtype if host_grad_may_be_16bit(
+        stage=stage, half=compute_dtype in _HALF, cpu_optimizer=cpu_optimizer,
+        accumulation_steps=accumulation_steps, host_numel=host_numel) else torch.float32
     if plan_only:
         one_pass = cpu_adam.planned(host_numel)
     else:
