@@ -16,14 +16,11 @@ import pytest
 
 import zeroio
 from zeroio.cli.ports import free_port
+from zeroio.testing.multirank import outside_launcher_env
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "ZEROIO_LAUNCHER_PID"):
-        env.pop(k, None)
-    return env
+    return outside_launcher_env()
 
 
 def _zeroio(*args: str, cwd: Path | None = None, timeout: int = 180):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from zeroio.testing.multirank import outside_launcher_env
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process model")
 
 SLEEPER = textwrap.dedent("""
@@ -29,11 +31,7 @@ SLEEPER = textwrap.dedent("""
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "ZEROIO_LAUNCHER_PID"):
-        env.pop(k, None)
-    return env
+    return outside_launcher_env()
 
 
 def _alive(pid: int) -> bool:

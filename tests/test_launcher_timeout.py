@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from zeroio.testing.multirank import outside_launcher_env
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux signals")
 
 TIMEOUT_S = 4
@@ -56,10 +58,7 @@ SCRIPT = textwrap.dedent(f"""
 def test_a_stopped_rank_is_named_after_the_configured_timeout(tmp_path):
     script = tmp_path / "stop.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "ZEROIO_LAUNCHER_PID"):
-        env.pop(k, None)
+    env = outside_launcher_env()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "zeroio.cli.main", "launch", "--nproc", "2", str(script),
          str(tmp_path)], cwd=tmp_path, env=env, start_new_session=True,

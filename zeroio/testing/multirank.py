@@ -156,3 +156,15 @@ def run_ranks(
                 p.join(timeout=5)
         out.close()
     return [results[r] for r in range(world_size)]
+
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "ZEROIO_LAUNCHER_PID")
+"""What a launcher sets for its ranks: a command started by a test must not inherit it."""
+
+
+def outside_launcher_env(**extra: str) -> dict[str, str]:
+    """This process's environment without ``LAUNCH_ENV``, with one intra-op thread per process,
+    unbuffered output and ``extra``: for tests that start ``zeroio`` commands themselves."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
