@@ -218,3 +218,45 @@ def test_set_applies_to_every_contender_config(tmp_path):
         assert zero["tiering"]["overlap_step"] is True
     with pytest.raises(SystemExit):
         train_peers.parse_args(["--set", "zero_optimization.stage=three"])
+
+
+def test_deepspeed_best_modes_are_the_cpu_config_plus_their_one_block(tmp_path):
+    """ZenFlow, twin-flow and SuperOffload rows: DeepSpeed's stage-2/3 CPU config with only
+    their documented keys added (so the rows differ from ZeRO-Offload's by that alone)."""
+    import common
+    import contenders as C
+
+    plan = C.RunPlan(spec=common.ModelSpec(), steps=4, warmup=1, nproc=1, run_dir=tmp_path,
+                     nvme_dir=tmp_path / "nvme")
+    z2 = json.loads(C.config_path(C.BY_NAME["ds-z2-cpu"], plan).read_text())
+    z3 = json.loads(C.config_path(C.BY_NAME["ds-z3-cpu"], plan).read_text())
+    zen = json.loads(C.config_path(C.BY_NAME["ds-z2-zenflow"], plan).read_text())
+    assert zen["zero_optimization"].pop("zenflow") == {
+        "topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
+        "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}
+    assert zen == z2
+    twin = json.loads(C.config_path(C.BY_NAME["ds-z3-twinflow"], plan).read_text())
+    assert twin["zero_optimization"]["offload_optimizer"].pop("ratio") == 0.8
+    assert twin["zero_optimization"].pop("sub_group_size") == 100_000_000
+    assert twin == z3
+    sup = json.loads(C.config_path(C.BY_NAME["ds-z3-superoffload"], plan).read_text())
+    assert sup["zero_optimization"]["offload_optimizer"].pop("super_offload") is True
+    assert sup == z3
+    argv, _ = C.command(C.BY_NAME["torchao-cpu"], plan)
+    assert argv[1].endswith("torchao_runner.py")
+
+
+def test_zenflow_step_time_is_the_mean_over_whole_update_windows():
+    """Hand computation: update_interval 4, 14 steps; step 3 (0-based) is the first update,
+    the whole windows after it are steps 4..7 and 8..11; steps 12, 13 are a partial window."""
+    import ds_runner
+
+    times = [9.0, 0.2, 0.2, 1.5, 0.2, 0.2, 0.2, 1.6, 0.3, 0.3, 0.3, 1.4, 0.2, 0.2]
+    out = ds_runner.zenflow_summary(times, {"update_interval": 4}, tokens_per_step=100)
+    assert out["zenflow_windows"] == 2
+    assert out["s_per_step"] == pytest.approx(sum(times[4:12]) / 8)
+    assert out["tokens_per_s"] == pytest.approx(100 / out["s_per_step"])
+    short = ds_runner.zenflow_summary(times[:6], {"update_interval": 4}, tokens_per_step=100)
+    assert short["zenflow_windows"] == 0 and "partial" in short["zenflow_note"]
+    assert short["s_per_step"] == pytest.approx(0.2)
+    assert "s_per_step" not in ds_runner.zenflow_summary(times, {"update_interval": "auto"}, 1)

@@ -20,6 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
 
 import device_batch as db  # noqa: E402
 
@@ -70,7 +71,13 @@ def test_gpu_suites_run_every_gpu_test_file():
 def test_peers_suite_runs_every_cpu_offload_contender_with_its_setup():
     suite = db.SUITES["peers"]
     only = {m.group(1): s for s in suite.steps if (m := re.search(r"--only (\S+)", s.shell))}
-    assert set(only) == {"zeroio-z2-cpu", "zeroio-z3-cpu", "ds-z2-cpu", "ds-z3-cpu", "fsdp2-cpu"}
+    import contenders
+
+    assert set(only) == {"zeroio-z2-cpu", "zeroio-z3-cpu", "ds-z2-cpu", "ds-z3-cpu", "fsdp2-cpu",
+                         "ds-z2-zenflow", "ds-z3-zenflow", "ds-z3-twinflow", "ds-z3-superoffload",
+                         "torchao-cpu", "plain"}
+    assert set(only) <= set(contenders.BY_NAME)
+    assert "--steps 12" in only["ds-z2-zenflow"].shell  # two whole update windows of 4
     assert suite.peers and ".peers" in suite.carry
     for name, step in only.items():
         assert ("--libaio-dir" in step.shell) == name.startswith("ds-")

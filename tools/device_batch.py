@@ -83,21 +83,31 @@ def _pytest_steps(timeout_s: int) -> tuple[Step, ...]:
                  for p in gpu_test_files())
 
 
+PEER_ROWS: tuple[tuple[str, int, int], ...] = (
+    # (contender, step timeout s, training steps); DeepSpeed's JIT ops are built by ds-jit first
+    ("zeroio-z2-cpu", 75, 6), ("zeroio-z3-cpu", 75, 6),
+    # ZenFlow's figure is the mean over whole update windows after its first update
+    # (update_interval 4): 12 steps give two whole windows
+    ("ds-z2-zenflow", 100, 12), ("ds-z3-twinflow", 80, 6), ("ds-z3-superoffload", 85, 6),
+    ("ds-z3-zenflow", 60, 12), ("torchao-cpu", 60, 6), ("ds-z2-cpu", 75, 6),
+    ("ds-z3-cpu", 70, 6), ("fsdp2-cpu", 75, 6), ("plain", 45, 6),
+)
+"""One step each, in this order; a call's budget cuts the tail (run it with --only next)."""
+
+
 def _peers_steps(nproc: int) -> tuple[Step, ...]:
     """benchmarks/train_peers.py, one contender per step on the 1.364B default shape; each
     row's own --timeout sits 5 s inside the step's so the script writes its failure row."""
-    run = ("python3 benchmarks/train_peers.py --steps 6 --warmup 2 --quiet --nvme-dir {scratch} "
+    run = ("python3 benchmarks/train_peers.py --warmup 2 --quiet --nvme-dir {scratch} "
            f"--out {{res}} --nproc {nproc}")
     jit = ("python3 -c \"import time,torch;t=time.time();from deepspeed.ops.adam import "
            "DeepSpeedCPUAdam;DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))]);"
            "print('DeepSpeed cpu_adam ready', round(time.time()-t, 1), 's')\"")
-    rows = [("zeroio-z2-cpu", 75), ("zeroio-z3-cpu", 75), ("ds-z2-cpu", 75), ("ds-z3-cpu", 70),
-            ("fsdp2-cpu", 75)]
     return (Step("ds-jit", jit, 70),) + tuple(
-        Step(name, f"{run} --only {name} --timeout {t - 5}"
+        Step(name, f"{run} --steps {steps} --only {name} --timeout {t - 5}"
              + (" --libaio-dir /tmp/libaio" if name.startswith("ds-") else "") + "{extra}", t,
              quote=r"^\| (?!contender|-)")
-        for name, t in rows)
+        for name, t, steps in PEER_ROWS)
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in (

@@ -27,15 +27,47 @@ class Setup(enum.Enum):
     """zeroio only: Z3_NVME with the optimizer's host budget a quarter of the moments, so
     most of the optimizer state goes through the disk every step (the disk-bound case)."""
 
+    Z2_ZENFLOW = "z2-zenflow"
+    """DeepSpeed ZenFlow at stage 2: top-k gradient columns stepped on the GPU each step, the
+    rest applied by the CPU every ``update_interval`` steps (not exact AdamW)."""
+    Z3_ZENFLOW = "z3-zenflow"
+    Z3_TWIN = "z3-twinflow"
+    """Stage 3 + CPU with ``offload_optimizer.ratio`` 0.8 (80% of the step on the CPU, the
+    rest on the GPU) and ``sub_group_size`` 1e8: DeepSpeed's twin-flow."""
+    Z3_SUPER = "z3-superoffload"
+    """Stage 3 + CPU with ``offload_optimizer.super_offload``: DeepSpeed's SuperOffload."""
+
     @property
     def on_nvme(self) -> bool:
         return self in (Setup.Z3_NVME, Setup.Z3_NVME_STREAM)
+
+
+ZENFLOW: dict[str, Any] = {"topk_ratio": 0.05, "select_strategy": "auto",
+                           "select_interval": "auto", "update_interval": 4,
+                           "full_warm_up_rounds": 0, "overlap_step": True}
+"""ZenFlow's settings from DeepSpeed's ZenFlow tutorial: 5% of gradient columns on the GPU,
+the CPU update every 4 steps, overlapped with the next steps."""
+ZENFLOW_SETUPS = (Setup.Z2_ZENFLOW, Setup.Z3_ZENFLOW)
 
 
 def ds_config(setup: Setup, spec: ModelSpec, world: int, nvme_dir: Path | None) -> dict[str, Any]:
     """The config dict for ``setup``; ``nvme_dir`` is required for the NVMe setups."""
     hyper = adamw_hyper()
     zero: dict[str, Any]
+    if setup in ZENFLOW_SETUPS:
+        base = Setup.Z2_CPU if setup is Setup.Z2_ZENFLOW else Setup.Z3_CPU
+        cfg = ds_config(base, spec, world, nvme_dir)
+        cfg["zero_optimization"]["zenflow"] = dict(ZENFLOW)
+        return cfg
+    if setup in (Setup.Z3_TWIN, Setup.Z3_SUPER):
+        cfg = ds_config(Setup.Z3_CPU, spec, world, nvme_dir)
+        zero = cfg["zero_optimization"]
+        if setup is Setup.Z3_TWIN:
+            zero["offload_optimizer"]["ratio"] = 0.8
+            zero["sub_group_size"] = 100_000_000
+        else:
+            zero["offload_optimizer"]["super_offload"] = True
+        return cfg
     if setup is Setup.Z2_CPU:
         zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                 "offload_optimizer": {"device": "cpu", "pin_memory": True}}

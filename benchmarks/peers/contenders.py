@@ -31,6 +31,7 @@ class Engine(enum.Enum):
     ZEROIO = "zeroio"
     DEEPSPEED = "deepspeed"
     FSDP2 = "fsdp2"
+    TORCHAO = "torchao"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,8 +60,19 @@ CONTENDERS: tuple[Contender, ...] = (
               label="DeepSpeed ZeRO-3, params + optimizer on CPU"),
     Contender(name="ds-z3-nvme", engine=Engine.DEEPSPEED, setup=Setup.Z3_NVME,
               label="DeepSpeed ZeRO-3, params + optimizer on NVMe"),
+    Contender(name="ds-z2-zenflow", engine=Engine.DEEPSPEED, setup=Setup.Z2_ZENFLOW,
+              label="DeepSpeed ZenFlow ZeRO-2 (inexact: top-k on GPU, rest late on CPU); "
+                    "s/step = mean over whole update windows after the first update"),
+    Contender(name="ds-z3-zenflow", engine=Engine.DEEPSPEED, setup=Setup.Z3_ZENFLOW,
+              label="DeepSpeed ZenFlow ZeRO-3 (inexact)"),
+    Contender(name="ds-z3-twinflow", engine=Engine.DEEPSPEED, setup=Setup.Z3_TWIN,
+              label="DeepSpeed ZeRO-3 twin-flow (offload_optimizer.ratio 0.8, sub_group_size 1e8)"),
+    Contender(name="ds-z3-superoffload", engine=Engine.DEEPSPEED, setup=Setup.Z3_SUPER,
+              label="DeepSpeed ZeRO-3 SuperOffload (offload_optimizer.super_offload)"),
     Contender(name="fsdp2-cpu", engine=Engine.FSDP2,
               label="FSDP2 CPUOffloadPolicy, fused CPU AdamW"),
+    Contender(name="torchao-cpu", engine=Engine.TORCHAO,
+              label="torchao CPUOffloadOptimizer (fused CPU AdamW, gradients offloaded)"),
 )
 BY_NAME = {c.name: c for c in CONTENDERS}
 
@@ -99,8 +111,9 @@ class RunPlan:
 
 
 def world_of(c: Contender, plan: RunPlan) -> int:
-    """Ranks the contender runs on: train_llama's plain mode has no data parallelism."""
-    return 1 if c.engine is Engine.PLAIN else plan.nproc
+    """Ranks the contender runs on: train_llama's plain mode and torchao's single-GPU
+    optimizer have no data parallelism."""
+    return 1 if c.engine in (Engine.PLAIN, Engine.TORCHAO) else plan.nproc
 
 
 def skip_reason(c: Contender, plan: RunPlan) -> str | None:
@@ -108,6 +121,8 @@ def skip_reason(c: Contender, plan: RunPlan) -> str | None:
     if c.engine is Engine.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
         return ("deepspeed is not installed in this Python: pip install the wheel and its "
                 "deps from .peers/ (docs/benchmarks.md)")
+    if c.engine is Engine.TORCHAO and importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed in this Python: pip install its wheel from .peers/"
     return None
 
 
@@ -169,6 +184,8 @@ def command(c: Contender, plan: RunPlan) -> tuple[list[str], dict[str, str]]:
         if plan.libaio_dir is not None:
             env.update(libaio_env(plan.libaio_dir, env))
         return argv, env
+    if c.engine is Engine.TORCHAO:
+        return [plan.python, str(HERE / "torchao_runner.py"), *spec_args, *steps], env
     argv = _launcher(plan, world, HERE / "fsdp2_runner.py") + [*spec_args, *steps]
     return argv, env
 

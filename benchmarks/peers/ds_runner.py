@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -34,6 +35,29 @@ def deepspeed_view(cfg: dict) -> dict:
         if isinstance(node, dict):
             node.pop(path[-1], None)
     return out
+
+
+def zenflow_summary(step_seconds: list[float], zenflow: dict, tokens_per_step: int) -> dict:
+    """ZenFlow's ordinary steps are short and every ``update_interval``-th is long (the CPU
+    update lands), so a median shows only the short ones. Its s/step is the mean over whole
+    update windows after the first update: steps U .. U*(1+k)-1 for the most whole windows
+    the run has (step U-1, 0-based, is the first update). Fewer than one whole window: the
+    mean of every step after the first update, flagged ``partial``."""
+    interval = zenflow.get("update_interval")
+    if not isinstance(interval, int) or interval < 1:
+        return {"zenflow_note": f"update_interval {interval!r} is not a fixed step count: "
+                                "median reported"}
+    after = step_seconds[interval:]
+    whole = len(after) // interval * interval
+    window = after[:whole] if whole else after
+    if not window:
+        return {"zenflow_note": "no step after the first update: median reported"}
+    mean = sum(window) / len(window)
+    return {"s_per_step": mean, "tokens_per_s": tokens_per_step / mean,
+            "s_per_step_median": statistics.median(step_seconds[interval:] or step_seconds),
+            "zenflow_windows": whole // interval, "zenflow_update_interval": interval,
+            "zenflow_note": ("mean over whole update windows after the first update"
+                             if whole else "partial window: mean of the steps after the first update")}
 
 
 def main(argv=None) -> None:
@@ -80,6 +104,9 @@ def main(argv=None) -> None:
               "losses": losses,
               **common.summarize(clock.seconds, args.warmup, spec.tokens_per_step(world)),
               **common.peaks(device, host.stop())}
+    zenflow = cfg["zero_optimization"].get("zenflow")
+    if zenflow:
+        result.update(zenflow_summary(clock.seconds, zenflow, spec.tokens_per_step(world)))
     if rank == 0:
         common.emit(result)
     torch.distributed.destroy_process_group()
