@@ -272,6 +272,7 @@ def main() -> None:
 
         steps = tqdm(steps, desc=f"train_llama {a.mode}", unit="step")
     loss_val = float("nan")
+    losses: list[float] = []
     for _ in steps:
         ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=gen).to(device)
         if cuda:
@@ -282,6 +283,7 @@ def main() -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         loss_val = loss.item()
+        losses.append(loss_val)
         log(f"step {len(times)} {times[-1]:.2f} s loss {loss_val:.3f}")
     phases = _profile(a, engine, model, opt, device, gen, rank) \
         if a.profile else None
@@ -300,6 +302,7 @@ def main() -> None:
         "step_times": times, "tokens_per_s": a.micro_batch * a.seq * world / s_step,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_host_rss_gib": host_peak / 2**30, "final_loss": loss_val,
+        "losses": losses,
         "stats": engine.stats() if engine is not None else None,
         "phases": phases,
     }
