@@ -64,9 +64,12 @@ class Suite:
     steps: tuple[Step, ...]
     peers: bool = False
     """Install DeepSpeed and its wheels from .peers/ and unpack libaio (carry .peers)."""
+    extra_carry: tuple[str, ...] = ()
+    """Other git-ignored paths the steps need (e.g. the baseline checkout)."""
 
     setup_s = property(lambda self: 60 if self.peers else 30)
-    carry = property(lambda self: [".whl", ".peers"] if self.peers else [".whl"])
+    carry = property(lambda self: [".whl"] + ([".peers"] if self.peers else [])
+                     + list(self.extra_carry))
 
 
 GPU_MARK = re.compile(r"^(\s*@pytest\.mark\.gpu\b|pytestmark = .*pytest\.mark\.gpu)", re.M)
@@ -89,7 +92,7 @@ PEER_ROWS: tuple[tuple[str, int, int], ...] = (
     # ZenFlow's figure is the mean over whole update windows after its first update
     # (update_interval 4): 12 steps give two whole windows
     ("ds-z2-zenflow", 100, 12), ("ds-z3-twinflow", 80, 6), ("ds-z3-superoffload", 85, 6),
-    ("ds-z3-zenflow", 60, 12), ("torchao-cpu", 60, 6), ("ds-z2-cpu", 75, 6),
+    ("ds-z3-zenflow", 60, 12), ("torchao-cpu", 120, 6), ("ds-z2-cpu", 75, 6),
     ("ds-z3-cpu", 70, 6), ("fsdp2-cpu", 75, 6), ("plain", 45, 6),
 )
 """One step each, in this order; a call's budget cuts the tail (run it with --only next)."""
@@ -110,6 +113,25 @@ def _peers_steps(nproc: int) -> tuple[Step, ...]:
         for name, t, steps in PEER_ROWS)
 
 
+BEFORE = ".old"
+"""A checkout of the baseline commit's ``zeroio/`` and ``benchmarks/`` (git-ignored; make it with
+``git archive <commit> zeroio benchmarks | tar -x -C .old``), carried by the before-after suite."""
+
+
+def _before_after_steps() -> tuple[Step, ...]:
+    """zeroio z2 and z3 + CPU offload at the baseline (``.old``) and at this tree, interleaved
+    (before z2, after z2, before z3, after z3) so a drift of the host hits both sides."""
+    run = ("python3 benchmarks/train_peers.py --steps 8 --warmup 3 --quiet --disk-bench-size 0 "
+           "--nvme-dir {scratch} --timeout 100")
+    out = []
+    for row in ("zeroio-z2-cpu", "zeroio-z3-cpu"):
+        out.append(Step(f"before-{row}", f"cd {BEFORE} && PYTHONPATH=/tmp/site:$PWD {run} --only "
+                        f"{row} --out {{res}}/before{{extra}}", 105, quote=r"^\| (?!contender|-)"))
+        out.append(Step(f"after-{row}", f"{run} --only {row} --out {{res}}/after{{extra}}", 105,
+                        quote=r"^\| (?!contender|-)"))
+    return tuple(out)
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-tests", "nvidia-h200", "every -m gpu test file on 1 GPU (2-GPU cases skip)",
           _pytest_steps(150)),
@@ -125,6 +147,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
               Step("probe", "python3 benchmarks/probe_largest.py --nvme-dir {scratch}/probe "
                    "--max-tries 1 --timeout 450 --out {res}{extra}", 465),
           )),
+    Suite("before-after", "nvidia-h200", "zeroio z2/z3 + CPU offload at the baseline in .old and "
+          "at this tree, interleaved, one call", _before_after_steps(), extra_carry=(BEFORE,)),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "
