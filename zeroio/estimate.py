@@ -374,10 +374,10 @@ def estimate_memory(
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
         if opt_dev == "cpu" and (stage < 3 or par_dev == "cpu") and shard > dev and \
                 step_assist_enabled(zero.tiering, "cuda"):
-            # [Note: step assist] in optim/assist.py (assist.slot_layout); at stage 3 the
+            # [Note: step assist] in shard/assist.py (assist.slot_layout); at stage 3 the
             # 16-bit result goes to the host shard through a slot buffer
             from zeroio.dtypes import DTYPES
-            from zeroio.optim import assist
+            from zeroio.shard import assist
 
             per = assist.slot_element_bytes(
                 _host_grad_dtype(dtype, opt_dev, gas, shard - dev, stage=stage),

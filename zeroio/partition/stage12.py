@@ -64,7 +64,7 @@ host elements only, so a module whose parameters are all device-side waits
 for nothing in an overlapped step.
 
 [Note: stage 1/2 step assist]
-With ``step_assist`` ([Note: step assist] in optim/assist.py) ``_step_job``
+With ``step_assist`` ([Note: step assist] in shard/assist.py) ``_step_job``
 hands a chunk to the GPU when ``StepAssist.take`` accepts it: the GPU casts
 the chunk's new values into the parameter buffer after everything queued on the copy
 stream so far (earlier chunks, the backward's last reads), and the copy
@@ -98,13 +98,13 @@ import torch
 
 from zeroio.errors import DistributedError
 from zeroio.io.hostmem import host_empty, host_zeros
-from zeroio.optim.assist import StepAssist
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.host_grads import host_grad_dtype
 from zeroio.partition.stage3.twin import OptimizerSplit, cut_segments, device_numel
 from zeroio.partition.step_overlap import StepRunner
+from zeroio.shard.assist import StepAssist
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
 
@@ -203,7 +203,7 @@ class Stage12Partitioner:
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
         gradients]. ``step_assist``: the GPU steps a share of the host chunks
-        (optim/assist.py, [Note: step assist]; CUDA with host masters only)."""
+        (shard/assist.py, [Note: step assist]; CUDA with host masters only)."""
         self.stage = stage
         self.host_grad_dtype = torch.float32
         """dtype of the host gradient shard ([Note: 16-bit host gradients])."""

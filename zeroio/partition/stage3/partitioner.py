@@ -37,7 +37,7 @@ device side was stepped before ``run_step`` (``TwinAdam.begin_chunked_step``):
 ``run_step`` publishes its pieces first, on the calling thread (on CUDA with
 host shards without a host wait: [Note: asynchronous device-side publish] in
 twin.py), and the jobs update and publish only host pieces.
-With the step assist ([Note: step assist] in optim/assist.py; host shards on
+With the step assist ([Note: step assist] in shard/assist.py; host shards on
 CUDA) a job hands some of its chunks to the GPU, which writes their 16-bit
 values into the host shard itself; ``_await_shard`` then makes the shard's
 fetch wait on the GPU for those copies, and ``wait_step`` waits until the
@@ -54,7 +54,6 @@ from torch import nn
 
 from zeroio.config.zero import step_assist_enabled
 from zeroio.errors import DistributedError
-from zeroio.optim.assist import StepAssist
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Phase, ShardGroup
 from zeroio.partition.host_grads import host_grad_dtype
@@ -77,6 +76,7 @@ from zeroio.partition.stage3.twin import (
     place,
 )
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
+from zeroio.shard.assist import StepAssist
 from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
@@ -166,7 +166,7 @@ class Stage3Partitioner:
         host_numel = sum(sg.master.numel() for sg in self._sides[Side.HOST])
         self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers)
                         if settings.step_assist and isinstance(self.store, HostShards)
-                        else None)  # [Note: step assist] in optim/assist.py
+                        else None)  # [Note: step assist] in shard/assist.py
         self._assist_step = None
         self._assisted: dict[int, list[torch.cuda.Event]] = {}
         """Per group, the events behind the GPU's copies into its host shard (this step)."""

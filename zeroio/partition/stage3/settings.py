@@ -69,7 +69,7 @@ class Stage3Settings:
 
     step_assist: bool = False
     """offload_optimizer cpu with host shards on CUDA: the GPU steps a share of the host
-    chunks ([Note: step assist] in optim/assist.py); ``build_stage3_partitioner`` resolves
+    chunks ([Note: step assist] in shard/assist.py); ``build_stage3_partitioner`` resolves
     ``zero_optimization.tiering.step_assist`` for the device."""
 
     def __post_init__(self) -> None:
