@@ -32,6 +32,7 @@ from zeroio.config.loader import collective_timeout
 from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError, ConfigError
+from zeroio.optim import cpu_adam
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
 from zeroio.optim.loss_scaler import build_loss_scaler
@@ -78,12 +79,13 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             overlap_forward=off.device == "cpu" and overlap_step_enabled(cfg.zero_optimization.tiering),
             optimizer_ratio=off.ratio if off.device == "cpu" else 1.0,
             cpu_optimizer=off.device == "cpu", accumulation_steps=cfg.gradient_accumulation_steps,
-            step_assist=off.device == "cpu" and step_assist_enabled(zc.tiering, device))
+            step_assist=off.device == "cpu" and step_assist_enabled(zc.tiering, device),
+            host_kernel=cpu_adam)
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
         return build_stage3_partitioner(cfg=cfg, module=module, spec=spec, device=device,
-                                        compute_dtype=dtype, home=home)
+                                        compute_dtype=dtype, home=home, host_kernel=cpu_adam)
     raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
                       key="zero_optimization.stage")
 

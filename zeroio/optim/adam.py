@@ -24,7 +24,7 @@ from torch.optim.adamw import adamw as adamw_fn
 from zeroio.errors import ConfigError
 from zeroio.io.hostmem import host_zeros
 from zeroio.optim import cpu_adam
-from zeroio.partition.base import ShardGroup
+from zeroio.shard.types import ShardGroup
 
 
 @dataclass(eq=False, kw_only=True)

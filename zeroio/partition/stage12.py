@@ -74,7 +74,7 @@ the chunk's event, so ``events[i]`` still means "chunks 0..i are published".
 
 [Note: 16-bit host gradients]
 With 16-bit parameters, a host optimizer stepped by the one-pass CPU Adam
-(optim/cpu_adam.py; ``host_grad_dtype`` in host_grads.py decides, for every
+(optim/cpu_adam.py; ``host_grad_dtype`` in shard/host_grads.py decides, for every
 stage) and no accumulation on the host (stage 1, or stage 2
 with ``gradient_accumulation_steps`` 1), the host gradient shard is kept in
 the compute dtype: a consumed piece goes to the host as the reduced 16-bit
@@ -101,10 +101,10 @@ from zeroio.io.hostmem import host_empty, host_zeros
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
-from zeroio.partition.host_grads import host_grad_dtype
 from zeroio.partition.stage3.twin import OptimizerSplit, cut_segments, device_numel
 from zeroio.partition.step_overlap import StepRunner
 from zeroio.shard.assist import StepAssist
+from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
 
@@ -199,11 +199,14 @@ class Stage12Partitioner:
         cpu_optimizer: bool = False,
         accumulation_steps: int = 1,
         step_assist: bool = False,
+        host_kernel: OnePassKernel | None = None,
     ):
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
         gradients]. ``step_assist``: the GPU steps a share of the host chunks
-        (shard/assist.py, [Note: step assist]; CUDA with host masters only)."""
+        (shard/assist.py, [Note: step assist]; CUDA with host masters only).
+        ``host_kernel``: the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the
+        host gradients stay fp32), asked by ``host_grad_dtype``."""
         self.stage = stage
         self.host_grad_dtype = torch.float32
         """dtype of the host gradient shard ([Note: 16-bit host gradients])."""
@@ -212,6 +215,7 @@ class Stage12Partitioner:
         self._cpu_optimizer = cpu_optimizer and home.device.type == "cpu"
         self._accumulation_steps = accumulation_steps
         self._compute_dtype = compute_dtype
+        self._host_kernel = host_kernel
         self.group = group
         # host <-> device bytes (gradient D2H, parameter H2D) counted where the copies are
         # issued, and host waits on them: engine.stats() (tiering/stats.py)
@@ -312,7 +316,7 @@ class Stage12Partitioner:
         self.host_grad_dtype = host_grad_dtype(
             stage=self.stage, compute_dtype=self._compute_dtype,
             cpu_optimizer=self._cpu_optimizer, accumulation_steps=self._accumulation_steps,
-            host_numel=host_total, step_out=self._step_out())
+            host_numel=host_total, kernel=self._host_kernel, step_out=self._step_out())
         if self.host_grad_dtype != torch.float32:
             self.host_grad_divisor = float(self.comm_world)
         self._dev: list[ShardGroup] = []

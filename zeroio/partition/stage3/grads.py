@@ -35,7 +35,7 @@ As at stages 1/2 (stage12.py, [Note: 16-bit host gradients]): when the
 host side is stepped by the one-pass CPU Adam (optim/cpu_adam.py), the
 compute dtype is 16-bit and nothing is accumulated on the host
 (``gradient_accumulation_steps`` 1), the host gradient shard is kept in the
-compute dtype; ``host_grad_dtype`` in partition/host_grads.py decides, for every stage
+compute dtype; ``host_grad_dtype`` in shard/host_grads.py decides, for every stage
 (the partitioner asks it at construction, zeroio.estimate asks it to plan). The
 kernel upcasts the gradient in registers, which is exact, so the host reads
 2 bytes per element instead of 4, half the bytes cross PCIe and the host

@@ -56,7 +56,6 @@ from zeroio.config.zero import step_assist_enabled
 from zeroio.errors import DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Phase, ShardGroup
-from zeroio.partition.host_grads import host_grad_dtype
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
@@ -77,6 +76,7 @@ from zeroio.partition.stage3.twin import (
 )
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.shard.assist import StepAssist
+from zeroio.shard.host_grads import host_grad_dtype
 from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
@@ -99,9 +99,12 @@ class Stage3Partitioner:
 
     def __init__(self, *, module: nn.Module, param_groups: list[list[nn.Parameter]],
                  compute_dtype: torch.dtype, device: torch.device, home,
-                 settings: Stage3Settings, group=None):
+                 settings: Stage3Settings, group=None, host_kernel=None):
+        """``host_kernel``: the one-pass CPU Adam ``host_grad_dtype`` asks (the engine passes
+        optim/cpu_adam.py; None: the host gradients stay fp32)."""
         self.module, self.dtype, self.device, self.home = module, compute_dtype, device, home
         self.settings, self.pg = settings, group
+        self._host_kernel = host_kernel
         self.rank, self.world = comm.rank(group), comm.world_size(group)
         self.index = index_of(module, registry.true_shape)
         opt_group_of = {id(p): gi for gi, ps in enumerate(param_groups) for p in ps}
@@ -215,7 +218,7 @@ class Stage3Partitioner:
         self.host_grad_dtype = host_grad_dtype(
             stage=3, compute_dtype=self.dtype, cpu_optimizer=self.settings.cpu_optimizer,
             accumulation_steps=self.settings.accumulation_steps,
-            host_numel=sum(sizes[Side.HOST]),
+            host_numel=sum(sizes[Side.HOST]), kernel=self._host_kernel,
             step_out=self.dtype if isinstance(self.store, HostShards) else None)  # as run_step
         """dtype of the host side's gradient shards ([Note: 16-bit host gradients at stage 3]
         in grads.py); the device side's are fp32."""
@@ -610,7 +613,8 @@ def _covers_shard(plan, rank: int, refs: list[_PieceRef]) -> bool:
 
 
 def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.device,
-                             compute_dtype: torch.dtype, home) -> Stage3Partitioner:
+                             compute_dtype: torch.dtype, home,
+                             host_kernel=None) -> Stage3Partitioner:
     """What ``engine.build_partitioner`` calls for ``zero_optimization.stage: 3``."""
     settings = Stage3Settings.from_zero_config(
         cfg.zero_optimization, accumulation_steps=cfg.gradient_accumulation_steps)
@@ -619,4 +623,4 @@ def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.devi
                                    aio=getattr(cfg, "aio", None))
     return Stage3Partitioner(module=module, param_groups=spec.param_groups,
                              compute_dtype=compute_dtype, device=device, home=home,
-                             settings=settings)
+                             settings=settings, host_kernel=host_kernel)
