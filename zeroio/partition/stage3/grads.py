@@ -67,6 +67,7 @@ import torch
 
 from zeroio.io.hostmem import host_empty
 from zeroio.partition.base import ShardGroup
+from zeroio.partition.landing import land
 from zeroio.partition.stage3.streams import keep_for, on, record, wait_stream
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
@@ -138,16 +139,11 @@ class GradLanding:
         for ld in lds:
             with on(side if ld in host else None):
                 src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
-                if writes == 0:
-                    if dst.dtype != src.dtype and src.is_cuda:  # [Note: 16-bit host
-                        # gradients at stage 3]: cast here, allocated on this stream (d2h)
-                        src = src.to(dst.dtype)
-                    count_copy(self.transfers, src, dst)
-                    dst.copy_(src, non_blocking=True)
-                elif dst.device == src.device:
-                    dst.add_(src)
-                else:
-                    staged.append(ld)
+                if writes == 0 and dst.dtype != src.dtype and src.is_cuda:  # [Note: 16-bit
+                    # host gradients at stage 3]: cast here, allocated on this stream (d2h)
+                    src = src.to(dst.dtype)
+                if not land(src, dst, first=writes == 0, transfers=self.transfers):
+                    staged.append(ld)  # [Note: one landing rule] in partition/landing.py
         if staged:
             with on(side):
                 self._stage_add(gi, staged, shard)
