@@ -204,7 +204,7 @@ def test_stage3_ratio_buffers_by_hand():
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stage12_host_gradients_by_hand(monkeypatch, stage, ratio, mode):
-    """Stages 1/2, optimizer on cpu, bf16, gas 1 (partition/host_grads.py): the host gradient
+    """Stages 1/2, optimizer on cpu, bf16, gas 1 (shard/host_grads.py): the host gradient
     shard is 2 bytes per host element under the one-pass CPU Adam (``auto``: the 100M-element
     host part is above its threshold), 4 under torch's kernel; with a ratio the device side's
     stays 4 bytes on the GPU. Every byte by hand (no config: 5e8-element buckets, one reduce

@@ -218,7 +218,7 @@ def test_host_device_bytes_on_gpu(tmp_path):
     for s in z3["steps"][1:]:
         assert s["bytes_moved"]["gpu->cpu"] == 4 * NUMEL
         assert 2 * NUMEL <= s["bytes_moved"]["cpu->gpu"] <= 2 * 2 * NUMEL
-    # the step assist ([Note: step assist] in optim/assist.py): for each element the GPU
+    # the step assist ([Note: step assist] in shard/assist.py): for each element the GPU
     # steps, master + exp_avg + exp_avg_sq (12 B) and the fp32 host gradient (4 B) go up and
     # the 12 B of state come back down; at stage 2 that element's 16-bit value is cast on the
     # GPU (no publication upload), at stage 3 it goes down to the host shard (2 B more)

@@ -1,4 +1,4 @@
-"""The GPU's share of the host optimizer step (zeroio/optim/assist.py, [Note: step assist]).
+"""The GPU's share of the host optimizer step (zeroio/shard/assist.py, [Note: step assist]).
 
 CPU (here): ``zero_optimization.tiering.step_assist`` and ``ZEROIO_STEP_ASSIST`` resolve as
 documented, bad values name the key, "on" without CUDA is an error naming the setting,
@@ -142,8 +142,8 @@ def _gpu_body(stage, dtype, tmpdir):
     import os
 
     import zeroio
-    from zeroio.optim import assist
     from zeroio.partition import stage12
+    from zeroio.shard import assist
 
     stage12.STEP_CHUNK_NUMEL = 64
     os.environ["ZEROIO_STEP_CHUNK_NUMEL"] = "64"
@@ -222,7 +222,7 @@ def _oom_body():
     import warnings
 
     import zeroio
-    from zeroio.optim import assist
+    from zeroio.shard import assist
 
     real = assist.StepAssist._buf
 
@@ -278,7 +278,7 @@ def test_slots_that_do_not_fit_leave_the_step_to_the_cpu():
 ])
 def test_estimate_counts_the_slots(monkeypatch, stage, kernel, assist, per_elem):
     from zeroio.estimate import estimate_memory
-    from zeroio.optim import assist as assist_mod
+    from zeroio.shard import assist as assist_mod
 
     monkeypatch.delenv("ZEROIO_STEP_ASSIST", raising=False)
     monkeypatch.setenv("ZEROIO_CPU_ADAM", kernel)

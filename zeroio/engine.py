@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from zeroio.config import load_config
 from zeroio.config.loader import collective_timeout
-from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
+from zeroio.config.policy import resolve_policies
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError, ConfigError
+from zeroio.optim import cpu_adam
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
 from zeroio.optim.loss_scaler import build_loss_scaler
@@ -66,7 +67,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
     """The one place that maps ``zero_optimization.stage`` to a partitioner."""
     zc = cfg.zero_optimization
     dtype = DTYPES[cfg.compute_dtype]
-    off = zc.offload_optimizer
+    pol = resolve_policies(zc, accumulation_steps=cfg.gradient_accumulation_steps, device=device)
+    off = pol.optimizer
     if off.device == "none":
         home = ShardHome(device=device)
     else:  # cpu, and nvme (whose masters and moments are swapped by the optimizer)
@@ -75,15 +77,16 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
         return Stage12Partitioner(
             module=module, param_groups=spec.param_groups, stage=zc.stage, compute_dtype=dtype,
             device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
-            overlap_forward=off.device == "cpu" and overlap_step_enabled(cfg.zero_optimization.tiering),
-            optimizer_ratio=off.ratio if off.device == "cpu" else 1.0,
-            cpu_optimizer=off.device == "cpu", accumulation_steps=cfg.gradient_accumulation_steps,
-            step_assist=off.device == "cpu" and step_assist_enabled(zc.tiering, device))
+            overlap_forward=off.cpu and pol.tiering.overlap_step,
+            optimizer_ratio=off.ratio if off.cpu else 1.0,
+            cpu_optimizer=off.cpu, accumulation_steps=pol.accumulation_steps,
+            step_assist=pol.tiering.step_assist, host_kernel=cpu_adam)
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
         return build_stage3_partitioner(cfg=cfg, module=module, spec=spec, device=device,
-                                        compute_dtype=dtype, home=home)
+                                        compute_dtype=dtype, home=home, policies=pol,
+                                        host_kernel=cpu_adam)
     raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
                       key="zero_optimization.stage")
 

@@ -27,7 +27,7 @@ Two layers, reported separately in the breakdown:
      2/3 with gradient_accumulation_steps 1) and the one-pass CPU Adam
      (ZEROIO_CPU_ADAM compiled, or auto, the default, for a host shard of at
      least its AUTO_MIN_NUMEL) the host part is kept in the compute dtype
-     instead: b bytes per element (partition/host_grads.py decides, here and in
+     instead: b bytes per element (shard/host_grads.py decides, here and in
      the partitioners; with ratio < 1 the device side's stays fp32).
    - gradient reduce buckets: stages 0-2, reduce_bucket_size elements of b
      bytes, two when overlap_comm double-buffers them; capped at Psi. Stage 3
@@ -374,10 +374,10 @@ def estimate_memory(
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
         if opt_dev == "cpu" and (stage < 3 or par_dev == "cpu") and shard > dev and \
                 step_assist_enabled(zero.tiering, "cuda"):
-            # [Note: step assist] in optim/assist.py (assist.slot_layout); at stage 3 the
+            # [Note: step assist] in shard/assist.py (assist.slot_layout); at stage 3 the
             # 16-bit result goes to the host shard through a slot buffer
             from zeroio.dtypes import DTYPES
-            from zeroio.optim import assist
+            from zeroio.shard import assist
 
             per = assist.slot_element_bytes(
                 _host_grad_dtype(dtype, opt_dev, gas, shard - dev, stage=stage),
@@ -411,9 +411,10 @@ def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
                     stage: int = 3) -> int:
     """Bytes per element of the host gradient shard (``host_numel`` elements; offload
     ``opt_dev``, ``gradient_accumulation_steps`` ``gas``), as the partitioner will decide it
-    (``host_grad_dtype`` in zeroio/partition/host_grads.py, from ZEROIO_CPU_ADAM without
+    (``host_grad_dtype`` in zeroio/shard/host_grads.py, from ZEROIO_CPU_ADAM without
     compiling anything): the same rules, without importing torch."""
-    from zeroio.optim.cpu_adam_plan import host_grad_may_be_16bit, planned
+    from zeroio.optim.cpu_adam_plan import planned
+    from zeroio.shard.host_rule import host_grad_may_be_16bit
 
     half = host_grad_may_be_16bit(stage=stage, half=dtype in ("bf16", "fp16"),
                                   cpu_optimizer=opt_dev == "cpu", accumulation_steps=gas,
@@ -424,11 +425,12 @@ def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
 def _host_grad_dtype(dtype: str, opt_dev: str, gas: int, host_numel: int, *, stage: int):
     """The torch dtype of ``host_grad_bytes`` (for the step assist's slot sizes)."""
     from zeroio.dtypes import DTYPES
-    from zeroio.partition.host_grads import host_grad_dtype
+    from zeroio.optim import cpu_adam_plan
+    from zeroio.shard.host_grads import host_grad_dtype
 
     return host_grad_dtype(stage=stage, compute_dtype=DTYPES[dtype],
                            cpu_optimizer=opt_dev == "cpu", accumulation_steps=gas,
-                           host_numel=host_numel, plan_only=True)
+                           host_numel=host_numel, kernel=cpu_adam_plan, plan_only=True)
 
 
 def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab: int,

@@ -153,7 +153,7 @@ class TieringConfig:
     step_assist: bool | None = field(None, coerce=_bool_or_auto)
     """offload_optimizer cpu on a CUDA device: the GPU steps a share of the host optimizer's
     chunks beside the CPU, streaming them in and out ([Note: step assist] in
-    optim/assist.py); state stays in host memory. "auto" (None, the default): on wherever
+    shard/assist.py); state stays in host memory. "auto" (None, the default): on wherever
     it applies; false: CPU only. The environment variable ZEROIO_STEP_ASSIST, when set
     (1/0/auto), overrides it (``step_assist_enabled``)."""
 

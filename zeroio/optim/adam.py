@@ -24,7 +24,7 @@ from torch.optim.adamw import adamw as adamw_fn
 from zeroio.errors import ConfigError
 from zeroio.io.hostmem import host_zeros
 from zeroio.optim import cpu_adam
-from zeroio.partition.base import ShardGroup
+from zeroio.shard.types import ShardGroup
 
 
 @dataclass(eq=False, kw_only=True)
@@ -117,7 +117,7 @@ class ChunkedStep:
 
     def host_views(self, group_index: int, lo: int, numel: int) -> tuple[torch.Tensor, ...]:
         """Elements [lo, lo + numel) of a group's master, gradient and moments (a GPU step of
-        this chunk reads and writes them: optim/assist.py)."""
+        this chunk reads and writes them: shard/assist.py)."""
         g, st = self._opt.groups_by_index[group_index], self._state[group_index]
         return tuple(t.narrow(0, lo, numel) for t in (g.master, g.grad, st.exp_avg,
                                                       st.exp_avg_sq))
@@ -126,7 +126,7 @@ class ChunkedStep:
              exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """torch's fused Adam(W) with this step's hyperparameters on a chunk's tensors, on
         whatever device they are: the group's own (``update``) or a GPU slot of the step
-        assist (optim/assist.py). The step counter and ``grad_scale`` tensors it needs on
+        assist (shard/assist.py). The step counter and ``grad_scale`` tensors it needs on
         another device are made once per step, on the caller's current stream."""
         before, scale = self._before[group_index], self._scale[group_index]
         if master.device != before.device:

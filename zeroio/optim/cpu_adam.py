@@ -35,7 +35,7 @@ compiles (``_no_isa_probes``): on that host they cost 47 s per process.
 The kernel is compiled once per process (a few seconds; inductor caches it on disk; a fresh
 machine takes about 20 s on 2 cores), one variant per gradient dtype and output dtype (or
 none); ``wanted`` builds the one the host step calls before the first step. Stages 1-3 hand
-the host a 16-bit gradient where no host accumulation needs fp32 (partition/host_grads.py
+the host a 16-bit gradient where no host accumulation needs fp32 (shard/host_grads.py
 decides; [Note: 16-bit host gradients] in partition/stage12.py, [Note: 16-bit host
 gradients at stage 3] in partition/stage3/grads.py), 2 bytes per element over PCIe and read
 here instead of 4. A failed compile, such as no C++ compiler, falls back to torch's kernel
@@ -184,7 +184,7 @@ def wanted(total_numel: int, grad_dtype: torch.dtype = torch.float32,
     ``grad_dtype`` gradient and writing ``out_dtype`` (None: no output), so that no training
     step compiles. False where ``auto`` could not compile.
 
-    The partitioners pass ``out_dtype`` (partition/host_grads.py: what their ``run_step``
+    The partitioners pass ``out_dtype`` (shard/host_grads.py: what their ``run_step``
     hands ``ChunkedStep.update``). A caller that does not know it leaves it out
     (``ShardedAdam``, built after its partitioner): a variant already built for
     ``grad_dtype`` is then enough, else the one without output (what ``ShardedAdam.step``

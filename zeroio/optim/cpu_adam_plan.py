@@ -1,12 +1,15 @@
 """Which CPU Adam kernel steps host optimizer state, and what that makes of the host gradient,
 decided without importing torch: ``zeroio.estimate`` plans with these rules,
-``optim/cpu_adam.py`` and ``partition/host_grads.py`` apply them in training."""
+``optim/cpu_adam.py`` applies them in training, and the engine hands ``optim/cpu_adam.py`` to
+the partitioners as the kernel ``shard/host_grads.py`` asks. The host-gradient 16-bit rule itself
+is ``shard/host_rule.py`` (re-exported here)."""
 
 from __future__ import annotations
 
 import os
 
 from zeroio.errors import ConfigError
+from zeroio.shard.host_rule import host_grad_may_be_16bit  # noqa: F401 (re-exported)
 
 AUTO_MIN_NUMEL = 1 << 24
 """``auto`` compiles for host optimizer state of at least this many elements (64 MB fp32)."""
@@ -30,16 +33,6 @@ def planned(total_numel: int) -> bool:
     nothing is compiled here)."""
     m = mode()
     return m == "compiled" or (m == "auto" and total_numel >= AUTO_MIN_NUMEL)
-
-
-def host_grad_may_be_16bit(*, stage: int, half: bool, cpu_optimizer: bool,
-                           accumulation_steps: int, host_numel: int) -> bool:
-    """Whether the host gradient shard can stay in the 16-bit compute dtype (``half``), before
-    the kernel choice: a CPU Adam steps a non-empty host shard, and nothing accumulates on the
-    host (stage 1 always; stages 2 and 3 only with one micro step). It then is 16-bit exactly
-    when the one-pass kernel steps it (partition/host_grads.py's module doc)."""
-    host_accumulates = stage != 1 and accumulation_steps > 1
-    return cpu_optimizer and host_numel > 0 and half and not host_accumulates
 
 
 __all__ = ["AUTO_MIN_NUMEL", "MODES", "host_grad_may_be_16bit", "mode", "planned"]

@@ -56,7 +56,7 @@ import torch
 
 from zeroio.errors import CapacityError, ConfigError
 from zeroio.optim.adam import AdamState, adam_update
-from zeroio.partition.base import ShardGroup
+from zeroio.shard.types import ShardGroup
 
 KINDS = ("exp_avg", "exp_avg_sq")
 MAX_PIECE_ELEMS = 1 << 24

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from zeroio.optim.adam import ShardedAdam
-from zeroio.partition.base import ShardGroup
+from zeroio.shard.types import ShardGroup
 
 
 class TwinAdam:

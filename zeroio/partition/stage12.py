@@ -63,18 +63,9 @@ all-gather of buckets with no host element), and the host step's chunks cover
 host elements only, so a module whose parameters are all device-side waits
 for nothing in an overlapped step.
 
-[Note: stage 1/2 step assist]
-With ``step_assist`` ([Note: step assist] in optim/assist.py) ``_step_job``
-hands a chunk to the GPU when ``StepAssist.take`` accepts it: the GPU casts
-the chunk's new values into the parameter buffer after everything queued on the copy
-stream so far (earlier chunks, the backward's last reads), and the copy
-stream waits for that cast before later chunks, the bucket's all-gather and
-the chunk's event, so ``events[i]`` still means "chunks 0..i are published".
-``wait_step`` drains the assist (state back in host memory) after the join.
-
 [Note: 16-bit host gradients]
 With 16-bit parameters, a host optimizer stepped by the one-pass CPU Adam
-(optim/cpu_adam.py; ``host_grad_dtype`` in host_grads.py decides, for every
+(optim/cpu_adam.py; ``host_grad_dtype`` in shard/host_grads.py decides, for every
 stage) and no accumulation on the host (stage 1, or stage 2
 with ``gradient_accumulation_steps`` 1), the host gradient shard is kept in
 the compute dtype: a consumed piece goes to the host as the reduced 16-bit
@@ -98,40 +89,17 @@ import torch
 
 from zeroio.errors import DistributedError
 from zeroio.io.hostmem import host_empty, host_zeros
-from zeroio.optim.assist import StepAssist
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
-from zeroio.partition.host_grads import host_grad_dtype
-from zeroio.partition.stage3.twin import OptimizerSplit, cut_segments, device_numel
+from zeroio.partition.landing import GradPiece, land, plan_pieces
+from zeroio.partition.split import Side, cut_segments, device_numel, split_range
+from zeroio.partition.stage3.twin import OptimizerSplit
+from zeroio.partition.stage12_step import HostStep12
 from zeroio.partition.step_overlap import StepRunner
+from zeroio.shard.assist import StepAssist
+from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepChunk:
-    """One job of the host step: Adam on part of a bucket's slice, then its publication."""
-
-    bucket: Bucket
-    slice_lo: int
-    """Start inside the bucket's slice (this rank's)."""
-    numel: int
-    gather: bool
-    """Last chunk of its bucket with world > 1: the bucket's all-gather follows."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class GradPiece:
-    """Part of a bucket's slice consumed at once (see [Note: gradient pieces])."""
-
-    key: int
-    """Index in the partitioner's list of every piece."""
-    bucket: Bucket
-    slice_lo: int
-    """Start inside the bucket's slice (this rank's)."""
-    numel: int
-    params: int
-    """Parameters (non-empty) overlapping it: hooks to wait for before consuming it early."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +136,7 @@ GRAD_PIECE_NUMEL = 1 << 25
 gradient of backward is a few ms instead of a whole bucket's (2 GB, 36 ms at 5e8 elements)."""
 
 
-class Stage12Partitioner:
+class Stage12Partitioner(HostStep12):
     """Stages 0, 1 and 2 behind the ``Partitioner`` protocol (partition/base.py)."""
 
     # [Note: readers of an overlapped step]
@@ -199,11 +167,14 @@ class Stage12Partitioner:
         cpu_optimizer: bool = False,
         accumulation_steps: int = 1,
         step_assist: bool = False,
+        host_kernel: OnePassKernel | None = None,
     ):
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
         gradients]. ``step_assist``: the GPU steps a share of the host chunks
-        (optim/assist.py, [Note: step assist]; CUDA with host masters only)."""
+        (shard/assist.py, [Note: step assist]; CUDA with host masters only).
+        ``host_kernel``: the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the
+        host gradients stay fp32), asked by ``host_grad_dtype``."""
         self.stage = stage
         self.host_grad_dtype = torch.float32
         """dtype of the host gradient shard ([Note: 16-bit host gradients])."""
@@ -212,6 +183,7 @@ class Stage12Partitioner:
         self._cpu_optimizer = cpu_optimizer and home.device.type == "cpu"
         self._accumulation_steps = accumulation_steps
         self._compute_dtype = compute_dtype
+        self._host_kernel = host_kernel
         self.group = group
         # host <-> device bytes (gradient D2H, parameter H2D) counted where the copies are
         # issued, and host waits on them: engine.stats() (tiering/stats.py)
@@ -245,8 +217,9 @@ class Stage12Partitioner:
         self._norm_parts: list[torch.Tensor] = []  # see [Note: norm while consuming]
         # [Note: gradient pieces]: with nobody to reduce with, pieces go as their params are ready
         self._early = self.comm_world == 1
-        self._pieces, self._pieces_of = self._plan_pieces(
-            max(1, grad_piece_numel or GRAD_PIECE_NUMEL))
+        self._pieces, self._pieces_of = plan_pieces(
+            self.layout.buckets, rank=self.rank, world=self.world,
+            piece_numel=max(1, grad_piece_numel or GRAD_PIECE_NUMEL), early=self._early)
         self._n_pieces = sum(len(ps) for ps in self._pieces)
         self._left = [0] * self._n_pieces
         self._consumed = [False] * self._n_pieces
@@ -312,7 +285,7 @@ class Stage12Partitioner:
         self.host_grad_dtype = host_grad_dtype(
             stage=self.stage, compute_dtype=self._compute_dtype,
             cpu_optimizer=self._cpu_optimizer, accumulation_steps=self._accumulation_steps,
-            host_numel=host_total, step_out=self._step_out())
+            host_numel=host_total, kernel=self._host_kernel, step_out=self._step_out())
         if self.host_grad_dtype != torch.float32:
             self.host_grad_divisor = float(self.comm_world)
         self._dev: list[ShardGroup] = []
@@ -352,42 +325,14 @@ class Stage12Partitioner:
     def _parts(self, gi: int, kind: str, lo: int, n: int) -> list[tuple[int, torch.Tensor]]:
         """Elements [lo, lo + n) of group ``gi``'s local ``kind`` ("master" | "grad") as
         ``(offset in the range, physical view)``: device part first, then host part."""
-        d, out = self._dev_len[gi], []
-        if lo < d:
-            k = min(n, d - lo)
-            out.append((0, getattr(self._dev[gi], kind).narrow(0, lo, k)))
-        if lo + n > d:
-            a = max(lo, d)
-            out.append((a - lo, getattr(self._host[gi], kind).narrow(0, a - d, lo + n - a)))
-        return out
+        sides = {Side.DEVICE: self._dev, Side.HOST: self._host}
+        return [(off, getattr(sides[side][gi], kind).narrow(0, start, k))
+                for off, side, start, k in split_range(lo, n, self._dev_len[gi])]
 
     @property
     def _physical(self) -> list[ShardGroup]:
         """Every ShardGroup holding data (both sides with a ratio)."""
         return self._host + self._dev
-
-    def _plan_pieces(self, piece_numel: int) -> tuple[list[list[GradPiece]],
-                                                      dict[int, list[GradPiece]]]:
-        """Each bucket's pieces, and (consumed early only) the pieces each parameter overlaps."""
-        pieces: list[list[GradPiece]] = []
-        of_param: dict[int, list[GradPiece]] = {}
-        key = 0
-        for b in self.layout.buckets:
-            size, mine = b.slice_numel(self.world), []
-            lo_flat = b.start + self.rank * size
-            for lo in range(0, size, piece_numel):
-                k = min(piece_numel, size - lo)
-                a, z = lo_flat + lo, lo_flat + lo + k
-                over = [s for s in b.slots
-                        if s.numel and s.flat_offset < z and a < s.flat_offset + s.numel]
-                piece = GradPiece(key=key, bucket=b, slice_lo=lo, numel=k, params=len(over))
-                key += 1
-                mine.append(piece)
-                if self._early:
-                    for s in over:
-                        of_param.setdefault(id(s.param), []).append(piece)
-            pieces.append(mine)
-        return pieces, of_param
 
     # ---- backward --------------------------------------------------------------------------
 
@@ -488,12 +433,7 @@ class Stage12Partitioner:
                     "a second backward before engine.step with 16-bit host gradients (stage 2, "
                     "gradient_accumulation_steps 1): call engine.step after each backward, or "
                     "set gradient_accumulation_steps to the number of backwards per step")
-            if first:
-                count_copy(self.transfers, part, dst)
-                dst.copy_(part, non_blocking=True)
-            elif dst.device == part.device:
-                dst.add_(part)
-            else:
+            if not land(part, dst, first=first, transfers=self.transfers):  # a staged add
                 stage = self._accum_staging.get(b.index)
                 if stage is None:
                     stage = self._accum_staging[b.index] = self.home.empty(size)
@@ -608,190 +548,6 @@ class Stage12Partitioner:
         self.grads.zero_()
         self._first_micro = True
         self.phase = Phase.IDLE
-
-    # ---- host step (see step_overlap.[Note: step overlap]) --------------------------------
-
-    def _plan_step(self, chunk_numel: int) -> tuple[list[StepChunk], dict[int, int]]:
-        """Chunks in the order a forward reads parameters (buckets by their first global
-        offset), and per parameter the last chunk its published value depends on."""
-        order = sorted(self.layout.buckets,
-                       key=lambda b: min((s.global_offset for s in b.slots), default=0))
-        chunks: list[StepChunk] = []
-        ready: dict[int, int] = {}
-        self._device_gathers: list[Bucket] = []
-        """Buckets with no host element (world > 1): all-gathered by ``run_step`` itself."""
-        for b in order:
-            size, first = b.slice_numel(self.world), len(chunks)
-            h0 = self._host_start(b)  # host chunks only: [Note: stage 1/2 twin placement]
-            for lo in range(h0, size, chunk_numel):
-                k = min(chunk_numel, size - lo)
-                chunks.append(StepChunk(bucket=b, slice_lo=lo, numel=k,
-                                        gather=self.world > 1 and lo + k == size))
-            if h0 == size and self.world > 1 and size:
-                self._device_gathers.append(b)
-            for s in b.slots:
-                end = s.flat_offset - b.start + s.numel
-                if h0 == size or (self.world == 1 and end <= h0):
-                    ready[id(s.param)] = -1  # published before any host chunk
-                elif self.world > 1:  # usable after the bucket's all-gather
-                    ready[id(s.param)] = len(chunks) - 1
-                else:  # world 1: the slice is the bucket
-                    ready[id(s.param)] = first + (end - 1 - h0) // chunk_numel if s.numel else -1
-        return chunks, ready
-
-    def _host_start(self, b: Bucket) -> int:
-        """Where the host side starts inside ``b``'s slice (its size: all device-side)."""
-        d = self._dev_len[b.group_index] - self._local_base[b.index]
-        return max(0, min(b.slice_numel(self.world), d))
-
-    def _publish_device(self) -> None:
-        """The device side's new masters -> the 16-bit parameters (a cast copy on the compute
-        stream), then the all-gather of every bucket with no host element."""
-        with torch.profiler.record_function("zeroio::publish_device_side"):
-            for b in self.layout.buckets:
-                h0 = self._host_start(b)
-                if h0:
-                    lb = self._local_base[b.index]
-                    self.params.narrow(0, b.start + self.rank * b.slice_numel(self.world),
-                                       h0).copy_(self._dev[b.group_index].master.narrow(0, lb, h0))
-            handles = [comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group)
-                       for b in self._device_gathers]
-            for h in handles:
-                h.wait()
-
-    def run_step(self, update, *, out_in_pass: bool = False, step=None) -> None:
-        """The optimizer step of host masters, chunk by chunk on a worker thread: ``update(
-        group_index, local_start, numel, out=...)`` (CPU Adam) then that chunk's publication
-        ([Note: step publication]; all-gather after a bucket's last chunk). ``out_in_pass``:
-        ``update`` writes ``out`` within its pass over the master (the one-pass CPU Adam),
-        so a 16-bit copy costs no extra pass. Without ``overlap_forward`` it returns when all
-        is published (in stream order); with it, at once, and forward pre-hooks wait for each
-        module's chunks. ``step``: the ``ChunkedStep`` behind ``update``, whose chunks the GPU
-        may step instead ([Note: step assist])."""
-        self.wait_step()
-        self._assist_step = step if self._assist is not None else None
-        if self.optimizer_split is not None:
-            self._publish_device()
-        if self._copy_stream is not None:  # the backward's last reads of the buffers come first
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            self._out_in_pass = out_in_pass and self.params.dtype != torch.float32
-            self._make_landing()
-        self._runner.start(partial(self._step_job, update))
-        if not self.overlap_forward:
-            self.wait_step()
-        self.phase = Phase.IDLE
-
-    def _make_landing(self) -> None:
-        if self.params.dtype == torch.float32 or not self._chunks:
-            return
-        n = max(c.numel for c in self._chunks)
-        if self._out_in_pass and not self._stage_slots:
-            # with the assist, a CPU chunk's copy may queue behind GPU chunks: more slots
-            k = 4 if self._assist is not None else 2
-            self._stage_slots = [host_empty(n, self.params.dtype, pin=True) for _ in range(k)]
-            self._slot_free = [torch.cuda.Event() for _ in range(k)]
-        if not self._out_in_pass and not self._scratch:
-            self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device)
-                             for _ in range(2)]
-
-    def _step_out(self) -> torch.dtype | None:
-        """What ``_step_job`` hands ``update`` as ``out`` under the one-pass CPU Adam: the
-        parameters themselves when they live in host memory (no CUDA), else a pinned 16-bit
-        slot, or nothing for fp32 parameters ([Note: step publication])."""
-        if self.device.type != "cuda" or self._compute_dtype != torch.float32:
-            return self._compute_dtype
-        return None
-
-    def _step_job(self, update, i: int) -> None:
-        c = self._chunks[i]
-        b, lb, size = c.bucket, self._local_base[c.bucket.index], c.bucket.slice_numel(self.world)
-        dst = self.params.narrow(0, b.start + self.rank * size + c.slice_lo, c.numel)
-        hlo = lb + c.slice_lo - self._dev_len[b.group_index]  # host-side local offset
-        if self._assist_step is not None and self._assisted_job(c, i, b, hlo, dst):
-            return
-        out = None
-        if self._copy_stream is None:  # parameters in host memory: written in the pass
-            out = dst
-        elif self._out_in_pass:
-            k = i % len(self._stage_slots)
-            self._slot_free[k].synchronize()  # the slot's last copy to the GPU read it
-            out = self._stage_slots[k].narrow(0, 0, c.numel)
-        with self._runner.clock.phase("adam"):
-            update(b.group_index, hlo, c.numel, out=out)
-        with self._runner.clock.phase("publish"):
-            self._publish_chunk(c, i, b, hlo, dst, out)
-
-    def _publish_chunk(self, c: StepChunk, i: int, b: Bucket, hlo: int, dst: torch.Tensor,
-                       out: torch.Tensor | None) -> None:
-        """[Note: step publication] The chunk's new values reach the 16-bit parameters by one
-        of three paths: parameters in host memory are ``out`` itself (no copy); with the
-        one-pass CPU Adam the kernel wrote them into a pinned 16-bit slot (two, alternating,
-        each reused after an event behind its copy) that goes up as is (2 bytes per
-        element over PCIe); otherwise the fp32 master goes up into a GPU landing zone and is
-        cast there (no extra CPU pass). fp32 parameters take the master directly."""
-        if self._copy_stream is None:
-            self._chunk_published(c, i, b)
-            return
-        src = self._host[b.group_index].master.narrow(0, hlo, c.numel)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
-            if out is not None:
-                count_copy(self.transfers, out, dst)
-                dst.copy_(out, non_blocking=True)
-                self._slot_free[i % len(self._stage_slots)].record(self._copy_stream)
-            elif src.dtype == dst.dtype:
-                count_copy(self.transfers, src, dst)
-                dst.copy_(src, non_blocking=True)
-            else:
-                landing = self._scratch[i % 2].narrow(0, 0, c.numel)
-                count_copy(self.transfers, src, landing)
-                landing.copy_(src, non_blocking=True)
-                dst.copy_(landing)
-            self._chunk_published(c, i, b)
-
-    def _assisted_job(self, c: StepChunk, i: int, b: Bucket, hlo: int, dst: torch.Tensor) -> bool:
-        """Chunk ``i`` stepped on the GPU ([Note: stage 1/2 step assist]): its 16-bit values are
-        cast into ``dst`` there, after every earlier chunk's publication; the copy stream
-        (later chunks, the bucket's all-gather, ``events[i]``) waits for them. False where
-        the assist does not take it (``StepAssist.take``): the caller steps it."""
-        with self._runner.clock.phase("assist"):
-            done = self._assist.take(self._assist_step, b.group_index, hlo, c.numel, dst,
-                                     after=self._copy_stream)
-        if done is None:
-            return False
-        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(done)
-            self._chunk_published(c, i, b)
-        return True
-
-    def _chunk_published(self, c: StepChunk, i: int, b: Bucket) -> None:
-        """After chunk ``i``'s values are in place (queued on the copy stream, the current one
-        here, when there is one): the bucket's all-gather after its last chunk, and
-        ``events[i]``."""
-        if c.gather:
-            comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
-        if self._copy_stream is not None:
-            self._runner.events[i].record(self._copy_stream)
-
-    def _await_params(self, need: int, module, args) -> None:
-        """Forward pre-hook (``overlap_forward``): this module's parameters are published."""
-        if not self._runner.running or need < 0:
-            return
-        self._runner.wait_for(need)
-        if self._runner.events is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._runner.events[need])
-
-    def wait_step(self) -> None:
-        """Wait for a host step started by ``run_step`` (re-raising its error); afterwards the
-        current stream is ordered after every publication."""
-        if not self._runner.running:
-            return
-        try:
-            self._runner.join()
-        finally:
-            if self._assist is not None:  # the GPU's chunks are back in host memory
-                self._assist.drain()
-        if self._runner.events is not None and self._chunks:
-            torch.cuda.current_stream(self.device).wait_event(self._runner.events[-1])
 
     def stats_sources(self) -> dict[str, dict]:
         """Transfer counters for ``engine.stats()``."""

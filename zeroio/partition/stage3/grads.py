@@ -35,7 +35,7 @@ As at stages 1/2 (stage12.py, [Note: 16-bit host gradients]): when the
 host side is stepped by the one-pass CPU Adam (optim/cpu_adam.py), the
 compute dtype is 16-bit and nothing is accumulated on the host
 (``gradient_accumulation_steps`` 1), the host gradient shard is kept in the
-compute dtype; ``host_grad_dtype`` in partition/host_grads.py decides, for every stage
+compute dtype; ``host_grad_dtype`` in shard/host_grads.py decides, for every stage
 (the partitioner asks it at construction, zeroio.estimate asks it to plan). The
 kernel upcasts the gradient in registers, which is exact, so the host reads
 2 bytes per element instead of 4, half the bytes cross PCIe and the host
@@ -67,6 +67,7 @@ import torch
 
 from zeroio.io.hostmem import host_empty
 from zeroio.partition.base import ShardGroup
+from zeroio.partition.landing import land
 from zeroio.partition.stage3.streams import keep_for, on, record, wait_stream
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 
@@ -138,16 +139,11 @@ class GradLanding:
         for ld in lds:
             with on(side if ld in host else None):
                 src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
-                if writes == 0:
-                    if dst.dtype != src.dtype and src.is_cuda:  # [Note: 16-bit host
-                        # gradients at stage 3]: cast here, allocated on this stream (d2h)
-                        src = src.to(dst.dtype)
-                    count_copy(self.transfers, src, dst)
-                    dst.copy_(src, non_blocking=True)
-                elif dst.device == src.device:
-                    dst.add_(src)
-                else:
-                    staged.append(ld)
+                if writes == 0 and dst.dtype != src.dtype and src.is_cuda:  # [Note: 16-bit
+                    # host gradients at stage 3]: cast here, allocated on this stream (d2h)
+                    src = src.to(dst.dtype)
+                if not land(src, dst, first=writes == 0, transfers=self.transfers):
+                    staged.append(ld)  # [Note: one landing rule] in partition/landing.py
         if staged:
             with on(side):
                 self._stage_add(gi, staged, shard)

@@ -85,7 +85,7 @@ class TieredShards:
         self.transfers = transfers
         size = torch.empty((), dtype=dtype).element_size()
         tiering = settings.tiering
-        user_cpu = getattr(tiering, "cpu_budget_bytes", None)
+        user_cpu = tiering.cpu_budget_bytes
         largest = max((host_cost(n * size) for n in shard_numels.values()), default=0)
         self.resident = resident_keys(
             shard_numels, settings.max_in_cpu, elem_size=size,
@@ -99,7 +99,7 @@ class TieredShards:
         # DeepSpeed's buffers, at most what the swapped shards need ([Note: budgets in training])
         self._ask = resident_cost + min(settings.host_buffer_bytes, swapped)
         budget = self._ask if user_cpu is None else min(self._ask, user_cpu)
-        depth = getattr(tiering, "prefetch_depth", None)
+        depth = tiering.prefetch_depth
         path = os.path.join(settings.nvme_path, f"stage3-params-rank{rank}")
         self.store = TieredStore(tiering, settings.aio, nvme_path=path,
                                  device=device if device.type == "cuda" else None,

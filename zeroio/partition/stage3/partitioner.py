@@ -5,68 +5,30 @@ Construction flattens each group (layout.py), keeps this rank's slice as the
 optimizer's master, points every parameter at an empty placeholder, and
 installs the hooks (hooks.py). One ``ShardGroup`` per optimizer param group
 collects that group's runs of every flat group's shard (layout.ShardPiece), so
-the optimizer of stages 1/2 steps stage 3 unchanged.
-
-[Note: stage-3 host step]
-With host masters (offload_optimizer cpu) the engine hands ``run_step`` the
-chunked CPU Adam (``ChunkedStep.update``). One job per group, in the order
-the forward uses the groups (the recorded trace), runs on a worker thread
-(``StepRunner``): Adam over chunks of the group's pieces of at most
-``step_chunk_numel`` elements, each chunk cast into the 16-bit shard right
-after its update, while it is still warm in cache. Before, the step was one
-Adam pass over all masters and then ``publish_params`` read them all again
-for the cast (1.364B parameters: ~0.3 s + ~0.12 s on 16 cores).
-Every gather fetches its shard through ``ParamGroup.before_fetch``, which
-waits for the job of that group, so whatever reads parameters (the next
-forward, ``GatheredParameters``) reads published values; at world 1 prefetch
-skips groups not published yet rather than wait for them (with more ranks a
-gather is a collective that every rank must issue at the same point). Without overlap
-``run_step`` waits for the worker before it returns. With overlap
-(``Stage3Settings.overlap_step``) it returns at once and the next forward
-starts on the first groups while the CPU still updates the last ones; the
-masters, moments and host gradients are the worker's until ``wait_step``
-(called by the next ``begin_micro_step``, ``publish_params``,
-``write_back``, ``close``, and ``engine.synchronize()``).
-Only the calling thread issues collectives (every rank must issue them in
-the same order): groups that are gathered at step time (persistent ones)
-are stepped on the calling thread first and re-gathered there. A store that
-is not plain memory (NVMe shards: its tiered store is driven from the
-training thread) takes the whole-group path: Adam, then ``publish_params``.
-With ``offload_optimizer.ratio`` < 1 ([Note: twin placement] in twin.py) the
-device side was stepped before ``run_step`` (``TwinAdam.begin_chunked_step``):
-``run_step`` publishes its pieces first, on the calling thread (on CUDA with
-host shards without a host wait: [Note: asynchronous device-side publish] in
-twin.py), and the jobs update and publish only host pieces.
-With the step assist ([Note: step assist] in optim/assist.py; host shards on
-CUDA) a job hands some of its chunks to the GPU, which writes their 16-bit
-values into the host shard itself; ``_await_shard`` then makes the shard's
-fetch wait on the GPU for those copies, and ``wait_step`` waits until the
-GPU's chunks of master and moments are back in host memory.
+the optimizer of stages 1/2 steps stage 3 unchanged. The host step (``run_step``,
+``wait_step``) is ``Stage3HostStep`` in host_step.py ([Note: stage-3 host step]).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from zeroio.config.zero import step_assist_enabled
 from zeroio.errors import DistributedError
-from zeroio.optim.assist import StepAssist
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Phase, ShardGroup
-from zeroio.partition.host_grads import host_grad_dtype
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
 from zeroio.partition.stage3.hooks import HookSet
+from zeroio.partition.stage3.host_step import Stage3HostStep
 from zeroio.partition.stage3.layout import ShardPiece, index_of, plan_groups, shard_pieces
 from zeroio.partition.stage3.prefetch import Trace
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
-from zeroio.partition.stage3.store import DeviceShards, HostShards, make_store
+from zeroio.partition.stage3.store import HostShards, make_store
 from zeroio.partition.stage3.streams import Streams, wait_stream
 from zeroio.partition.stage3.twin import (
     DevicePublish,
@@ -77,6 +39,8 @@ from zeroio.partition.stage3.twin import (
     place,
 )
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
+from zeroio.shard.assist import StepAssist
+from zeroio.shard.host_grads import host_grad_dtype
 from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
@@ -92,16 +56,19 @@ class _PieceRef:
     """Which side's ShardGroup holds it ([Note: twin placement] in twin.py)."""
 
 
-class Stage3Partitioner:
+class Stage3Partitioner(Stage3HostStep):
     """See the module docstring; the protocol is ``zeroio.partition.base.Partitioner``."""
 
     stage = 3
 
     def __init__(self, *, module: nn.Module, param_groups: list[list[nn.Parameter]],
                  compute_dtype: torch.dtype, device: torch.device, home,
-                 settings: Stage3Settings, group=None):
+                 settings: Stage3Settings, group=None, host_kernel=None):
+        """``host_kernel``: the one-pass CPU Adam ``host_grad_dtype`` asks (the engine passes
+        optim/cpu_adam.py; None: the host gradients stay fp32)."""
         self.module, self.dtype, self.device, self.home = module, compute_dtype, device, home
         self.settings, self.pg = settings, group
+        self._host_kernel = host_kernel
         self.rank, self.world = comm.rank(group), comm.world_size(group)
         self.index = index_of(module, registry.true_shape)
         opt_group_of = {id(p): gi for gi, ps in enumerate(param_groups) for p in ps}
@@ -166,7 +133,7 @@ class Stage3Partitioner:
         host_numel = sum(sg.master.numel() for sg in self._sides[Side.HOST])
         self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers)
                         if settings.step_assist and isinstance(self.store, HostShards)
-                        else None)  # [Note: step assist] in optim/assist.py
+                        else None)  # [Note: step assist] in shard/assist.py
         self._assist_step = None
         self._assisted: dict[int, list[torch.cuda.Event]] = {}
         """Per group, the events behind the GPU's copies into its host shard (this step)."""
@@ -215,7 +182,7 @@ class Stage3Partitioner:
         self.host_grad_dtype = host_grad_dtype(
             stage=3, compute_dtype=self.dtype, cpu_optimizer=self.settings.cpu_optimizer,
             accumulation_steps=self.settings.accumulation_steps,
-            host_numel=sum(sizes[Side.HOST]),
+            host_numel=sum(sizes[Side.HOST]), kernel=self._host_kernel,
             step_out=self.dtype if isinstance(self.store, HostShards) else None)  # as run_step
         """dtype of the host side's gradient shards ([Note: 16-bit host gradients at stage 3]
         in grads.py); the device side's are fp32."""
@@ -424,142 +391,6 @@ class Stage3Partitioner:
             out += self._assist.held_tensors()
         return out
 
-    # -- host step ([Note: stage-3 host step]) ---------------------------------------------
-    def run_step(self, update, *, out_in_pass: bool = False, step=None) -> None:
-        """The optimizer step of host masters: ``update(opt_group, local_start, numel)`` (CPU
-        Adam, ``ChunkedStep.update``) over every piece, each chunk published behind it; see
-        the note for the threads and when it returns. ``step``: the ``ChunkedStep`` behind
-        ``update``, whose chunks the GPU may step instead ([Note: step assist])."""
-        self.wait_step()
-        if not isinstance(self.store, (HostShards, DeviceShards)):
-            for sg in self._sides[Side.HOST]:
-                if sg.master.numel():
-                    update(sg.group_index, 0, sg.master.numel())
-            self.publish_params()
-            return
-        self._publish_device_side()
-        order = list(dict.fromkeys(gi for gi in self.trace.order if gi in self._pieces))
-        order += [gi for gi in sorted(self._pieces) if gi not in order]
-        # every rank has the same groups gathered and re-gathers them in the same order, also
-        # one whose shard on this rank holds nothing to update
-        now = [g.plan.index for g in self.pgroups if g.state is not GroupState.SHARDED]
-        later = [gi for gi in order if self.pgroups[gi].state is GroupState.SHARDED]
-        into_shard = out_in_pass and isinstance(self.store, HostShards)
-        # the gathered groups below are stepped here, on the CPU (counted as such)
-        self._assist_step = step if self._assist is not None and into_shard else None
-        with torch.profiler.record_function("zeroio::stage3::step_gathered"):
-            for gi in now:
-                if gi in self._pieces:
-                    self._step_group(update, gi, into_shard)
-                self.pgroups[gi].refresh()
-        self._job_of = {gi: i for i, gi in enumerate(later)}
-        self._unpublished = set(later)
-        self._runner = StepRunner(len(later), torch.device("cpu"),  # host writes: no events
-                                  clock=self._clock)
-        self._runner.start(lambda i: self._step_group(update, later[i], into_shard))
-        if not self.settings.overlap_step:
-            self.wait_step()
-        self.phase = Phase.IDLE
-
-    def _publish_device_side(self) -> None:
-        """Twin placement: the device side's pieces (stepped already) into the 16-bit shards."""
-        if self.optimizer_split is None:
-            return
-        with torch.profiler.record_function("zeroio::stage3::publish_device_side"):
-            for gi, refs in self._pieces.items():
-                pieces = [(ref.piece.lo, self._master(ref)) for ref in refs
-                          if ref.side is Side.DEVICE]
-                if not pieces:
-                    continue
-                if self._publisher is not None:  # no host wait: [Note: asynchronous ...]
-                    self._publisher.publish(gi, self.store.host_shard(gi), pieces,
-                                            after=self.streams.current())
-                else:
-                    self.pgroups[gi].update_shard_pieces(pieces, whole=False)
-
-    def _settle_publish(self) -> None:
-        """Host wait for the device-side publish (host code is about to touch host shards)."""
-        if self._publisher is not None:
-            self._publisher.settle()
-
-    def _step_group(self, update, gi: int, into_shard: bool = False) -> None:
-        """Adam over group ``gi``'s host pieces, chunk by chunk, each chunk cast into the
-        shard: by the optimizer's own pass (``into_shard``, the one-pass CPU Adam writing the
-        host shard's slice) or by a copy behind it."""
-        g, chunk = self.pgroups[gi], self.settings.step_chunk_numel
-        with torch.profiler.record_function("zeroio::stage3::step_group"):
-            for ref in self._pieces[gi]:
-                if ref.side is Side.DEVICE:
-                    continue  # stepped and published before the jobs started
-                n = ref.piece.hi - ref.piece.lo
-                master = self._sides[Side.HOST][ref.piece.opt_group].master
-                parts = -(-n // chunk)
-                for j in range(parts):  # equal parts: no small tail call
-                    lo, hi = n * j // parts, n * (j + 1) // parts
-                    if hi == lo:
-                        continue
-                    if into_shard:  # publishing is the wait for readers of the shard
-                        with self._clock.phase("publish"):
-                            out = self.store.writable(gi, ref.piece.lo + lo, hi - lo)
-                        if self._assisting(gi, ref.piece.opt_group, ref.base + lo, hi - lo, out):
-                            continue
-                        with self._clock.phase("adam"):
-                            update(ref.piece.opt_group, ref.base + lo, hi - lo, out=out)
-                        continue
-                    with self._clock.phase("adam"):
-                        update(ref.piece.opt_group, ref.base + lo, hi - lo)
-                    with self._clock.phase("publish"):
-                        g.update_shard(ref.piece.lo + lo, master.narrow(0, ref.base + lo, hi - lo))
-        self._unpublished.discard(gi)
-
-    def _assisting(self, gi: int, opt_group: int, lo: int, numel: int,
-                   out: torch.Tensor) -> bool:
-        """Hand the chunk to the GPU if the assist takes it (the worker's jobs only;
-        ``_await_shard`` orders the shard's fetch after the copies into it)."""
-        if self._assist_step is None:
-            return False
-        if self._runner is None or not self._runner.running:
-            # the calling thread's groups (gathered ones, re-gathered right after) stay on it
-            self._assist.cpu(numel)
-            return False
-        with self._clock.phase("assist"):
-            done = self._assist.take(self._assist_step, opt_group, lo, numel, out)
-        if done is None:
-            return False
-        self._assisted.setdefault(gi, []).append(done)
-        return True
-
-    def _await_shard(self, gi: int) -> None:
-        """``ParamGroup.before_fetch``: the device side's copies of ``gi`` are ordered before
-        its fetch, and the overlapped step's job of ``gi`` has finished."""
-        if self._publisher is not None:
-            self._publisher.before_fetch(gi, self.streams.h2d)
-        runner = self._runner
-        if runner is not None and gi in self._unpublished:
-            with torch.profiler.record_function("zeroio::stage3::await_step"):
-                runner.wait_for(self._job_of[gi])
-        for e in self._assisted.pop(gi, ()):  # the job is done: its list is complete; the
-            self.streams.h2d.wait_event(e)     # shard's copy up follows the GPU's copies down
-
-    def wait_step(self) -> None:
-        """Wait for a step started by ``run_step`` (re-raising its worker's error); later
-        writes of the device masters on the caller's stream follow the device-side publish."""
-        if self._publisher is not None:
-            self._publisher.order_writers(self.streams.current())
-        runner, self._runner = self._runner, None
-        if runner is None:
-            return
-        try:
-            with torch.profiler.record_function("zeroio::stage3::await_step"):
-                runner.join()
-        finally:
-            self._unpublished = set()
-            self._job_of = {}
-            if self._assist is not None:  # the GPU's chunks are back in host memory
-                self._assist.drain()
-                self._assisted = {}
-            self._assist_step = None
-
     # -- GatheredParameters -----------------------------------------------------------------
     def groups_of(self, params) -> list[int]:
         out = []
@@ -610,13 +441,11 @@ def _covers_shard(plan, rank: int, refs: list[_PieceRef]) -> bool:
 
 
 def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.device,
-                             compute_dtype: torch.dtype, home) -> Stage3Partitioner:
-    """What ``engine.build_partitioner`` calls for ``zero_optimization.stage: 3``."""
-    settings = Stage3Settings.from_zero_config(
-        cfg.zero_optimization, accumulation_steps=cfg.gradient_accumulation_steps)
-    settings = dataclasses.replace(settings, step_assist=settings.cpu_optimizer and
-                                   step_assist_enabled(cfg.zero_optimization.tiering, device),
-                                   aio=getattr(cfg, "aio", None))
+                             compute_dtype: torch.dtype, home, policies,
+                             host_kernel=None) -> Stage3Partitioner:
+    """What ``engine.build_partitioner`` calls for ``zero_optimization.stage: 3``; ``policies``:
+    the offload and tiering blocks resolved for ``device`` (config/policy.py)."""
+    settings = Stage3Settings.from_policies(policies, zero=cfg.zero_optimization, aio=cfg.aio)
     return Stage3Partitioner(module=module, param_groups=spec.param_groups,
                              compute_dtype=compute_dtype, device=device, home=home,
-                             settings=settings)
+                             settings=settings, host_kernel=host_kernel)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from zeroio.config.zero import overlap_step_enabled
+from zeroio.config.policy import Policies, TieringPolicy, resolve_policies
 from zeroio.errors import ConfigError
 
 STEP_CHUNK_ENV = "ZEROIO_STEP_CHUNK_NUMEL"
@@ -44,7 +44,7 @@ class Stage3Settings:
     """offload_optimizer cpu: ``step()`` returns while the CPU optimizer still runs and each
     gather of the next forward waits for the step job that publishes its group
     (``zero_optimization.tiering.overlap_step``; ``ZEROIO_OVERLAP_STEP`` overrides it when
-    set; see [Note: stage-3 host step] in partitioner.py)."""
+    set; see [Note: stage-3 host step] in host_step.py)."""
     optimizer_ratio: float = 1.0
     """``offload_optimizer.ratio`` when the optimizer is offloaded (1.0 otherwise): the
     fraction of this rank's optimizer elements on the host side ([Note: twin placement] in
@@ -61,15 +61,15 @@ class Stage3Settings:
     call, smaller ones find more of the chunk in cache. 64M, as stage12.STEP_CHUNK_NUMEL: on
     the H200 machine (2026-11-29, 1.36B, overlapped step) 64M gave 0.709 s/step, 16M 0.722."""
 
-    tiering: object = None
-    """``zero_optimization.tiering`` (its TieringConfig): the NVMe parameter store's policy,
-    read-ahead and budgets ([Note: the parameter store's config] in nvme_store.py)."""
+    tiering: TieringPolicy = field(default_factory=TieringPolicy)
+    """``zero_optimization.tiering``, resolved (config/policy.py): the NVMe parameter store's
+    policy, read-ahead and budgets ([Note: the parameter store's config] in nvme_store.py)."""
     aio: object = None
     """The ``aio`` block: the NVMe parameter store's I/O engine settings."""
 
     step_assist: bool = False
     """offload_optimizer cpu with host shards on CUDA: the GPU steps a share of the host
-    chunks ([Note: step assist] in optim/assist.py); ``build_stage3_partitioner`` resolves
+    chunks ([Note: step assist] in shard/assist.py); ``build_stage3_partitioner`` resolves
     ``zero_optimization.tiering.step_assist`` for the device."""
 
     def __post_init__(self) -> None:
@@ -99,37 +99,35 @@ class Stage3Settings:
     @staticmethod
     def from_zero_config(zero, accumulation_steps: int = 1) -> Stage3Settings:
         """From ``Config.zero_optimization`` (zeroio.config.zero.ZeroConfig) and the config's
-        ``gradient_accumulation_steps``."""
-        op = zero.offload_param
-        device = getattr(op.device, "value", op.device)
+        ``gradient_accumulation_steps``, through ``resolve_policies`` (no device: the step
+        assist stays off; ``build_stage3_partitioner`` resolves it for the device)."""
+        return Stage3Settings.from_policies(
+            resolve_policies(zero, accumulation_steps=accumulation_steps), zero=zero)
+
+    @staticmethod
+    def from_policies(policies: Policies, *, zero, aio=None) -> Stage3Settings:
+        """From the resolved offload and tiering policies (config/policy.py), the stage-3 keys
+        of ``zero`` (``stage3_*``) and the ``aio`` block."""
+        op = policies.param
         return Stage3Settings(
             prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
             persistence_threshold=zero.stage3_param_persistence_threshold,
             max_live_parameters=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
-            offload_device=str(device),
+            offload_device=op.device,
             nvme_path=op.nvme_path,
-            pin_memory=bool(op.pin_memory) or device == "cpu",
-            host_buffer_bytes=int(op.buffer_count) * int(op.buffer_size) * 2,
-            max_in_cpu=int(op.max_in_cpu),
-            overlap_step=overlap_step_enabled(getattr(zero, "tiering", None)),
+            pin_memory=op.pin_memory,
+            host_buffer_bytes=op.buffer_count * op.buffer_size * 2,
+            max_in_cpu=op.max_in_cpu,
+            overlap_step=policies.tiering.overlap_step,
             step_chunk_numel=_env_int(STEP_CHUNK_ENV, Stage3Settings.step_chunk_numel),
-            optimizer_ratio=_optimizer_ratio(zero),
-            cpu_optimizer=_offload_device(getattr(zero, "offload_optimizer", None)) == "cpu",
-            accumulation_steps=int(accumulation_steps),
-            tiering=getattr(zero, "tiering", None),
+            optimizer_ratio=policies.optimizer.ratio,
+            cpu_optimizer=policies.optimizer.cpu,
+            accumulation_steps=policies.accumulation_steps,
+            tiering=policies.tiering,
+            aio=aio,
+            step_assist=policies.tiering.step_assist,
         )
-
-
-def _offload_device(off) -> str:
-    return "none" if off is None else str(getattr(off.device, "value", off.device))
-
-
-def _optimizer_ratio(zero) -> float:
-    off = getattr(zero, "offload_optimizer", None)
-    if _offload_device(off) == "none":
-        return 1.0  # everything is on the device already
-    return float(getattr(off, "ratio", 1.0))
 
 
 def _env_int(name: str, default: int) -> int:

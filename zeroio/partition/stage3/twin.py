@@ -49,13 +49,12 @@ NVMe shards) the publish is the synchronous ``update_shard_pieces`` it was.
 
 from __future__ import annotations
 
-import enum
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from zeroio.partition.base import Segment, ShardGroup
+from zeroio.partition.base import ShardGroup
+from zeroio.partition.split import Side, cut_segments, device_numel  # noqa: F401 (re-exported)
 from zeroio.partition.stage3.layout import ShardPiece
 from zeroio.partition.stage3.streams import on, record, wait_event, wait_stream
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
@@ -63,37 +62,6 @@ from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 PUBLISH_CHUNK_NUMEL = 1 << 26
 """Elements of the device-side publish's bf16 staging buffer (128 MiB); zeroio.estimate
 counts it (PUBLISH_CHUNK_NUMEL there, kept equal by tests/test_optim_ratio.py)."""
-
-
-class Side(enum.Enum):
-    """Where one piece of the optimizer state lives and is stepped."""
-
-    HOST = "host"
-    """The offload device (pinned CPU memory, or NVMe through the swapper)."""
-    DEVICE = "device"
-    """The compute device (the GPU; the CPU on a CPU-only machine, same code path)."""
-
-
-def device_numel(total: int, ratio: float) -> int:
-    """Elements of ``total`` kept on the device for ``offload_optimizer.ratio`` = ``ratio``."""
-    if ratio >= 1.0:
-        return 0
-    return min(total, math.floor(total * (1.0 - ratio)))
-
-
-def cut_segments(segments, k: int) -> tuple[list[Segment], list[Segment]]:
-    """``segments`` (local offsets) cut at local offset ``k``: those below it, and those above
-    it with offsets relative to ``k``; a run straddling ``k`` is cut in two."""
-    head, tail = [], []
-    for seg in segments:
-        a, b = seg.local_offset, seg.local_offset + seg.numel
-        if a < k:
-            head.append(seg if b <= k else replace(seg, numel=k - a))
-        if b > k:
-            tail.append(replace(seg, local_offset=a - k) if a >= k else
-                        Segment(local_offset=0, global_offset=seg.global_offset + k - a,
-                                numel=b - k))
-    return head, tail
 
 
 def split_piece(piece: ShardPiece, k: int) -> tuple[ShardPiece, ShardPiece]:

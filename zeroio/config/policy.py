@@ -1,0 +1,112 @@
+"""Offload and tiering resolved once: the frozen policy objects the layers below the config
+take instead of re-reading the raw ``offload_optimizer`` / ``offload_param`` / ``tiering``
+blocks (or probing them with ``getattr``).
+
+``resolve_policies(zero, accumulation_steps=..., device=...)`` reads the blocks and the
+documented environment overrides (``ZEROIO_OVERLAP_STEP``, ``ZEROIO_STEP_ASSIST``: config.zero)
+once; the partitioners, the engine's builders and the NVMe parameter store read fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadPolicy:
+    """``zero_optimization.offload_optimizer``, resolved."""
+
+    device: str = "none"
+    """none, cpu or nvme."""
+    ratio: float = 1.0
+    """Fraction of the optimizer elements on the host side; 1.0 whenever ``device`` is none
+    (everything is on the compute device already)."""
+    pin_memory: bool = True
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+    @property
+    def cpu(self) -> bool:
+        """The host side is stepped by a CPU Adam (``device: cpu``)."""
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamOffloadPolicy:
+    """``zero_optimization.offload_param`` (stage 3), resolved."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    pin_memory: bool = True
+    """Page-lock host shards (always with ``device: cpu``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TieringPolicy:
+    """``zero_optimization.tiering``, resolved (the attribute names of its keys, so a tiered
+    store reads it as it reads the block)."""
+
+    policy: str = "trace"
+    """lru, fifo or trace (the config's EvictionPolicy, a str enum)."""
+    prefetch_depth: int | None = None
+    gpu_budget_bytes: int | None = None
+    cpu_budget_bytes: int | None = None
+    nvme_budget_bytes: int | None = None
+    nvme_reserve_bytes: int = 1 << 30
+    overlap_step: bool = False
+    """The overlapped host step, ``ZEROIO_OVERLAP_STEP`` applied."""
+    step_assist: bool = False
+    """The GPU steps a share of the host chunks: ``step_assist`` (``ZEROIO_STEP_ASSIST``
+    applied) for the training device, and only with ``offload_optimizer.device: cpu``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policies:
+    """Everything the builders below the config need of the offload and tiering blocks."""
+
+    optimizer: OffloadPolicy = field(default_factory=OffloadPolicy)
+    param: ParamOffloadPolicy = field(default_factory=ParamOffloadPolicy)
+    tiering: TieringPolicy = field(default_factory=TieringPolicy)
+    accumulation_steps: int = 1
+    """``gradient_accumulation_steps``: above 1 host gradients are summed in fp32."""
+
+
+def _device(value) -> str:
+    return str(getattr(value, "value", value))
+
+
+def resolve_policies(zero, *, accumulation_steps: int = 1, device=None) -> Policies:
+    """``zero``: ``Config.zero_optimization`` (config.zero.ZeroConfig). ``device``: the
+    training device (its type decides ``step_assist`` "auto"; None: not known yet, the step
+    assist stays off)."""
+    oo, op, t = zero.offload_optimizer, zero.offload_param, zero.tiering
+    opt_dev = _device(oo.device)
+    optimizer = OffloadPolicy(
+        device=opt_dev, ratio=1.0 if opt_dev == "none" else float(oo.ratio),
+        pin_memory=bool(oo.pin_memory), nvme_path=oo.nvme_path,
+        buffer_count=int(oo.buffer_count), pipeline_read=bool(oo.pipeline_read),
+        pipeline_write=bool(oo.pipeline_write))
+    par_dev = _device(op.device)
+    param = ParamOffloadPolicy(
+        device=par_dev, nvme_path=op.nvme_path, buffer_count=int(op.buffer_count),
+        buffer_size=int(op.buffer_size), max_in_cpu=int(op.max_in_cpu),
+        pin_memory=bool(op.pin_memory) or par_dev == "cpu")
+    tiering = TieringPolicy(
+        policy=t.policy, prefetch_depth=t.prefetch_depth,
+        gpu_budget_bytes=t.gpu_budget_bytes, cpu_budget_bytes=t.cpu_budget_bytes,
+        nvme_budget_bytes=t.nvme_budget_bytes, nvme_reserve_bytes=int(t.nvme_reserve_bytes),
+        overlap_step=overlap_step_enabled(t),
+        step_assist=device is not None and opt_dev == "cpu" and step_assist_enabled(t, device))
+    return Policies(optimizer=optimizer, param=param, tiering=tiering,
+                    accumulation_steps=int(accumulation_steps))
+
+
+__all__ = ["OffloadPolicy", "ParamOffloadPolicy", "Policies", "TieringPolicy",
+           "resolve_policies"]

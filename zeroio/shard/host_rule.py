@@ -1,0 +1,17 @@
+"""The host-gradient 16-bit rule without torch: ``zeroio.estimate`` plans with it, and
+``host_grads.host_grad_dtype`` applies it in training (its module doc says the whole rule)."""
+
+from __future__ import annotations
+
+
+def host_grad_may_be_16bit(*, stage: int, half: bool, cpu_optimizer: bool,
+                           accumulation_steps: int, host_numel: int) -> bool:
+    """Whether the host gradient shard can stay in the 16-bit compute dtype (``half``), before
+    the kernel choice: a CPU Adam steps a non-empty host shard, and nothing accumulates on the
+    host (stage 1 always; stages 2 and 3 only with one micro step). It then is 16-bit exactly
+    when the one-pass kernel steps it (shard/host_grads.py's module doc)."""
+    host_accumulates = stage != 1 and accumulation_steps > 1
+    return cpu_optimizer and host_numel > 0 and half and not host_accumulates
+
+
+__all__ = ["host_grad_may_be_16bit"]
