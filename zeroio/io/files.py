@@ -234,22 +234,25 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None
     anyway)."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    fd = _OPS.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE if mode is None else mode)
     try:
+        fd = _OPS.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE if mode is None else mode)
         try:
             if mode is not None:
                 os.fchmod(fd, mode)
             view, done = memoryview(data), 0
             while done < len(view):
-                done += _OPS.pwrite(fd, view[done:], done)
+                done += _OPS.write(fd, view[done:])
             if durable:
                 _OPS.fsync(fd)
         finally:
             _OPS.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, SwapIOError):
+            raise SwapIOError(e.errno or errno.EIO, f"writing {path} ({len(data)} bytes) failed: "
+                              f"{e.strerror or e}; the previous {path.name} is unchanged") from e
         raise
     if durable:
         fsync_dir(path.parent)

@@ -28,6 +28,9 @@ class OsOps:
     def pwrite(self, fd: int, data, offset: int) -> int:
         return os.pwrite(fd, data, offset)
 
+    def write(self, fd: int, data) -> int:
+        return os.write(fd, data)
+
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 
