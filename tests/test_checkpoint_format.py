@@ -31,8 +31,8 @@ from zeroio.checkpoint import (
     save_sharded,
     scan_tags,
 )
-from zeroio.checkpoint.crc import combine
 from zeroio.errors import CheckpointError, RankFailedError
+from zeroio.io.crc import combine
 from zeroio.testing import run_ranks
 
 SHAPES = [("embed.weight", (7, 5)), ("block.0.w", (5, 5)), ("block.0.b", (5,)), ("head.w", (3, 5)), ("head.b", (3,))]

@@ -246,7 +246,7 @@ def test_enospc_in_the_io_engine_on_the_direct_path(tmp_path, monkeypatch):
     root = tmp_path / "ckpt"
     save_sharded(state(0), root, "ckpt", options=OPTS)
     before = _tree(root)
-    monkeypatch.setattr(writer, "open_engine", lambda threads: IOEngine(thread_count=threads, os_ops=FullDisk()))
+    monkeypatch.setattr(writer, "open_engine", lambda pool: IOEngine(thread_count=pool.threads, os_ops=FullDisk()))
     with pytest.raises(OSError, match=r"no space left for .*/c/") as e:
         save_sharded(state(1), root, "ckpt", options=SaveOptions(chunk_bytes=128, progress=False, direct=True))
     assert e.value.errno == errno.ENOSPC

@@ -26,6 +26,7 @@ from zeroio.checkpoint.layout import Manifest
 from zeroio.checkpoint.reader import ArrayReader, ChunkCursor, _Request, resolve_tag
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError
+from zeroio.io.files import PartialFile, atomic_write_text
 
 WEIGHT_KINDS = ("fp32", "param16")  # preferred source of weights, in order
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -86,7 +87,7 @@ def _write_config(out: Path, hf_config: dict | None, dtype: torch.dtype | None) 
     if dtype is not None:
         key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
         cfg[key] = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return [out / "config.json"]
 
 
@@ -145,8 +146,8 @@ class SafetensorsStream:
 
     def __init__(self, path: str | os.PathLike, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
         head, self.order = safetensors_header(specs, metadata)
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.partial")
+        self._f = PartialFile(path)
+        self.path, self.tmp = self._f.path, self._f.tmp
         self.expected = sum(s.nbytes for s in specs)
         self.written = 0
         self._starts, at = {}, len(head)
@@ -154,7 +155,6 @@ class SafetensorsStream:
             self._starts[s.name] = (at, s)
             at += s.nbytes
         self._pos, self._end = len(head), at  # next write; end of the run it may fill
-        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed by close() / abort()
         self._f.write(head)
 
     def seek(self, name: str, element: int) -> None:
@@ -187,13 +187,11 @@ class SafetensorsStream:
             self.abort()
             raise CheckpointError(f"{self.path}: {self.written} bytes of tensor data written, "
                                   f"the header holds {self.expected}")
-        self._f.close()
-        os.replace(self.tmp, self.path)
+        self._f.commit()
 
     def abort(self) -> None:
         """Close and remove the partial file (idempotent)."""
-        self._f.close()
-        self.tmp.unlink(missing_ok=True)
+        self._f.abort()
 
 
 Fill = Callable[[TensorSpec, int, int], torch.Tensor | None]
@@ -233,7 +231,7 @@ def stream_shards(out: Path, shards: list[list[TensorSpec]], fill: Fill, *, writ
     bar.close()
     if write and len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
         written.append(out / "model.safetensors.index.json")
     return written
 
@@ -332,6 +330,6 @@ def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if len(shards) > 1:
         weight_map = {s.name: fname for fname, shard in zip(names, shards, strict=True) for s in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
         written.append(out / "model.safetensors.index.json")
     return written + _write_config(out, manifest.meta.get("hf_config"), dt)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, *, options: S
     comm = _comm(engine)
     state = build_state(engine, comm=comm, client_state=client_state)
     opts = options or SaveOptions(progress=engine.global_rank == 0 and not os.environ.get("ZEROIO_QUIET"))
+    if options is None:  # the aio block sizes the checkpoint's I/O too ([Note: pool settings])
+        opts = replace(opts, aio=engine.config.aio)
     return save_sharded(state, save_dir, tag, comm=comm, options=opts)
 
 
@@ -305,7 +308,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         frozen_buf = {n: torch.empty(index[n].numel, dtype=torch.float32) for n in frozen}
         arrays["fp32"] += [Segment(index[n].offset, frozen_buf[n]) for n in frozen]
         load = ShardedLoad(load_dir, tag, ShardedState(index=index, arrays=arrays), kinds=kinds,
-                           strict=strict, comm=comm)
+                           strict=strict, comm=comm, aio=engine.config.aio)
         _check_scalars(engine, load.manifest, load_optimizer_states)
         load.verify()
     except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows

@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 
-from zeroio.checkpoint.crc import crc32c
 from zeroio.checkpoint.state import ParamEntry
-from zeroio.checkpoint.storage import read_json
 from zeroio.errors import CheckpointError
+from zeroio.io import layout as zarr_layout
+from zeroio.io.crc import crc32c
+from zeroio.io.files import read_json
 
 
 class CheckpointWarning(UserWarning):
@@ -53,21 +54,14 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
-# torch dtype -> zarr v3 data_type of the stored bits (16-bit floats as raw bits, see DESIGN.md)
-_ZARR_DTYPE = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "uint16",
-    torch.bfloat16: "uint16",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.uint8: "uint8",
-}
-_TORCH_DTYPE = {str(d).removeprefix("torch."): d for d in _ZARR_DTYPE}
+# the dtypes a checkpoint stores (16-bit floats as raw bits, see DESIGN.md and zeroio.io.layout)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.uint8)
+_TORCH_DTYPE = {str(d).removeprefix("torch."): d for d in _DTYPES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _ZARR_DTYPE:
+    if dtype not in _DTYPES:
         raise CheckpointError(f"dtype {dtype} cannot be stored; use one of {sorted(_TORCH_DTYPE)}")
     return str(dtype).removeprefix("torch.")
 
@@ -96,28 +90,14 @@ def chunk_path(tdir: Path, kind: str, i: int) -> Path:
 
 
 def group_metadata() -> dict[str, Any]:
-    return {
-        "zarr_format": 3,
-        "node_type": "group",
-        "attributes": {"zeroio": {"format": FORMAT, "format_version": FORMAT_VERSION}},
-    }
+    """The tag's group zarr.json: its attributes are zeroio's checkpoint marker."""
+    return zarr_layout.group_metadata({"zeroio": {"format": FORMAT, "format_version": FORMAT_VERSION}})
 
 
 def array_metadata(numel: int, dtype: torch.dtype, chunk_elems: int) -> dict[str, Any]:
     """zarr v3 metadata of a flat raw array; `zarr.open_array` reads it as-is."""
-    zdt = _ZARR_DTYPE[dtype]
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": [numel],
-        "data_type": zdt,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_elems]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": 0.0 if zdt.startswith("float") else 0,
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-        "attributes": {"torch_dtype": dtype_name(dtype)},
-        "dimension_names": None,
-    }
+    dtype_name(dtype)  # a dtype checkpoints store, else a CheckpointError
+    return zarr_layout.raw_array_metadata(numel, dtype, chunk_elems)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,11 +22,11 @@ from tqdm import tqdm
 
 from zeroio.checkpoint import layout, tags
 from zeroio.checkpoint.comm import Comm
-from zeroio.checkpoint.crc import crc32c
 from zeroio.checkpoint.layout import CheckpointWarning
 from zeroio.checkpoint.state import LazySegment, ParamEntry, ShardedState, split_by_param
-from zeroio.checkpoint.storage import FileIO, open_engine, read_chunk
 from zeroio.errors import CheckpointError
+from zeroio.io.crc import crc32c
+from zeroio.io.files import FileIO, FileIOSettings, open_engine, read_chunk
 
 __all__ = ["ArrayReader", "ChunkCursor", "CheckpointWarning", "LoadResult", "ShardedLoad", "load_sharded",
            "resolve_tag"]
@@ -117,11 +117,17 @@ def _shifted(write: Callable[[int, torch.Tensor], None], base: int, lo: int, val
 
 
 class ArrayReader:
-    """Verified range reads of one checkpoint's arrays."""
+    """Verified range reads of one checkpoint's arrays.
 
-    def __init__(self, manifest: layout.Manifest, threads: int = 4, progress: bool = False):
+    ``aio``: the config's ``aio`` block; one that differs from DeepSpeed's defaults sets the
+    threads and the engine's request shape instead of ``threads`` ([Note: pool settings] in
+    zeroio/io/files.py)."""
+
+    def __init__(self, manifest: layout.Manifest, threads: int = 4, progress: bool = False, *,
+                 aio: object | None = None):
         self.manifest = manifest
-        self.threads = threads
+        self.io = FileIOSettings.from_aio(aio, threads)
+        self.threads = self.io.threads
         self.progress = progress
 
     def info(self, kind: str) -> layout.ArrayInfo:
@@ -169,7 +175,7 @@ class ArrayReader:
         bar = tqdm(total=len(by_chunk) * info.chunk_nbytes, unit="B", unit_scale=True,
                    desc=desc or f"load {kind}", disable=not self.progress, leave=False)
         # chunks are verified and scattered on this pool; their bytes move on the engine's
-        with FileIO(self.threads) as io, open_engine(self.threads) as engine:
+        with FileIO(self.threads) as io, open_engine(self.io) as engine:
             for f in [io.submit(one, c) for c in sorted(by_chunk)]:
                 bar.update(f.result())
         bar.close()
@@ -220,7 +226,7 @@ class ChunkCursor:
         if bad:
             raise CheckpointError(f"chunk(s) {bad[:3]} outside array {kind!r} of {n} chunks")
         # one worker per chunk in flight; the engine splits each chunk over its own threads
-        self._engine = open_engine(reader.threads)
+        self._engine = open_engine(reader.io)
         self._pool = FileIO(depth)
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
@@ -343,13 +349,14 @@ class ShardedLoad:
 
     def __init__(self, load_dir: str | os.PathLike, tag: str | None, template: ShardedState, *,
                  kinds: Iterable[str] | None = None, strict: bool = True, comm: Comm | None = None,
-                 threads: int = 4, progress: bool = False):
+                 threads: int = 4, progress: bool = False, aio: object | None = None):
         self.comm = comm or Comm.default()
         self.template = template
         self.manifest = resolve_tag(load_dir, tag, warn=self.comm.rank == 0)
         self.names = set(check_model(self.manifest, template.index, strict))
         self.kinds = list(template.arrays) if kinds is None else list(kinds)
-        self.reader = ArrayReader(self.manifest, threads=threads, progress=progress and self.comm.rank == 0)
+        self.reader = ArrayReader(self.manifest, threads=threads, progress=progress and self.comm.rank == 0,
+                                  aio=aio)
         for kind in self.kinds:
             self.reader.info(kind)  # every asked-for kind must exist before anything is overwritten
         self.requests = {kind: plan(self.manifest, template.index, template.arrays[kind], self.names)
@@ -384,7 +391,7 @@ class ShardedLoad:
 def load_sharded(load_dir: str | os.PathLike, tag: str | None, template: ShardedState, *,
                  kinds: Iterable[str] | None = None, strict: bool = True,
                  comm: Comm | None = None, threads: int = 4, progress: bool = False,
-                 verify_first: bool = False) -> LoadResult:
+                 verify_first: bool = False, aio: object | None = None) -> LoadResult:
     """Fill ``template``'s segments (this rank's ranges) from checkpoint ``tag`` of ``load_dir``.
 
     Not collective: each rank reads its own ranges, whatever world size wrote them. With
@@ -392,7 +399,7 @@ def load_sharded(load_dir: str | os.PathLike, tag: str | None, template: Sharded
     checkpoint leaves the template as it was ([Note: verify, then apply]).
     """
     load = ShardedLoad(load_dir, tag, template, kinds=kinds, strict=strict, comm=comm, threads=threads,
-                       progress=progress)
+                       progress=progress, aio=aio)
     if verify_first:
         load.verify()
     return load.apply()

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroio.checkpoint import layout
-from zeroio.checkpoint.storage import exchange, fsync_dir
 from zeroio.errors import CheckpointError
+from zeroio.io.files import exchange, fsync_dir
 
 STAGING_PREFIX = ".zeroio-new."
 RETIRED_PREFIX = ".zeroio-old."

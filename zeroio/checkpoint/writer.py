@@ -1,7 +1,7 @@
 """Saving a `ShardedState`: every rank writes its pieces, rank 0 commits a manifest.
 
 Phases (see [Note: atomic tags] in layout.py, [Note: re-saving a tag] in tags.py and
-[Note: piece crcs] in crc.py):
+[Note: piece crcs] in zeroio/io/crc.py; every file access goes through zeroio/io/files.py):
 1. rank 0 finishes or removes what a crashed save left beside the tag, then lays
    out the staging folder: group metadata (zeroio's marker) first, array
    metadata, chunk files (the last one padded);
@@ -37,13 +37,15 @@ from tqdm import tqdm
 
 from zeroio.checkpoint import layout, tags
 from zeroio.checkpoint.comm import Comm
-from zeroio.checkpoint.crc import combine, crc32c, zeros_crc
 from zeroio.checkpoint.state import LazySegment, ShardedState, segment_dtype
-from zeroio.checkpoint.storage import (
-    FILE_MODE,
+from zeroio.errors import CheckpointError, SwapIOError
+from zeroio.io.crc import combine, crc32c, zeros_crc
+from zeroio.io.files import (
     FileIO,
+    FileIOSettings,
     atomic_write_json,
     atomic_write_text,
+    create_file,
     fsync_file,
     open_engine,
     pread_exact,
@@ -51,7 +53,6 @@ from zeroio.checkpoint.storage import (
     read_json,
     set_size,
 )
-from zeroio.errors import CheckpointError, SwapIOError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +63,10 @@ class SaveOptions:
     """Bytes per zarr chunk (rounded down to whole elements). Large chunks, few files."""
     threads: int = 4
     """Concurrent writes per rank."""
+    aio: object | None = None
+    """The config's ``aio`` block (or an ``EngineSettings``): one that differs from DeepSpeed's
+    defaults sets the write threads (its ``thread_count``, instead of ``threads``) and the
+    engine's block_size / queue_depth ([Note: pool settings] in zeroio/io/files.py)."""
     verify: bool = True
     """Read every written piece back and compare its crc32c with the one taken at write time
     ([Note: what verify proves])."""
@@ -148,10 +153,6 @@ def check_disk_space(tdir: Path, numel: int, dtypes: dict[str, torch.dtype],
             "or save to another directory; nothing was written, earlier checkpoints are intact")
 
 
-def _create(path: Path) -> None:
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE))
-
-
 def _layout_tag(root: Path, tag: str, numel: int, dtypes: dict[str, torch.dtype],
                 chunk_elems: dict[str, int]) -> Path:
     """Rank 0: clear the way and lay out the staging folder of ``tag``; returns it."""
@@ -174,7 +175,7 @@ def _layout_tag(root: Path, tag: str, numel: int, dtypes: dict[str, torch.dtype]
         atomic_write_json(stage / kind / "zarr.json", layout.array_metadata(numel, dtype, chunk_elems[kind]))
         n_chunks = -(-numel // chunk_elems[kind])
         for i in range(n_chunks - 1):  # created here, so each file's mode is the checkpoint's
-            _create(layout.chunk_path(stage, kind, i))
+            create_file(layout.chunk_path(stage, kind, i))
         if n_chunks:
             set_size(layout.chunk_path(stage, kind, n_chunks - 1), chunk_elems[kind] * dtype.itemsize)
     return stage
@@ -271,9 +272,10 @@ def _write_rank(state, tdir, dtypes, chunk_elems, opts, comm) -> list[_Piece]:
     by_file = defaultdict(list)
     checks = []
     # writes on one pool; each file's fsync + read-back on another, as soon as its last piece is in
-    engine = open_engine(opts.threads) if opts.direct else None
+    pool = FileIOSettings.from_aio(opts.aio, opts.threads)
+    engine = open_engine(pool) if opts.direct else None
     try:
-        with FileIO(opts.threads) as io, FileIO(max(1, opts.threads // 2)) as checker:
+        with FileIO(pool.threads) as io, FileIO(max(1, pool.threads // 2)) as checker:
             futs = {io.submit(_write_piece, path, get, off, n, engine): (kind, chunk, path, off, n)
                     for kind, chunk, path, get, off, n in jobs}
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -25,8 +26,7 @@ def add_parser(sub) -> None:
 def _aio_from_config(path: str | None) -> object | None:
     if path is None:
         return None
-    with open(path) as f:
-        return json.load(f).get("aio") or None
+    return json.loads(Path(path).read_text(encoding="utf-8")).get("aio") or None
 
 
 def run(args) -> int:

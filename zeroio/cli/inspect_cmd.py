@@ -26,8 +26,8 @@ def add_parser(sub) -> None:
 def _array_problem(m, kind: str) -> str | None:
     """What is wrong with array ``kind``'s zarr.json against the manifest (None when they agree)."""
     from zeroio.checkpoint.layout import array_metadata
-    from zeroio.checkpoint.storage import read_json
     from zeroio.errors import CheckpointError
+    from zeroio.io.files import read_json
 
     a = m.arrays[kind]
     path = m.tag_dir / kind / "zarr.json"

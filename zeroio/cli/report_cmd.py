@@ -19,7 +19,6 @@ import platform
 import resource
 import shutil
 import subprocess
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -118,19 +117,9 @@ def _filesystem(path: Path) -> str | None:
 
 def _o_direct(path: Path) -> tuple[bool | None, str]:
     """Whether a file in ``path`` opens with O_DIRECT (and why not)."""
-    flag = getattr(os, "O_DIRECT", None)
-    if flag is None:
-        return None, "this platform has no O_DIRECT"
-    fd, name = tempfile.mkstemp(prefix=".zeroio-report-", dir=path)
-    os.close(fd)
-    try:
-        fd = os.open(name, os.O_RDWR | flag)
-        os.close(fd)
-        return True, ""
-    except OSError as e:
-        return False, f"{e.strerror} (zeroio falls back to buffered I/O here)"
-    finally:
-        os.unlink(name)
+    from zeroio.io.files import probe_o_direct
+
+    return probe_o_direct(path)
 
 
 def path_report(path: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 
 def _sizes(text: str) -> list[int]:
@@ -34,16 +35,13 @@ def add_parser(sub) -> None:
 
 def write_aio(path: str, aio: dict) -> None:
     """Put ``aio`` into the JSON config at ``path`` (other keys kept), atomically."""
+    from zeroio.io.files import atomic_write_json
+
     config = {}
     if os.path.exists(path):
-        with open(path) as f:
-            config = json.load(f)
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
     config["aio"] = aio
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, config, indent=2)
 
 
 def run(args) -> int:

@@ -52,6 +52,7 @@ from zeroio.integrations.accelerate import check_launch
 from zeroio.integrations.autofill import check_no_contradictions
 from zeroio.integrations.hf_args import TrainingArguments, active_zero3_config, deactivate_zero3
 from zeroio.integrations.hf_config import auto_values, complete_config, describe, read_config
+from zeroio.io.files import atomic_write_text
 
 __all__ = ["Trainer", "TrainingArguments", "ZeroIOTrainer", "active_zero3_config",
            "deactivate_zero3"]
@@ -280,7 +281,7 @@ class Trainer(transformers.Trainer):
             model.generation_config.save_pretrained(output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        Path(output_dir, "training_args.json").write_text(self.args.to_json_string())
+        atomic_write_text(Path(output_dir, "training_args.json"), self.args.to_json_string())
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._zeroio_on:

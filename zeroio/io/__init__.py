@@ -1,5 +1,6 @@
-"""Async I/O: aligned (pinned) host buffers, the direct-I/O engine, the zarr tensor store
-and GPU copy helpers. See docs/io.md."""
+"""Async I/O: aligned (pinned) host buffers, the direct-I/O engine, the zarr tensor store,
+GPU copy helpers, and the file access of checkpoints and exports (``files``, ``crc``).
+See docs/io.md."""
 
 from zeroio.io.buffers import ALIGN, AlignedBuffer, BufferPool
 from zeroio.io.engine import IOArgumentError, IOEngine

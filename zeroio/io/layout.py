@@ -1,4 +1,9 @@
-"""The on-disk layout of a TensorStore: zarr v3 metadata for flat 1-D arrays.
+"""zarr v3 metadata of flat 1-D arrays: the one zarr-metadata module of zeroio.
+
+Two array kinds share it: a TensorStore's (swap state; each chunk file carries
+its own crc32c, below) and a checkpoint's (`raw_array_metadata`: raw chunks
+only, their crcs live in the checkpoint's manifest). Groups of both are
+`group_metadata` with the owner's attributes.
 
 [Note: chunk files] An array ``name`` with ``numel`` elements of ``itemsize``
 bytes, chunked by ``chunk_elems``, is the directory ``root/name`` holding
@@ -15,10 +20,9 @@ fill value 0 (zarr requires full edge chunks). 16-bit floats are stored as
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -140,8 +144,28 @@ def array_metadata(info: ArrayInfo, attributes: dict | None = None) -> dict:
     }
 
 
-def group_metadata() -> dict:
-    return {"zarr_format": 3, "node_type": "group", "attributes": {}}
+def raw_array_metadata(numel: int, dtype: torch.dtype, chunk_elems: int,
+                       attributes: dict | None = None) -> dict:
+    """A flat array of raw little-endian chunks, no checksum codec (a checkpoint's arrays:
+    the manifest holds their chunk crcs); `zarr.open_array` reads it as-is."""
+    name = dtype_name(dtype)
+    zarr_type = _ZARR_TYPES[name]
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [numel],
+        "data_type": zarr_type,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_elems]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0.0 if zarr_type.startswith("float") else 0,
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "attributes": {"torch_dtype": name, **(attributes or {})},
+        "dimension_names": None,
+    }
+
+
+def group_metadata(attributes: dict | None = None) -> dict:
+    return {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes or {})}
 
 
 def parse_array(name: str, meta: dict) -> ArrayInfo:
@@ -157,20 +181,11 @@ def parse_array(name: str, meta: dict) -> ArrayInfo:
     return ArrayInfo(name, int(numel), dtype, int(chunk_elems))
 
 
-def write_json_atomic(path: str, obj: dict) -> None:
-    """Temp file in the same directory, then rename: readers see old or new, never half."""
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".zarr.json.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def metadata_json(meta: dict) -> str:
+    """The text of a TensorStore's ``zarr.json``."""
+    return json.dumps(meta, indent=2)
 
 
-def read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+def read_metadata(path: str) -> dict:
+    """A ``zarr.json`` (FileNotFoundError when there is none)."""
+    return json.loads(Path(path).read_text())

@@ -1,7 +1,9 @@
-"""The OS calls the I/O engine makes, behind one object so tests can inject faults.
+"""The OS calls the I/O engine and the file pools of ``zeroio.io.files`` make, behind one
+object so tests can inject faults.
 
 Production code uses ``OsOps()``; a test subclasses it and overrides, say,
-``pwritev`` to raise ``OSError(ENOSPC)`` or ``preadv`` to return short.
+``pwritev`` to raise ``OSError(ENOSPC)`` or ``preadv`` to return short (or patches
+``OsOps.pwrite`` to fail every checkpoint piece write).
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ class OsOps:
 
     def pwritev(self, fd: int, buffers: list, offset: int) -> int:
         return os.pwritev(fd, buffers, offset)
+
+    def pwrite(self, fd: int, data, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def write(self, fd: int, data) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
 
     def posix_fallocate(self, fd: int, offset: int, length: int) -> None:
         os.posix_fallocate(fd, offset, length)

@@ -36,12 +36,12 @@ import shutil
 import threading
 from concurrent.futures import Future
 
-import google_crc32c
 import numpy as np
 import torch
 
 from zeroio.errors import IntegrityError, SwapIOError
 from zeroio.io.buffers import AlignedBuffer
+from zeroio.io.crc import crc32c, zeros_crc
 from zeroio.io.engine import (
     IOArgumentError,
     IOEngine,
@@ -50,6 +50,7 @@ from zeroio.io.engine import (
     no_space_error,
     tensor_bytes,
 )
+from zeroio.io.files import atomic_write_text
 from zeroio.io.layout import (
     CRC_BYTES,
     ArrayInfo,
@@ -58,13 +59,10 @@ from zeroio.io.layout import (
     default_chunk_elems,
     dtype_name,
     group_metadata,
+    metadata_json,
     parse_array,
-    read_json,
-    write_json_atomic,
+    read_metadata,
 )
-
-_ZERO_BLOCK = np.zeros(1 << 20, dtype=np.uint8)
-_ZERO_BLOCK.flags.writeable = False
 
 
 class ArrayNotFoundError(SwapIOError, FileNotFoundError):
@@ -73,19 +71,6 @@ class ArrayNotFoundError(SwapIOError, FileNotFoundError):
 
 class ArrayExistsError(SwapIOError, FileExistsError):
     """``create`` found an array of that name with a different shape, dtype or chunking."""
-
-
-def crc32c(mem: np.ndarray, crc: int = 0) -> int:
-    view = mem.view()
-    view.flags.writeable = False  # google_crc32c wants a read-only buffer; this is not a copy
-    return google_crc32c.extend(crc, view) if crc else google_crc32c.value(view)
-
-
-def crc_of_zeros(nbytes: int, crc: int = 0) -> int:
-    for start in range(0, nbytes, _ZERO_BLOCK.nbytes):
-        part = _ZERO_BLOCK[: min(_ZERO_BLOCK.nbytes, nbytes - start)]
-        crc = google_crc32c.extend(crc, part)
-    return crc
 
 
 class TensorStore:
@@ -137,7 +122,7 @@ class TensorStore:
         directory = self._dir(name)
         meta_path = os.path.join(directory, "zarr.json")
         if os.path.exists(meta_path):
-            have = parse_array(name, read_json(meta_path))
+            have = parse_array(name, read_metadata(meta_path))
             if have != info:
                 raise ArrayExistsError(
                     errno.EEXIST,
@@ -166,7 +151,7 @@ class TensorStore:
         check_name(name)
         meta_path = os.path.join(self._dir(name), "zarr.json")
         try:
-            meta = read_json(meta_path)
+            meta = read_metadata(meta_path)
         except FileNotFoundError:
             raise ArrayNotFoundError(
                 errno.ENOENT, f"TensorStore: no array {name!r} in {self.root} (create() it first)"
@@ -261,9 +246,8 @@ class TensorStore:
             os.makedirs(d, exist_ok=True)
 
     def _write_json(self, path: str, obj: dict) -> None:
-        write_json_atomic(path, obj)
-        if self.private:
-            os.chmod(path, 0o600)
+        # atomic, not durable: a crash discards swap state anyway ([Note: atomic writes] in files.py)
+        atomic_write_text(path, metadata_json(obj), mode=0o600 if self.private else None, durable=False)
 
     def _create_private(self, path: str) -> None:
         """A private store's chunk file exists 0600 before the engine opens it (O_CREAT there
@@ -363,7 +347,7 @@ class TensorStore:
                 pad = info.chunk_bytes - src.nbytes
                 if pad:
                     self.engine.pwrite_from(files, np.zeros(pad, dtype=np.uint8), src.nbytes)
-                    crc = crc_of_zeros(pad, crc)
+                    crc = zeros_crc(pad, crc)
             else:  # read-modify-write, see [Note: concurrent range writes]
                 stage = self._stage(info.chunk_bytes)
                 self._load_chunk(info, k, files, fd, stage)
@@ -409,7 +393,7 @@ class TensorStore:
             self.engine.close_files(files)
 
     def _preallocated(self, info: ArrayInfo) -> bool:
-        meta = read_json(os.path.join(self._dir(info.name), "zarr.json"))
+        meta = read_metadata(os.path.join(self._dir(info.name), "zarr.json"))
         return bool(meta.get("attributes", {}).get("zeroio", {}).get("preallocated", False))
 
     def _preallocate(self, info: ArrayInfo) -> None:
@@ -421,7 +405,7 @@ class TensorStore:
         if needed and needed > ops.disk_free(self._dir(info.name)):
             raise no_space_error(ops, self._dir(info.name), needed)
         if info.chunk_bytes not in self._zero_crc:
-            self._zero_crc[info.chunk_bytes] = crc_of_zeros(info.chunk_bytes)
+            self._zero_crc[info.chunk_bytes] = zeros_crc(info.chunk_bytes)
         for path in missing:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600 if self.private else 0o644)
             try:

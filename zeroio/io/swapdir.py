@@ -24,13 +24,13 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import uuid
 from pathlib import Path
 
 import psutil
 
 from zeroio.errors import SwapIOError
+from zeroio.io.files import atomic_write_text
 
 PREFIX = "zeroio-swap-"
 MARKER = "zeroio-swap.json"
@@ -77,17 +77,7 @@ def owner_gone(rec: dict) -> bool | None:
 
 def write_marker(directory: str | os.PathLike, rec: dict, name: str = MARKER) -> None:
     """``rec`` as ``directory/name``, 0600, atomically (temp file in the folder, rename)."""
-    directory = os.fspath(directory)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "w") as f:
-            json.dump(rec, f)
-        os.replace(tmp, os.path.join(directory, name))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(Path(directory, name), json.dumps(rec), mode=FILE_MODE, durable=False)
 
 
 def read_marker(directory: str | os.PathLike, name: str = MARKER) -> dict | None:

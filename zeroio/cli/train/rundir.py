@@ -39,12 +39,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from zeroio.errors import ConfigError
+from zeroio.io.files import atomic_write_text, open_lock_file, read_fd, rewrite_fd
 
 LOCK = "zeroio.lock"
 WRITTEN = "zeroio-run.json"
@@ -77,12 +77,8 @@ class RunLock:
 
 
 def _holder(fd: int) -> dict:
-    os.lseek(fd, 0, os.SEEK_SET)
-    data = b""
-    while chunk := os.read(fd, 65536):
-        data += chunk
     try:
-        rec = json.loads(data.decode("utf-8"))
+        rec = json.loads(read_fd(fd).decode("utf-8"))
     except ValueError:
         return {}
     return rec if isinstance(rec, dict) else {}
@@ -115,7 +111,7 @@ def acquire(out: Path, *, say=None) -> RunLock:
                           key="output") from None
     path = out / LOCK
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock_file(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -148,9 +144,7 @@ def acquire(out: Path, *, say=None) -> RunLock:
                 f"{path}; or pass another --output", key="output")
         say(f"zeroio train: taking over the lock of {out}: its holder ({_who(rec)}) is gone")
     token = uuid.uuid4().hex
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({**owner(), "token": token}).encode(), 0)
-    os.fsync(fd)
+    rewrite_fd(fd, json.dumps({**owner(), "token": token}).encode())
     return RunLock(out, fd, token, made)
 
 
@@ -207,15 +201,8 @@ def _read_written(out: Path) -> dict[str, list[int]]:
 
 
 def _write_written(out: Path, files: dict[str, list[int]]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{WRITTEN}.", dir=out)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": _FORMAT, "version": 1, "files": dict(sorted(files.items()))}, f)
-        os.replace(tmp, out / WRITTEN)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(out / WRITTEN, json.dumps({"format": _FORMAT, "version": 1,
+                                                 "files": dict(sorted(files.items()))}))
 
 
 def _sig(p: Path) -> list[int]:

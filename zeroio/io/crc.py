@@ -1,4 +1,9 @@
-"""crc32c of tensor bytes, and combining the crcs of adjacent pieces.
+"""crc32c of tensor bytes, and combining the crcs of adjacent pieces: the one crc32c helper.
+
+Every crc zeroio stores goes through here: the per-chunk crc32c of a swap
+array (``TensorStore``, the zarr crc32c codec) and the chunk and manifest crcs
+of a checkpoint. It is the Castagnoli crc of zarr's ``crc32c`` codec and of
+the ``google_crc32c`` package, which computes it.
 
 [Note: piece crcs] A chunk of a checkpoint array is usually written by more
 than one rank (rank boundaries fall anywhere in the global flat order). Each
@@ -26,14 +31,15 @@ def readonly_bytes(t: torch.Tensor) -> np.ndarray:
     return arr
 
 
-def crc32c(data: torch.Tensor | np.ndarray | bytes) -> int:
-    """crc32c of a tensor's raw bytes (contiguous, CPU), a uint8 array or bytes."""
+def crc32c(data: torch.Tensor | np.ndarray | bytes, crc: int = 0) -> int:
+    """crc32c of a tensor's raw bytes (contiguous, CPU), a uint8 array or bytes; with ``crc``,
+    the crc of the bytes that crc covers followed by ``data`` (no copy either way)."""
     if isinstance(data, torch.Tensor):
         data = readonly_bytes(data)
     elif isinstance(data, np.ndarray) and data.flags.writeable:
         data = data.view()
-        data.flags.writeable = False
-    return google_crc32c.value(data)
+        data.flags.writeable = False  # google_crc32c wants a read-only buffer; this is not a copy
+    return google_crc32c.extend(crc, data) if crc else google_crc32c.value(data)
 
 
 def _multmodp(a: int, b: int) -> int:
@@ -80,9 +86,9 @@ _ZEROS = np.zeros(1 << 20, dtype=np.uint8)
 _ZEROS.flags.writeable = False
 
 
-def zeros_crc(nbytes: int) -> int:
-    """crc32c of ``nbytes`` zero bytes (the padding of an array's last chunk)."""
-    crc = 0
+def zeros_crc(nbytes: int, crc: int = 0) -> int:
+    """crc32c of ``nbytes`` zero bytes (the padding of an array's last chunk), or with ``crc``
+    of the bytes that crc covers followed by them."""
     for lo in range(0, nbytes, _ZEROS.nbytes):  # streamed over one shared zero page run
         crc = google_crc32c.extend(crc, _ZEROS[: min(_ZEROS.nbytes, nbytes - lo)])
     return crc
