@@ -25,9 +25,9 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroio.config import load_config
+from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
 from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
 from zeroio.dtypes import DTYPES
@@ -44,21 +44,22 @@ from zeroio.tiering import stats as tstats
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the torchrun world if not joined yet; a bare process becomes a world of 1.
     ``timeout_s``: every collective's wait (``distributed.timeout_s``)."""
-    if dist.is_initialized():
+    if comm.is_initialized():
         return
+    env = launch_env()
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(env.local_rank)
     backend = "nccl" if cuda else "gloo"
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if env.launched:
         comm.init_world(backend, timeout_s)
     else:
-        comm.init_world("gloo", timeout_s, store=dist.HashStore(), rank=0, world_size=1)
+        comm.init_local_world(timeout_s)
 
 
 def pick_device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", launch_env().local_rank)
     return torch.device("cpu")
 
 
@@ -106,7 +107,7 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares=N
         from zeroio.optim.swap import SwappedAdam
 
         return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg,
-                           **(shares or {}))
+                           rank=comm.rank(), **(shares or {}))
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
@@ -340,7 +341,7 @@ class Engine:
         self.global_samples += self.train_batch_size()
 
     def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return self.device if comm.backend() == "nccl" else torch.device("cpu")
 
     # ---- reporting -------------------------------------------------------------------------
 
