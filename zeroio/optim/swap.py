@@ -56,6 +56,7 @@ import torch
 
 from zeroio.errors import CapacityError, ConfigError
 from zeroio.optim.adam import AdamState, adam_update
+from zeroio.optim.interface import EngineOptimizer
 from zeroio.partition.base import ShardGroup
 
 KINDS = ("exp_avg", "exp_avg_sq")
@@ -167,7 +168,7 @@ def min_host_bytes(groups: list[ShardGroup], sub_group_size: int) -> int:
     return min(total, len(KINDS) * _PAGE)
 
 
-class SwappedAdam:
+class SwappedAdam(EngineOptimizer):
     """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,

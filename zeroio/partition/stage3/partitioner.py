@@ -56,7 +56,7 @@ from zeroio.config.zero import step_assist_enabled
 from zeroio.errors import DistributedError
 from zeroio.optim.assist import StepAssist
 from zeroio.partition import collectives as comm
-from zeroio.partition.base import Phase, ShardGroup
+from zeroio.partition.base import Partitioner, Phase, ShardGroup
 from zeroio.partition.host_grads import host_grad_dtype
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
@@ -92,10 +92,11 @@ class _PieceRef:
     """Which side's ShardGroup holds it ([Note: twin placement] in twin.py)."""
 
 
-class Stage3Partitioner:
+class Stage3Partitioner(Partitioner):
     """See the module docstring; the protocol is ``zeroio.partition.base.Partitioner``."""
 
     stage = 3
+    runs_host_step = True  # run_step: host shards stepped chunk by chunk
 
     def __init__(self, *, module: nn.Module, param_groups: list[list[nn.Parameter]],
                  compute_dtype: torch.dtype, device: torch.device, home,
