@@ -33,10 +33,10 @@ def run_one(args, nproc: int) -> dict:
     cmd = [sys.executable, "-m", "zeroio.cli.main", "train", "--preset", args.preset,
            "--steps", str(args.steps), "--seq-len", str(args.seq_len),
            "--micro-batch", str(args.micro_batch), "--nproc", str(nproc), "--output", out,
-           "--json"]
+           "--json", "--progress-every", str(args.progress_every)]
     if args.config:
         cmd += ["--config", args.config]
-    env = dict(os.environ, ZEROIO_PROGRESS_EVERY=str(args.progress_every))
+    env = dict(os.environ)
     print(f"[bench_train] {nproc} GPU(s): {' '.join(cmd)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     # stderr inherited: progress and errors stream live; stdout holds the JSON summary

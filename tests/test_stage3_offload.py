@@ -387,20 +387,28 @@ def test_without_the_gathers_wait_the_next_forward_reads_stale_parameters():
     assert any(abs(a - b[0]) > 1e-4 for a, b in zip(losses[1:], ref_losses[1:], strict=True))
 
 
-def test_step_chunk_env_must_be_a_positive_integer(monkeypatch):
+def test_step_chunk_key_and_env_override(monkeypatch):
+    """``zero_optimization.tiering.step_chunk_numel`` reaches the stage-3 settings;
+    ``ZEROIO_STEP_CHUNK_NUMEL`` replaces it when the config is loaded; a bad value is an
+    error naming the variable."""
     from zeroio.config import load_config
     from zeroio.errors import ConfigError
-    from zeroio.partition.stage3.settings import STEP_CHUNK_ENV, Stage3Settings
+    from zeroio.partition.stage3.settings import Stage3Settings
 
-    zero = load_config({"train_micro_batch_size_per_gpu": 1,
-                        "zero_optimization": {"stage": 3}}, world_size=1).zero_optimization
-    monkeypatch.setenv(STEP_CHUNK_ENV, "4096")
-    assert Stage3Settings.from_zero_config(zero).step_chunk_numel == 4096
+    def chunk(**tiering):
+        zero = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "tiering": tiering}}, world_size=1).zero_optimization
+        return Stage3Settings.from_zero_config(zero).step_chunk_numel
+
+    monkeypatch.delenv("ZEROIO_STEP_CHUNK_NUMEL", raising=False)
+    assert chunk() == 1 << 26 and chunk(step_chunk_numel=1000) == 1000
+    monkeypatch.setenv("ZEROIO_STEP_CHUNK_NUMEL", "4096")
+    assert chunk(step_chunk_numel=1000) == 4096
     for bad in ("lots", "0"):
-        monkeypatch.setenv(STEP_CHUNK_ENV, bad)
+        monkeypatch.setenv("ZEROIO_STEP_CHUNK_NUMEL", bad)
         with pytest.raises(ConfigError) as err:
-            Stage3Settings.from_zero_config(zero)
-        assert STEP_CHUNK_ENV in str(err.value)
+            chunk()
+        assert err.value.key == "ZEROIO_STEP_CHUNK_NUMEL"
 
 
 def test_overlap_step_from_config_and_env_override(monkeypatch):

@@ -224,16 +224,22 @@ def test_overlap_step_from_config_key_and_readers_wait(tmp_path):
 
 
 def test_environment_variable_overrides_the_config_key(monkeypatch):
+    """ZEROIO_OVERLAP_STEP replaces the key when the config is loaded: the resolved tiering
+    holds what training uses."""
     from zeroio.config import load_config
     from zeroio.config.zero import overlap_step_enabled
 
-    on = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
-        "stage": 2, "tiering": {"overlap_step": True}}}).zero_optimization.tiering
-    off = load_config({"train_micro_batch_size_per_gpu": 1}).zero_optimization.tiering
+    def on():
+        return load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 2, "tiering": {"overlap_step": True}}}).zero_optimization.tiering
+
+    def off():
+        return load_config({"train_micro_batch_size_per_gpu": 1}).zero_optimization.tiering
+
     monkeypatch.delenv("ZEROIO_OVERLAP_STEP", raising=False)
-    assert overlap_step_enabled(on) is True
-    assert overlap_step_enabled(off) is False
+    assert overlap_step_enabled(on()) is True
+    assert overlap_step_enabled(off()) is False
     monkeypatch.setenv("ZEROIO_OVERLAP_STEP", "0")
-    assert overlap_step_enabled(on) is False
+    assert overlap_step_enabled(on()) is False
     monkeypatch.setenv("ZEROIO_OVERLAP_STEP", "1")
-    assert overlap_step_enabled(off) is True
+    assert overlap_step_enabled(off()) is True

@@ -25,9 +25,9 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroio.config import load_config
+from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
 from zeroio.config.policy import resolve_policies
 from zeroio.dtypes import DTYPES
@@ -45,21 +45,22 @@ from zeroio.tiering import stats as tstats
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the torchrun world if not joined yet; a bare process becomes a world of 1.
     ``timeout_s``: every collective's wait (``distributed.timeout_s``)."""
-    if dist.is_initialized():
+    if comm.is_initialized():
         return
+    env = launch_env()
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(env.local_rank)
     backend = "nccl" if cuda else "gloo"
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if env.launched:
         comm.init_world(backend, timeout_s)
     else:
-        comm.init_world("gloo", timeout_s, store=dist.HashStore(), rank=0, world_size=1)
+        comm.init_local_world(timeout_s)
 
 
 def pick_device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", launch_env().local_rank)
     return torch.device("cpu")
 
 
@@ -109,7 +110,7 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares=N
         from zeroio.optim.swap import SwappedAdam
 
         return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg,
-                           **(shares or {}))
+                           rank=comm.rank(), **(shares or {}))
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
@@ -201,6 +202,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._step_applied = False
         self._load_failure: str | None = None  # set by a load that failed after it began writing
+        self.show_progress = True  # checkpoint and model-save bars on rank 0 (docs/engine.md)
         self._timings: dict[str, float] = defaultdict(float)
         self._t0 = time.perf_counter()
         # [Note: per-step transfer stats]: merged counters at the last two step boundaries
@@ -263,9 +265,7 @@ class Engine:
     def synchronize(self) -> None:
         """Wait for an overlapped optimizer step (``zero_optimization.tiering.overlap_step``);
         a no-op otherwise."""
-        wait = getattr(self.partitioner, "wait_step", None)
-        if wait is not None:
-            wait()
+        self.partitioner.wait_step()
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -315,19 +315,16 @@ class Engine:
             clip = self.config.gradient_clipping
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
             self.last_grad_norm = norm
-            stage_range = getattr(self.partitioner, "stage_range", None)
-            offload = self.config.zero_optimization.offload_optimizer.device
-            run_step = getattr(self.partitioner, "run_step", None)
-            if run_step is not None and offload == "cpu" and hasattr(self.optimizer,
-                                                                       "begin_chunked_step"):
+            part, offload = self.partitioner, self.config.zero_optimization.offload_optimizer.device
+            if part.runs_host_step and offload == "cpu" and self.optimizer.chunked_step:
                 # CPU Adam chunk by chunk on a worker, each chunk published behind it (a
                 # TwinAdam steps its device side first: partition/stage3/twin.py)
                 chunked = self.optimizer.begin_chunked_step(grad_scale=scale / coef)
-                run_step(chunked.update, out_in_pass=chunked.out_in_pass, step=chunked)
-            elif stage_range is not None and offload != "none":
+                part.run_step(chunked.update, out_in_pass=chunked.out_in_pass, step=chunked)
+            elif part.stages_ranges and offload != "none":
                 # host masters: publish chunk by chunk behind the CPU optimizer
-                self.optimizer.step(grad_scale=scale / coef, on_updated=stage_range)
-                self.partitioner.publish_params(staged=True)
+                self.optimizer.step(grad_scale=scale / coef, on_updated=part.stage_range)
+                part.publish_params(staged=True)
             else:
                 self.optimizer.step(grad_scale=scale / coef)
                 self.partitioner.publish_params()
@@ -343,7 +340,7 @@ class Engine:
         self.global_samples += self.train_batch_size()
 
     def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return self.device if comm.backend() == "nccl" else torch.device("cpu")
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -351,12 +348,10 @@ class Engine:
         """Every counter source: the optimizer's tiered store (offload_optimizer nvme) and the
         partitioner's (host <-> device copies; stage 3's NVMe parameter store)."""
         sources: dict[str, dict] = {}
-        store = getattr(self.optimizer, "store", None)
+        store = self.optimizer.store
         if store is not None:
             sources["optimizer"] = store.stats()
-        part = getattr(self.partitioner, "stats_sources", None)
-        if part is not None:
-            sources.update(part())
+        sources.update(self.partitioner.stats_sources())
         sources["held"] = tstats.held_source(self._held_tensors())
         return sources
 
@@ -364,14 +359,8 @@ class Engine:
         """[Note: tiers outside stores] in tiering/stats.py: what the partitioner and a
         ``ShardedAdam`` keep in memory outside any tiered store (a ``SwappedAdam``'s moments
         are in its store, reported by it)."""
-        held = getattr(self.partitioner, "held_tensors", None)
-        out = list(held()) if held is not None else [
-            t for sg in self.partitioner.groups for t in (sg.master, sg.grad)]
-        if self.optimizer is None:  # still being built (fit_budgets)
-            pass
-        elif isinstance(self.optimizer, ShardedAdam):
-            out += [t for st in self.optimizer.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
-        elif hasattr(self.optimizer, "held_tensors"):  # TwinAdam
+        out = list(self.partitioner.held_tensors())
+        if self.optimizer is not None:  # None while it is being built (fit_budgets)
             out += self.optimizer.held_tensors()
         return out
 
@@ -405,9 +394,8 @@ class Engine:
         out["last_step"] = self._stats_last_step
         out["step"] = tstats.diff(out, self._stats_at_boundary)
         out["timings"] = dict(self._timings)
-        host = getattr(self.partitioner, "host_step_timings", None)
-        if host is not None:  # the host step's worker: CPU Adam vs publication (step_overlap)
-            out["timings"].update(host())
+        # the host step's worker: CPU Adam vs publication (step_overlap)
+        out["timings"].update(self.partitioner.host_step_timings())
         out["global_steps"] = self.global_steps
         out["skipped_steps"] = self.skipped_steps
         out["loss_scale"] = self.loss_scaler.scale
@@ -470,9 +458,7 @@ class Engine:
     def close(self) -> None:
         self.synchronize()
         self.partitioner.close()
-        closer = getattr(self.optimizer, "close", None)
-        if closer is not None:
-            closer()
+        self.optimizer.close()
 
 
 def _gb(n: int) -> str:

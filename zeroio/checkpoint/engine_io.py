@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroio.checkpoint import rng
 from zeroio.checkpoint.comm import Comm
@@ -47,6 +45,7 @@ from zeroio.checkpoint.tags import check_tag
 from zeroio.checkpoint.writer import SaveOptions, save_sharded
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError
+from zeroio.partition import collectives
 
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")
 _GATHER_WINDOW = 1 << 25  # elements per reduce when gathering 16-bit weights
@@ -147,7 +146,7 @@ def _uncovered(engine, index: dict[str, ParamEntry], comm: Comm) -> list[str]:
                 covered[pos[name]] = 1
     covered = covered.to(comm.device or "cpu")
     if comm.world_size > 1:
-        dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=comm.group)
+        collectives.all_reduce_scalar(covered, comm.group, op="max")
     return [n for n, c in zip(names, covered.tolist(), strict=True) if not c]
 
 
@@ -220,7 +219,7 @@ def _max_steps(engine, comm: Comm) -> list[int]:
     steps = torch.tensor([engine.optimizer.steps_taken(i) for i in range(n)], dtype=torch.int64,
                          device=comm.device)
     if comm.world_size > 1:
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=comm.group)
+        collectives.all_reduce_scalar(steps, comm.group, op="max")
     return [int(s) for s in steps.tolist()]
 
 
@@ -283,7 +282,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, *, options: S
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     comm = _comm(engine)
     state = build_state(engine, comm=comm, client_state=client_state)
-    opts = options or SaveOptions(progress=engine.global_rank == 0 and not os.environ.get("ZEROIO_QUIET"))
+    opts = options or SaveOptions(progress=engine.global_rank == 0 and engine.show_progress)
     if options is None:  # the aio block sizes the checkpoint's I/O too ([Note: pool settings])
         opts = replace(opts, aio=engine.config.aio)
     return save_sharded(state, save_dir, tag, comm=comm, options=opts)
@@ -424,7 +423,7 @@ def _gather_window(segs, lo: int, hi: int, comm: Comm) -> torch.Tensor | None:
                 s.tensor[a - s.offset: b - s.offset]
             buf[a - lo: b - lo].copy_(src)
     if comm.world_size > 1:
-        dist.reduce(buf, dst=0, op=dist.ReduceOp.SUM, group=comm.group)
+        collectives.reduce(buf, 0, comm.group)
     return buf if comm.rank == 0 else None
 
 
@@ -482,7 +481,7 @@ def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None,
         return None if buf is None else buf.to(dtype)
 
     stream_shards(out, shards, fill, write=rank0, desc="save 16-bit model",
-                  progress=rank0 and not os.environ.get("ZEROIO_QUIET"))
+                  progress=rank0 and engine.show_progress)
     if rank0:
         _write_config(out, _hf_config(engine.module), dtype)
     comm.all_ok(True)

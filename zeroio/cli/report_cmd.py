@@ -72,11 +72,13 @@ def _cpu() -> dict[str, Any]:
 
 
 def _cpu_adam() -> dict[str, Any]:
+    from zeroio.config.launch_env import launch_env
     from zeroio.optim import cpu_adam
 
     # the compilers torch inductor tries (its cpp.cxx default: $CXX, then g++), without
     # importing inductor (seconds)
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    cxx = launch_env().cxx
+    names = [cxx] if cxx else ["g++", "c++", "clang++"]
     compiler = next((w for w in map(shutil.which, names) if w), None)
     mode = cpu_adam.mode()
     return {"mode": mode, "compiler": compiler,

@@ -53,6 +53,9 @@ _OPTIONS: dict[str, dict] = {
                     help="zero_optimization.offload_optimizer.ratio: offload this fraction of "
                          "each rank's optimizer state, keep the rest on the GPU (stages 1-3; "
                          "default: the config's, or 1)"),
+    "--progress-every": dict(type=int, default=0, metavar="N",
+                             help="also print one plain progress line on stderr every N steps, "
+                                  "even under --json or --quiet (default 0: none)"),
     "--timeout": dict(type=float, default=None, metavar="SECONDS",
                       help="distributed.timeout_s: how long a collective waits for a rank that "
                            "stopped answering before the run fails naming it (default: the "
@@ -150,8 +153,7 @@ def run(args) -> int:
     try:
         train(opts)
     finally:
-        import torch.distributed as dist
+        from zeroio.partition import collectives
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        collectives.destroy_world()
     return 0

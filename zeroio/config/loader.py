@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from zeroio.config import legacy
+from zeroio.config import legacy, overrides
 from zeroio.config.auto import BATCH_KEYS, check_auto_values, drop_unfillable, resolve_auto
 from zeroio.config.batch import complete
 from zeroio.config.fields import (
@@ -106,6 +106,10 @@ class Config:
         default_factory=lambda: MappingProxyType({}), metadata={"json": False})
     """DeepSpeed keys present in the file that zeroio accepts but does not implement
     (key path -> value as written); see docs/config.md."""
+    env_overrides: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({}), metadata={"json": False})
+    """The ``ZEROIO_*`` environment overrides set when the config was loaded (variable ->
+    ``{"value", "key"}``; config/overrides.py). A key override's value is already in its key."""
 
     @property
     def stage(self) -> int:
@@ -120,7 +124,13 @@ class Config:
         """The resolved config as a JSON-able dict; load_config(d, world_size=...) rebuilds it."""
         out = to_jsonable(self)
         out.pop("world_size")
+        if self.env_overrides:  # informational: load_config drops it (the keys hold the values)
+            out[ENV_OVERRIDES_KEY] = {k: dict(v) for k, v in self.env_overrides.items()}
         return out
+
+
+ENV_OVERRIDES_KEY = "env_overrides"
+"""``Config.to_dict()``'s record of the environment overrides; accepted and dropped on load."""
 
 
 class _Object(dict):
@@ -258,6 +268,8 @@ def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
         path_or_dict = path_or_dict.to_dict()
     values = check_auto_values(auto_values)
     raw = legacy.rewrite(read_config(path_or_dict))
+    raw.pop(ENV_OVERRIDES_KEY, None)
+    raw, env_overrides = overrides.apply(raw)
     world_size = _world_size(values)
     raw, unfilled = resolve_auto(raw, values)
     token = legacy._seen.set({})
@@ -288,6 +300,7 @@ def load_config(path_or_dict: Any, **auto_values: Any) -> Config:
         checkpoint=scalars.checkpoint,
         distributed=scalars.distributed,
         unimplemented=MappingProxyType(unimplemented),
+        env_overrides=MappingProxyType(env_overrides),
     )
     _check_offload(cfg)
     _warn_ineffective(cfg, raw)

@@ -65,6 +65,9 @@ class TieringPolicy:
     step_assist: bool = False
     """The GPU steps a share of the host chunks: ``step_assist`` (``ZEROIO_STEP_ASSIST``
     applied) for the training device, and only with ``offload_optimizer.device: cpu``."""
+    step_chunk_numel: int = 1 << 26
+    """Most elements one host Adam call updates before its chunk is published
+    (``step_chunk_numel``; ``ZEROIO_STEP_CHUNK_NUMEL`` applied at load_config)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +106,8 @@ def resolve_policies(zero, *, accumulation_steps: int = 1, device=None) -> Polic
         gpu_budget_bytes=t.gpu_budget_bytes, cpu_budget_bytes=t.cpu_budget_bytes,
         nvme_budget_bytes=t.nvme_budget_bytes, nvme_reserve_bytes=int(t.nvme_reserve_bytes),
         overlap_step=overlap_step_enabled(t),
-        step_assist=device is not None and opt_dev == "cpu" and step_assist_enabled(t, device))
+        step_assist=device is not None and opt_dev == "cpu" and step_assist_enabled(t, device),
+        step_chunk_numel=int(t.step_chunk_numel))
     return Policies(optimizer=optimizer, param=param, tiering=tiering,
                     accumulation_steps=int(accumulation_steps))
 

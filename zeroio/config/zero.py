@@ -11,7 +11,6 @@ name is accepted as an alias.
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 
 from zeroio.config.fields import (
@@ -147,15 +146,20 @@ class TieringConfig:
     """Free bytes of the ``nvme_path`` file system a derived NVMe budget leaves untouched
     (1 GiB): with ``nvme_budget_bytes`` unset the budget is the free space minus this."""
     overlap_step: bool = field(False, coerce=as_bool)
-    """Stages 0-2 with offload_optimizer cpu: ``step()`` returns while the CPU optimizer
+    """Stages 0-3 with offload_optimizer cpu: ``step()`` returns while the CPU optimizer
     still runs and the next forward waits per module for its parameters (docs/engine.md).
-    The environment variable ZEROIO_OVERLAP_STEP, when set, overrides it."""
+    The environment variable ZEROIO_OVERLAP_STEP, when set, replaces it at load_config
+    (config/overrides.py)."""
     step_assist: bool | None = field(None, coerce=_bool_or_auto)
     """offload_optimizer cpu on a CUDA device: the GPU steps a share of the host optimizer's
     chunks beside the CPU, streaming them in and out ([Note: step assist] in
     shard/assist.py); state stays in host memory. "auto" (None, the default): on wherever
     it applies; false: CPU only. The environment variable ZEROIO_STEP_ASSIST, when set
-    (1/0/auto), overrides it (``step_assist_enabled``)."""
+    (1/0/auto), replaces it at load_config (config/overrides.py)."""
+    step_chunk_numel: int = field(1 << 26, coerce=int_coercer(ge=1))
+    """Stage 3 with offload_optimizer cpu: most elements one CPU Adam call updates before
+    that chunk is published (cast into the 16-bit shard); 64M. The environment variable
+    ZEROIO_STEP_CHUNK_NUMEL, when set, replaces it at load_config."""
 
 
 def ineffective_tiering_keys(zero: ZeroConfig, raw_tiering: object) -> list[tuple[str, str]]:
@@ -234,41 +238,23 @@ class ZeroConfig:
 
 
 def overlap_step_enabled(tiering: TieringConfig | None) -> bool:
-    """The overlapped host step's opt-in for every stage: ``ZEROIO_OVERLAP_STEP`` when set
-    (1/true/yes on, anything else off), else ``zero_optimization.tiering.overlap_step``.
+    """The overlapped host step's opt-in for every stage: ``zero_optimization.tiering.
+    overlap_step`` as resolved by load_config (``ZEROIO_OVERLAP_STEP`` applied there).
     What reads stale values meanwhile: docs/engine.md, "Overlapped optimizer step"."""
-    env = os.environ.get("ZEROIO_OVERLAP_STEP", "").strip()
-    if env:
-        return env.lower() in ("1", "true", "yes")
     return bool(tiering is not None and tiering.overlap_step)
-
-
-STEP_ASSIST_ENV = "ZEROIO_STEP_ASSIST"
 
 
 def step_assist_enabled(tiering: TieringConfig | None, device) -> bool:
     """Whether the GPU takes a share of the host optimizer step ([Note: step assist]):
-    ``ZEROIO_STEP_ASSIST`` when set (1/true/yes, 0/false/no, auto), else
-    ``zero_optimization.tiering.step_assist``. "auto" is on for a CUDA device, at any world
+    ``zero_optimization.tiering.step_assist`` as resolved by load_config
+    (``ZEROIO_STEP_ASSIST`` applied there). "auto" is on for a CUDA device, at any world
     size (tested on 1 and 2 GPUs). On, with no CUDA device, is an error naming the
     setting."""
-    env = os.environ.get(STEP_ASSIST_ENV, "").strip().lower()
-    if env:
-        if env in ("1", "true", "yes"):
-            want, key = True, STEP_ASSIST_ENV
-        elif env in ("0", "false", "no"):
-            want, key = False, STEP_ASSIST_ENV
-        elif env == "auto":
-            want, key = None, STEP_ASSIST_ENV
-        else:
-            raise ConfigError(f"{STEP_ASSIST_ENV}={env!r}: expected 1, 0 or auto (unset it to "
-                              "use zero_optimization.tiering.step_assist)", key=STEP_ASSIST_ENV)
-    else:
-        want = None if tiering is None else tiering.step_assist
-        key = "zero_optimization.tiering.step_assist"
+    want = None if tiering is None else tiering.step_assist
+    key = "zero_optimization.tiering.step_assist"
     cuda = getattr(device, "type", str(device)) == "cuda"
     if want and not cuda:
-        raise ConfigError(f"{key} is on, but training runs on {device}: the step assist moves "
-                          "host optimizer chunks to a CUDA GPU; set it to false or \"auto\"",
-                          key=key)
+        raise ConfigError(f"{key} is on (in the config, or ZEROIO_STEP_ASSIST=1), but training "
+                          f"runs on {device}: the step assist moves host optimizer chunks to a "
+                          "CUDA GPU; set it to false or \"auto\"", key=key)
     return cuda if want is None else want

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from zeroio.config.launch_env import launch_env
 from zeroio.errors import ConfigError
 from zeroio.integrations.autofill import check_no_contradictions
 
@@ -136,7 +137,7 @@ def requested_processes(environ: Mapping[str, str] | None = None,
     None when this process was not started by ``accelerate launch`` or the count is
     unknown; 0 when it is known to be more than one but not how many (see the note).
     """
-    env = os.environ if environ is None else environ
+    env = launch_env().variables if environ is None else environ
     if "ACCELERATE_MIXED_PRECISION" not in env:  # set by every accelerate launcher
         return None
     argv = _parent_argv() if parent_argv is None else list(parent_argv)
@@ -154,7 +155,7 @@ def check_launch(environ: Mapping[str, str] | None = None,
                  parent_argv: Sequence[str] | None = None) -> None:
     """Raise ``ConfigError`` when accelerate started a different number of processes than asked,
     or launched this process for DeepSpeed (see [Note: the process count accelerate was asked for])."""
-    env = os.environ if environ is None else environ
+    env = launch_env().variables if environ is None else environ
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes"):
         raise ConfigError(
             "accelerate launched this script for DeepSpeed (distributed_type: DEEPSPEED); zeroio "

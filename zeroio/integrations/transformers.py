@@ -62,16 +62,15 @@ _trainer_log = logging.get_logger("transformers.trainer")  # the Trainer's own l
 
 
 @contextlib.contextmanager
-def _progress_bars(show: bool):
-    """zeroio's save bars off while the Trainer's ``disable_tqdm`` is set."""
-    if show or os.environ.get("ZEROIO_QUIET"):
-        yield
-        return
-    os.environ["ZEROIO_QUIET"] = "1"
+def _progress_bars(engine, show: bool):
+    """zeroio's save bars (``engine.show_progress``) off while the Trainer's ``disable_tqdm``
+    is set."""
+    before = engine.show_progress
+    engine.show_progress = before and show
     try:
         yield
     finally:
-        os.environ.pop("ZEROIO_QUIET", None)
+        engine.show_progress = before
 
 
 class _EngineModule(torch.nn.Module):
@@ -263,7 +262,7 @@ class Trainer(transformers.Trainer):
                 return super().save_model(output_dir, _internal_call)
         os.makedirs(output_dir, exist_ok=True)
         try:
-            with _progress_bars(not self.args.disable_tqdm):
+            with _progress_bars(engine, not self.args.disable_tqdm):
                 engine.save_16bit_model(output_dir)
         except CheckpointError as e:
             if not _internal_call:
@@ -286,7 +285,7 @@ class Trainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._zeroio_on:
             return super()._save_optimizer_and_scheduler(output_dir)
-        with _progress_bars(not self.args.disable_tqdm):
+        with _progress_bars(self.zeroio_engine, not self.args.disable_tqdm):
             self.zeroio_engine.save_checkpoint(output_dir,
                                                tag=f"global_step{self.state.global_step}")
 

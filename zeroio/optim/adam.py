@@ -24,6 +24,7 @@ from torch.optim.adamw import adamw as adamw_fn
 from zeroio.errors import ConfigError
 from zeroio.io.hostmem import host_zeros
 from zeroio.optim import cpu_adam
+from zeroio.optim.interface import EngineOptimizer
 from zeroio.shard.types import ShardGroup
 
 
@@ -156,13 +157,15 @@ class ChunkedStep:
                 out.copy_(master)
 
 
-class ShardedAdam:
+class ShardedAdam(EngineOptimizer):
     """Adam (L2 weight decay) or AdamW (decoupled) over this rank's ShardGroups.
 
     ``param_groups[i]`` holds the hyperparameters of ShardGroup i. States are
     created on the master's device (GPU or pinned CPU). NVMe-resident states
     are handled by ``zeroio.optim.swap.SubGroupSwapper``, which calls
     ``adam_update`` per sub-group."""
+
+    chunked_step = True
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  grad_divisor: float = 1.0):
@@ -216,6 +219,10 @@ class ShardedAdam:
                     k = min(chunk_numel, n - lo)
                     chunked.update(g.group_index, lo, k)
                     on_updated(g.group_index, lo, k)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Moments and step counters: plain tensors, outside any tiered store."""
+        return [t for st in self.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
 
     def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
         """The local 1-D tensor of ``kind`` ("fp32" | "exp_avg" | "exp_avg_sq") of a group."""

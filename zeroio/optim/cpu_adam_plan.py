@@ -6,25 +6,19 @@ is ``shard/host_rule.py`` (re-exported here)."""
 
 from __future__ import annotations
 
-import os
-
-from zeroio.errors import ConfigError
+from zeroio.config import overrides
 from zeroio.shard.host_rule import host_grad_may_be_16bit  # noqa: F401 (re-exported)
 
 AUTO_MIN_NUMEL = 1 << 24
 """``auto`` compiles for host optimizer state of at least this many elements (64 MB fp32)."""
 
-MODES = ("auto", "compiled", "torch")
+MODES = overrides.CPU_ADAM_MODES
 
 
 def mode() -> str:
-    """``ZEROIO_CPU_ADAM``: auto (default), compiled or torch."""
-    raw = os.environ.get("ZEROIO_CPU_ADAM", "auto").strip().lower() or "auto"
-    if raw not in MODES:
-        raise ConfigError(f"ZEROIO_CPU_ADAM={raw!r}: expected one of {', '.join(MODES)} "
-                          "(auto: the compiled one-pass kernel for large host optimizer state)",
-                          key="ZEROIO_CPU_ADAM")
-    return raw
+    """``ZEROIO_CPU_ADAM``: auto (default), compiled or torch (a process override, read by
+    the config layer: config/overrides.py)."""
+    return overrides.cpu_adam_mode()
 
 
 def planned(total_numel: int) -> bool:

@@ -56,6 +56,7 @@ import torch
 
 from zeroio.errors import CapacityError, ConfigError
 from zeroio.optim.adam import AdamState, adam_update
+from zeroio.optim.interface import EngineOptimizer
 from zeroio.shard.types import ShardGroup
 
 KINDS = ("exp_avg", "exp_avg_sq")
@@ -167,22 +168,18 @@ def min_host_bytes(groups: list[ShardGroup], sub_group_size: int) -> int:
     return min(total, len(KINDS) * _PAGE)
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-class SwappedAdam:
+class SwappedAdam(EngineOptimizer):
     """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  cfg, backend=None, piece_elems: int | None = None,
-                 cpu_budget_bytes: int | None = None, nvme_budget_bytes: int | None = None):
+                 cpu_budget_bytes: int | None = None, nvme_budget_bytes: int | None = None,
+                 rank: int = 0):
         """``cpu_budget_bytes`` / ``nvme_budget_bytes``: this optimizer's share of the tier
         budgets (the engine's split, [Note: budgets in training] in tiering/budget.py);
         None: ``zero_optimization.tiering``'s value (or derived, as DeepSpeed's
-        buffer_count)."""
+        buffer_count). ``rank``: this process's global rank, which names its swap folder
+        (``zeroio-optim-rank<rank>`` under ``nvme_path``)."""
         from zeroio.tiering import PolicyKind, Tier, TieredStore
 
         off = cfg.zero_optimization.offload_optimizer
@@ -207,7 +204,7 @@ class SwappedAdam:
         self._write_behind = self.pipeline_write and self.policy is PolicyKind.TRACE
         self.pieces = list(self.plan.pieces)
         path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
-                                                               f"zeroio-optim-rank{_rank()}")
+                                                               f"zeroio-optim-rank{rank}")
         if path is not None:
             from zeroio.io import swapdir
 

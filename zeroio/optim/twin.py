@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from zeroio.optim.adam import ShardedAdam
+from zeroio.optim.interface import EngineOptimizer
 from zeroio.shard.types import ShardGroup
 
 
-class TwinAdam:
+class TwinAdam(EngineOptimizer):
     def __init__(self, *, device: ShardedAdam, host, groups: list[ShardGroup]):
         if device.param_groups is not host.param_groups:
             raise ValueError("TwinAdam: both sides must share one param_groups list")
@@ -133,15 +134,17 @@ class TwinAdam:
         """Moments held outside a tiered store (``engine.stats()["tiers"]``): the device
         side's, and the host side's when it is a ``ShardedAdam`` (a ``SwappedAdam``'s are in
         its store, reported by it)."""
-        out = [t for st in self.device.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
-        if isinstance(self.host, ShardedAdam):
-            out += [t for st in self.host.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
-        return out
+        return self.device.held_tensors() + self.host.held_tensors()
 
     @property
     def store(self):
         """The host side's tiered store (NVMe moments), for ``engine.stats()``; else None."""
-        return getattr(self.host, "store", None)
+        return self.host.store
+
+    @property
+    def chunked_step(self) -> bool:
+        """``begin_chunked_step`` works where the host side has one (a ``ShardedAdam``)."""
+        return self.host.chunked_step
 
     def drain(self) -> None:
         drain = getattr(self.host, "drain", None)
@@ -149,6 +152,4 @@ class TwinAdam:
             drain()
 
     def close(self) -> None:
-        closer = getattr(self.host, "close", None)
-        if closer is not None:
-            closer()
+        self.host.close()

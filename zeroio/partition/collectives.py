@@ -43,9 +43,66 @@ _PEER_LOST = ("timed out", "timeout", "closed by peer", "reset by peer", "connec
 _PEER_CHECK_S = 5.0
 
 
+#: Reduction names the callers use (``op="min"``); a ``dist.ReduceOp`` is accepted as well.
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+        "product": dist.ReduceOp.PRODUCT}
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the process group (or ``group``): a world of 1 when none is
+    joined. ``backend`` is None then."""
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str | None = None
+
+    @property
+    def nccl(self) -> bool:
+        return self.backend == "nccl"
+
+
+def is_initialized() -> bool:
+    """Whether a process group is joined (False where torch has no distributed support)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def backend(group=None) -> str | None:
+    """The process group's backend ("nccl", "gloo"), None when none is joined."""
+    return str(dist.get_backend(group)) if is_initialized() else None
+
+
+def world(group=None) -> World:
+    """``World`` of the joined process group (or ``group``)."""
+    if not is_initialized():
+        return World()
+    return World(rank=dist.get_rank(group), world_size=dist.get_world_size(group),
+                 backend=str(dist.get_backend(group)))
+
+
 def init_world(backend: str, timeout_s: float, **kwargs) -> None:
     """``init_process_group`` with every collective's timeout (``distributed.timeout_s``)."""
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def init_local_world(timeout_s: float) -> None:
+    """A gloo world of one process over an in-memory store (no launcher, no port)."""
+    init_world("gloo", timeout_s, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def destroy_world() -> None:
+    """Leave the process group, if one is joined."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def _op(op) -> object:
+    if isinstance(op, str):
+        try:
+            return _OPS[op]
+        except KeyError:
+            raise ValueError(f"reduction {op!r}: expected one of {', '.join(_OPS)}") from None
+    return op
 
 
 def _peer_lost(exc: BaseException) -> bool:
@@ -76,7 +133,7 @@ def peer_error(exc: BaseException, op: str) -> BaseException:
     """``exc`` (a failed collective) as a ``DistributedError`` naming the silent ranks, or
     ``exc`` itself when it is not a lost peer."""
     if not isinstance(exc, RuntimeError) or isinstance(exc, DistributedError) or \
-            not dist.is_initialized() or not _peer_lost(exc):
+            not is_initialized() or not _peer_lost(exc):
         return exc
     me = dist.get_rank()
     silent = silent_ranks()
@@ -122,23 +179,23 @@ class CommHandle:
 
 
 def world_size(group=None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    return dist.get_world_size(group) if is_initialized() else 1
 
 
 def rank(group=None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+    return dist.get_rank(group) if is_initialized() else 0
 
 
 def _is_nccl(group) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
-def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> CommHandle:
-    """Sum ``tensor`` over ranks in place, asynchronously."""
+def all_reduce(tensor: torch.Tensor, group=None, op="sum") -> CommHandle:
+    """Reduce ``tensor`` over ranks in place (``op``: sum, min, max, product), asynchronously."""
     if world_size(group) == 1:
         return CommHandle(None)
     return CommHandle(_guarded("all_reduce", lambda: dist.all_reduce(
-        tensor, op=op, group=group, async_op=True)), op="all_reduce")
+        tensor, op=_op(op), group=group, async_op=True)), op="all_reduce")
 
 
 def reduce_scatter_inplace(bucket: torch.Tensor, group=None) -> CommHandle:
@@ -174,11 +231,37 @@ def all_gather_inplace(buffer: torch.Tensor, group=None) -> CommHandle:
         outs, mine.clone(), group=group, async_op=True)), op="all_gather")
 
 
-def all_reduce_scalar(value: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Blocking all-reduce of a small tensor (norms, overflow flags); returns it."""
+def all_reduce_scalar(value: torch.Tensor, group=None, op="sum") -> torch.Tensor:
+    """Blocking all-reduce in place (norms, flags, small tables; ``op`` as for ``all_reduce``);
+    returns ``value``."""
     if world_size(group) > 1:
-        _guarded("all_reduce", lambda: dist.all_reduce(value, op=op, group=group))
+        _guarded("all_reduce", lambda: dist.all_reduce(value, op=_op(op), group=group))
     return value
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, group=None, op="sum") -> torch.Tensor:
+    """Blocking reduce onto global rank ``dst`` (the others' ``tensor`` is undefined after);
+    returns ``tensor``."""
+    if world_size(group) > 1:
+        _guarded("reduce", lambda: dist.reduce(tensor, dst=dst, op=_op(op), group=group))
+    return tensor
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0, group=None,
+                    device: torch.device | None = None) -> bytes:
+    """Rank ``src``'s ``data`` on every rank (a length, then a uint8 tensor on ``device``: the
+    CUDA device under NCCL); other ranks' ``data`` is ignored. No pickle."""
+    if world_size(group) == 1:
+        return data or b""
+    mine = (data or b"") if rank() == src else b""
+    n = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    broadcast(n, src, group).wait()
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=device)
+    if rank() == src and mine:
+        buf.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+    if buf.numel():
+        broadcast(buf, src, group).wait()
+    return bytes(buf.cpu().numpy())
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> CommHandle:

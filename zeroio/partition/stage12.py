@@ -90,7 +90,7 @@ import torch
 from zeroio.errors import DistributedError
 from zeroio.io.hostmem import host_empty, host_zeros
 from zeroio.partition import collectives as comm
-from zeroio.partition.base import ParamIndex, Phase, Segment, ShardGroup
+from zeroio.partition.base import ParamIndex, Partitioner, Phase, Segment, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.landing import GradPiece, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
@@ -136,8 +136,11 @@ GRAD_PIECE_NUMEL = 1 << 25
 gradient of backward is a few ms instead of a whole bucket's (2 GB, 36 ms at 5e8 elements)."""
 
 
-class Stage12Partitioner(HostStep12):
+class Stage12Partitioner(HostStep12, Partitioner):
     """Stages 0, 1 and 2 behind the ``Partitioner`` protocol (partition/base.py)."""
+
+    runs_host_step = True  # run_step: offload_optimizer cpu
+    stages_ranges = True  # stage_range: host masters stepped by a whole-step optimizer
 
     # [Note: readers of an overlapped step]
     # With ``overlap_forward`` the module's parameters are stale from ``run_step`` until the

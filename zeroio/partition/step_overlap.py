@@ -25,26 +25,18 @@ from contextlib import contextmanager
 
 import torch
 
-from zeroio.errors import ConfigError
+from zeroio.config import overrides
+from zeroio.config.launch_env import launch_env
 
 
 def step_threads() -> int:
-    """CPU threads of the host step: ``ZEROIO_STEP_THREADS``, else this rank's share of the
-    host's cores (``cpu_share``). Not torch's thread count: torchrun sets OMP_NUM_THREADS=1
-    in every rank it starts, which made the step single-threaded (2.4x slower at 2 ranks in
-    benchmarks/train_peers.py --nproc 2) and DeepSpeed's CPU Adam likewise."""
-    raw = os.environ.get("ZEROIO_STEP_THREADS", "").strip()
-    if not raw:
-        return cpu_share()
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ConfigError(f"ZEROIO_STEP_THREADS={raw!r}: expected a positive integer (CPU "
-                          "threads for the host optimizer step); unset it for this rank's "
-                          f"share of the cores ({cpu_share()})", key="ZEROIO_STEP_THREADS")
-    return n
+    """CPU threads of the host step: ``ZEROIO_STEP_THREADS`` (a process override,
+    config/overrides.py), else this rank's share of the host's cores (``cpu_share``). Not
+    torch's thread count: torchrun sets OMP_NUM_THREADS=1 in every rank it starts, which made
+    the step single-threaded (2.4x slower at 2 ranks in benchmarks/train_peers.py --nproc 2)
+    and DeepSpeed's CPU Adam likewise."""
+    n = overrides.host_step_threads()
+    return cpu_share() if n is None else n
 
 
 def cpu_share(ranks: int | None = None) -> int:
@@ -55,8 +47,7 @@ def cpu_share(ranks: int | None = None) -> int:
     except AttributeError:  # not Linux
         usable = os.cpu_count() or 1
     if ranks is None:
-        raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-        ranks = int(raw) if raw.isdigit() and int(raw) > 0 else 1
+        ranks = launch_env().local_world_size or 1
     return max(1, usable // max(1, ranks))
 
 

@@ -27,7 +27,6 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from zeroio.cli.ports import free_port
@@ -47,20 +46,18 @@ def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, 
     )
     try:
         import torch
-        import torch.distributed as dist
+
+        from zeroio.partition import collectives
 
         if threads:
             torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-        )
+        collectives.init_world(backend, 120.0, rank=rank, world_size=world_size)
         try:
             result = fn(*args, **kwargs)
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            collectives.destroy_world()
         out.put((rank, True, result))
         # a tensor in the result travels as a file descriptor that the parent fetches from
         # this process while it unpickles: exiting first loses it (EOFError in the parent)

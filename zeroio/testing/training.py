@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from zeroio.partition import collectives
 from zeroio.testing.models import tiny_llama
 
 
@@ -25,7 +25,7 @@ def train_steps(engine: Any, batches: list[list[torch.Tensor]], *,
     loss as the reference computes it (mean over micro steps and ranks, summed in float64).
     ``after_step`` runs after each optimizer step's last micro step."""
     device = device or torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = collectives.rank(), collectives.world_size()
     losses = []
     for step in batches:
         total = torch.zeros(1, dtype=torch.float64, device=device)
@@ -35,7 +35,7 @@ def train_steps(engine: Any, batches: list[list[torch.Tensor]], *,
             engine.backward(loss)
             engine.step()
             total += loss.detach().double()  # exact: any float32/bf16 value is a float64
-        dist.all_reduce(total)
+        collectives.all_reduce_scalar(total)
         losses.append(total.item() / (len(step) * world))
         if after_step is not None:
             after_step()
@@ -55,7 +55,7 @@ def gather_state(engine: Any, kind: str = "fp32", *,
         for s in g.segments:
             flat[s.global_offset:s.global_offset + s.numel] = \
                 local[s.local_offset:s.local_offset + s.numel].double()
-    dist.all_reduce(flat)
+    collectives.all_reduce_scalar(flat)
     flat = flat.cpu()
     return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
             for e in part.index.entries}
@@ -77,7 +77,7 @@ def shard_grad_norm(engine: Any) -> float:
     CUDA tensors only)."""
     engine.synchronize()
     sq = engine.partitioner.local_grad_sq_norm().double().to(engine.device)
-    dist.all_reduce(sq)
+    collectives.all_reduce_scalar(sq)
     return sq.sqrt().item()
 
 

@@ -125,9 +125,10 @@ def nvme_paths(cfg, out: Path) -> list[Path]:
 
 def nvme_bytes(cfg, numel: int, world_size: int) -> int:
     """NVMe swap bytes of this node's ranks for ``cfg`` (zeroio.estimate's NVMe term)."""
+    from zeroio.config.launch_env import launch_env
     from zeroio.estimate import estimate_memory
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local = launch_env().local_world_size or world_size
     est = estimate_memory(numel, gpus_per_node=local, nodes=max(1, world_size // local), config=cfg)
     return est.nvme_bytes_per_node
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroio.cli.train import disk, rundir
 from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
@@ -34,6 +33,7 @@ from zeroio.cli.train.defaults import default_config
 from zeroio.cli.train.disk import MODEL_DTYPES
 from zeroio.cli.train.model import build_model
 from zeroio.cli.train.presets import llama_config, num_parameters
+from zeroio.config.launch_env import launch_env
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
 
@@ -82,6 +82,9 @@ class TrainOptions:
     """dtype of the final from_pretrained model: fp32 (the masters) or bf16."""
     timeout: float | None = None
     """distributed.timeout_s (seconds a collective waits); None = the config's (600 s)."""
+    progress_every: int = 0
+    """One plain stderr line per N steps on rank 0, also under --json/--quiet (0: none), so a
+    driver that reads the JSON on stdout (benchmarks/bench_train.py) still shows life."""
     given: frozenset[str] = frozenset()
     """Names of the options the user typed (only these can contradict a config)."""
 
@@ -98,19 +101,18 @@ def setup_world(timeout_s: float = 600.0) -> World:
     """Join the process group the launcher described (or a 1-rank one), gloo on CPU, NCCL on GPU;
     ``timeout_s``: every collective's wait (distributed.timeout_s)."""
     cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    env = launch_env()
+    local_rank = env.local_rank
     if cuda:
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # run directly with --nproc 1
-            from zeroio.cli.ports import free_port
-
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
-        comm.init_world("nccl" if cuda else "gloo", timeout_s)
+    if not comm.is_initialized():
+        if env.rank is None:  # run directly with --nproc 1: a world of one, no port
+            comm.init_local_world(timeout_s)
+        else:
+            comm.init_world("nccl" if cuda else "gloo", timeout_s)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                 device=device)
+    w = comm.world()
+    return World(rank=w.rank, world_size=w.world_size, local_rank=local_rank, device=device)
 
 
 def resolve_config(opts: TrainOptions, mcfg, *, world_size: int, cuda: bool, out: Path):
@@ -201,7 +203,7 @@ def _prepare_dirs(opts: TrainOptions, world: World, out: Path) -> Path:
         (out / "nvme").mkdir(parents=True, exist_ok=True)
         if not opts.no_checkpoint:
             ckpt.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    comm.barrier()
     return ckpt
 
 
@@ -233,7 +235,7 @@ def write_model_live(engine, mcfg, model_dir: Path, dtype: torch.dtype, *, rank0
     if rank0:
         rundir.remove_written(model_dir.parent, ("model",), overwrite=overwrite)
         rundir.record(model_dir.parent, [model_dir], claim=True)
-    dist.barrier()
+    comm.barrier()
     save_16bit_model(engine, model_dir, dtype=dtype)
     if rank0 and not (model_dir / "config.json").is_file():
         mcfg.save_pretrained(model_dir)
@@ -303,7 +305,7 @@ def _preflight(opts: TrainOptions, mcfg, cfg, world: World, out: Path) -> None:
     except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
         err = e
     ok = torch.tensor([0 if err else 1], dtype=torch.int32, device=world.device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    comm.all_reduce_scalar(ok, op="min")
     if err is not None:
         raise err
     if not ok.item():
@@ -420,10 +422,8 @@ def train(opts: TrainOptions) -> dict[str, Any]:
     import zeroio
 
     mcfg = check_options(opts)
-    if opts.quiet or opts.json:
-        os.environ["ZEROIO_QUIET"] = "1"  # the checkpoint layer's save bars too
     out = Path(opts.output)
-    cfg = resolve_config(opts, mcfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    cfg = resolve_config(opts, mcfg, world_size=launch_env().world_size or 1,
                          cuda=torch.cuda.is_available(), out=out)
     world = setup_world(cfg.distributed.timeout_s)
     rank0 = world.rank == 0
@@ -447,6 +447,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         f"{len(blocks)} sequences of {opts.seq_len} tokens")
 
     engine, *_ = zeroio.initialize(model=build_model(mcfg, cfg, opts.seed), config=cfg)
+    engine.show_progress = not (opts.quiet or opts.json)  # the checkpoint layer's save bars
     try:
         start, losses = _resume(engine, ckpt, say, opts.tag) if opts.resume else (0, [])
         end = max(start, opts.steps if opts.stop_after is None else min(opts.steps, opts.stop_after))
@@ -455,9 +456,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         tokens_per_step = world.world_size * micro_batch * gas * opts.seq_len
         bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=not show,
                    dynamic_ncols=True, file=sys.stderr)
-        # ZEROIO_PROGRESS_EVERY=N: one plain stderr line per N steps even under --json/--quiet,
-        # so a driver that reads the JSON on stdout (benchmarks/bench_train.py) still shows life
-        every = int(os.environ.get("ZEROIO_PROGRESS_EVERY", "0") or 0) if rank0 else 0
+        every = opts.progress_every if rank0 else 0  # TrainOptions.progress_every
         t_start = time.perf_counter()
         saved_at = None
         step_times: list[float] = []
@@ -482,7 +481,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
 
         if end > start and saved_at != end and not opts.no_checkpoint:
             _save(engine, ckpt, f"step{end}", losses, rank0)
-        dist.barrier()
+        comm.barrier()
         model_dir = out / "model" if end >= opts.steps and end > 0 else None
         if model_dir is not None and opts.no_checkpoint:
             write_model_live(engine, mcfg, model_dir, MODEL_DTYPES[opts.model_dtype], rank0=rank0,
@@ -490,7 +489,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         elif rank0 and model_dir is not None:
             write_model(ckpt, f"step{end}", mcfg, model_dir, progress=show,
                         dtype=MODEL_DTYPES[opts.model_dtype], overwrite=opts.overwrite)
-        dist.barrier()
+        comm.barrier()
         stats = engine.stats()
     finally:
         engine.close()
@@ -525,5 +524,5 @@ def train(opts: TrainOptions) -> dict[str, Any]:
     }
     if rank0:
         _report(summary, stats, opts)
-    dist.barrier()
+    comm.barrier()
     return summary if rank0 else {}

@@ -18,7 +18,7 @@ from torch import nn
 
 from zeroio.errors import DistributedError
 from zeroio.partition import collectives as comm
-from zeroio.partition.base import Phase, ShardGroup
+from zeroio.partition.base import Partitioner, Phase, ShardGroup
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
@@ -56,10 +56,11 @@ class _PieceRef:
     """Which side's ShardGroup holds it ([Note: twin placement] in twin.py)."""
 
 
-class Stage3Partitioner(Stage3HostStep):
+class Stage3Partitioner(Stage3HostStep, Partitioner):
     """See the module docstring; the protocol is ``zeroio.partition.base.Partitioner``."""
 
     stage = 3
+    runs_host_step = True  # run_step: host shards stepped chunk by chunk
 
     def __init__(self, *, module: nn.Module, param_groups: list[list[nn.Parameter]],
                  compute_dtype: torch.dtype, device: torch.device, home,

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from zeroio.config.policy import Policies, TieringPolicy, resolve_policies
 from zeroio.errors import ConfigError
-
-STEP_CHUNK_ENV = "ZEROIO_STEP_CHUNK_NUMEL"
-"""Environment override of ``Stage3Settings.step_chunk_numel`` (a tuning knob for benchmarks)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +39,7 @@ class Stage3Settings:
     overlap_step: bool = False
     """offload_optimizer cpu: ``step()`` returns while the CPU optimizer still runs and each
     gather of the next forward waits for the step job that publishes its group
-    (``zero_optimization.tiering.overlap_step``; ``ZEROIO_OVERLAP_STEP`` overrides it when
+    (``zero_optimization.tiering.overlap_step``, which ``ZEROIO_OVERLAP_STEP`` replaces when
     set; see [Note: stage-3 host step] in host_step.py)."""
     optimizer_ratio: float = 1.0
     """``offload_optimizer.ratio`` when the optimizer is offloaded (1.0 otherwise): the
@@ -57,7 +53,8 @@ class Stage3Settings:
     """``gradient_accumulation_steps``: above 1 the host gradients are summed in fp32."""
     step_chunk_numel: int = 1 << 26
     """offload_optimizer cpu: most elements one CPU Adam call updates before that chunk is
-    published (cast into the 16-bit shard). Bigger chunks pay less thread-pool overhead per
+    published (cast into the 16-bit shard): ``zero_optimization.tiering.step_chunk_numel``
+    (``ZEROIO_STEP_CHUNK_NUMEL`` replaces it when set). Bigger chunks pay less thread-pool overhead per
     call, smaller ones find more of the chunk in cache. 64M, as stage12.STEP_CHUNK_NUMEL: on
     the H200 machine (2026-11-29, 1.36B, overlapped step) 64M gave 0.709 s/step, 16M 0.722."""
 
@@ -87,8 +84,8 @@ class Stage3Settings:
                               key="zero_optimization.offload_param.max_in_cpu")
         if self.step_chunk_numel < 1:
             raise ConfigError(f"stage-3 step chunk must be >= 1 element, got "
-                              f"{self.step_chunk_numel} (env {STEP_CHUNK_ENV})",
-                              key=STEP_CHUNK_ENV)
+                              f"{self.step_chunk_numel}",
+                              key="zero_optimization.tiering.step_chunk_numel")
         if self.offload_device == "nvme" and not self.nvme_path:
             raise ConfigError(
                 "offload_param.device is nvme but offload_param.nvme_path is not set; "
@@ -120,7 +117,7 @@ class Stage3Settings:
             host_buffer_bytes=op.buffer_count * op.buffer_size * 2,
             max_in_cpu=op.max_in_cpu,
             overlap_step=policies.tiering.overlap_step,
-            step_chunk_numel=_env_int(STEP_CHUNK_ENV, Stage3Settings.step_chunk_numel),
+            step_chunk_numel=policies.tiering.step_chunk_numel,
             optimizer_ratio=policies.optimizer.ratio,
             cpu_optimizer=policies.optimizer.cpu,
             accumulation_steps=policies.accumulation_steps,
@@ -128,14 +125,3 @@ class Stage3Settings:
             aio=aio,
             step_assist=policies.tiering.step_assist,
         )
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer; unset it or give a number of "
-                          "elements such as 16777216", key=name) from None
