@@ -52,9 +52,10 @@ def test_policies_are_frozen_and_carry_the_json_keys(monkeypatch):
 def test_ratio_is_one_without_optimizer_offload_and_env_overrides_apply(monkeypatch):
     raw = {**CFG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none",
                                                                           "ratio": 0.5}}}
-    cfg = load_config(raw, world_size=1)
+    # the overrides apply where the config is loaded (config/overrides.py)
     monkeypatch.setenv("ZEROIO_OVERLAP_STEP", "1")
     monkeypatch.setenv("ZEROIO_STEP_ASSIST", "1")  # on, but no CPU optimizer: not asked
+    cfg = load_config(raw, world_size=1)
     pol = resolve_policies(cfg.zero_optimization, device="cpu")
     assert pol.optimizer.ratio == 1.0 and not pol.optimizer.cpu
     assert pol.tiering.overlap_step and not pol.tiering.step_assist
