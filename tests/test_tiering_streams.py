@@ -8,7 +8,9 @@ real streams and a copy's ordering behind a delayed kernel.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +210,15 @@ def test_cuda_copy_to_host_waits_for_the_producer():
     assert h.event is not None
     h.wait()  # the compute stream waits for the copy before reading ``up``
     assert torch.equal(up.cpu(), out)
+
+
+def test_only_the_owner_creates_streams():
+    """tools/check_layers.py's stream rule over the source tree, and tiering's file lengths."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "check_layers.py"
+    spec = importlib.util.spec_from_file_location("check_layers", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    found = check.check_tree()
+    assert [v for v in found if "CUDA stream" in v or v.startswith("zeroio/tiering/")] == []
+    bad = check.check_file("zeroio/x.py", "import torch\ns = torch.cuda.Stream()\n")
+    assert bad == ["zeroio/x.py:2: creates a CUDA stream (only zeroio/tiering/streams.py)"]
