@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from zeroio.io import AlignedBuffer  # noqa: E402
 from zeroio.io.bench import bench_io, disk_table, parse_size  # noqa: E402
-from zeroio.io.gpu import copy_to_device, copy_to_host  # noqa: E402
+from zeroio.tiering.streams import copy_to_device, copy_to_host  # noqa: E402
 
 # Engine settings tried on the disk; the best is compared with the raw device.
 CANDIDATES = [

@@ -1,4 +1,4 @@
-"""`zeroio bench io`, `zeroio tune io`, the benchmark script and the GPU copy helpers (CPU path)."""
+"""`zeroio bench io`, `zeroio tune io` and the benchmark script (the copy helpers: test_tiering_streams.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from zeroio.cli.main import main
 from zeroio.io.bench import parse_size
-from zeroio.io.gpu import copy_to_device, copy_to_host
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,34 +66,3 @@ def test_benchmark_script_runs_on_cpu(tmp_path):
     rec = json.loads((tmp_path / "res" / name).read_text())
     assert rec["commit"] and rec["date"] and rec["machine"]["host"]
     assert rec["disk"]["engine"]["read_gbps"] > 0 and rec["disk"]["raw"]["read_gbps"] > 0
-
-
-def test_copy_helpers_cpu_fallback():
-    src = torch.randn(1000)
-    dst = torch.empty(1000)
-    h = copy_to_device(src, dst)
-    h.wait()
-    h.synchronize()
-    assert h.done() and torch.equal(src, dst)
-    back = torch.empty(1000)
-    copy_to_host(dst, back).synchronize()
-    assert torch.equal(back, src)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_copy_helpers_cuda_stream_and_event():
-    from zeroio.io import AlignedBuffer
-    from zeroio.io.gpu import copy_stream
-
-    host = AlignedBuffer(1 << 24)
-    assert host.pinned
-    host.tensor.random_(0, 255)
-    dev = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
-    h = copy_to_device(host.tensor, dev)
-    assert h.event is not None and copy_stream() is not torch.cuda.current_stream()
-    h.wait()
-    assert torch.equal(dev.cpu(), host.tensor)
-    back = AlignedBuffer(1 << 24)
-    copy_to_host(dev * 1, back.tensor).synchronize()  # src made on the current stream
-    assert torch.equal(back.tensor, host.tensor)

@@ -100,6 +100,7 @@ from zeroio.partition.step_overlap import StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.streams import DeviceStreams
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,7 +211,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
                 p.data = p.data.to(device=device, dtype=compute_dtype)
         self._staging16: dict[int, torch.Tensor] = {}
         self._accum_staging: dict[int, torch.Tensor] = {}
-        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._side = DeviceStreams.of(device).side  # None on CPU; tiering/streams.py
         self.phase = Phase.IDLE
         self._boundary = True
         self._first_micro = True
@@ -245,7 +246,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         """Recorded behind each slot's copy to the GPU (waiting on an unrecorded one is a no-op)."""
         self._out_in_pass = False
         if home.device.type == "cpu" and device.type == "cuda":
-            self._copy_stream = torch.cuda.Stream(device)
+            self._copy_stream = DeviceStreams.of(device).copy  # [Note: zeroio's CUDA streams]
         self._assist = (StepAssist(device, host_numel=sum(c.numel for c in self._chunks),
                                    transfers=self.transfers)
                         if step_assist and self._copy_stream is not None and self._cpu_optimizer

@@ -41,6 +41,7 @@ import warnings
 import torch
 
 from zeroio.tiering.stats import TierStats, count_copy
+from zeroio.tiering.streams import DeviceStreams
 
 SLOT_NUMEL = 1 << 24
 """Elements per GPU slot (16M: 288 MB with fp32 master, moments and a 16-bit gradient)."""
@@ -85,8 +86,9 @@ class StepAssist:
         self.n_slots = slots or SLOTS
         self.backlog_numel = backlog_numel or BACKLOG_NUMEL
         self.transfers = transfers
-        self.up = torch.cuda.Stream(device)
-        self.down = torch.cuda.Stream(device)
+        streams = DeviceStreams.of(device)  # [Note: zeroio's CUDA streams] in tiering/streams.py
+        self.up = streams.assist_up
+        self.down = streams.assist_down
         self._bufs: list[dict[str, torch.Tensor]] = [{} for _ in range(self.n_slots)]
         self._free: list[torch.cuda.Event | None] = [None] * self.n_slots
         self._next = 0

@@ -30,8 +30,9 @@ from zeroio.errors import CapacityError, SwapIOError
 from zeroio.tiering.backend import NvmeBackend
 from zeroio.tiering.state import DEFERRED, Copy, Deferred, Entry, Move, MoveKind, Space
 from zeroio.tiering.stats import TierStats
+from zeroio.tiering.streams import copy
 from zeroio.tiering.tier import Event, Residency, Tier, pair
-from zeroio.tiering.transfer import Transfer, device_copy
+from zeroio.tiering.transfer import Transfer
 
 
 class Mover:
@@ -239,8 +240,12 @@ class Mover:
                 raise
             future.add_done_callback(self.stats.transfer_finished)
             return Transfer(future=future)
+        # Between pinned host memory and the GPU: the copy stream first waits for the compute
+        # stream, since the destination's memory may have just been freed by kernels still
+        # queued there, and the source may have just been written by them.
         stream = self.streams["h2d" if dst.tier is Tier.GPU else "d2h"]
-        return device_copy(src.tensor, dst.tensor, stream)  # type: ignore[arg-type]
+        handle = copy(src.tensor, dst.tensor, stream, after="current")  # type: ignore[arg-type]
+        return Transfer(event=handle.event)
 
     def _start(self, kind: MoveKind, entry: Entry, src: Copy, dst: Copy) -> Move:
         src.readers += 1

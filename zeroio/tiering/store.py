@@ -7,14 +7,8 @@ and cache copies in the other memory tiers, evicts by policy, writes dirty
 data back before its space is reused, and moves upcoming tensors ahead of use
 on a prefetch thread whose transfers run on the I/O engine's threads and on
 CUDA copy streams. Invariants: [Note: copies] in tier.py; sources and waiting
-rules: mover.py.
-
-[Note: placement] ``register(home=T)`` places the home in T if T's budget has
-room, else in the next slower tier (GPU -> CPU -> NVMe), so free GPU memory
-holds state that does not fit in CPU and the whole machine is usable. The CPU
-tier always keeps room for the largest NVMe-homed tensor, since every disk
-transfer passes through pinned host memory; a registration that would break
-that, or that no tier can hold, is a CapacityError naming budgets and bytes.
+rules: mover.py; where a home goes and what budgets keep room for ([Note:
+placement]): placement.py; the streams: [Note: zeroio's CUDA streams] in streams.py.
 """
 
 from __future__ import annotations
@@ -31,13 +25,14 @@ from zeroio.errors import CapacityError, ResidencyError, SwapIOError, ZeroIOErro
 from zeroio.tiering.backend import NvmeBackend
 from zeroio.tiering.config import Budgets, TieringPolicyConfig
 from zeroio.tiering.mover import Mover
+from zeroio.tiering.placement import ORDER as _ORDER
+from zeroio.tiering.placement import check_shrink, place_with_room
 from zeroio.tiering.policy import PolicyKind, make_policy
 from zeroio.tiering.state import Copy, Entry, Space
 from zeroio.tiering.stats import TierStats
+from zeroio.tiering.streams import DeviceStreams
 from zeroio.tiering.tier import Event, Residency, Tier
 from zeroio.tiering.transfer import TierMemory
-
-_ORDER = (Tier.GPU, Tier.CPU, Tier.NVME)
 
 
 class TieredStore:
@@ -73,11 +68,12 @@ class TieredStore:
                 if tier.is_memory else None
             policy = make_policy(self.cfg.policy) if tier.is_memory else None
             self._spaces[tier] = Space(tier, budget, memory, policy)
-        # All CUDA streams of the store, made here: "h2d" carries loads to the GPU
+        # The store's CUDA streams, from the device's owner: "h2d" carries loads to the GPU
         # so they overlap compute; "d2h" carries write-backs, so a load never waits
         # behind one. Completion is tracked per copy with events.
-        streams = {} if not (cuda and self.budgets.gpu > 0) else {
-            "h2d": torch.cuda.Stream(self.device), "d2h": torch.cuda.Stream(self.device)}
+        owner = DeviceStreams.of(self.device) if cuda and self.budgets.gpu > 0 else None
+        streams = {} if owner is None or not owner.cuda else {
+            "h2d": owner.store_h2d, "d2h": owner.store_d2h}
         # One lock for all bookkeeping; as a Condition it also wakes a demand acquire
         # waiting for another thread's release ([Note: waiting for space] in mover.py).
         self._lock = threading.Condition(threading.Lock())
@@ -140,61 +136,9 @@ class TieredStore:
                 raise SwapIOError(f"register({entry.name!r}): writing init to NVMe failed: {exc}") from exc
 
     def _place_with_room(self, name: str, nbytes: int, want: Tier) -> Tier:
-        """``_place``, then make room there; a tier whose room is held by acquired copies
-        that cannot be released in time passes the home on to the next slower tier."""
-        tier = self._place(name, nbytes, want)
-        while tier is not Tier.NVME:
-            space = self._spaces[tier]
-            try:
-                self._mover.make_room(space, space.cost(nbytes), name, prefetch=False)
-                return tier
-            except CapacityError as exc:
-                slower = _ORDER[_ORDER.index(tier) + 1:]
-                try:
-                    tier = self._place(name, nbytes, slower[0]) if slower else None
-                except CapacityError:
-                    tier = None
-                if tier is None:
-                    raise CapacityError(f"register({name!r}): {nbytes} bytes: {exc}") from exc
-        return tier
-
-    def _place(self, name: str, nbytes: int, want: Tier) -> Tier:
-        cpu = self._spaces[Tier.CPU]
-        largest_nvme = max((cpu.cost(e.nbytes) for e in self._entries.values()
-                            if e.home is Tier.NVME), default=0)
-        for tier in _ORDER[_ORDER.index(want):]:
-            space = self._spaces[tier]
-            cost = space.cost(nbytes)
-            if space.budget == 0 or space.home_used + cost > space.budget:
-                continue
-            if tier is Tier.NVME and self._backend is None:
-                continue
-            cpu_homes = cpu.home_used + (cost if tier is Tier.CPU else 0)
-            staging = max(largest_nvme, cpu.cost(nbytes) if tier is Tier.NVME else 0)
-            if staging and cpu_homes + staging > cpu.budget:
-                continue
-            return tier
-        total = sum(e.nbytes for e in self._entries.values())
-        lines = ", ".join(
-            f"{t.value} {self._spaces[t].budget} (homes {self._spaces[t].home_used})" for t in _ORDER)
-        hint = ""
-        if cpu.cost(nbytes) > cpu.budget and want is not Tier.GPU:
-            hint = (f"; the CPU budget ({cpu.budget}) must hold the largest tensor ({cpu.cost(nbytes)} "
-                    f"bytes as pages), since NVMe data passes through pinned host memory")
-        if self._backend is None:
-            fix = "set an nvme_path"
-        else:
-            fix = "give the NVMe tier more room"
-            if self.budgets.nvme_free is not None:  # derived: free space minus the reserve
-                hint += (f"; the NVMe budget is the {self.budgets.nvme_free:,} bytes free under "
-                         f"{self.cfg.nvme_path} minus zero_optimization.tiering.nvme_reserve_bytes "
-                         f"= {self.cfg.nvme_reserve_bytes:,} (kept free): free space there, point "
-                         "nvme_path at a file system with room, or lower nvme_reserve_bytes")
-        raise CapacityError(
-            f"register({name!r}): {nbytes} bytes fit in no tier from {want.value} down. Budgets "
-            f"in bytes: {lines}; registered so far {total} + {nbytes} needed{hint}. Raise "
-            f"zero_optimization.tiering.{{gpu,cpu,nvme}}_budget_bytes or {fix}"
-        )
+        return place_with_room(self._spaces, self._entries, self._mover, name, nbytes, want,
+                               has_nvme=self._backend is not None, budgets=self.budgets,
+                               cfg=self.cfg)
 
     # -- acquire / release ----------------------------------------------------
 
@@ -588,15 +532,7 @@ class TieredStore:
             space = self._spaces[tier]
             if nbytes >= space.budget:
                 return
-            staging = max((self._spaces[Tier.CPU].cost(e.nbytes) for e in self._entries.values()
-                           if e.home is Tier.NVME), default=0) if tier is Tier.CPU else 0
-            need = space.home_used + staging
-            if nbytes < need:
-                raise CapacityError(
-                    f"tiered store: the {tier.value} tier's share of {nbytes} bytes cannot hold "
-                    f"its homes ({space.home_used} bytes) and one NVMe transfer ({staging} "
-                    f"bytes): {need} bytes needed; raise "
-                    f"zero_optimization.tiering.{tier.value}_budget_bytes")
+            check_shrink(self._spaces, self._entries, tier, nbytes)
             if space.used > nbytes:
                 self._mover.make_room(space, space.budget - nbytes, "<budget>", prefetch=False)
                 self._mover.quiesce()

@@ -3,8 +3,9 @@
 Every transfer returns a ``Transfer`` carrying its sync object: a
 ``concurrent.futures.Future`` for NVMe reads and writes (served by the I/O
 engine's threads), a CUDA event for copies between host and device (issued on
-the store's own copy streams). ``wait`` never raises; it returns the
-exception, so the store can attach the tensor's name before surfacing it.
+the store's copy streams by ``zeroio.tiering.streams.copy``). ``wait`` never
+raises; it returns the exception, so the store can attach the tensor's name
+before surfacing it.
 """
 
 from __future__ import annotations
@@ -48,22 +49,6 @@ class Transfer:
         except BaseException as exc:  # surfaced by the store with the tensor's name
             return exc
         return None
-
-
-def device_copy(src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> Transfer:
-    """Copy between pinned host memory and the GPU on ``stream``.
-
-    The copy stream first waits for the compute stream: the destination's
-    memory may have just been freed by kernels still queued there, and the
-    source may have just been written by them.
-    """
-    compute = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(compute)
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return Transfer(event=event)
 
 
 @dataclass(eq=False)

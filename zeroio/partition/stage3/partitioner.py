@@ -81,7 +81,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.store = make_store(settings, device, rank=self.rank,
                                 shard_numels={gp.index: gp.shard_numel for gp in self.plan.groups},
                                 dtype=compute_dtype, transfers=self.transfers)
-        self.streams = Streams.for_device(device)  # the only place stage 3 makes streams
+        self.streams = Streams.for_device(device)  # the device's, from tiering/streams.py
         by_id = {id(p): p for p in module.parameters()}
         self.pgroups: list[ParamGroup] = []
         for gp in self.plan.groups:

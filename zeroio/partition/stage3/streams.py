@@ -1,8 +1,9 @@
-"""The CUDA streams of stage 3, made in one place, and the helpers that order them.
+"""The CUDA streams stage 3 uses (taken from the one owner, tiering/streams.py) and a fetched shard.
 
 [Note: stage-3 streams]
-Three side streams per partitioner (the design of FSDP2's copy-in / all-gather /
-reduce-scatter streams, reduced to what stage 3 needs):
+Three side streams, the device's ``param_h2d``, ``comm`` and ``grad_d2h`` (the
+design of FSDP2's copy-in / all-gather / reduce-scatter streams, reduced to what
+stage 3 needs):
 
 - ``h2d``: host -> device copies of offloaded shards (pinned CPU shards, or the
   tiered store's pinned buffers for NVMe shards). It overlaps compute *and* the
@@ -36,16 +37,22 @@ used by comm, so the caching allocator cannot hand their memory out again
 before the other stream is done with it. Pinned host buffers of the tiered store
 are released only once the H2D copy's event completes (``release(after=event)``).
 
-On CPU there are no streams: every helper is a no-op, events are ``None`` and
-copies are synchronous, so CPU tests run the same code path.
+The streams are created in tiering/streams.py ([Note: zeroio's CUDA streams]), with
+the ordering helpers used here (``on``, ``record``, ``wait_event``, ``wait_stream``,
+``keep_for``; re-exported for stage 3's modules). On CPU there are no streams: every
+helper is a no-op, events are ``None`` and copies are synchronous, so CPU tests run the
+same code path.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
+
+from zeroio.tiering.streams import DeviceStreams, keep_for, on, record, wait_event, wait_stream
+
+__all__ = ["Fetched", "Streams", "keep_for", "on", "record", "wait_event", "wait_stream"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +66,12 @@ class Streams:
 
     @staticmethod
     def for_device(device: torch.device) -> Streams:
-        """The side streams on a CUDA ``device``; none on CPU."""
-        if device.type != "cuda" or not torch.cuda.is_available():
+        """Stage 3's side streams on a CUDA ``device`` (the device's ``param_h2d``, ``comm``
+        and ``grad_d2h``); none on CPU."""
+        owner = DeviceStreams.of(device)
+        if not owner.cuda:
             return Streams()
-        return Streams(h2d=torch.cuda.Stream(device), comm=torch.cuda.Stream(device),
-                       d2h=torch.cuda.Stream(device))
+        return Streams(h2d=owner.param_h2d, comm=owner.comm, d2h=owner.grad_d2h)
 
     def current(self) -> torch.cuda.Stream | None:
         """The caller's (compute) stream, or None on CPU."""
@@ -78,34 +86,3 @@ class Fetched:
 
     tensor: torch.Tensor
     ready: torch.cuda.Event | None
-
-
-def on(stream: torch.cuda.Stream | None):
-    """Make ``stream`` current inside the block (nothing on CPU)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-    """An event marking the work queued on ``stream`` so far (None on CPU)."""
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def wait_event(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
-    """Queue a wait for ``event`` on ``stream`` (the host does not block)."""
-    if stream is not None and event is not None:
-        stream.wait_event(event)
-
-
-def wait_stream(stream: torch.cuda.Stream | None, other: torch.cuda.Stream | None) -> None:
-    if stream is not None and other is not None:
-        stream.wait_stream(other)
-
-
-def keep_for(tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-    """Tell the allocator ``tensor`` is used on ``stream`` (see the note)."""
-    if stream is not None and tensor.is_cuda:
-        tensor.record_stream(stream)
