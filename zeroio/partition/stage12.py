@@ -124,10 +124,8 @@ STEP_CHUNK_NUMEL = 1 << 26
 """Elements per job of the host step (CPU Adam, then that chunk's publication).
 
 Measured on the H200 machine (16 cores, benchmarks/bench_host_memory.py, 1.364e9 fp32
-elements): fused CPU AdamW takes 0.237 s over THP-backed registered memory in one call but
-0.298 s in 16M-element chunks, ~0.75 ms of thread-pool start-up and cache refill per chunk
-(on cudaHostAlloc memory 0.317 s vs 0.327 s). 64M elements cuts the chunks of that model
-from 82 to 21 (~15 ms of overhead left, a 64M chunk takes ~11 ms) while staying about one
+elements): fused CPU AdamW takes 0.237 s over registered memory in one call, 0.298 s in
+16M-element chunks (~0.75 ms of thread start-up and cache refill per chunk). 64M cuts 82 to 21 (~15 ms of overhead left, a 64M chunk takes ~11 ms) while staying about one
 Llama layer (51M) or the embedding (65M), so the overlapped step's first forward layers
 still wait for one chunk only, and the fp32 GPU landing zones (two chunks) stay 512 MB."""
 
@@ -237,7 +235,6 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self.overlap_forward = overlap_forward
         self._chunks, ready = self._plan_step(max(1, step_chunk_numel or STEP_CHUNK_NUMEL))
         self._runner = StepRunner(len(self._chunks), device)
-        self._copy_stream = None
         self._scratch: list[torch.Tensor] = []
         """fp32 landing zones on the GPU (the master goes up as fp32, cast there)."""
         self._stage_slots: list[torch.Tensor] = []
@@ -245,14 +242,13 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self._slot_free: list[torch.cuda.Event] = []
         """Recorded behind each slot's copy to the GPU (waiting on an unrecorded one is a no-op)."""
         self._out_in_pass = False
-        if home.device.type == "cpu" and device.type == "cuda":
-            self._copy_stream = DeviceStreams.of(device).copy  # [Note: zeroio's CUDA streams]
+        self._copy_stream = (DeviceStreams.of(device).copy  # [Note: zeroio's CUDA streams]
+                             if home.device.type == "cpu" and device.type == "cuda" else None)
         self._assist = (StepAssist(device, host_numel=sum(c.numel for c in self._chunks),
                                    transfers=self.transfers)
                         if step_assist and self._copy_stream is not None and self._cpu_optimizer
                         else None)
-        self._assist_step = None
-        """The ``ChunkedStep`` whose chunks the assist may take (set by ``run_step``)."""
+        self._assist_step = None  # the ChunkedStep whose chunks the assist may take (run_step)
         if overlap_forward:  # see [Note: readers of an overlapped step]
             for m in module.modules():
                 need = [ready[id(p)] for p in m.parameters(recurse=False) if id(p) in ready]

@@ -27,7 +27,7 @@ so a role's work overlaps the compute stream and the other roles' work:
   publishes go up to the GPU parameter buffer chunk by chunk while the host steps
   the next chunk, and the next forward overlaps what is left ([Note: step
   publication] in partition/stage12.py).
-- ``assist_up`` / ``assist_down`` (the step assist, optim/assist.py): a chunk's
+- ``assist_up`` / ``assist_down`` (the step assist, shard/assist.py): a chunk's
   host Adam state going up, its GPU Adam and 16-bit copy, then master and
   moments going back down. Two streams, so the next chunk's copies up overlap
   the previous chunk's copies down ([Note: step assist]).
