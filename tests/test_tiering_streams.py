@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from zeroio.io.engine import IOArgumentError
-from zeroio.optim import assist as assist_mod
 from zeroio.partition.stage3 import streams as stage3_streams
+from zeroio.shard import assist as assist_mod
 from zeroio.testing.cuda import need_cuda
 from zeroio.tiering import TieredStore
 from zeroio.tiering import streams as S
