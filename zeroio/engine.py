@@ -94,7 +94,7 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
 
 def build_optimizer(cfg, partitioner, spec: OptimizerSpec, shares: dict | None = None):
     """``shares``: the NVMe optimizer's share of explicit tier budgets (``fit_budgets``)."""
-    split = getattr(partitioner, "optimizer_split", None)
+    split = partitioner.optimizer_split
     if split is not None:  # offload_optimizer.ratio < 1: partition/stage3/twin.py, stage12.py
         from zeroio.optim.twin import TwinAdam
 
@@ -114,7 +114,7 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares=N
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
-                       grad_divisor=getattr(partitioner, "host_grad_divisor", 1.0))
+                       grad_divisor=partitioner.host_grad_divisor)
 
 
 def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
@@ -122,12 +122,12 @@ def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
     bytes), stage 3's NVMe parameter store (its share set here) and the NVMe optimizer
     (the returned ``SwappedAdam`` keywords): [Note: budgets in training] in
     tiering/budget.py. CapacityError when the CPU budget cannot hold what must stay."""
+    from zeroio.partition.stage3.nvme_store import TieredShards
     from zeroio.tiering.budget import split_host_budget
 
     zc = cfg.zero_optimization
     opt_nvme = zc.offload_optimizer.device == "nvme"
-    pstore = getattr(partitioner, "store", None)
-    pstore = pstore if hasattr(pstore, "cpu_floor") else None  # stage 3 offload_param nvme
+    pstore = partitioner.store if isinstance(partitioner.store, TieredShards) else None
     shares: dict = {}
     if not (opt_nvme or pstore):
         return shares
@@ -136,7 +136,7 @@ def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
         if opt_nvme:
             from zeroio.optim.swap import min_host_bytes
 
-            split = getattr(partitioner, "optimizer_split", None)
+            split = partitioner.optimizer_split
             opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
                                        zc.sub_group_size)
         cut = split_host_budget(zc.tiering.cpu_budget_bytes, held=held_cpu,

@@ -4,8 +4,9 @@ The engine methods `save_checkpoint`, `load_checkpoint` and `save_16bit_model`
 delegate here. What is read from the engine (docs/engine.md):
 `partitioner.index` (global flat order), `partitioner.groups` (ShardGroups
 with `segments` local -> global), `partitioner.publish_params()`,
-`optimizer.local_tensor(i, kind)` / `write_local(i, kind, t)` (optional) /
-`read_local(i, kind, lo, n)` (optional: elements of a local tensor kept off-host) /
+`optimizer.local_tensor(i, kind)` / `write_local(i, kind, t)` /
+`read_local(i, kind, lo, n)` + `write_local_range` (where `reads_ranges`: state kept
+off-host or split; optim/interface.py) /
 `steps_taken(i)` / `set_steps(i, n)` / `param_groups`, `lr_scheduler.state_dict()`, `loss_scaler.state_dict()`, and
 the counters `global_steps`, `micro_steps`, `global_samples`, `skipped_steps`.
 
@@ -53,7 +54,7 @@ _GATHER_WINDOW = 1 << 25  # elements per reduce when gathering 16-bit weights
 
 def _comm(engine) -> Comm:
     part = engine.partitioner
-    return Comm.default(getattr(part, "group", None) or getattr(part, "pg", None))
+    return Comm.default(part.group)
 
 
 def _index(engine) -> dict[str, ParamEntry]:
@@ -74,9 +75,9 @@ def _save_segments(engine, kind: str, comm: Comm) -> list[Segment | LazySegment]
     moments; fp32 masters of a stage-3 group split between device and host by
     offload_optimizer.ratio) is read piece by piece while it is written: no whole host copy
     per state."""
-    read_local = getattr(engine.optimizer, "read_local", None)
-    if read_local is None or not _owns_shards(engine, comm):
+    if not engine.optimizer.reads_ranges or not _owns_shards(engine, comm):
         return _segments(engine, kind, comm)
+    read_local = engine.optimizer.read_local
     out: list[Segment | LazySegment] = []
     for g in engine.partitioner.groups:
         for s in g.segments:
@@ -94,10 +95,9 @@ def _load_segments(engine, kind: str, locals_out: dict) -> list[Segment | LazySe
     is written chunk by chunk as the reader verifies each, without a whole host copy
     (``TwinAdam.local_tensor`` of a split group is one: 52 GB of fp32 masters at 13B)."""
     opt = engine.optimizer
-    write_range = getattr(opt, "write_local_range", None)
-    read_local = getattr(opt, "read_local", None)
-    if write_range is None or read_local is None:
+    if not opt.reads_ranges:
         return _shard_segments(engine, kind, locals_out)
+    write_range, read_local = opt.write_local_range, opt.read_local
     out: list[Segment | LazySegment] = []
     for g in engine.partitioner.groups:
         for s in g.segments:
@@ -342,11 +342,10 @@ def _apply(engine, load: ShardedLoad, frozen_buf, locals_, load_optimizer_states
         if n in res.loaded_names:
             params[n].data.copy_(buf.view(params[n].shape))
     _apply_scalars(engine, res, load_optimizer_states, load_lr_scheduler_states)
-    write_local = getattr(engine.optimizer, "write_local", None)
-    if write_local is not None:  # local tensors were copies (NVMe-resident state, or fp32 of a
-        # TwinAdam group split between device and host): hand them back before publishing
-        for (gi, kind), t in locals_.items():
-            write_local(gi, kind, t)
+    # local tensors may be copies (NVMe-resident state, or fp32 of a TwinAdam group split
+    # between device and host): hand them back before publishing
+    for (gi, kind), t in locals_.items():
+        engine.optimizer.write_local(gi, kind, t)
     return res
 
 

@@ -17,6 +17,25 @@ class EngineOptimizer:
     """Whether ``begin_chunked_step`` is available (host masters stepped chunk by chunk by
     the partitioner's ``run_step``)."""
 
+    reads_ranges: bool = False
+    """Whether ``read_local`` / ``write_local_range`` exist: state kept off-host or split
+    (NVMe moments, a ratio-split group), which a checkpoint reads and writes piece by piece
+    instead of as one local tensor."""
+
+    def read_local(self, group_index: int, kind: str, lo: int, n: int) -> torch.Tensor:
+        """Elements [lo, lo + n) of the group's local ``kind`` tensor as a host tensor
+        (``reads_ranges``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its state as local tensors")
+
+    def write_local_range(self, group_index: int, kind: str, lo: int,
+                          values: torch.Tensor) -> None:
+        """Overwrite elements [lo, lo + len(values)) of the group's ``kind`` (``reads_ranges``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its state as local tensors")
+
+    def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
+        """Hand a whole local ``kind`` tensor back after a checkpoint load (state kept as a
+        copy must be written back); default: the local tensors were the state itself."""
+
     def begin_chunked_step(self, grad_scale: float = 1.0):
         """A ``ChunkedStep`` (optim/adam.py) for the partitioner to run (``chunked_step``)."""
         raise NotImplementedError(f"{type(self).__name__} has no chunked step")

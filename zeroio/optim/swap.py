@@ -313,6 +313,8 @@ class SwappedAdam(EngineOptimizer):
                     self.store.release(sub.name(kind), self._tier)
         return out
 
+    reads_ranges = True
+
     def read_local(self, group_index: int, kind: str, lo: int, n: int) -> torch.Tensor:
         """Elements [lo, lo + n) of the group's local ``kind`` tensor, as a new host tensor.
 

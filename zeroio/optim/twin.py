@@ -73,6 +73,8 @@ class TwinAdam(EngineOptimizer):
         return torch.cat([self.device.local_tensor(group_index, kind).cpu(),
                           self.host.local_tensor(group_index, kind).cpu()])
 
+    reads_ranges = True
+
     def read_local(self, group_index: int, kind: str, lo: int, n: int) -> torch.Tensor:
         """Elements [lo, lo + n) of the logical ``kind`` tensor as a host tensor; only the
         overlapped parts are read (NVMe moments piece by piece, through the host optimizer)."""

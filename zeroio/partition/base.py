@@ -57,6 +57,8 @@ class Partitioner:
     host_grad_divisor: float = 1.0
     """What the host optimizer divides gradients by on top of the loss scale (stage 1/2's
     16-bit host gradients are not averaged over ranks yet); 1.0: already averaged."""
+    group: object | None = None
+    """The process group it partitions over (None: the default world)."""
     store: object | None = None
     """The partitioner's parameter store (stage 3), None where it keeps none."""
     runs_host_step: bool = False

@@ -69,6 +69,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         optim/cpu_adam.py; None: the host gradients stay fp32)."""
         self.module, self.dtype, self.device, self.home = module, compute_dtype, device, home
         self.settings, self.pg = settings, group
+        self.group = group
         self._host_kernel = host_kernel
         self.rank, self.world = comm.rank(group), comm.world_size(group)
         self.index = index_of(module, registry.true_shape)
