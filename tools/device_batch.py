@@ -121,13 +121,13 @@ BEFORE = ".old"
 def _before_after_steps() -> tuple[Step, ...]:
     """zeroio z2 and z3 + CPU offload at the baseline (``.old``) and at this tree, interleaved
     (before z2, after z2, before z3, after z3) so a drift of the host hits both sides."""
-    run = ("python3 benchmarks/train_peers.py --steps 8 --warmup 3 --quiet --disk-bench-size 0 "
-           "--nvme-dir {scratch} --timeout 100")
+    run = ("python3 benchmarks/train_peers.py --steps 7 --warmup 2 --quiet --disk-bench-size 0 "
+           "--nvme-dir {scratch} --timeout 80")
     out = []
     for row in ("zeroio-z2-cpu", "zeroio-z3-cpu"):
         out.append(Step(f"before-{row}", f"cd {BEFORE} && PYTHONPATH=/tmp/site:$PWD {run} --only "
-                        f"{row} --out {{res}}/before{{extra}}", 105, quote=r"^\| (?!contender|-)"))
-        out.append(Step(f"after-{row}", f"{run} --only {row} --out {{res}}/after{{extra}}", 105,
+                        f"{row} --out {{res}}/before{{extra}}", 85, quote=r"^\| (?!contender|-)"))
+        out.append(Step(f"after-{row}", f"{run} --only {row} --out {{res}}/after{{extra}}", 85,
                         quote=r"^\| (?!contender|-)"))
     return tuple(out)
 
