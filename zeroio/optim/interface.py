@@ -45,6 +45,9 @@ class EngineOptimizer:
         tiering/stats.py); default: none."""
         return []
 
+    def drain(self) -> None:
+        """Finish background work on the state (NVMe write-behind); default: none."""
+
     def close(self) -> None:
         """Release stores and files; default: nothing to release."""
 

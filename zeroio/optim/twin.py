@@ -89,9 +89,8 @@ class TwinAdam(EngineOptimizer):
         if lo + n > d:
             a = max(lo, d) - d
             k = lo + n - max(lo, d)
-            reader = getattr(self.host, "read_local", None)
-            parts.append(reader(group_index, kind, a, k) if reader is not None else
-                         self.host.local_tensor(group_index, kind).narrow(0, a, k))
+            parts.append(self.host.read_local(group_index, kind, a, k) if self.host.reads_ranges
+                         else self.host.local_tensor(group_index, kind).narrow(0, a, k))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def write_local_range(self, group_index: int, kind: str, lo: int,
@@ -108,9 +107,8 @@ class TwinAdam(EngineOptimizer):
         if lo + n > d:
             a = max(lo, d)
             rest = values.narrow(0, a - lo, lo + n - a)
-            writer = getattr(self.host, "write_local_range", None)
-            if writer is not None:
-                writer(group_index, kind, a - d, rest)
+            if self.host.reads_ranges:
+                self.host.write_local_range(group_index, kind, a - d, rest)
             else:
                 self.host.local_tensor(group_index, kind).narrow(0, a - d, rest.numel()).copy_(rest)
 
@@ -149,9 +147,7 @@ class TwinAdam(EngineOptimizer):
         return self.host.chunked_step
 
     def drain(self) -> None:
-        drain = getattr(self.host, "drain", None)
-        if drain is not None:
-            drain()
+        self.host.drain()
 
     def close(self) -> None:
         self.host.close()
