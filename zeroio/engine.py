@@ -109,7 +109,9 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares=N
     if off.device == "nvme":
         from zeroio.optim.swap import SwappedAdam
 
-        return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, cfg=cfg,
+        pol = resolve_policies(cfg.zero_optimization,
+                               accumulation_steps=cfg.gradient_accumulation_steps)
+        return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, policies=pol, aio=cfg.aio,
                            rank=comm.rank(), **(shares or {}))
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer folds the divisor into its grad_scale

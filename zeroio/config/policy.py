@@ -28,6 +28,9 @@ class OffloadPolicy:
     buffer_count: int = 4
     pipeline_read: bool = False
     pipeline_write: bool = False
+    sub_group_size: int = 1_000_000_000
+    """``zero_optimization.sub_group_size``: elements the NVMe optimizer swaps as one
+    sub-group."""
 
     @property
     def cpu(self) -> bool:
@@ -95,7 +98,7 @@ def resolve_policies(zero, *, accumulation_steps: int = 1, device=None) -> Polic
         device=opt_dev, ratio=1.0 if opt_dev == "none" else float(oo.ratio),
         pin_memory=bool(oo.pin_memory), nvme_path=oo.nvme_path,
         buffer_count=int(oo.buffer_count), pipeline_read=bool(oo.pipeline_read),
-        pipeline_write=bool(oo.pipeline_write))
+        pipeline_write=bool(oo.pipeline_write), sub_group_size=int(zero.sub_group_size))
     par_dev = _device(op.device)
     param = ParamOffloadPolicy(
         device=par_dev, nvme_path=op.nvme_path, buffer_count=int(op.buffer_count),

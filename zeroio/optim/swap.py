@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroio.config.policy import Policies, resolve_policies
 from zeroio.errors import CapacityError, ConfigError
 from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
@@ -172,17 +173,25 @@ class SwappedAdam(EngineOptimizer):
     """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
-                 cfg, backend=None, piece_elems: int | None = None,
-                 cpu_budget_bytes: int | None = None, nvme_budget_bytes: int | None = None,
-                 rank: int = 0):
-        """``cpu_budget_bytes`` / ``nvme_budget_bytes``: this optimizer's share of the tier
-        budgets (the engine's split, [Note: budgets in training] in tiering/budget.py);
-        None: ``zero_optimization.tiering``'s value (or derived, as DeepSpeed's
-        buffer_count). ``rank``: this process's global rank, which names its swap folder
-        (``zeroio-optim-rank<rank>`` under ``nvme_path``)."""
+                 cfg=None, policies: Policies | None = None, aio=None, backend=None,
+                 piece_elems: int | None = None, cpu_budget_bytes: int | None = None,
+                 nvme_budget_bytes: int | None = None, rank: int = 0):
+        """``policies`` (config/policy.py) and ``aio``: the resolved offload and tiering
+        blocks and the I/O engine's settings, as the engine passes them; or ``cfg``, a
+        ``Config`` they are resolved from. ``cpu_budget_bytes`` / ``nvme_budget_bytes``: this
+        optimizer's share of the tier budgets (the engine's split, [Note: budgets in training]
+        in tiering/budget.py); None: ``zero_optimization.tiering``'s value (or derived, as
+        DeepSpeed's buffer_count). ``rank``: this process's global rank, which names its swap
+        folder (``zeroio-optim-rank<rank>`` under ``nvme_path``)."""
         from zeroio.tiering import PolicyKind, Tier, TieredStore
 
-        off = cfg.zero_optimization.offload_optimizer
+        if policies is None:
+            if cfg is None:
+                raise TypeError("SwappedAdam needs policies= (and aio=) or cfg=")
+            policies = resolve_policies(cfg.zero_optimization,
+                                        accumulation_steps=cfg.gradient_accumulation_steps)
+            aio = cfg.aio if aio is None else aio
+        off, tiering = policies.optimizer, policies.tiering
         if off.nvme_path is None and backend is None:
             raise ConfigError("offload_optimizer.device is \"nvme\" but no nvme_path is set",
                               key="zero_optimization.offload_optimizer.nvme_path")
@@ -191,8 +200,7 @@ class SwappedAdam(EngineOptimizer):
         self.decoupled = decoupled
         self.pipeline_read = bool(off.pipeline_read)
         self.pipeline_write = bool(off.pipeline_write)
-        self.subs = split(groups, cfg.zero_optimization.sub_group_size)
-        tiering = cfg.zero_optimization.tiering
+        self.subs = split(groups, off.sub_group_size)
         self.policy = PolicyKind.parse(tiering.policy)
         if cpu_budget_bytes is None:
             cpu_budget_bytes = tiering.cpu_budget_bytes
@@ -214,7 +222,7 @@ class SwappedAdam(EngineOptimizer):
         # store evicts by tiering.policy (under trace the head is held, so its only
         # candidates are the window's released pieces).
         extra = {} if nvme_budget_bytes is None else {"nvme_budget_bytes": nvme_budget_bytes}
-        self.store = TieredStore(cfg, cfg.aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
+        self.store = TieredStore(tiering, aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
                                  cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0,
                                  policy=self.policy, **extra)
         self._tier = Tier.CPU
