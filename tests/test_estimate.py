@@ -34,6 +34,27 @@ def test_reproduces_zero_paper_figure_1(stage, paper_gb):
     assert r.cpu_bytes_per_node == 0 and r.nvme_bytes_per_node == 0
 
 
+def test_model_states_keep_the_paper_accounting_beside_zeroio_buffers():
+    """Figure 1's stage-3 column (16 bytes per parameter over N = 1.9 GB at 7.5B, 64 GPUs)
+    in the model-state figures with zeroio's buffers on: the fp32 gradient shard zeroio
+    holds counts its paper's 2 bytes there and the other 2 as a buffer."""
+    psi, nd = 7.5e9, 64
+    r = estimate_memory(psi, gpus_per_node=8, nodes=8, stage=3, dtype="fp16")
+    assert r.model_state_gpu_bytes_per_gpu == pytest.approx(16 * psi / nd, abs=64)
+    assert round(r.model_state_gpu_bytes_per_gpu / GB, 1) == 1.9
+    bare = estimate_memory(psi, gpus_per_node=8, nodes=8, stage=3, dtype="fp16",
+                           zeroio_buffers=False)
+    extra = {i.name: i.bytes_per_gpu for i in r.items if i.kind == "zeroio_buffer"}
+    assert extra["fp32 gradient shard beyond the model states'"] == pytest.approx(
+        2 * psi / nd, abs=64)
+    assert r.model_state_gpu_bytes_per_gpu == bare.gpu_bytes_per_gpu
+    for stage in (1, 2):  # the lower stages already kept it
+        a = estimate_memory(psi, gpus_per_node=8, nodes=8, stage=stage, dtype="fp16")
+        b = estimate_memory(psi, gpus_per_node=8, nodes=8, stage=stage, dtype="fp16",
+                            zeroio_buffers=False)
+        assert a.model_state_gpu_bytes_per_gpu == b.gpu_bytes_per_gpu
+
+
 def test_top_level_export_and_parse_count():
     assert zeroio.estimate_memory is estimate_memory
     assert [parse_count(s) for s in ("7.5e9", "1.4B", "350M", "125k", "2T", "1000", 3e6)] == [
@@ -192,8 +213,12 @@ def test_stage3_ratio_buffers_by_hand():
     assert r.gpu_bytes_per_gpu == gpu
     assert r.cpu_bytes_per_node == host
     assert r.to_dict()["activations"] == act
-    names = {i.name for i in r.items}
-    assert not any(n.startswith("gradients") for n in names)  # no 16-bit gradient shard
+    # no 16-bit gradient shard is held: the paper's 2-byte term is a model state and the fp32
+    # shard's other 2 bytes per element are a buffer, summing to the 4 above
+    grads = {i.name: i for i in r.items if "gradient" in i.name and "shard" in i.name
+             or i.name.startswith("gradients")}
+    assert sum(i.bytes_per_gpu for i in grads.values()) == 4 * psi
+    assert {i.kind for n, i in grads.items() if n.startswith("gradients")} == {"model_state"}
     # without zeroio buffers the ZeRO paper's terms stay, 16-bit gradients included
     paper = estimate_memory(psi, config=cfg, zeroio_buffers=False)
     assert paper.gpu_bytes_per_gpu == (12 + 2) * dev

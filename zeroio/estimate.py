@@ -21,8 +21,11 @@ Two layers, reported separately in the breakdown:
      shard (4 Psi / N; 4 Psi at stage 0), on the CPU when the optimizer is
      offloaded; not counted for fp32 training, where the gradients already are fp32.
      At stage 3 this fp32 shard *is* the gradient: the reduced bucket lands in it
-     straight from the device (partition/stage3/grads.py), no 16-bit gradient
-     shard exists, so the paper's b Psi / N gradient term is left out. With
+     straight from the device (partition/stage3/grads.py) and no 16-bit gradient
+     shard exists. The model states keep the paper's b Psi / N gradient term
+     (so they read 16 Psi / N at stage 3, as the paper's figure 1) and the buffer
+     is the (4 - b) bytes per element the fp32 shard holds beyond it; the sum is
+     the bytes training holds. With
      offload_optimizer cpu, nothing accumulated on the host (stage 1, or stages
      2/3 with gradient_accumulation_steps 1) and the one-pass CPU Adam
      (ZEROIO_CPU_ADAM compiled, or auto, the default, for a host shard of at
@@ -312,13 +315,14 @@ def estimate_memory(
             f"{b} * Psi / N")
     # Gradients: replicated at stages 0/1, the reduced shard from stage 2.
     grad_tier = "gpu" if opt_dev == "none" else "cpu"
-    # zeroio's stage 3 keeps no 16-bit gradient shard (module doc, 2.): its fp32 one is below
-    no_grad16 = stage == 3 and zeroio_buffers and dtype != "fp32"
+    # zeroio's stage 3 keeps no 16-bit gradient shard (module doc, 2.): the model states keep
+    # the paper's b-byte term, the buffers below the rest of its fp32 shard
+    stage3_grad = stage == 3 and zeroio_buffers and dtype != "fp32"
     if stage < 2:
         add("gradients", "gpu", b * psi, state, f"{b} * Psi")
         if opt_dev != "none":
             add_shard("gradient shard for the CPU optimizer", "cpu", b, state, f"{b}")
-    elif not no_grad16:
+    else:
         add_shard("gradients", grad_tier, b, state, f"{b}")
     # Optimizer state: K bytes per parameter, partitioned from stage 1.
     if stage == 0:
@@ -338,6 +342,16 @@ def estimate_memory(
         if dtype != "fp32":
             if stage == 0:
                 add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")
+            elif stage3_grad:
+                # the gradient is the paper's b-byte term above plus what its fp32 shard
+                # holds beyond it; with 16-bit host gradients only the device side's is fp32
+                beyond = FP32 - b
+                if host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage) == b:
+                    add("fp32 gradient shard beyond the model states' (ratio: on GPU)", "gpu",
+                        beyond * dev, buf, f"{beyond} * floor((1 - ratio) * Psi / N)")
+                else:
+                    add_shard("fp32 gradient shard beyond the model states'", grad_tier, beyond,
+                              buf, f"{beyond}")
             elif host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage) == b:
                 # 16-bit host gradients (module doc, 2.); the device side's stay fp32
                 add("fp32 gradient shard (ratio: on GPU)", "gpu", FP32 * dev, buf,
