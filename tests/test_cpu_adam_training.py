@@ -36,7 +36,6 @@ from zeroio.testing.models import llama_reference, offload_optimizer, token_batc
 from zeroio.testing.training import (
     reference_diffs,
     reference_failures,
-    shard_grad_norm,
     train_llama,
 )
 
@@ -115,12 +114,34 @@ GRAD_CASES = [(2, 2, None, "torch.float32"), (2, 1, None, "torch.bfloat16"),
 host gradient shard's dtype)."""
 
 
+def _watch_shard_norm(engine):
+    """Each time the step takes its gradient norm, also take it from the gradient shards as
+    they stand then (the fallback path), before the optimizer runs: on CUDA torch's fused
+    Adam(W) writes the unscaled, clipped gradient back into the device side's fp32 shard, so
+    the shards read after the step no longer hold what the step saw."""
+    part = engine.partitioner
+    taken = part.local_grad_sq_norm
+
+    def both():
+        out = taken()
+        parts, part._norm_parts = part._norm_parts, []
+        part.shard_sq_norm_seen = taken()
+        part._norm_parts = parts
+        return out
+
+    part.local_grad_sq_norm = both
+
+
 def _grad_info(engine):
+    import torch
+
+    from zeroio.partition import collectives
+
     part, opt = engine.partitioner, engine.optimizer
     host_opt = getattr(opt, "host", opt)
     engine.synchronize()
-    part._norm_parts = []  # the norm from the shards as they stand (the fallback path)
-    return {"shard_norm": shard_grad_norm(engine), "last_norm": engine.last_grad_norm,
+    sq = collectives.all_reduce_scalar(part.shard_sq_norm_seen.double().to(engine.device))
+    return {"shard_norm": float(torch.sqrt(sq)), "last_norm": engine.last_grad_norm,
             "one_pass": bool(host_opt.one_pass), "grad_divisor": host_opt.grad_divisor,
             "host_grads": sorted({str(g.grad.dtype) for g in part._host if g.grad.numel()}),
             "device_grads": sorted({str(g.grad.dtype) for g in part._dev if g.grad.numel()}),
@@ -146,7 +167,8 @@ def _grad_body(tmpdir, cuda):
         cfg["gradient_accumulation_steps"] = gas
         cfg["zero_optimization"]["offload_optimizer"] = offload_optimizer("cpu", ratio=ratio)
         losses, params, masters, info = train_llama(batches, init, cfg, device=device,
-                                                    inspect=_grad_info)
+                                                    inspect=_grad_info,
+                                                    on_engine=_watch_shard_norm)
         results.append(dict(case=(stage, gas, ratio), world=world, **info,
                             **reference_diffs(losses, params, masters, ref_losses, ref_params,
                                               init, "bf16")))
@@ -161,7 +183,8 @@ def _check_grads(results, cuda):
             assert r["device_grads"] == ([] if ratio is None else ["torch.float32"]), r
             low = host_dtype != "torch.float32"
             assert r["grad_divisor"] == (float(r["world"]) if low else 1.0), r
-            # the last step's norm again, from the (16-bit, unaveraged) host shards
+            # the last step's norm again, from the (16-bit, unaveraged) host shards as the
+            # step saw them
             assert abs(r["shard_norm"] - r["last_norm"]) <= 1e-3 * r["last_norm"], r
             if cuda:  # two pinned bf16 slots, four with the step assist (as _check)
                 assert r["pinned_slots"] == (4 if r["assist"] else 2), r

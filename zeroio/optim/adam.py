@@ -7,8 +7,13 @@ we share — change them in place between steps.
 
 [Note: grad_scale]
 Clipping and loss scaling are folded into one divisor handed to the fused
-kernel (``grad_scale``): grad / (loss_scale / clip_coef). The gradient shard
-is never rewritten, which saves a full pass over it in memory. A ShardedAdam's
+kernel (``grad_scale``): grad / (loss_scale / clip_coef). zeroio never rewrites
+the gradient shard for it, which saves a full pass over it in memory; but on CUDA
+torch's fused kernel stores the unscaled (clipped) gradient back into the shard
+it steps, so after a step a GPU-side shard (``offload_optimizer.ratio`` < 1, or no
+offload) holds grad / grad_scale, not the reduced gradient. Nothing reads it
+before the next backward clears it; a test that checks gradients must read them
+before the step. A ShardedAdam's
 ``grad_divisor`` (the communication world where stage 1/2 hand it unaveraged 16-bit host
 gradients: partition/stage12.py, [Note: 16-bit host gradients]) is one more factor of it.
 """

@@ -83,15 +83,19 @@ def shard_grad_norm(engine: Any) -> float:
 
 def train_llama(batches: list[list[torch.Tensor]], init: dict[str, torch.Tensor], cfg: dict, *,
                 device: torch.device | None = None, layers: int = 2,
-                inspect: Callable[[Any], Any] | None = None):
+                inspect: Callable[[Any], Any] | None = None,
+                on_engine: Callable[[Any], None] | None = None):
     """``tiny_llama(layers=layers)`` loaded with ``init``, trained by a zeroio engine built
     from ``cfg``; returns ``(losses, published params, fp32 masters, inspect(engine))``, the
-    last read just before the engine closes (None without ``inspect``)."""
+    last read just before the engine closes (None without ``inspect``). ``on_engine`` runs
+    on the new engine before the first step (e.g. to watch what the step reads)."""
     import zeroio
 
     model = tiny_llama(layers=layers)
     model.load_state_dict(init)
     engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+    if on_engine is not None:
+        on_engine(engine)
     losses = train_steps(engine, batches, device=device)
     full = gathered_params(engine)
     masters = gather_state(engine, device=device)
