@@ -27,8 +27,8 @@ COLLECTIVES = {"zeroio/partition/collectives.py"}
 LAUNCHER_TORCH_RUN = {"zeroio/cli/launch_cmd.py"}
 STREAM_OWNER = {"zeroio/tiering/streams.py"}
 ENV_READERS_PREFIX = ("zeroio/config/",)
-ENV_READERS = {"zeroio/cli/launch_cmd.py", "zeroio/cli/rank.py", "zeroio/cli/train_cmd.py",
-               "zeroio/cli/train/rundir.py", "zeroio/testing/multirank.py"}
+ENV_READERS = {"zeroio/cli/launch_cmd.py", "zeroio/cli/train_cmd.py",
+               "zeroio/testing/multirank.py"}
 #: testing/ holds conformance suites that read raw file bytes as their independent reference.
 FILE_IO_PREFIX = ("zeroio/io/", "zeroio/testing/")
 FILE_CALLS = {("os", "open"), ("os", "pwrite"), ("os", "pread"), ("os", "preadv"),

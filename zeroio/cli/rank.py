@@ -29,7 +29,9 @@ import signal
 import sys
 import threading
 
-LAUNCHER_ENV = "ZEROIO_LAUNCHER_PID"
+from zeroio.config.launch_env import LAUNCHER_PID, launch_env
+
+LAUNCHER_ENV = LAUNCHER_PID
 _PR_SET_PDEATHSIG = 1
 
 
@@ -60,10 +62,9 @@ def guard_parent(launcher: int | None = None, *, interval: float = 1.0) -> str:
     Returns how: "prctl", "watchdog" or "off" (no launcher pid known). A parent that is
     already gone ends this process now (see [Note: ranks die with their launcher])."""
     if launcher is None:
-        text = os.environ.get(LAUNCHER_ENV, "")
-        if not text.isdigit():
+        launcher = launch_env().launcher_pid
+        if launcher is None:
             return "off"
-        launcher = int(text)
     how = "prctl" if _prctl_pdeathsig(signal.SIGKILL) else "watchdog"
     if os.getppid() != launcher:  # the launcher died before the request took effect
         os._exit(128 + signal.SIGKILL)

@@ -7,13 +7,18 @@ below the launcher takes them from a frozen ``LaunchEnv`` (``launch_env()``), re
 when asked, instead of reading ``os.environ`` itself. ``CXX`` (the compiler torch
 inductor would use) is here too, for ``zeroio report``. zeroio's own switches
 (``ZEROIO_*``) are not launch variables: they are config keys or documented
-overrides (``zeroio.config.overrides``).
+overrides (``zeroio.config.overrides``); the two exceptions are how zeroio's own
+launcher talks to the ranks it starts: ``ZEROIO_LAUNCHER_PID`` (the ranks die with
+it: cli/rank.py) and ``ZEROIO_RUN_LOCK`` (the run directory's lock token, so a rank
+of the holder's job does not take the lock again: cli/train/rundir.py). ``export``
+sets one for the children a block starts and restores it after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -22,6 +27,10 @@ from zeroio.errors import ConfigError
 #: The variables a launcher sets that zeroio reads (prefixes end in "_").
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "ACCELERATE_")
+LAUNCHER_PID = "ZEROIO_LAUNCHER_PID"
+"""Set by zeroio's launcher for its ranks: its pid."""
+RUN_LOCK = "ZEROIO_RUN_LOCK"
+"""Set by the holder of a run directory's lock for the ranks it starts: path and token."""
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -51,6 +60,10 @@ class LaunchEnv:
     """``MASTER_ADDR``: the rendezvous host."""
     cxx: str | None = None
     """``CXX``: the C++ compiler torch inductor tries first."""
+    launcher_pid: int | None = None
+    """``ZEROIO_LAUNCHER_PID`` when a pid: zeroio's launcher started this process."""
+    run_lock: str | None = None
+    """``ZEROIO_RUN_LOCK``: the run directory lock this process's launcher holds (JSON)."""
     variables: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Every launch variable that is set (``LAUNCH_VARS``), as written."""
 
@@ -69,6 +82,9 @@ class LaunchEnv:
             local_rank=_int(env, "LOCAL_RANK") or 0,
             local_world_size=int(local) if local.isdigit() and int(local) > 0 else None,
             master_addr=env.get("MASTER_ADDR"), cxx=env.get("CXX") or None,
+            launcher_pid=int(pid) if (pid := env.get(LAUNCHER_PID, "").strip()).isdigit()
+            else None,
+            run_lock=env.get(RUN_LOCK) or None,
             variables=MappingProxyType({k: v for k, v in env.items()
                                         if k in LAUNCH_VARS or k.startswith("ACCELERATE_")}))
 
@@ -79,4 +95,19 @@ def launch_env() -> LaunchEnv:
     return LaunchEnv.read()
 
 
-__all__ = ["LAUNCH_VARS", "LaunchEnv", "launch_env"]
+@contextlib.contextmanager
+def export(name: str, value: str) -> Iterator[None]:
+    """``name=value`` in this process's environment (so the processes it starts inherit it)
+    for the block; the previous value (or its absence) after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+__all__ = ["LAUNCHER_PID", "LAUNCH_VARS", "RUN_LOCK", "LaunchEnv", "export", "launch_env"]

@@ -43,12 +43,13 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from zeroio.config.launch_env import RUN_LOCK, export, launch_env
 from zeroio.errors import ConfigError
 from zeroio.io.files import atomic_write_text, open_lock_file, read_fd, rewrite_fd
 
 LOCK = "zeroio.lock"
 WRITTEN = "zeroio-run.json"
-ENV = "ZEROIO_RUN_LOCK"
+ENV = RUN_LOCK
 PARTS = ("model", "checkpoints", "nvme")
 _FORMAT = "zeroio-run"
 _SHOW = 5  # foreign files named in a refusal
@@ -150,7 +151,7 @@ def acquire(out: Path, *, say=None) -> RunLock:
 
 def launched_by_holder(out: Path) -> bool:
     """Whether this process was launched by the holder of DIR's lock (its token in the env)."""
-    env = os.environ.get(ENV)
+    env = launch_env().run_lock
     if not env:
         return False
     try:
@@ -169,21 +170,16 @@ def claim(out: Path, *, resume: bool, overwrite: bool) -> Iterator[RunLock | Non
 
     Nothing happens in a rank launched by the holder, nor in ranks other than 0 under an
     outside launcher (rank 0 holds it for the job)."""
-    if launched_by_holder(out) or os.environ.get("RANK", "0") != "0":
+    if launched_by_holder(out) or (launch_env().rank or 0) != 0:
         yield None
         return
     lock = acquire(out)
-    old = os.environ.get(ENV)
-    os.environ[ENV] = json.dumps({"path": str(lock.path.absolute()), "token": lock.token})
     try:
-        if not overwrite:
-            refuse_foreign(out, PARTS if not resume else ("model",))
-        yield lock
+        with export(ENV, json.dumps({"path": str(lock.path.absolute()), "token": lock.token})):
+            if not overwrite:
+                refuse_foreign(out, PARTS if not resume else ("model",))
+            yield lock
     finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
         lock.release()
 
 
