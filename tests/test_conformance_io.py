@@ -35,3 +35,15 @@ class TestStoreOnSmallBlocks(TensorStoreTests):
 class TestStoreBuffered(TensorStoreTests):
     def make_store(self, root):
         return TensorStore(root, IOEngine(direct=False, thread_count=2))
+
+
+def test_each_configuration_runs_every_shipped_check():
+    """The suites ship their checks (the assertions live in zeroio.testing) and every
+    configuration above inherits all of them."""
+    for suite, configs in ((IOEngineTests, (TestDefaultEngine, TestBufferedEngine,
+                                            TestSingleSubmitEngine)),
+                           (TensorStoreTests, (TestStoreOnSmallBlocks, TestStoreBuffered))):
+        checks = {n for n in dir(suite) if n.startswith("test_")}
+        assert len(checks) >= 3, suite
+        for cls in configs:
+            assert checks <= {n for n in dir(cls) if n.startswith("test_")}, cls

@@ -44,3 +44,19 @@ class TestMemoryBackend(NvmeBackendTests):
 class TestTensorStoreBackend(NvmeBackendTests):
     def make_backend(self, tmp_path):
         return TensorStoreBackend(tmp_path / "nvme")
+
+
+def test_each_backend_runs_every_shipped_check():
+    """The suites ship their checks (rules, invariants and tests live in zeroio.testing.store)
+    and both backends above inherit all of them."""
+    import unittest
+
+    steps = ("register", "acquire_and_read", "acquire_for_overwrite", "write", "release",
+             "prefetch", "step_boundary", "flush", "budgets_hold")
+    for machine in (MemoryStoreVsDict, DiskStoreVsDict):
+        assert all(getattr(machine, n) is getattr(TieredStoreTests, n) for n in steps), machine
+        assert issubclass(machine.TestCase, unittest.TestCase)
+    checks = {n for n in dir(NvmeBackendTests) if n.startswith("test_")}
+    assert len(checks) >= 3
+    for cls in (TestMemoryBackend, TestTensorStoreBackend):
+        assert checks <= {n for n in dir(cls) if n.startswith("test_")}, cls
