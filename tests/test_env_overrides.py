@@ -10,6 +10,7 @@ from zeroio.config import load_config
 from zeroio.config.launch_env import LaunchEnv
 from zeroio.errors import ConfigError
 from zeroio.testing import run_ranks
+from zeroio.testing.multirank import outside_launcher_env
 
 BASE = {"train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
@@ -128,10 +129,23 @@ def test_collectives_on_two_ranks():
 
 
 def test_world_of_one_without_a_process_group():
-    from zeroio.partition import collectives as comm
+    """In a fresh interpreter: tests before this one in the same process may have left a
+    process group behind (an in-process ``zeroio train --nproc 1``)."""
+    import subprocess
+    import sys
 
-    assert not comm.is_initialized() and comm.backend() is None
-    assert comm.world() == comm.World(rank=0, world_size=1, backend=None)
-    assert comm.broadcast_bytes(b"x") == b"x"
-    with pytest.raises(ValueError, match="reduction 'avg'"):
-        comm._op("avg")
+    code = (
+        "from zeroio.partition import collectives as comm\n"
+        "assert not comm.is_initialized() and comm.backend() is None\n"
+        "assert comm.world() == comm.World(rank=0, world_size=1, backend=None)\n"
+        "assert comm.broadcast_bytes(b'x') == b'x'\n"
+        "try:\n"
+        "    comm._op('avg')\n"
+        "except ValueError as e:\n"
+        "    assert \"reduction 'avg'\" in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no error for avg')\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=outside_launcher_env())
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
