@@ -4,6 +4,7 @@
         [--offload-optimizer none|cpu|nvme] [--offload-param none|cpu|nvme] \
         [--dtype bf16|fp16|fp32] [--config C] [--no-buffers] [--json]
     zeroio estimate --model-config path/to/config.json (or the model folder) ...
+    zeroio estimate --plan --params 13B --machine machine.json   (zeroio/cli/estimate_plan.py)
 
 --model-config takes the parameter count (and stage 3's largest flat group, one
 decoder layer) from a Llama-style Hugging Face config.json, read as plain JSON.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from zeroio.cli import estimate_plan
+
 _GB = 1e9
 
 
@@ -29,7 +32,8 @@ def add_parser(sub) -> None:
     src.add_argument("--params", help="number of model parameters: 7.5e9, 1.4B, 350M, 125k")
     src.add_argument("--model-config", metavar="config.json",
                      help="a Llama-style config.json (or its folder): the shape is read from it")
-    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (ranks) per node")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs (ranks) per node (default 1, or the --machine file's)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage (default: the config's, else 3)")
@@ -44,6 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-buffers", action="store_true",
                    help="model states only, as the ZeRO paper counts them")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    estimate_plan.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -55,14 +60,17 @@ def run(args) -> int:
     from zeroio.config import load_config
     from zeroio.estimate import estimate_memory
 
-    config = load_config(args.config) if args.config else None
+    estimate_plan.check_args(args)
     shape = None
     if args.model_config is not None:
         from zeroio.estimate import model_shape
 
         shape = model_shape(args.model_config)
+    if args.plan:
+        return estimate_plan.run(args, shape)
+    config = load_config(args.config) if args.config else None
     report = estimate_memory(
-        shape.num_params if shape else args.params, args.gpus_per_node, args.nodes,
+        shape.num_params if shape else args.params, args.gpus_per_node or 1, args.nodes,
         stage=args.stage, largest_group=shape.layer_params if shape else None,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         dtype=args.dtype, config=config, zeroio_buffers=not args.no_buffers, ratio=args.ratio)

@@ -1,0 +1,219 @@
+"""The placement planner (zeroio/plan.py) on made-up machines, against hand computations of
+the bytes each placement puts on each tier (DeepSpeed's default bucket sizes: reduce_bucket_size
+5e8, stage3_max_live_parameters 1e9; bf16, b = 2), and `zeroio estimate --plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from zeroio.cli.main import main
+from zeroio.config import load_config
+from zeroio.errors import CapacityError, ConfigError
+from zeroio.plan import MARGIN, Machine, plan_placement
+
+GB = 10**9
+PSI = 10**10  # 10B parameters on one GPU: the rank's shard is all of them
+GROUP = 500_000_000  # reduce_bucket_size, standing in for the largest flat group
+# stage 3 GPU buffers: fp32 buckets 2 x 4 x G, autograd's 16-bit gradients 2 x G,
+# live gathered parameters 2 x (1e9 + G)
+STAGE3_BUFFERS = 2 * 4 * GROUP + 2 * GROUP + 2 * (10**9 + GROUP)
+
+
+def machine(**kw) -> Machine:
+    base = dict(gpus=1, gpu_bytes=80 * GB, host_bytes=256 * GB, disk_bytes=1000 * GB,
+                pcie_bps=25 * GB, disk_read_bps=6 * GB, disk_write_bps=3 * GB,
+                cpu_adam_elems_per_s=2 * GB)
+    return Machine(**{**base, **kw})
+
+
+@pytest.fixture(autouse=True)
+def _auto_cpu_adam(monkeypatch):
+    # the host gradient's dtype follows ZEROIO_CPU_ADAM; the hand figures assume its default
+    monkeypatch.delenv("ZEROIO_CPU_ADAM", raising=False)
+
+
+def test_small_model_on_a_big_gpu_stays_on_the_gpu():
+    psi = 10**8
+    plan = plan_placement(psi, machine(), micro_batch=1, seq=1024)
+    assert plan.placement == "stage 2, all on the GPU"
+    assert plan.config["zero_optimization"] == {"stage": 2, "sub_group_size": 10**9}
+    # params 2 + gradients 2 + Adam 12 + fp32 gradient 4 bytes each, one 16-bit reduce bucket
+    # and the 16-bit all-gather bucket (both capped at Psi)
+    assert plan.tiers[0].need_bytes == (2 + 2 + 12 + 4) * psi + 2 * psi + 2 * psi
+    assert plan.tiers[1].need_bytes == 0 and plan.tiers[2].need_bytes == 0
+    assert set(plan.traffic.values()) == {0} and plan.step_s == 0 and plan.reasons == ()
+
+
+def test_optimizer_that_fits_only_the_host_goes_to_the_cpu():
+    # GPU: the 16-bit shard 2 Psi + buffers = 28 GB <= 0.9 x 32 GB; 1% more on the GPU would
+    # add 16 bytes (Adam 12, gradient 2 + its fp32 rest 2) x 1e8 = 1.6 GB: over
+    gpu = 32 * GB
+    fixed = 2 * PSI + STAGE3_BUFFERS
+    assert fixed <= (1 - MARGIN) * gpu < fixed + 16 * PSI // 100
+    plan = plan_placement(PSI, machine(gpu_bytes=gpu), micro_batch=1, seq=1024)
+    assert plan.placement == "stage 3, optimizer on the CPU"
+    zero = plan.config["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "ratio": 1.0}
+    assert "offload_param" not in zero and "tiering" not in zero
+    assert plan.tiers[0].need_bytes == fixed
+    assert plan.tiers[1].need_bytes == (12 + 2) * PSI  # Adam + 16-bit host gradients
+    assert len(plan.reasons) == 3 and "GPU memory" in plan.reasons[1]
+    load_config(plan.config)  # the block it prints loads
+
+
+def test_gpu_share_is_the_largest_whole_percent_that_fits():
+    gpu = 41 * GB
+    fixed = 2 * PSI + STAGE3_BUFFERS
+    k = max(k for k in range(100) if fixed + 16 * (PSI * k // 100) <= (1 - MARGIN) * gpu)
+    assert k == 5  # 36.9 GB usable, 8.9 GB spare: 5.56% of 1e10 elements at 16 bytes
+    m = machine(gpu_bytes=gpu)
+    plan = plan_placement(PSI, m, micro_batch=1, seq=1024)
+    assert plan.placement == "stage 3, optimizer on the CPU"
+    assert plan.config["zero_optimization"]["offload_optimizer"]["ratio"] == pytest.approx(
+        1 - k / 100)
+    dev = PSI * k // 100
+    host = PSI - dev
+    assert plan.estimate.placement()["gpu_elements_per_gpu"] == pytest.approx(dev, abs=1)
+    assert plan.tiers[0].need_bytes == pytest.approx(fixed + 16 * dev, abs=16)
+    assert plan.tiers[1].need_bytes == pytest.approx(14 * host, abs=14)
+    # 16-bit gradients down, updated 16-bit parameters up, CPU Adam over the host elements
+    assert plan.traffic["gpu->cpu"] == pytest.approx(2 * host, abs=2)
+    assert plan.traffic["cpu->gpu"] == pytest.approx(2 * host, abs=2)
+    assert plan.times["cpu_adam_s"] == pytest.approx(host / m.cpu_adam_elems_per_s, rel=1e-9)
+    assert plan.times["pcie_s"] == pytest.approx(2 * host / m.pcie_bps, rel=1e-9)
+    assert plan.bound == "cpu_adam_s"
+
+
+def test_model_bigger_than_host_memory_streams_its_moments_from_nvme():
+    """Bytes per step and every time term by hand, on the NVMe placement."""
+    m = machine(host_bytes=128 * GB, disk_bytes=200 * GB)
+    plan = plan_placement(PSI, m, micro_batch=1, seq=1024)
+    assert plan.placement == "stage 3, optimizer on NVMe"
+    usable_host = 115_200_000_000  # 0.9 x 128 GB
+    # rejected on host memory: Adam 12 + 16-bit gradient 2 (+ 16-bit parameters 2)
+    assert f"{14 * PSI - usable_host:,} bytes" in plan.reasons[2]
+    assert f"{16 * PSI - usable_host:,} bytes" in plan.reasons[3]
+    assert all("host memory" in r for r in plan.reasons[2:])
+    zero = plan.config["zero_optimization"]
+    assert zero["tiering"] == {"cpu_budget_bytes": usable_host}
+    assert zero["offload_optimizer"]["device"] == "nvme" and zero["sub_group_size"] == 10**8
+    # host: fp32 gradient 4 + fp32 master 4 bytes, 4 swap buffers of 1e8 fp32 elements
+    held = 8 * PSI + 4 * 10**8 * 4
+    assert plan.tiers[1].need_bytes == held
+    assert plan.tiers[2].need_bytes == 8 * PSI  # the moments
+    resident = usable_host - held
+    assert plan.resident_moment_bytes == resident == 33_600_000_000
+    streamed = 8 * PSI - resident
+    assert plan.traffic == {"gpu->cpu": 4 * PSI, "cpu->gpu": 2 * PSI, "nvme->cpu": streamed,
+                            "cpu->nvme": streamed}
+    assert plan.times == pytest.approx({"cpu_adam_s": PSI / (2 * GB),
+                                        "pcie_s": 4 * PSI / (25 * GB),
+                                        "disk_s": streamed / (6 * GB) + streamed / (3 * GB)})
+    assert plan.step_s == pytest.approx(23.2) and plan.bound == "disk_s"
+    load_config(plan.config)
+
+
+def test_cpu_budget_is_per_rank_on_a_node_of_several_gpus():
+    m = machine(gpus=4, host_bytes=512 * GB, disk_bytes=800 * GB)
+    plan = plan_placement(4 * PSI, m, micro_batch=1, seq=1024)  # the previous test, x 4
+    assert plan.placement == "stage 3, optimizer on NVMe"
+    assert plan.config["zero_optimization"]["tiering"]["cpu_budget_bytes"] == 115_200_000_000
+    assert plan.resident_moment_bytes == 4 * 33_600_000_000
+    assert plan.tiers[2].need_bytes == 8 * 4 * PSI  # the node's four shards of moments
+
+
+def test_model_bigger_than_the_disk_names_the_disk_and_the_shortfall():
+    m = machine(host_bytes=128 * GB, disk_bytes=50 * GB)
+    with pytest.raises(CapacityError) as err:
+        plan_placement(PSI, m, micro_batch=1, seq=1024)
+    msg = str(err.value)
+    # the most offloaded placement puts the moments (8) and the 16-bit parameters (2) on disk,
+    # against 50 GB less the 1 GiB reserve
+    short = 10 * PSI - (50 * GB - (1 << 30))
+    assert f"{short:,} bytes" in msg and "disk" in msg
+    assert "optimizer and parameters on NVMe" in msg
+    assert "GPU memory" not in msg and "host memory" not in msg
+
+
+def test_activations_count_on_the_gpu():
+    shape = dict(layers=24, hidden=2048, vocab=32000, intermediate=5632)
+    base = plan_placement(10**8, machine(), micro_batch=1, seq=1024, largest_group=GROUP)
+    act = plan_placement(10**8, machine(), micro_batch=4, seq=1024, largest_group=GROUP,
+                         **shape)
+    # 4096 tokens x (24 x (30 x 2048 + 6 x 5632) + 10 x 32000) bytes
+    tokens = 4 * 1024
+    want = tokens * (24 * (30 * 2048 + 6 * 5632) + 10 * 32000)
+    assert act.tiers[0].need_bytes - base.tiers[0].need_bytes == want
+
+
+def _write(tmp_path, raw) -> Path:
+    p = tmp_path / "machine.json"
+    p.write_text(json.dumps(raw))
+    return p
+
+
+def test_bad_machine_json_names_the_key(tmp_path):
+    good = machine().to_dict()
+    assert Machine.from_json(_write(tmp_path, good)) == machine()
+    cases = [
+        ({**{k: v for k, v in good.items() if k != "gpu_bytes"}, "gpu_byte": 1}, "machine.gpu_byte"),
+        ({k: v for k, v in good.items() if k != "pcie_bps"}, "machine.pcie_bps"),
+        ({**good, "host_bytes": -5}, "machine.host_bytes"),
+        ({**good, "gpus": "8"}, "machine.gpus"),
+        ({**good, "gpus": 1.5}, "machine.gpus"),
+    ]
+    for raw, key in cases:
+        with pytest.raises(ConfigError) as err:
+            Machine.from_json(_write(tmp_path, raw))
+        assert err.value.key == key and key in str(err.value)
+    with pytest.raises(ConfigError, match="did you mean \"gpu_bytes\""):
+        Machine.from_json(_write(tmp_path, cases[0][0]))
+    (tmp_path / "machine.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a JSON file"):
+        Machine.from_json(tmp_path / "machine.json")
+
+
+@pytest.fixture
+def zeroio_estimate(capsys):
+    """`zeroio estimate ARGS` in this process (the command's own main): (exit, out, err)."""
+    def call(*args):
+        capsys.readouterr()
+        rc = main(["estimate", *args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+    return call
+
+
+def test_cli_json_is_plan_to_dict_from_file_or_flags(tmp_path, zeroio_estimate):
+    m = machine(host_bytes=128 * GB, disk_bytes=200 * GB)
+    want = json.loads(json.dumps(plan_placement(PSI, m, micro_batch=1, seq=2048).to_dict()))
+    proc = zeroio_estimate("--plan", "--params", "10B", "--machine", str(_write(tmp_path, m.to_dict())),
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == want
+    flags = zeroio_estimate("--plan", "--params", "10B", "--gpu-mem", "80", "--host-mem", "128",
+                    "--disk-free", "200", "--pcie-gbps", "25", "--disk-read-gbps", "6",
+                    "--disk-write-gbps", "3", "--cpu-adam-gelems", "2")
+    assert flags.returncode == 0, flags.stderr
+    assert "plan: stage 3, optimizer on NVMe" in flags.stdout
+    assert '"cpu_budget_bytes": 115200000000' in flags.stdout
+
+
+def test_cli_errors_name_the_flag_or_key(tmp_path, zeroio_estimate):
+    bad = _write(tmp_path, {**machine().to_dict(), "disk_read_bps": 0})
+    proc = zeroio_estimate("--plan", "--params", "1B", "--machine", str(bad))
+    assert proc.returncode == 2 and "machine.disk_read_bps" in proc.stderr
+    proc = zeroio_estimate("--plan", "--params", "1B", "--gpu-mem", "80")
+    assert proc.returncode == 2 and "--host-mem" in proc.stderr
+    proc = zeroio_estimate("--plan", "--params", "1B", "--stage", "2", "--machine", str(bad))
+    assert proc.returncode == 2 and "--stage" in proc.stderr
+    proc = zeroio_estimate("--params", "1B", "--gpu-mem", "80")
+    assert proc.returncode == 2 and "--gpu-mem needs --plan" in proc.stderr
+    full = zeroio_estimate("--plan", "--params", "1T", "--machine",
+                   str(_write(tmp_path, dataclasses.asdict(machine(disk_bytes=0)))))
+    assert full.returncode == 1 and "disk under the NVMe path" in full.stderr

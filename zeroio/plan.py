@@ -1,0 +1,456 @@
+"""Placement planner: which ZeRO stage and offload a model needs on a given machine.
+
+``plan_placement(num_params, machine, micro_batch=..., seq=...)`` answers, as data, the
+question a user otherwise settles by copying an ``offload_optimizer.ratio`` from a benchmark:
+where does each byte of training state go on *this* machine, and how long will the offload
+make a step.
+
+The rule
+--------
+Try the placements zeroio supports, fastest first, and take the first whose bytes fit:
+
+1. stage 2, everything on the GPU;
+2. stage 3, everything on the GPU;
+3. stage 3, ``offload_optimizer`` cpu;
+4. stage 3, ``offload_optimizer`` cpu and ``offload_param`` cpu;
+5. stage 3, ``offload_optimizer`` nvme;
+6. stage 3, ``offload_optimizer`` nvme, ``offload_param`` cpu;
+7. stage 3, ``offload_optimizer`` nvme, ``offload_param`` nvme.
+
+A placement fits when ``zeroio.estimate.estimate_memory`` (its real buffers, activations
+included) puts at most the usable bytes on each tier:
+
+- GPU: ``(1 - MARGIN) x gpu_bytes`` per GPU (MARGIN = 10%, for the CUDA context, allocator
+  fragmentation and what the estimate does not count);
+- host: ``(1 - MARGIN) x host_bytes`` per node;
+- disk: ``disk_bytes - DISK_RESERVE`` per node (1 GiB, what a derived NVMe budget leaves
+  free: ``tiering.nvme_reserve_bytes``).
+
+For 3 and 4 (optimizer on the CPU) the plan then keeps the largest share of the optimizer
+state on the GPU that still fits: ``offload_optimizer.ratio = 1 - k / 100`` for the largest
+whole percent k in 1..99 that fits (ratio 1 when not even 1% fits). With the optimizer on
+NVMe (5-7) the ratio stays 1 and ``tiering.cpu_budget_bytes`` is set to the usable host
+memory per rank: what the state outside the NVMe store leaves of it holds Adam moments
+resident, and only the rest streams to and from the disk.
+
+``sub_group_size`` is DeepSpeed's default (1e9) without NVMe and ``NVME_SUB_GROUP_SIZE``
+(1e8) with it, which keeps the pinned optimizer swap buffers at 1.6 GB per GPU instead of 16.
+
+When nothing fits, ``CapacityError`` names each tier the most offloaded placement (7)
+overflows and by how many bytes.
+
+The step time
+-------------
+Bytes each way per step (H = optimizer elements per rank off the GPU, S = the rank's shard,
+D = S - H those kept on the GPU by the ratio, b = bytes of a 16-bit value, g = bytes per
+element of the host gradient as ``estimate.host_grad_bytes`` decides):
+
+- GPU -> CPU, per GPU: the gradients of the host elements, ``g x H``; with ``offload_param``
+  and a ratio below 1 also the device side's updated 16-bit values published to the host
+  shards, ``b x D``.
+- CPU -> GPU, per GPU: without ``offload_param`` the updated 16-bit parameters of the host
+  elements, ``b x H``; with it the shard copied in before each all-gather, forward and
+  backward, ``2 x b x S``.
+- NVMe -> CPU and CPU -> NVMe, per node: the Adam moments (8 bytes per element) that do not
+  fit the host budget, read once and written once; with ``offload_param`` nvme also the
+  parameter shards, read twice (forward, backward) and written once (an upper bound: no
+  shard counted resident).
+
+Predicted step time = the largest of: CPU Adam time (host elements per node /
+``cpu_adam_elems_per_s``), PCIe time (the larger direction per GPU / ``pcie_bps``, a
+full-duplex link per GPU) and disk time (read / ``disk_read_bps`` + write /
+``disk_write_bps``, one device doing both). GPU compute is not modelled: the figure is the
+floor the offload puts under a step, 0 with everything on the GPU.
+
+The machine's figures are the caller's (measured with ``zeroio bench io`` and the like);
+nothing here probes the machine. No torch at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from zeroio.config import load_config
+from zeroio.config.fields import did_you_mean
+from zeroio.errors import CapacityError, ConfigError
+from zeroio.estimate import (
+    DTYPE_BYTES,
+    MemoryEstimate,
+    estimate_memory,
+    host_grad_bytes,
+    llama_activation_bytes,
+    llama_num_params,
+    parse_count,
+)
+
+MARGIN = 0.10
+"""Fraction of GPU and host memory the plan leaves free."""
+DISK_RESERVE = 1 << 30
+"""Free bytes under the NVMe path the plan leaves untouched (``tiering.nvme_reserve_bytes``)."""
+NVME_SUB_GROUP_SIZE = 100_000_000
+"""``sub_group_size`` of the NVMe placements (DeepSpeed's 1e9 otherwise)."""
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+NVME_PATH = "/path/to/nvme"
+"""Placeholder ``nvme_path`` in the planned config: replace it with a folder on the NVMe."""
+MOMENT_BYTES = 8
+"""Adam's two fp32 moments: what an NVMe-offloaded optimizer keeps on the disk."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """One node as the planner sees it. Bytes and bytes per second (GB = 1e9)."""
+
+    gpus: int
+    """GPUs (ranks) on the node."""
+    gpu_bytes: int
+    """Memory of one GPU."""
+    host_bytes: int
+    """Host memory training may use on the node (pinned buffers included)."""
+    disk_bytes: int
+    """Free bytes of the file system under the NVMe path (0: no disk)."""
+    pcie_bps: float
+    """Host <-> GPU bandwidth of one GPU, each direction."""
+    disk_read_bps: float
+    """Read bandwidth of the NVMe path, for the whole node."""
+    disk_write_bps: float
+    """Write bandwidth of the NVMe path, for the whole node."""
+    cpu_adam_elems_per_s: float
+    """Elements the host's CPU Adam updates per second, all cores of the node together."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            low = 0 if f.name == "disk_bytes" else 1
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    not math.isfinite(v) or v < low:
+                raise ConfigError(f"machine.{f.name} = {v!r}: expected a number >= {low} "
+                                  f"({_UNITS[f.name]})", key=f"machine.{f.name}")
+            if _is_int_field(f.name):
+                if v != int(v):
+                    raise ConfigError(f"machine.{f.name} = {v!r}: expected a whole number "
+                                      f"({_UNITS[f.name]})", key=f"machine.{f.name}")
+                object.__setattr__(self, f.name, int(v))
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, source: str = "machine") -> Machine:
+        """A machine from a JSON object with exactly the field names above."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source} must hold a JSON object with the keys "
+                              f"{', '.join(_UNITS)}", key="machine")
+        known = [f.name for f in fields(cls)]
+        for key in raw:
+            if key not in known:
+                raise ConfigError(f"{source}: unknown key machine.{key}{did_you_mean(key, known)}"
+                                  f"; expected {', '.join(known)}", key=f"machine.{key}")
+        missing = [k for k in known if k not in raw]
+        if missing:
+            raise ConfigError(f"{source}: missing machine.{missing[0]} ({_UNITS[missing[0]]})",
+                              key=f"machine.{missing[0]}")
+        return cls(**{k: raw[k] for k in known})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Machine:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--machine {p} does not exist; write a JSON object with the keys "
+                              f"{', '.join(_UNITS)}", key="machine")
+        try:
+            raw = json.loads(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--machine {p} is not a JSON file: {e}", key="machine") from None
+        return cls.from_dict(raw, source=str(p))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_UNITS = {"gpus": "GPUs per node", "gpu_bytes": "bytes per GPU",
+          "host_bytes": "usable host bytes per node", "disk_bytes": "free bytes under the NVMe path",
+          "pcie_bps": "bytes/s per GPU each way", "disk_read_bps": "bytes/s",
+          "disk_write_bps": "bytes/s", "cpu_adam_elems_per_s": "elements/s per node"}
+
+
+def _is_int_field(name: str) -> bool:
+    return name in ("gpus", "gpu_bytes", "host_bytes", "disk_bytes")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One candidate of the rule (module doc): a stage and where the optimizer and the
+    parameters live."""
+
+    name: str
+    stage: int
+    optimizer: str
+    param: str
+
+
+PLACEMENTS = (
+    Placement("stage 2, all on the GPU", 2, "none", "none"),
+    Placement("stage 3, all on the GPU", 3, "none", "none"),
+    Placement("stage 3, optimizer on the CPU", 3, "cpu", "none"),
+    Placement("stage 3, optimizer and parameters on the CPU", 3, "cpu", "cpu"),
+    Placement("stage 3, optimizer on NVMe", 3, "nvme", "none"),
+    Placement("stage 3, optimizer on NVMe, parameters on the CPU", 3, "nvme", "cpu"),
+    Placement("stage 3, optimizer and parameters on NVMe", 3, "nvme", "nvme"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierFit:
+    """One tier's bytes under a placement against what the machine offers."""
+
+    tier: str  # "gpu" (per GPU), "cpu" (host, per node), "nvme" (disk, per node)
+    need_bytes: int
+    usable_bytes: int
+    capacity_bytes: int
+
+    @property
+    def over_bytes(self) -> int:
+        return max(0, self.need_bytes - self.usable_bytes)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"need_bytes": self.need_bytes, "usable_bytes": self.usable_bytes,
+                "capacity_bytes": self.capacity_bytes, "over_bytes": self.over_bytes}
+
+
+TIER_WORDS = {"gpu": "GPU memory (per GPU)", "cpu": "host memory (per node)",
+              "nvme": "disk under the NVMe path (per node)"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What ``plan_placement`` returns; ``to_dict()`` is ``zeroio estimate --plan --json``."""
+
+    placement: str
+    config: dict[str, Any]
+    """A config block to paste: ``zero_optimization`` (DeepSpeed schema) and the dtype."""
+    estimate: MemoryEstimate
+    tiers: tuple[TierFit, ...]
+    traffic: dict[str, int]
+    """Bytes per step: "gpu->cpu" and "cpu->gpu" per GPU, "nvme->cpu" and "cpu->nvme" per node."""
+    resident_moment_bytes: int
+    """Per node, with the optimizer on NVMe: Adam moments the host budget keeps resident."""
+    times: dict[str, float]
+    """Seconds per step of each term: cpu_adam_s, pcie_s, disk_s."""
+    reasons: tuple[str, ...]
+    """One line per faster placement rejected (and why the ratio is not lower)."""
+    machine: Machine
+
+    @property
+    def step_s(self) -> float:
+        return max(self.times.values())
+
+    @property
+    def bound(self) -> str:
+        if self.step_s == 0:
+            return "gpu compute (not modelled)"
+        return max(self.times, key=self.times.get)
+
+    @property
+    def ratio(self) -> float:
+        return self.estimate.ratio
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"placement": self.placement, "config": self.config,
+                "offload_optimizer_ratio": self.ratio,
+                "tiers": {t.tier: t.to_dict() for t in self.tiers},
+                "bytes_per_step": dict(self.traffic),
+                "resident_moment_bytes": self.resident_moment_bytes,
+                "times": dict(self.times), "step_s": self.step_s, "bound": self.bound,
+                "reasons": list(self.reasons), "margin": MARGIN,
+                "machine": self.machine.to_dict(), "estimate": self.estimate.to_dict()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Model:
+    """What the estimate needs beside the placement."""
+
+    num_params: int
+    dtype: str
+    nodes: int
+    largest_group: int | None
+    activation_bytes: int
+
+
+def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None) -> dict[str, Any]:
+    """The ``zero_optimization`` block of placement ``p`` (DeepSpeed schema, zeroio's
+    ``tiering`` keys)."""
+    nvme = "nvme" in (p.optimizer, p.param)
+    block: dict[str, Any] = {"stage": p.stage, "sub_group_size":
+                             NVME_SUB_GROUP_SIZE if nvme else DEFAULT_SUB_GROUP_SIZE}
+    if p.optimizer != "none":
+        oo: dict[str, Any] = {"device": p.optimizer, "ratio": ratio}
+        if p.optimizer == "nvme":
+            oo["nvme_path"] = NVME_PATH
+        block["offload_optimizer"] = oo
+    if p.param != "none":
+        block["offload_param"] = {"device": p.param}
+        if p.param == "nvme":
+            block["offload_param"]["nvme_path"] = NVME_PATH
+    if nvme and cpu_budget is not None:
+        block["tiering"] = {"cpu_budget_bytes": cpu_budget}
+    return block
+
+
+def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None) -> dict:
+    cfg: dict[str, Any] = {"zero_optimization": zero_block(p, ratio=ratio, cpu_budget=cpu_budget)}
+    if model.dtype in ("bf16", "fp16"):
+        cfg[model.dtype] = {"enabled": True}
+    return cfg
+
+
+def _estimate(p: Placement, model: _Model, machine: Machine, ratio: float,
+              cpu_budget: int | None) -> MemoryEstimate:
+    cfg = load_config(_config(p, model, ratio, cpu_budget))
+    return estimate_memory(model.num_params, machine.gpus, model.nodes, config=cfg,
+                           dtype=model.dtype, largest_group=model.largest_group,
+                           activation_bytes=model.activation_bytes)
+
+
+def _fits(est: MemoryEstimate, machine: Machine) -> tuple[TierFit, ...]:
+    return (
+        TierFit(tier="gpu", need_bytes=est.gpu_bytes_per_gpu,
+                usable_bytes=int(machine.gpu_bytes * (1 - MARGIN)),
+                capacity_bytes=machine.gpu_bytes),
+        TierFit(tier="cpu", need_bytes=est.cpu_bytes_per_node,
+                usable_bytes=int(machine.host_bytes * (1 - MARGIN)),
+                capacity_bytes=machine.host_bytes),
+        TierFit(tier="nvme", need_bytes=est.nvme_bytes_per_node,
+                usable_bytes=max(0, machine.disk_bytes - DISK_RESERVE),
+                capacity_bytes=machine.disk_bytes),
+    )
+
+
+def _overflow(p: Placement, tiers: tuple[TierFit, ...]) -> str:
+    over = [f"{TIER_WORDS[t.tier]} overflows by {t.over_bytes:,} bytes "
+            f"({t.need_bytes / 1e9:.2f} GB needed, {t.usable_bytes / 1e9:.2f} GB usable of "
+            f"{t.capacity_bytes / 1e9:.2f} GB)" for t in tiers if t.over_bytes]
+    return f"{p.name}: " + "; ".join(over)
+
+
+def _largest_share(p: Placement, model: _Model, machine: Machine) -> int:
+    """The largest whole percent k in 0..99 of the optimizer state kept on the GPU (ratio
+    1 - k/100) that fits. GPU bytes grow with k, so bisect on the GPU; then step down past
+    any k the host does not take (its gradient dtype can change for a small host shard)."""
+    def ok_gpu(k: int) -> bool:
+        est = _estimate(p, model, machine, 1 - k / 100, None)
+        return _fits(est, machine)[0].over_bytes == 0
+
+    lo, hi = 0, 99  # ok_gpu(0) holds: the caller checked ratio 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok_gpu(mid) else (lo, mid - 1)
+    while lo > 0 and any(t.over_bytes for t in _fits(
+            _estimate(p, model, machine, 1 - lo / 100, None), machine)):
+        lo -= 1
+    return lo
+
+
+def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: int | None):
+    """(bytes per step each way, resident moment bytes per node): module doc, "The step
+    time"."""
+    b = DTYPE_BYTES[est.dtype]
+    shard = math.ceil(est.num_params / est.world_size)
+    host = est.placement()["offloaded_elements_per_gpu"]
+    dev = shard - host if p.optimizer != "none" else 0
+    g = host_grad_bytes(est.dtype, p.optimizer, 1, host, stage=p.stage) if host else 0
+    down = g * host + (b * dev if p.param != "none" else 0)
+    up = 2 * b * shard if p.param != "none" else b * host
+    read = write = resident = 0
+    if p.optimizer == "nvme":
+        moments = MOMENT_BYTES * host
+        resident = min(moments, max(0, (cpu_budget or 0) - est.per_gpu("cpu")))
+        read = write = moments - resident
+    if p.param == "nvme":
+        read += 2 * b * shard
+        write += b * shard
+    gpus = machine.gpus
+    return ({"gpu->cpu": down, "cpu->gpu": up, "nvme->cpu": read * gpus,
+             "cpu->nvme": write * gpus}, resident * gpus)
+
+
+def _times(traffic: dict[str, int], host_elems_per_node: int, machine: Machine):
+    return {"cpu_adam_s": host_elems_per_node / machine.cpu_adam_elems_per_s,
+            "pcie_s": max(traffic["gpu->cpu"], traffic["cpu->gpu"]) / machine.pcie_bps,
+            "disk_s": traffic["nvme->cpu"] / machine.disk_read_bps +
+            traffic["cpu->nvme"] / machine.disk_write_bps}
+
+
+def _activations(*, layers, hidden, vocab, intermediate, seq, micro_batch) -> int:
+    given = {"layers": layers, "hidden": hidden, "vocab": vocab}
+    if all(v is None for v in given.values()):
+        return 0
+    for k, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{k} = {v!r}: activations need layers, hidden and vocab as "
+                              "positive integers (or none of them)", key=k)
+    for k, v in {"seq": seq, "micro_batch": micro_batch}.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{k} = {v!r}: expected a positive integer", key=k)
+    return llama_activation_bytes(hidden=hidden, intermediate=intermediate or 4 * hidden,
+                                  layers=layers, vocab=vocab, seq=seq, micro_batch=micro_batch)
+
+
+def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: str = "bf16",
+                   micro_batch: int, seq: int, layers: int | None = None,
+                   hidden: int | None = None, vocab: int | None = None,
+                   intermediate: int | None = None, largest_group: int | None = None,
+                   nodes: int = 1) -> Plan:
+    """The first placement of the rule (module doc) that fits ``machine`` for a model of
+    ``num_params`` parameters trained on ``nodes`` such nodes.
+
+    Activations are counted (``estimate.llama_activation_bytes``, a Llama in bf16 without
+    activation checkpointing, ``micro_batch`` x ``seq`` tokens) when ``layers``, ``hidden``
+    and ``vocab`` are given; ``intermediate`` defaults to 4 x hidden. ``largest_group``
+    (stage 3's largest flat group) defaults to one such decoder layer when ``hidden`` is
+    given, else the estimate's stand-in. Raises ``CapacityError`` when nothing fits.
+    """
+    if not isinstance(machine, Machine):
+        raise ConfigError(f"machine = {machine!r}: expected a zeroio.plan.Machine", key="machine")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype = {dtype!r}: expected bf16, fp16 or fp32", key="dtype")
+    act = _activations(layers=layers, hidden=hidden, vocab=vocab, intermediate=intermediate,
+                       seq=seq, micro_batch=micro_batch)
+    if largest_group is None and hidden is not None:
+        largest_group = llama_num_params(hidden=hidden, intermediate=intermediate or 4 * hidden,
+                                         layers=1, vocab=0, heads=1)[1]
+    model = _Model(num_params=parse_count(num_params), dtype=dtype, nodes=nodes,
+                   largest_group=largest_group, activation_bytes=act)
+    cpu_budget = int(machine.host_bytes * (1 - MARGIN)) // machine.gpus
+    reasons: list[str] = []
+    tiers: tuple[TierFit, ...] = ()
+    for p in PLACEMENTS:
+        budget = cpu_budget if "nvme" in (p.optimizer, p.param) else None
+        est = _estimate(p, model, machine, 1.0, budget)
+        tiers = _fits(est, machine)
+        if any(t.over_bytes for t in tiers):
+            reasons.append(_overflow(p, tiers))
+            continue
+        ratio = 1.0
+        if p.optimizer == "cpu":
+            k = _largest_share(p, model, machine)
+            if k:
+                ratio = round(1 - k / 100, 2)
+                est = _estimate(p, model, machine, ratio, None)
+                tiers = _fits(est, machine)
+            else:
+                reasons.append(f"{p.name}: no GPU share of the optimizer state fits "
+                               "(offload_optimizer.ratio below 1 needs at least 1% on the GPU)")
+        traffic, resident = _traffic(p, est, machine, budget)
+        host_elems = est.placement()["offloaded_elements_per_gpu"] * machine.gpus
+        return Plan(placement=p.name, config=_config(p, model, ratio, budget), estimate=est,
+                    tiers=tiers, traffic=traffic, resident_moment_bytes=resident,
+                    times=_times(traffic, host_elems, machine), reasons=tuple(reasons),
+                    machine=machine)
+    raise CapacityError("no placement fits this machine; the most offloaded one, "
+                        + _overflow(PLACEMENTS[-1], tiers)
+                        + ": add memory or disk, more GPUs or nodes, or train a smaller model")
+
+
+__all__ = ["Machine", "Plan", "TierFit", "Placement", "PLACEMENTS", "MARGIN", "DISK_RESERVE",
+           "NVME_SUB_GROUP_SIZE", "plan_placement", "zero_block"]
