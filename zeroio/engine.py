@@ -64,11 +64,20 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device):
-    """The one place that maps ``zero_optimization.stage`` to a partitioner."""
+def resolve_engine_policies(cfg, device: torch.device):
+    """The offload and tiering policies of ``cfg`` for ``device``, resolved once per engine
+    (config/policy.py); the partitioner and optimizer builders take them."""
+    return resolve_policies(cfg.zero_optimization,
+                            accumulation_steps=cfg.gradient_accumulation_steps, device=device)
+
+
+def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device,
+                      policies=None):
+    """The one place that maps ``zero_optimization.stage`` to a partitioner (``policies``:
+    ``resolve_engine_policies``'s, resolved here when not given)."""
     zc = cfg.zero_optimization
     dtype = DTYPES[cfg.compute_dtype]
-    pol = resolve_policies(zc, accumulation_steps=cfg.gradient_accumulation_steps, device=device)
+    pol = policies if policies is not None else resolve_engine_policies(cfg, device)
     off = pol.optimizer
     if off.device == "none":
         home = ShardHome(device=device)
@@ -92,26 +101,28 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
                       key="zero_optimization.stage")
 
 
-def build_optimizer(cfg, partitioner, spec: OptimizerSpec, shares: dict | None = None):
-    """``shares``: the NVMe optimizer's share of explicit tier budgets (``fit_budgets``)."""
+def build_optimizer(cfg, partitioner, spec: OptimizerSpec, shares: dict | None = None,
+                    policies=None):
+    """``shares``: the NVMe optimizer's share of explicit tier budgets (``fit_budgets``);
+    ``policies``: as for ``build_partitioner``."""
+    policies = policies if policies is not None else resolve_engine_policies(cfg, None)
     split = partitioner.optimizer_split
     if split is not None:  # offload_optimizer.ratio < 1: partition/stage3/twin.py, stage12.py
         from zeroio.optim.twin import TwinAdam
 
         return TwinAdam(device=ShardedAdam(split.device, spec.hyper, decoupled=spec.decoupled),
-                        host=_offloaded_optimizer(cfg, split.host, spec, partitioner, shares),
+                        host=_offloaded_optimizer(cfg, split.host, spec, partitioner, shares,
+                                                  policies),
                         groups=partitioner.groups)
-    return _offloaded_optimizer(cfg, partitioner.groups, spec, partitioner, shares)
+    return _offloaded_optimizer(cfg, partitioner.groups, spec, partitioner, shares, policies)
 
 
-def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares=None):
-    off = cfg.zero_optimization.offload_optimizer
-    if off.device == "nvme":
+def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, policies):
+    if policies.optimizer.device == "nvme":
         from zeroio.optim.swap import SwappedAdam
 
-        pol = resolve_policies(cfg.zero_optimization,
-                               accumulation_steps=cfg.gradient_accumulation_steps)
-        return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, policies=pol, aio=cfg.aio,
+        return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, policies=policies,
+                           aio=cfg.aio,
                            rank=comm.rank(), **(shares or {}))
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer folds the divisor into its grad_scale
@@ -186,12 +197,14 @@ class Engine:
         spec = from_client(optimizer) if optimizer is not None else from_config(
             self.config.optimizer, model, model_parameters)
         self.client_optimizer = optimizer
-        self.partitioner = build_partitioner(self.config, self.module, spec, self.device)
+        policies = resolve_engine_policies(self.config, self.device)
+        self.partitioner = build_partitioner(self.config, self.module, spec, self.device,
+                                             policies)
         self._budgets = explicit_budgets(self.config)  # [Note: budgets in training]
         self.optimizer = None
         nvme_opt = self.config.zero_optimization.offload_optimizer.device == "nvme"
         shares = fit_budgets(self.config, self.partitioner, self._held_cpu()) if nvme_opt else None
-        self.optimizer = build_optimizer(self.config, self.partitioner, spec, shares)
+        self.optimizer = build_optimizer(self.config, self.partitioner, spec, shares, policies)
         if not nvme_opt:  # in-memory moments count among the held state
             fit_budgets(self.config, self.partitioner, self._held_cpu())
         self.loss_scaler = build_loss_scaler(self.config.fp16)
