@@ -88,6 +88,16 @@ def add_spec_args(parser) -> None:
         parser.add_argument(flag, type=int, default=getattr(d, field.name), help=field.__doc__)
 
 
+def runner_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every runner takes: the model and batch (``add_spec_args``), ``--steps`` and
+    ``--warmup``; a runner adds its own before parsing."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_spec_args(parser)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    return parser
+
+
 def spec_from_args(args) -> ModelSpec:
     return ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
 

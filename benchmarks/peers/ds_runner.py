@@ -11,7 +11,6 @@ compile falls inside the warm-up (it happens in ``initialize``, before step 0).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -61,12 +60,9 @@ def zenflow_summary(step_seconds: list[float], zenflow: dict, tokens_per_step: i
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_spec_args(parser)
+    parser = common.runner_parser(__doc__)
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config (configs.py)")
     parser.add_argument("--name", default="deepspeed")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
     spec = common.spec_from_args(args)
     cfg = deepspeed_view(json.loads(Path(args.config).read_text()))

@@ -12,8 +12,6 @@ path is the same), which is what the CPU tests exercise.
 
 from __future__ import annotations
 
-import argparse
-
 import common
 import torch
 
@@ -33,11 +31,7 @@ def shard(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_spec_args(parser)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = common.runner_parser(__doc__).parse_args(argv)
     spec = common.spec_from_args(args)
 
     device = common.pick_device()

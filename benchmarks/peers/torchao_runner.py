@@ -12,18 +12,12 @@ optimizer is single-GPU: this row runs on one rank whatever ``--nproc`` is.
 
 from __future__ import annotations
 
-import argparse
-
 import common
 import torch
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_spec_args(parser)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = common.runner_parser(__doc__).parse_args(argv)
     spec = common.spec_from_args(args)
 
     from torchao.optim import CPUOffloadOptimizer  # carried to the GPU machine as a wheel
