@@ -132,6 +132,25 @@ def _before_after_steps() -> tuple[Step, ...]:
     return tuple(out)
 
 
+LEVERS: tuple[tuple[str, str, str], ...] = (
+    # (step name, contender, environment overrides): defaults first, then one lever each
+    ("z2-default", "zeroio-z2-cpu", ""), ("z2-overlap", "zeroio-z2-cpu", "ZEROIO_OVERLAP_STEP=1"),
+    ("z2-overlap-noassist", "zeroio-z2-cpu", "ZEROIO_OVERLAP_STEP=1 ZEROIO_STEP_ASSIST=0"),
+    ("z3-default", "zeroio-z3-cpu", ""), ("z3-overlap", "zeroio-z3-cpu", "ZEROIO_OVERLAP_STEP=1"),
+)
+"""zeroio's CPU-offload rows under one environment switch each (config/overrides.py)."""
+
+
+def _levers_steps() -> tuple[Step, ...]:
+    run = ("python3 benchmarks/train_peers.py --steps 7 --warmup 2 --quiet --disk-bench-size 0 "
+           "--nvme-dir {scratch} --timeout 80")
+    tests = Step("cpu_adam_training", "python3 -m pytest -q -m gpu -p no:cacheprovider "
+                 "--junitxml {res}/junit-cpu_adam_training.xml tests/test_cpu_adam_training.py", 120)
+    return (tests,) + tuple(
+        Step(name, f"{env} {run} --only {row} --out {{res}}/{name}{{extra}}".strip(), 85,
+             quote=r"^\| (?!contender|-)") for name, row, env in LEVERS)
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-tests", "nvidia-h200", "every -m gpu test file on 1 GPU (2-GPU cases skip)",
           _pytest_steps(150)),
@@ -149,6 +168,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           )),
     Suite("before-after", "nvidia-h200", "zeroio z2/z3 + CPU offload at the baseline in .old and "
           "at this tree, interleaved, one call", _before_after_steps(), extra_carry=(BEFORE,)),
+    Suite("levers", "nvidia-h200", "zeroio z2/z3 + CPU offload under one switch each, one call "
+          "(and the CPU Adam training GPU tests)", _levers_steps()),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "
