@@ -27,7 +27,7 @@ def _clean(monkeypatch):
 def test_no_override_no_record():
     d = load_config(BASE).to_dict()
     assert "env_overrides" not in d
-    assert d["zero_optimization"]["tiering"]["overlap_step"] is False
+    assert d["zero_optimization"]["tiering"]["overlap_step"] is None  # "auto"
     assert d["zero_optimization"]["tiering"]["step_chunk_numel"] == 1 << 26
 
 

@@ -213,3 +213,45 @@ def test_trainer_resume_from_checkpoint_retraces_the_run(tmp_path):
     # steps 5-8 after resuming from the engine checkpoint match the uninterrupted run
     assert r0["resumed"][4:] == pytest.approx(r0["full"][4:], rel=1e-5)
     assert r0["full"][-1] < r0["full"][0]
+
+
+def _overlap_job(out: str) -> dict:
+    """The same Trainer run with the host step overlapped into the next forward and without
+    (stage 2 + CPU offload): per-step losses (the Trainer gathers them across ranks right
+    after each step), the final eval and the final weights through the engine's API."""
+    import copy
+
+    import zeroio
+    from zeroio.integrations.transformers import ZeroIOTrainer
+
+    train, evals = _datasets()
+    res = {}
+    for overlap in (False, True):
+        cfg = copy.deepcopy(AUTO_STAGE3)
+        cfg["zero_optimization"] = {"stage": 2, "reduce_bucket_size": 4096,
+                                    "offload_optimizer": {"device": "cpu"},
+                                    "tiering": {"overlap_step": overlap}}
+        args = _args(Path(out) / str(overlap), max_steps=8, logging_steps=1, save_strategy="no")
+        trainer = ZeroIOTrainer(model=_model(), args=args, train_dataset=train,
+                                eval_dataset=evals, zeroio_config=cfg)
+        trainer.train()
+        engine = trainer.zeroio_engine
+        params = list(engine.module.parameters())
+        with zeroio.zero.GatheredParameters(params):
+            weights = torch.cat([p.detach().float().reshape(-1) for p in params])
+        res[overlap] = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                        "eval": trainer.evaluate()["eval_loss"], "weights": weights.tolist(),
+                        "overlapped": engine.partitioner.overlap_forward}
+    return res
+
+
+@pytest.mark.slow
+def test_trainer_with_the_overlapped_step_equals_the_plain_order(tmp_path):
+    r0, r1 = run_ranks(_overlap_job, 2, str(tmp_path / "run"), timeout=300)
+    for r in (r0, r1):
+        assert r[True]["overlapped"] and not r[False]["overlapped"]
+        assert len(r[True]["losses"]) == 8
+        assert r[True]["losses"] == pytest.approx(r[False]["losses"], rel=1e-6)
+        assert r[True]["eval"] == pytest.approx(r[False]["eval"], rel=1e-6)
+        torch.testing.assert_close(torch.tensor(r[True]["weights"]),
+                                   torch.tensor(r[False]["weights"]), rtol=1e-6, atol=1e-7)

@@ -28,8 +28,11 @@ from zeroio.errors import ConfigError
 CPU_ADAM_MODES = ("auto", "compiled", "torch")
 
 
-def _overlap(raw: str, name: str) -> bool:
-    return raw.lower() in ("1", "true", "yes")  # anything else off, as documented
+def _overlap(raw: str, name: str) -> bool | None:
+    low = raw.lower()
+    if low == "auto":
+        return None
+    return low in ("1", "true", "yes")  # anything else off, as documented
 
 
 def _assist(raw: str, name: str) -> bool | None:

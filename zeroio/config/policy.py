@@ -64,7 +64,8 @@ class TieringPolicy:
     nvme_budget_bytes: int | None = None
     nvme_reserve_bytes: int = 1 << 30
     overlap_step: bool = False
-    """The overlapped host step, ``ZEROIO_OVERLAP_STEP`` applied."""
+    """The overlapped host step, ``ZEROIO_OVERLAP_STEP`` applied, "auto" resolved for the
+    training device (on for CUDA)."""
     step_assist: bool = False
     """The GPU steps a share of the host chunks: ``step_assist`` (``ZEROIO_STEP_ASSIST``
     applied) for the training device, and only with ``offload_optimizer.device: cpu``."""
@@ -90,8 +91,8 @@ def _device(value) -> str:
 
 def resolve_policies(zero, *, accumulation_steps: int = 1, device=None) -> Policies:
     """``zero``: ``Config.zero_optimization`` (config.zero.ZeroConfig). ``device``: the
-    training device (its type decides ``step_assist`` "auto"; None: not known yet, the step
-    assist stays off)."""
+    training device (its type decides ``step_assist`` and ``overlap_step`` "auto"; None: not
+    known yet, both stay off unless set on)."""
     oo, op, t = zero.offload_optimizer, zero.offload_param, zero.tiering
     opt_dev = _device(oo.device)
     optimizer = OffloadPolicy(
@@ -108,7 +109,7 @@ def resolve_policies(zero, *, accumulation_steps: int = 1, device=None) -> Polic
         policy=t.policy, prefetch_depth=t.prefetch_depth,
         gpu_budget_bytes=t.gpu_budget_bytes, cpu_budget_bytes=t.cpu_budget_bytes,
         nvme_budget_bytes=t.nvme_budget_bytes, nvme_reserve_bytes=int(t.nvme_reserve_bytes),
-        overlap_step=overlap_step_enabled(t),
+        overlap_step=overlap_step_enabled(t, device),
         step_assist=device is not None and opt_dev == "cpu" and step_assist_enabled(t, device),
         step_chunk_numel=int(t.step_chunk_numel))
     return Policies(optimizer=optimizer, param=param, tiering=tiering,

@@ -145,10 +145,13 @@ class TieringConfig:
     nvme_reserve_bytes: int = field(1 << 30, coerce=_NONNEG)
     """Free bytes of the ``nvme_path`` file system a derived NVMe budget leaves untouched
     (1 GiB): with ``nvme_budget_bytes`` unset the budget is the free space minus this."""
-    overlap_step: bool = field(False, coerce=as_bool)
+    overlap_step: bool | None = field(None, coerce=_bool_or_auto)
     """Stages 0-3 with offload_optimizer cpu: ``step()`` returns while the CPU optimizer
-    still runs and the next forward waits per module for its parameters (docs/engine.md).
-    The environment variable ZEROIO_OVERLAP_STEP, when set, replaces it at load_config
+    still runs and the next forward waits per module for its parameters (docs/engine.md,
+    which lists every reader that waits and what else could see old values). "auto" (None,
+    the default): on when training runs on a CUDA device, off on the CPU (there the forward
+    and the host step would share the same cores). The environment variable
+    ZEROIO_OVERLAP_STEP, when set (1/0/auto), replaces it at load_config
     (config/overrides.py)."""
     step_assist: bool | None = field(None, coerce=_bool_or_auto)
     """offload_optimizer cpu on a CUDA device: the GPU steps a share of the host optimizer's
@@ -237,11 +240,15 @@ class ZeroConfig:
     tiering: TieringConfig = sub(TieringConfig)
 
 
-def overlap_step_enabled(tiering: TieringConfig | None) -> bool:
-    """The overlapped host step's opt-in for every stage: ``zero_optimization.tiering.
-    overlap_step`` as resolved by load_config (``ZEROIO_OVERLAP_STEP`` applied there).
-    What reads stale values meanwhile: docs/engine.md, "Overlapped optimizer step"."""
-    return bool(tiering is not None and tiering.overlap_step)
+def overlap_step_enabled(tiering: TieringConfig | None, device=None) -> bool:
+    """Whether the host step overlaps the next forward, for every stage: ``zero_optimization.
+    tiering.overlap_step`` as resolved by load_config (``ZEROIO_OVERLAP_STEP`` applied
+    there). "auto" is on for a CUDA ``device`` and off otherwise (``device`` None: not known
+    yet). What reads stale values meanwhile: docs/engine.md, "Overlapped optimizer step"."""
+    want = None if tiering is None else tiering.overlap_step
+    if want is None:
+        return getattr(device, "type", str(device)) == "cuda"
+    return bool(want)
 
 
 def step_assist_enabled(tiering: TieringConfig | None, device) -> bool:

@@ -90,8 +90,29 @@ def init_local_world(timeout_s: float) -> None:
     init_world("gloo", timeout_s, store=dist.HashStore(), rank=0, world_size=1)
 
 
+_SIDE_GROUPS: dict[int, object] = {}
+"""The world's side group (``side_group``), by ``id`` of the default group it shadows."""
+
+
+def side_group(group=None):
+    """A second process group over the same ranks as the world, for collectives a worker
+    thread issues while the training thread may issue its own ([Note: step collectives] in
+    partition/stage12_step.py): collectives of two groups never interleave on one another's
+    connection, so a rank's own all-reduce of a loss cannot pair with another rank's
+    all-gather. One per joined world, made on first use (every rank of the world must ask,
+    in the same order: the partitioners ask at construction). ``group`` other than None (a
+    subgroup: its non-members would not ask) and worlds of 1 get ``group`` back."""
+    if group is not None or world_size() == 1:
+        return group
+    key = id(dist.group.WORLD)
+    if key not in _SIDE_GROUPS:
+        _SIDE_GROUPS[key] = dist.new_group(backend=dist.get_backend())
+    return _SIDE_GROUPS[key]
+
+
 def destroy_world() -> None:
     """Leave the process group, if one is joined."""
+    _SIDE_GROUPS.clear()
     if is_initialized():
         dist.destroy_process_group()
 

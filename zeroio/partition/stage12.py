@@ -130,9 +130,8 @@ Llama layer (51M) or the embedding (65M), so the overlapped step's first forward
 still wait for one chunk only, and the fp32 GPU landing zones (two chunks) stay 512 MB."""
 
 GRAD_PIECE_NUMEL = 1 << 25
-"""Elements of a bucket's slice consumed at once: [Note: gradient pieces]. 32M elements are a
-128 MB fp32 temporary on the GPU and a 2.3 ms copy at 55 GB/s, so the copy left after the last
-gradient of backward is a few ms instead of a whole bucket's (2 GB, 36 ms at 5e8 elements)."""
+"""Elements of a bucket's slice consumed at once: [Note: gradient pieces]. 32M elements: a 128 MB
+fp32 GPU temporary, a 2.3 ms copy at 55 GB/s (a whole 5e8 bucket's: 2 GB, 36 ms)."""
 
 
 class Stage12Partitioner(HostStep12, Partitioner):
@@ -148,8 +147,8 @@ class Stage12Partitioner(HostStep12, Partitioner):
     # through a state-dict pre-hook; ``zero.GatheredParameters`` through
     # ``wait_overlapped_steps``; the next ``backward`` (``begin_micro_step``), every engine
     # method that reads or writes parameters (checkpoints, ``stats``, ``close``) through
-    # ``engine.synchronize()``. Plain attribute reads (``p.data``, ``named_parameters()``)
-    # cannot be intercepted: docs/engine.md says to call ``engine.synchronize()`` first.
+    # ``engine.synchronize()``. Plain attribute reads (``p.data``) cannot be intercepted:
+    # docs/engine.md says to call ``engine.synchronize()`` first.
 
     def __init__(
         self,
@@ -233,6 +232,8 @@ class Stage12Partitioner(HostStep12, Partitioner):
             for b in self.layout.buckets for s in b.slots
         ]
         self.overlap_forward = overlap_forward
+        self._step_group = (comm.side_group(group) if overlap_forward and self._cpu_optimizer
+                            else group)  # the worker's all-gathers: [Note: step collectives]
         self._chunks, ready = self._plan_step(max(1, step_chunk_numel or STEP_CHUNK_NUMEL))
         self._runner = StepRunner(len(self._chunks), device)
         self._scratch: list[torch.Tensor] = []

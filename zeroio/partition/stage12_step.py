@@ -12,6 +12,20 @@ stream so far (earlier chunks, the backward's last reads), and the copy
 stream waits for that cast before later chunks, the bucket's all-gather and
 the chunk's event, so ``events[i]`` still means "chunks 0..i are published".
 ``wait_step`` drains the assist (state back in host memory) after the join.
+
+[Note: step collectives]
+With the overlapped step the worker all-gathers finished buckets after ``step()``
+returned, while the training thread goes on and may issue collectives of its
+own (an all-reduce of the loss for logging, a barrier, the HF Trainer's
+gathers). On one group, a rank's all-reduce could pair with another rank's
+all-gather and hang (gloo) or corrupt both. So the worker gathers on
+``collectives.side_group()``, a second group over the same ranks made at
+construction, and the training thread keeps the first: each group sees its
+collectives in one order on every rank. The next backward's reductions
+(first group) start after the forward has waited for every chunk, gather
+included, so the two groups' collectives do not run at once on the GPU.
+A partitioner built on a subgroup keeps that group for both (the side
+group would need every rank of the world to make it).
 """
 
 from __future__ import annotations
@@ -200,7 +214,8 @@ class HostStep12:
         here, when there is one): the bucket's all-gather after its last chunk, and
         ``events[i]``."""
         if c.gather:
-            comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel), self.group).wait()
+            comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel),
+                                    self._step_group).wait()
         if self._copy_stream is not None:
             self._runner.events[i].record(self._copy_stream)
 
