@@ -299,3 +299,33 @@ def test_estimate_counts_the_slots(monkeypatch, stage, kernel, assist, per_elem)
         shard = min(assist_mod.SLOT_NUMEL, -(-psi // n))
         assert [(i.tier, i.bytes_per_gpu) for i in slots] == [
             ("gpu", assist_mod.SLOTS * shard * per_elem)]
+
+
+def _no_overlap_body():
+    import os
+
+    import zeroio
+    from zeroio.shard import assist
+
+    os.environ["ZEROIO_STEP_CHUNK_NUMEL"] = "64"
+    os.environ["ZEROIO_STEP_ASSIST"] = "1"
+    os.environ["ZEROIO_CPU_ADAM"] = "compiled"
+    assist.SLOT_NUMEL = 32
+    cfg = _config(3, "bf16")
+    cfg["zero_optimization"]["tiering"] = {"overlap_step": False}
+    engine, *_ = zeroio.initialize(model=tiny_mlp(), config=cfg)
+    losses = r12._train(engine, STEPS, 1, engine.device)
+    counts = engine.stats()["sources"].get("stage3.step_assist")
+    engine.close()
+    return {"losses": losses, "counts": counts}
+
+
+@pytest.mark.gpu
+def test_stage3_assist_takes_chunks_without_the_overlap():
+    """Stage 3 with ``overlap_step: false``: ``step()`` waits for the worker, and the worker's
+    chunks still go to the GPU (the wait used to hide the worker from the assist)."""
+    need_cuda(1)
+    (out,) = run_ranks(_no_overlap_body, 1, timeout=300)
+    assert out["counts"]["numel_gpu"] > 0, out["counts"]
+    ref_losses, _ = r12._reference(1, STEPS, 1)
+    assert out["losses"] == pytest.approx(ref_losses, rel=3e-2)

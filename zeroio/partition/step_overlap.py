@@ -91,6 +91,8 @@ class StepRunner:
         self._done = n_jobs
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._worker: int | None = None
+        """``threading.get_ident()`` of the worker running the jobs (None between steps)."""
 
     @property
     def running(self) -> bool:
@@ -107,7 +109,13 @@ class StepRunner:
                                         name="zeroio-step", daemon=True)
         self._thread.start()
 
+    def on_worker(self) -> bool:
+        """Whether the caller is this runner's worker thread, running a job (also while the
+        starting thread is blocked in ``join``, when ``running`` is already False)."""
+        return self._worker == threading.get_ident()
+
     def _run(self, job: Callable[[int], None], threads: int) -> None:
+        self._worker = threading.get_ident()
         torch.set_num_threads(threads)
         try:
             with self.clock.phase("worker"):
@@ -135,6 +143,7 @@ class StepRunner:
         if thread is None:
             return
         thread.join()
+        self._worker = None
         with self._cond:
             error, self._error = self._error, None
             self._done = self.n_jobs

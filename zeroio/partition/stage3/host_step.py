@@ -144,7 +144,7 @@ class Stage3HostStep:
         ``_await_shard`` orders the shard's fetch after the copies into it)."""
         if self._assist_step is None:
             return False
-        if self._runner is None or not self._runner.running:
+        if self._runner is None or not self._runner.on_worker():
             # the calling thread's groups (gathered ones, re-gathered right after) stay on it
             self._assist.cpu(numel)
             return False
