@@ -528,6 +528,9 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict
         "offload_param": zo.offload_param.device.value,
         "offload_optimizer": zo.offload_optimizer.device.value,
         "offload_optimizer_ratio": zo.offload_optimizer.ratio,
+        "sub_group_size": zo.sub_group_size,
+        # the budgets the engine's tiered store trained under (engine.stats())
+        "tier_budgets": {t: v.get("budget_bytes") for t, v in stats.get("tiers", {}).items()},
         "start_step": start,
         "steps": opts.steps,
         "end_step": end,

@@ -22,6 +22,11 @@
   the same placement. Under an outside launcher each rank plans from the same ``--machine``
   file (the planner is deterministic) and rank 0 writes the file. When nothing fits, the
   ``CapacityError`` (each tier's overflow in bytes) ends the job before anything is written.
+- CPU devices. Where the ranks' device is the CPU, the state the plan puts on the "GPU"
+  lives in host memory too, and the tiered store counts it against its host budget; the
+  applied ``tiering.cpu_budget_bytes`` is then the plan's plus the plan's device bytes per
+  rank (a note of the plan says so). With a measured machine the two were taken from
+  separate halves of the host memory (machine.py), so the sum stays within it.
 - The record. The summary (``--json``) carries the plan under ``"plan"`` with the measured
   step time (median after step 1) beside the predicted one.
 """
@@ -202,7 +207,15 @@ def make(opts, mcfg, *, gpus: int, nodes: int, cuda: bool,
         raise CapacityError(f"--plan: the model ({n:,} parameters) does not fit the machine "
                             f"({source}): {e}. Nothing was trained") from None
     zero = applied_zero(plan.config["zero_optimization"], nvme_path(opts), cuda=cuda)
-    record = {"format": _FORMAT, "version": 1, "machine_source": source, "notes": list(notes),
+    notes = list(notes)
+    if not cuda and "tiering" in zero:
+        # [Note: planned runs], "CPU devices": the device's state counts against the host budget
+        device = plan.tiers[0].need_bytes
+        zero["tiering"]["cpu_budget_bytes"] += device
+        notes.append(f"CPU device: tiering.cpu_budget_bytes {zero['tiering']['cpu_budget_bytes']:,}"
+                     f" = the plan's {zero['tiering']['cpu_budget_bytes'] - device:,} + the "
+                     f"{device:,} bytes of device state, which live in host memory too")
+    record = {"format": _FORMAT, "version": 1, "machine_source": source, "notes": notes,
               "placement": plan.placement, "plan": plan.to_dict()}
     return RunPlan(zero=zero, record=record, text=render(plan, source, notes, zero))
 
