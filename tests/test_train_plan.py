@@ -224,3 +224,24 @@ def test_machine_gpus_must_match_the_ranks(tmp_path, capsys):
     cfg, m = _files(tmp_path, gpus=8)
     rc, _, err = _train(capsys, tmp_path / "run", "--model-config", str(cfg), "--machine", str(m))
     assert rc == 2 and "gpus = 8, but this run has 1 rank(s) per node" in err
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_plan_their_launcher_made(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cfg, m = _files(tmp_path, gpus=2, gpu_bytes=7 * MB)
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "zeroio.cli.main", "train", *ARGS[:-3], "--nproc", "2",
+           "--no-checkpoint", "--output", str(out), "--model-config", str(cfg), "--machine",
+           str(m), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert s["world_size"] == 2
+    record = _engine_matches_plan(s, out)
+    assert record["plan"]["machine"]["gpus"] == 2
