@@ -11,6 +11,10 @@ is above 1, every argument and config error is checked once (exit 2), then the
 command re-runs itself on --nproc processes through ``torch.distributed.run``
 (the same path as ``zeroio launch``, each rank dying with it); each process
 then runs the job in ``zeroio/cli/train/loop.py``.
+
+With ``--plan`` (the default for ``--model-config`` without ``--config``) the placement is
+planned once per job for the machine, before any rank starts
+(``zeroio/cli/train/placement.py``, [Note: planned runs]).
 """
 
 from __future__ import annotations
