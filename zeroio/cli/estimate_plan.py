@@ -108,11 +108,23 @@ def run(args, shape) -> int:
 
 def render(plan) -> str:
     """The plan as the human-readable table of ``zeroio estimate --plan``."""
+    from zeroio.plan import MARGIN
+
+    lines = render_fit(plan)
+    lines += ["", "config (paste into the DeepSpeed JSON; replace /path/to/nvme):",
+              json.dumps(plan.config, indent=2),
+              f"(GB = 1e9 bytes; {MARGIN:.0%} of GPU and host memory left free)"]
+    return "\n".join(lines)
+
+
+def render_fit(plan) -> list[str]:
+    """Lines of the plan without its config block: the placement, every tier's need against
+    its budget, bytes per step, the predicted step time, the placements rejected."""
     e, m = plan.estimate, plan.machine
     lines = [f"{e.num_params:,} parameters, {m.gpus} GPU(s) x {e.nodes} node(s), {e.dtype}",
              f"plan: {plan.placement} (offload_optimizer.ratio {plan.ratio:g})", "",
              f"{'tier':36s} {'need GB':>10s} {'usable GB':>10s} {'capacity GB':>12s}"]
-    from zeroio.plan import MARGIN, TIER_WORDS
+    from zeroio.plan import TIER_WORDS
 
     for t in plan.tiers:
         lines.append(f"{TIER_WORDS[t.tier]:36s} {t.need_bytes / _GB:10.2f} "
@@ -131,7 +143,4 @@ def render(plan) -> str:
     lines += [f"  {k:10s} {v:8.2f} s" for k, v in plan.times.items()]
     if plan.reasons:
         lines += ["", "faster placements rejected:"] + [f"  - {r}" for r in plan.reasons]
-    lines += ["", "config (paste into the DeepSpeed JSON; replace /path/to/nvme):",
-              json.dumps(plan.config, indent=2),
-              f"(GB = 1e9 bytes; {MARGIN:.0%} of GPU and host memory left free)"]
-    return "\n".join(lines)
+    return lines

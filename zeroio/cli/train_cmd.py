@@ -11,6 +11,10 @@ is above 1, every argument and config error is checked once (exit 2), then the
 command re-runs itself on --nproc processes through ``torch.distributed.run``
 (the same path as ``zeroio launch``, each rank dying with it); each process
 then runs the job in ``zeroio/cli/train/loop.py``.
+
+With ``--plan`` (the default for ``--model-config`` without ``--config``) the placement is
+planned once per job for the machine, before any rank starts
+(``zeroio/cli/train/placement.py``, [Note: planned runs]).
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ _OPTIONS: dict[str, dict] = {
                       help="distributed.timeout_s: how long a collective waits for a rank that "
                            "stopped answering before the run fails naming it (default: the "
                            "config's, or 600)"),
+    "--machine": dict(default=None, metavar="machine.json",
+                      help="with --plan: plan for this machine (zeroio estimate --plan's JSON) "
+                           "instead of measuring the one the run is on; implies --plan"),
+    "--nvme-path": dict(default=None, metavar="DIR",
+                        help="nvme_path of the built-in or planned config, and where --plan "
+                             "measures the disk (default: DIR/nvme of --output)"),
 }
 _FLAGS = {
     "--resume": "continue from the newest checkpoint under DIR/checkpoints (or --tag's)",
@@ -82,6 +92,13 @@ def add_parser(sub) -> None:
                         "ignored under a launcher)")
     for name, help_ in _FLAGS.items():
         p.add_argument(name, action="store_true", help=help_)
+    plan = p.add_mutually_exclusive_group()
+    plan.add_argument("--plan", dest="plan", action="store_const", const=True, default=None,
+                      help="measure this machine (or read --machine) and choose the stage, "
+                           "offload and ratio that fit it, printed before step 1 (the default "
+                           "with --model-config and no --config)")
+    plan.add_argument("--no-plan", dest="plan", action="store_const", const=False,
+                      help="train with the given or built-in config's placement as it is")
     p.set_defaults(func=run_in_dir)
 
 
@@ -101,7 +118,8 @@ def child_argv(args) -> list[str]:
         value = getattr(args, _dest(name))
         if value != kw["default"]:
             argv += [name, str(value)]
-    return argv + [name for name in _FLAGS if getattr(args, _dest(name))]
+    plan = {True: ["--plan"], False: ["--no-plan"], None: []}[args.plan]
+    return argv + [name for name in _FLAGS if getattr(args, _dest(name))] + plan
 
 
 def default_nproc() -> int:
@@ -129,7 +147,23 @@ def options(args):
     from zeroio.cli.train.loop import TrainOptions
 
     return TrainOptions(**{_dest(n): getattr(args, _dest(n)) for n in (*_OPTIONS, *_FLAGS)},
-                        given=_given(args))
+                        plan=args.plan, given=_given(args))
+
+
+def _job_plan(opts, nproc: int):
+    """The placement plan, made once per job ([Note: planned runs] in
+    zeroio/cli/train/placement.py); None in a rank its launcher planned for, or unplanned."""
+    from pathlib import Path
+
+    import torch
+
+    from zeroio.cli.train import placement, rundir
+    from zeroio.cli.train.loop import check_options
+
+    if "RANK" in os.environ and rundir.launched_by_holder(Path(opts.output)):
+        return None
+    return placement.job_plan(opts, check_options(opts), nproc=nproc,
+                              cuda=torch.cuda.is_available())
 
 
 def run(args) -> int:
@@ -140,8 +174,10 @@ def run(args) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
     opts = options(args)
+    run_plan = _job_plan(opts, nproc)
     if "RANK" not in os.environ and nproc > 1:
-        check_before_launch(opts, nproc)  # a typo fails here once, not on every launched rank
+        # a typo fails here once, not on every launched rank
+        check_before_launch(opts, nproc, run_plan)
         from zeroio.cli.launch_cmd import launch, torchrun_argv
         from zeroio.partition.step_overlap import cpu_share
 
@@ -151,7 +187,7 @@ def run(args) -> int:
                                     guard=True))
 
     try:
-        train(opts)
+        train(opts, run_plan)
     finally:
         from zeroio.partition import collectives
 

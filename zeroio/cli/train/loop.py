@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from zeroio.cli.train import disk, rundir
+from zeroio.cli.train import disk, placement, rundir
 from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
 from zeroio.cli.train.defaults import default_config
 from zeroio.cli.train.disk import MODEL_DTYPES
@@ -85,6 +85,13 @@ class TrainOptions:
     progress_every: int = 0
     """One plain stderr line per N steps on rank 0, also under --json/--quiet (0: none), so a
     driver that reads the JSON on stdout (benchmarks/bench_train.py) still shows life."""
+    plan: bool | None = None
+    """Plan the placement for this machine (--plan / --no-plan); None: plan when the model
+    comes from --model-config without --config, or --machine is given (placement.py)."""
+    machine: str | None = None
+    """--machine FILE: the machine to plan for instead of measuring this one."""
+    nvme_path: str | None = None
+    """nvme_path of the built-in or planned config; None = --output/nvme."""
     given: frozenset[str] = frozenset()
     """Names of the options the user typed (only these can contradict a config)."""
 
@@ -115,16 +122,24 @@ def setup_world(timeout_s: float = 600.0) -> World:
     return World(rank=w.rank, world_size=w.world_size, local_rank=local_rank, device=device)
 
 
-def resolve_config(opts: TrainOptions, mcfg, *, world_size: int, cuda: bool, out: Path):
+def base_config(opts: TrainOptions, *, cuda: bool) -> dict:
+    """The raw built-in config (its nvme_path --nvme-path or --output/nvme) or --config's."""
+    if opts.config is None:
+        return default_config(placement.nvme_path(opts), cuda=cuda)
+    return _read_config(opts.config)
+
+
+def resolve_config(opts: TrainOptions, mcfg, *, world_size: int, cuda: bool, out: Path,
+                   zero: dict | None = None):
     """The built-in or user config as a ``Config``, "auto" filled from the options (before the
-    process group exists: its timeout is in the config)."""
+    process group exists: its timeout is in the config); ``zero``: the planned placement keys
+    (placement.py), applied over it."""
     from zeroio.config import load_config
     from zeroio.integrations.autofill import check_no_contradictions
 
-    if opts.config is None:
-        raw = default_config(out / "nvme", cuda=cuda)
-    else:
-        raw = _read_config(opts.config)
+    raw = base_config(opts, cuda=cuda)
+    if zero is not None:
+        raw = placement.apply(raw, zero)
     if opts.ratio is not None:
         raw = with_ratio(raw, opts.ratio, "--config " + str(opts.config) if opts.config else None)
     if opts.timeout is not None:
@@ -368,6 +383,11 @@ def _report(summary: dict[str, Any], stats: dict[str, Any], opts: TrainOptions) 
     print(f"loss {first} -> {last} (step 1 -> {len(losses)}), "
           f"{summary['end_step'] - summary['start_step']} steps in {summary['wall_s']:.1f} s"
           + (f", {tps:,.0f} tokens/s" if tps else ""), flush=True)
+    plan = summary.get("plan")
+    if plan and plan["measured_step_s"] is not None:
+        print(f"step time: measured {plan['measured_step_s']:.3f} s (median after step 1), "
+              f"predicted {plan['predicted_step_s']:.3f} s ({plan['placement']}; the offload's "
+              f"floor, bound by {plan['plan']['bound']})", flush=True)
     if not opts.quiet:
         print(f"swap (rank 0): {swap_summary(stats)}", flush=True)
         print(f"checkpoint: {summary['checkpoint'] or 'none (--no-checkpoint)'}", flush=True)
@@ -394,8 +414,8 @@ def check_options(opts: TrainOptions):
             raise ConfigError(f"--no-checkpoint writes no checkpoint, so it cannot be combined with "
                               f"{' or '.join(clash)} (they read or write checkpoints); drop one of them",
                               key="no_checkpoint")
-    if opts.config is not None:
-        _read_config(opts.config)  # not UTF-8, not JSON, a repeated key: fail before launching
+    # not UTF-8, not JSON, a repeated key: fail before launching
+    placement.check_options(opts, _read_config(opts.config) if opts.config is not None else None)
     if opts.data is not None and not Path(opts.data).exists():
         raise ConfigError(f"--data path {opts.data} does not exist; pass a text file or folder",
                           key="data")
@@ -407,24 +427,30 @@ def check_options(opts: TrainOptions):
     return mcfg
 
 
-def check_before_launch(opts: TrainOptions, world_size: int) -> None:
+def check_before_launch(opts: TrainOptions, world_size: int,
+                        run_plan: placement.RunPlan | None = None) -> None:
     """Every argument and config error, found once before any rank starts (each rank repeats
     the same checks, deterministic for the same world size)."""
     mcfg = check_options(opts)
     resolve_config(opts, mcfg, world_size=world_size, cuda=torch.cuda.is_available(),
-                   out=Path(opts.output))
+                   out=Path(opts.output), zero=run_plan.zero if run_plan else None)
 
 
-def train(opts: TrainOptions) -> dict[str, Any]:
-    """Run the job on this rank; rank 0 returns (and prints) the summary, others return {}."""
+def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict[str, Any]:
+    """Run the job on this rank; rank 0 returns (and prints) the summary, others return {}.
+    ``run_plan``: the job's plan when this process made it; a planned rank launched by the
+    job's holder reads it from --output ([Note: planned runs] in placement.py)."""
     from tqdm import tqdm
 
     import zeroio
 
     mcfg = check_options(opts)
     out = Path(opts.output)
+    if run_plan is None and placement.planning(opts):
+        run_plan = placement.read(out)
     cfg = resolve_config(opts, mcfg, world_size=launch_env().world_size or 1,
-                         cuda=torch.cuda.is_available(), out=out)
+                         cuda=torch.cuda.is_available(), out=out,
+                         zero=run_plan.zero if run_plan else None)
     world = setup_world(cfg.distributed.timeout_s)
     rank0 = world.rank == 0
     show = rank0 and not opts.json and not opts.quiet
@@ -502,6 +528,9 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         "offload_param": zo.offload_param.device.value,
         "offload_optimizer": zo.offload_optimizer.device.value,
         "offload_optimizer_ratio": zo.offload_optimizer.ratio,
+        "sub_group_size": zo.sub_group_size,
+        # the budgets the engine's tiered store trained under (engine.stats())
+        "tier_budgets": {t: v.get("budget_bytes") for t, v in stats.get("tiers", {}).items()},
         "start_step": start,
         "steps": opts.steps,
         "end_step": end,
@@ -521,6 +550,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
         "checkpoint": None if opts.no_checkpoint else str(ckpt / f"step{end}"),
         "model_dtype": opts.model_dtype,
         "model_dir": str(model_dir) if model_dir else None,
+        "plan": run_plan.summary(step_times) if run_plan else None,
     }
     if rank0:
         _report(summary, stats, opts)
