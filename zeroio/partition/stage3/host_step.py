@@ -64,7 +64,8 @@ class Stage3HostStep:
         if not isinstance(self.store, (HostShards, DeviceShards)):
             for sg in self._sides[Side.HOST]:
                 if sg.master.numel():
-                    update(sg.group_index, 0, sg.master.numel())
+                    with self._clock.phase("adam", numel=sg.master.numel()):
+                        update(sg.group_index, 0, sg.master.numel())
             self.publish_params()
             return
         self._publish_device_side()
