@@ -11,7 +11,9 @@
 
 Prints one JSON object: s/step median after ``--warmup`` steps, tokens/s, peak
 GPU memory (torch.cuda.max_memory_allocated), peak host RSS (psutil, sampled
-every 20 ms), and for zeroio ``engine.stats()``; also written to
+every 20 ms), and for zeroio ``engine.stats()`` and ``breakdown`` (the last timed step's
+``stats()["breakdown"]`` record and the mean over the timed steps: plot it with
+benchmarks/plot_breakdown.py); also written to
 benchmarks/results/train_llama-<mode>-<host>-<date>.json with machine, date
 and commit. Under torchrun (``--nproc_per_node N``) every rank trains and
 rank 0 reports.
@@ -195,6 +197,25 @@ def _one_step(a, engine, model, opt, ids, mark=lambda name: None):
     return loss
 
 
+def timed_breakdown(bd: dict, warmup: int) -> dict | None:
+    """``engine.stats()["breakdown"]`` of the timed steps: the last one's full record and the
+    mean of the timed steps' compact records (``recent``: steps after ``warmup``; docs/tiering.md,
+    "Step breakdown"); None before any step."""
+    if not bd or bd.get("last") is None:
+        return None
+    timed = [r for r in bd["recent"] if r["step"] > warmup] or bd["recent"]
+    mean: dict = {}
+    for key, v in timed[-1].items():
+        vals = [r[key] for r in timed]
+        if key == "waited_s":
+            mean[key] = {k: statistics.fmean(w.get(k, 0.0) for w in vals) for k in v}
+        elif isinstance(v, (int, float)) and all(isinstance(x, (int, float)) for x in vals):
+            mean[key] = statistics.fmean(vals)
+    span = mean.get("host_span_s") or 0.0
+    mean["hidden_fraction"] = mean.get("hidden_s", 0.0) / span if span > 0 else None
+    return {"last": bd["last"], "mean": mean, "steps": [r["step"] for r in timed]}
+
+
 def _profile(a, engine, model, opt, device, gen, rank: int = 0) -> dict:
     """Where a step's time goes: synced phase seconds over 2 steps, then a profiler trace
     (every rank steps under the profiler; rank 0 writes the trace and the op table)."""
@@ -285,6 +306,9 @@ def main() -> None:
         loss_val = loss.item()
         losses.append(loss_val)
         log(f"step {len(times)} {times[-1]:.2f} s loss {loss_val:.3f}")
+    # the timed steps' breakdown, before --profile adds steps (one optimizer step per loop)
+    breakdown = timed_breakdown(engine.stats()["breakdown"], a.warmup) \
+        if engine is not None else None
     phases = _profile(a, engine, model, opt, device, gen, rank) \
         if a.profile else None
     host_peak = rss.stop()
@@ -304,6 +328,7 @@ def main() -> None:
         "peak_host_rss_gib": host_peak / 2**30, "final_loss": loss_val,
         "losses": losses,
         "stats": engine.stats() if engine is not None else None,
+        "breakdown": breakdown,
         "phases": phases,
     }
     if rank == 0:
@@ -319,6 +344,10 @@ def main() -> None:
                   f"{result['tokens_per_s']:.0f} tokens/s, peak GPU "
                   f"{result['peak_gpu_gib'] or 0:.1f} GiB, peak host RSS {host_peak / 2**30:.1f} GiB"
                   f"\nwrote {path}")
+            if breakdown is not None:
+                from zeroio.tiering.breakdown import format_breakdown
+
+                print(format_breakdown(breakdown["last"]))
             timings = (result["stats"] or {}).get("timings") or {}
             if timings:  # the host step's worker thread, invisible to the profiler
                 print("timings " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(timings.items())))

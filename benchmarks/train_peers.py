@@ -16,7 +16,10 @@ Prints one table (s/step median after --warmup, tokens/s, peak GPU, peak host
 RSS, zeroio's stall time and GB moved per tier pair per step) and writes
 ``peers-<host>-<stamp>.json`` / ``.md`` with machine, date and commit to
 --out (benchmarks/results). A contender that fails or runs past --timeout
-gets a row saying how; the table prints regardless.
+gets a row saying how; the table prints regardless. zeroio rows carry their
+step breakdown (train_llama.py); with matplotlib importable, one
+``<stem>-breakdown-<row>.png`` per such row is written beside the JSON
+(benchmarks/plot_breakdown.py).
 
 When an NVMe contender is selected, the disk under --nvme-dir is measured
 first with ``zeroio bench io`` (raw read/write GB/s), so NVMe rows can be
@@ -134,6 +137,20 @@ def run_one(c: C.Contender, plan: C.RunPlan, timeout: float) -> report.Row:
                            wall_seconds=out.wall_seconds)
 
 
+def breakdown_plots(doc: dict, json_path: Path) -> list[str]:
+    """benchmarks/plot_breakdown.py's PNG per zeroio row, beside the results JSON, when
+    matplotlib is importable (else none: the rows keep their breakdown for later)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import plot_breakdown
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    return [str(p) for p in plot_breakdown.plot(doc, json_path)]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     spec = common.spec_from_args(args)
@@ -181,6 +198,7 @@ def main(argv=None) -> dict:
                              and r.s_per_step is not None},
         "labels": {c.name: c.label for c in chosen},
     }
+    doc["breakdown_plots"] = breakdown_plots(doc, args.out / f"{stem}.json")
     jpath, mpath = report.write(args.out, stem, doc, "zeroio vs DeepSpeed, FSDP2, plain PyTorch")
     if args.json:
         print(json.dumps(doc, default=str))

@@ -96,6 +96,28 @@ def test_s_per_step_is_median_of_contender_step_times(peers_run):
     assert rows["zeroio-z2-cpu"]["gb_moved_per_step"] == {}
 
 
+def test_zeroio_rows_carry_the_timed_steps_breakdown(peers_run):
+    """train_llama.py's ``breakdown`` reaches the row: the last timed step's record and the mean
+    of the timed steps; at stage 2 with CPU offload every parameter (the hand count) is stepped
+    by CPU Adam in the host step's chunks; the plot is beside the JSON where matplotlib is."""
+    doc, out = peers_run
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert rows["plain"]["breakdown"] is None
+    bd = rows["zeroio-z2-cpu"]["breakdown"]
+    assert bd["steps"] == list(range(WARMUP + 1, STEPS + 1))
+    assert bd["last"]["step"] == STEPS
+    assert bd["last"]["numel_cpu"] == sum(c["numel"] for c in bd["last"]["chunks"]) == 115_008
+    assert bd["mean"]["wall_s"] > 0 and bd["mean"]["numel_cpu"] == 115_008
+    plots = [Path(p) for p in doc["breakdown_plots"]]
+    if importlib.util.find_spec("matplotlib") is None:
+        assert plots == []
+        return
+    names = {p.name for p in plots}
+    assert {n.rsplit("-breakdown-", 1)[1] for n in names} >= {"zeroio-z2-cpu.png"}
+    for p in plots:
+        assert p.parent == out and p.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_markdown_and_json_written_with_provenance(peers_run):
     doc, out = peers_run
     jsons = list(out.glob("peers-*.json"))

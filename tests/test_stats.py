@@ -66,7 +66,7 @@ def _train(cfg, *, overwrite=True):
     if not overwrite:  # the old publish path: read each shard back before replacing it
         engine.partitioner._whole = dict.fromkeys(engine.partitioner._whole, False)
     device = engine.device
-    steps, assisted = [], []
+    steps, assisted, breakdowns = [], [], []
     g = torch.Generator().manual_seed(0)
     for _ in range(STEPS):
         x = torch.randn(2, WIDTH, generator=g).to(device, torch.bfloat16)
@@ -74,6 +74,7 @@ def _train(cfg, *, overwrite=True):
         engine.step()
         now = engine.stats()
         steps.append(now["last_step"])
+        breakdowns.append({k: v for k, v in now["breakdown"]["last"].items() if k != "waits"})
         assist = [v for k, v in now["sources"].items() if k.endswith(".step_assist")]
         assisted.append(sum(a["numel_gpu"] for a in assist))  # since start
     out = engine.stats()
@@ -82,7 +83,7 @@ def _train(cfg, *, overwrite=True):
     engine.close()
     store = out.pop("sources").get("stage3.params")
     return {"total": out, "steps": steps, "shard_numels": shard_numels,
-            "store_tiers": store["tiers"] if store else None,
+            "store_tiers": store["tiers"] if store else None, "breakdowns": breakdowns,
             "assisted": [b - a for a, b in zip([0] + assisted[:-1], assisted, strict=True)]}
 
 
@@ -121,8 +122,12 @@ def test_no_host_device_bytes_without_a_device(results):
         r = results[name]
         assert r["total"]["bytes_moved"] == {}, (name, r["total"]["bytes_moved"])
         assert set(r["total"]) >= {"bytes_moved", "stall_seconds", "tiers", "last_step",
-                                   "hidden_fraction"}
+                                   "hidden_fraction", "breakdown"}
         _assert_totals_are_step_sums(r)
+    for r in results.values():  # every element is stepped by CPU Adam, chunk by chunk
+        for b in r["breakdowns"]:
+            assert b["h2d_bytes"] == b["d2h_bytes"] == 0 and b["gpu_busy_s"] is None
+            assert b["numel_cpu"] == sum(c["numel"] for c in b["chunks"]) == NUMEL
 
 
 # bytes held outside any tiered store, by hand (world 1, one optimizer param group, bf16):
@@ -235,6 +240,23 @@ def test_host_device_bytes_on_gpu(tmp_path):
         assert 2 * NUMEL <= moved["cpu->gpu"] - 16 * a <= 2 * 2 * NUMEL, (moved, a)
     for r in res.values():
         _assert_totals_are_step_sums(r)
+        _assert_breakdown_on_gpu(r)
+
+
+def _assert_breakdown_on_gpu(r):
+    """stats()["breakdown"] on a GPU: PCIe bytes each way are the window's "cpu->gpu" /
+    "gpu->cpu" (checked against hand counts above), the GPU's chunks are the assist's count,
+    the host step's chunks cover the shard, and the events gave GPU seconds."""
+    for s, b, a in zip(r["steps"], r["breakdowns"], r["assisted"], strict=True):
+        assert b["h2d_bytes"] == s["bytes_moved"].get("cpu->gpu", 0)
+        assert b["d2h_bytes"] == s["bytes_moved"].get("gpu->cpu", 0)
+        assert b["numel_gpu"] == a and b["numel_cpu"] + b["numel_gpu"] == NUMEL
+        assert b["gpu_busy_s"] is not None and 0 < b["gpu_busy_s"] <= b["wall_s"]
+        gpu = [c for c in b["chunks"] if c["device"] == "gpu"]
+        assert sum(c["numel"] for c in gpu) == a
+        assert (b["assist_gpu_s"] > 0) == (a > 0)
+        for c in gpu:  # placed on the host clock after the step's norm sync
+            assert 0 <= c["start"] <= c["end"]
 
 
 def test_print_line_is_compact():

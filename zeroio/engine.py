@@ -40,6 +40,7 @@ from zeroio.optim.lr_schedules import build_scheduler
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.tiering import stats as tstats
+from zeroio.tiering.breakdown import StepTimeline, format_breakdown
 
 
 def init_distributed(timeout_s: float = 600.0) -> None:
@@ -223,6 +224,8 @@ class Engine:
         # [Note: per-step transfer stats]: merged counters at the last two step boundaries
         self._stats_at_boundary: dict | None = None
         self._stats_last_step: dict | None = None
+        # [Note: step breakdown] in tiering/breakdown.py: stats()["breakdown"]
+        self._timeline = StepTimeline(self.device, self.partitioner.step_clock())
         # steps_per_print: (time, samples, tokens, bytes_moved) at the last printed line
         self._tokens = 0
         self._print_mark: tuple[float, int, int, dict] = (time.perf_counter(), 0, 0, {})
@@ -245,7 +248,7 @@ class Engine:
         if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
             self._tokens += ids.numel()  # token ids: tokens/s in the steps_per_print line
         t = time.perf_counter()
-        with torch.profiler.record_function("zeroio::forward"):
+        with self._timeline.span("forward"), torch.profiler.record_function("zeroio::forward"):
             out = self.module(*args, **kwargs)
         self._timings["forward_s"] += time.perf_counter() - t
         return out
@@ -280,7 +283,8 @@ class Engine:
     def synchronize(self) -> None:
         """Wait for an overlapped optimizer step (``zero_optimization.tiering.overlap_step``);
         a no-op otherwise."""
-        self.partitioner.wait_step()
+        with self._timeline.reading("synchronize"):
+            self.partitioner.wait_step()
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -292,7 +296,7 @@ class Engine:
         """Scale (fp16 loss scale, 1/accumulation) and backpropagate; hooks reduce gradients."""
         t = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
-        with torch.profiler.record_function("zeroio::backward"):
+        with self._timeline.span("backward"), torch.profiler.record_function("zeroio::backward"):
             self.partitioner.begin_micro_step(boundary)
             scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
             (loss.float() * scale).backward()
@@ -304,11 +308,14 @@ class Engine:
         """Optimizer step at the accumulation boundary; counts the micro step always."""
         self._check_usable()
         if self.is_gradient_accumulation_boundary():
+            self._settle_breakdown()
             t = time.perf_counter()
-            with torch.profiler.record_function("zeroio::step"):
+            with self._timeline.span("step"), torch.profiler.record_function("zeroio::step"):
                 self._take_step(lr_kwargs or {})
             self._timings["step_s"] += time.perf_counter() - t
             self._stats_boundary()
+            self._timeline.boundary(self.global_steps,
+                                    (self._stats_last_step or {}).get("bytes_moved"))
             self._maybe_print()
         self.micro_steps += 1
 
@@ -317,6 +324,7 @@ class Engine:
         sq = comm.all_reduce_scalar(sq.to(self._comm_device()))
         scale = self.loss_scaler.scale
         norm = math.sqrt(sq.item()) / scale if math.isfinite(sq.item()) else math.inf
+        self._timeline.anchor()  # the device is idle after .item(): [Note: step breakdown]
         overflow = not math.isfinite(norm)  # see [Note: one all-reduce for norm and overflow]
         self._step_applied = not overflow
         if overflow:
@@ -353,6 +361,15 @@ class Engine:
         self.partitioner.zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+
+    def _settle_breakdown(self) -> None:
+        """Close the last step's record before this step starts another host step: its host
+        step was joined by this step's backward (else it is waited for here, as ``step``)."""
+        self._timeline.settle(force=True)
+        if self._timeline.pending:
+            with self._timeline.reading("step"):
+                self.partitioner.wait_step()
+            self._timeline.settle(force=True)
 
     def _comm_device(self) -> torch.device:
         return self.device if comm.backend() == "nccl" else torch.device("cpu")
@@ -400,8 +417,10 @@ class Engine:
         (where in-flight time is measured), ``tiers`` (budget and used bytes summed over
         stores, plus the bytes the partitioner and optimizer hold outside stores: budget
         None where no store has that tier); ``last_step`` (the last optimizer step's values, same keys), ``step`` (since
-        then); ``sources`` (each counter source as it reports itself); phase ``timings``."""
+        then); ``sources`` (each counter source as it reports itself); phase ``timings``;
+        ``breakdown``: where the steps' time went ([Note: step breakdown], docs/tiering.md)."""
         self.synchronize()
+        self._timeline.settle(force=True)
         sources = self._stats_sources()
         out: dict[str, Any] = tstats.merge(sources)
         for tier, budget in self._budgets.items():  # the user's budget, not the stores' shares
@@ -411,6 +430,7 @@ class Engine:
         out["timings"] = dict(self._timings)
         # the host step's worker: CPU Adam vs publication (step_overlap)
         out["timings"].update(self.partitioner.host_step_timings())
+        out["breakdown"] = self._timeline.as_dict()
         out["global_steps"] = self.global_steps
         out["skipped_steps"] = self.skipped_steps
         out["loss_scale"] = self.loss_scaler.scale
@@ -442,6 +462,8 @@ class Engine:
         if self.config.wall_clock_breakdown:
             t = " ".join(f"{k.removesuffix('_s')} {v:.3f}s" for k, v in self._timings.items())
             line += f" | total {t} | last step {format_step_stats(self._stats_last_step)}"
+            line += "\n" + format_breakdown(self._timeline.last)  # a host step still running:
+            # the previous step's record ([Note: step breakdown])
         print(line, file=sys.stderr, flush=True)
 
     # ---- checkpoints (zeroio/checkpoint owns the format) -----------------------------------

@@ -38,6 +38,9 @@ class Row:
     gb_moved_last_step: dict[str, float] | None = None
     """GB per tier pair in the last step alone (steady state; None: not reported)."""
     wall_seconds: float = 0.0
+    breakdown: dict | None = None
+    """zeroio's step breakdown of the timed steps (train_llama.py ``timed_breakdown``: ``last``
+    record and ``mean``), for benchmarks/plot_breakdown.py; None: not reported."""
 
     @property
     def tokens_per_s_per_gpu(self) -> float | None:
@@ -69,7 +72,7 @@ def row_from(*, name: str, label: str, status: str, reason: str = "", world: int
         s_per_step=float(result["s_per_step"]), tokens_per_s=float(result["tokens_per_s"]),
         peak_gpu_gib=_gib(result, "peak_gpu"), peak_host_rss_gib=_gib(result, "peak_host_rss"),
         stall_s_per_step=None if stall is None else float(stall) / steps,
-        gb_moved_per_step=moved, wall_seconds=wall_seconds,
+        gb_moved_per_step=moved, wall_seconds=wall_seconds, breakdown=result.get("breakdown"),
         gb_moved_last_step=None if last is None else {k: n / 1e9 for k, n in last.items()})
 
 

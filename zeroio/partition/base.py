@@ -116,6 +116,11 @@ class Partitioner:
         outside stores] in tiering/stats.py); default: every group's master and gradient."""
         return [t for sg in self.groups for t in (sg.master, sg.grad)]
 
+    def step_clock(self):
+        """The host step's ``PhaseClock`` (step_overlap.py) behind ``engine.stats()
+        ["breakdown"]``; default: None, no host step."""
+        return None
+
     def host_step_timings(self) -> dict[str, float]:
         """Seconds per phase of the host step's worker (``host_<phase>_s``); default: none."""
         return {}

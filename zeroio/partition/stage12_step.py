@@ -162,7 +162,7 @@ class HostStep12:
             k = i % len(self._stage_slots)
             self._slot_free[k].synchronize()  # the slot's last copy to the GPU read it
             out = self._stage_slots[k].narrow(0, 0, c.numel)
-        with self._runner.clock.phase("adam"):
+        with self._runner.clock.phase("adam", numel=c.numel):
             update(b.group_index, hlo, c.numel, out=out)
         with self._runner.clock.phase("publish"):
             self._publish_chunk(c, i, b, hlo, dst, out)
@@ -204,6 +204,7 @@ class HostStep12:
                                      after=self._copy_stream)
         if done is None:
             return False
+        self._runner.clock.gpu_chunk(c.numel, self._assist.last_span)
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(done)
             self._chunk_published(c, i, b)
@@ -218,6 +219,10 @@ class HostStep12:
                                     self._step_group).wait()
         if self._copy_stream is not None:
             self._runner.events[i].record(self._copy_stream)
+
+    def step_clock(self):
+        """The host step's clock ([Note: step breakdown] in tiering/breakdown.py)."""
+        return self._runner.clock
 
     def _await_params(self, need: int, module, args) -> None:
         """Forward pre-hook (``overlap_forward``): this module's parameters are published."""

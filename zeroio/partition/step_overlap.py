@@ -27,6 +27,7 @@ import torch
 
 from zeroio.config import overrides
 from zeroio.config.launch_env import launch_env
+from zeroio.tiering.breakdown import HostRecord
 
 
 def step_threads() -> int:
@@ -52,26 +53,76 @@ def cpu_share(ranks: int | None = None) -> int:
 
 
 class PhaseClock:
-    """Seconds per named phase of the host step, summed over jobs and steps (any thread).
+    """Seconds per named phase of the host step, summed over jobs and steps (any thread), and
+    the per-step record of [Note: step breakdown] (tiering/breakdown.py).
 
     The worker thread is invisible to torch.profiler's op table, so this is where a step's
-    time is split: ``worker`` (the whole job loop), ``adam`` (CPU Adam), ``publish`` (16-bit
-    cast / copies behind each chunk). ``engine.stats()["timings"]`` reports them as
-    ``host_<phase>_s``."""
+    time is split: ``worker`` (the whole job loop), ``adam`` (CPU Adam; with ``numel``, one
+    chunk), ``publish`` (16-bit cast / copies behind each chunk), ``assist`` (handing chunks
+    to the GPU). ``engine.stats()["timings"]`` reports the sums as ``host_<phase>_s``;
+    ``take`` hands the engine what happened since it was last called (chunks, waits by
+    reader, the worker's span)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.seconds: dict[str, float] = defaultdict(float)
+        self.reader: str | None = None
+        """The engine call the training thread is in (``reading``): whose waits these are."""
+        self._rec = HostRecord()
+        self._workers = 0
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, numel: int | None = None) -> Iterator[None]:
         t = time.perf_counter()
+        if name == "worker":
+            with self._lock:
+                self._workers += 1
         try:
             yield
         finally:
-            dt = time.perf_counter() - t
+            t1 = time.perf_counter()
             with self._lock:
-                self.seconds[name] += dt
+                self.seconds[name] += t1 - t
+                rec = self._rec
+                rec.phases[name] = rec.phases.get(name, 0.0) + (t1 - t)
+                if numel is not None:
+                    rec.add_chunk(t, t1, numel, "cpu")
+                if name == "worker":
+                    self._workers -= 1
+                    rec.worker = (t, t1) if rec.worker is None else (rec.worker[0], t1)
+
+    def gpu_chunk(self, numel: int, span) -> None:
+        """A chunk handed to the GPU (the step assist); ``span``: CUDA events around it there."""
+        t = time.perf_counter()
+        with self._lock:
+            self._rec.add_chunk(t, t, numel, "gpu", span)
+
+    @contextmanager
+    def reading(self, reader: str) -> Iterator[None]:
+        before, self.reader = self.reader, reader
+        try:
+            yield
+        finally:
+            self.reader = before
+
+    def waited(self, t0: float, t1: float) -> None:
+        """The training thread blocked on the host step from ``t0`` to ``t1``."""
+        with self._lock:
+            self._rec.add_wait(self.reader or "other", t0, t1)
+
+    @property
+    def busy(self) -> bool:
+        """A worker is inside its job loop (its record is still growing)."""
+        with self._lock:
+            return self._workers > 0
+
+    def peek(self) -> HostRecord:
+        return self._rec
+
+    def take(self) -> HostRecord:
+        with self._lock:
+            rec, self._rec = self._rec, HostRecord()
+        return rec
 
     def as_dict(self) -> dict[str, float]:
         with self._lock:
@@ -132,8 +183,11 @@ class StepRunner:
     def wait_for(self, i: int) -> None:
         """Block until job ``i`` finished (``i < 0``: nothing to wait for)."""
         with self._cond:
-            while self._done <= i and self._error is None:
-                self._cond.wait()
+            if self._done <= i and self._error is None:
+                t0 = time.perf_counter()
+                while self._done <= i and self._error is None:
+                    self._cond.wait()
+                self.clock.waited(t0, time.perf_counter())
             if self._error is not None:
                 raise self._error
 
@@ -142,7 +196,12 @@ class StepRunner:
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        thread.join()
+        if thread.is_alive():  # a wait on the host step ([Note: step breakdown])
+            t0 = time.perf_counter()
+            thread.join()
+            self.clock.waited(t0, time.perf_counter())
+        else:
+            thread.join()
         self._worker = None
         with self._cond:
             error, self._error = self._error, None

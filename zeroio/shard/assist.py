@@ -101,6 +101,9 @@ class StepAssist:
         """Elements the caller stepped on the CPU beside it (counted by ``cpu``)."""
         self.off_reason: str | None = None
         """Why the assist stopped taking chunks (its slots did not fit the GPU), else None."""
+        self.last_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        """Timing events around the last submitted chunk's GPU work: after its slot is free,
+        and behind its state's copies down ([Note: step breakdown] in tiering/breakdown.py)."""
 
     # ---- the caller's decision ---------------------------------------------------------------
 
@@ -173,19 +176,22 @@ class StepAssist:
         master, grad, exp_avg, exp_avg_sq = step.host_views(group_index, lo, numel)
         if not self._slots_for(grad.dtype, None if out.device.type == "cuda" else out.dtype):
             return None
-        done = None
+        done, k = None, self._next
+        start = torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self.device):
             for a in range(0, numel, self.slot_numel):
                 n = min(self.slot_numel, numel - a)
                 k, self._next = self._next, (self._next + 1) % self.n_slots
                 done = self._piece(
                     k, [t.narrow(0, a, n) for t in (master, grad, exp_avg, exp_avg_sq, out)],
-                    step, group_index, after)
+                    step, group_index, after, start if a == 0 else None)
+        self.last_span = (start, self._free[k]) if numel else None
         self._pending.append((done, numel))
         self.numel_gpu += numel
         return done
 
-    def _piece(self, k, views, step, group_index: int, after) -> torch.cuda.Event:
+    def _piece(self, k, views, step, group_index: int, after,
+               start: torch.cuda.Event | None = None) -> torch.cuda.Event:
         master, grad, exp_avg, exp_avg_sq, out = views
         n = master.numel()
         p, m, v, g = (self._buf(k, name, torch.float32, n) for name in ("p", "m", "v", "g"))
@@ -193,6 +199,8 @@ class StepAssist:
         with torch.cuda.stream(up):
             if self._free[k] is not None:
                 up.wait_event(self._free[k])  # the slot's last copies down have read it
+            if start is not None:  # the chunk's GPU work begins ([Note: step breakdown])
+                start.record(up)
             low_grad = self._buf(k, "g16", grad.dtype, n) if grad.dtype != torch.float32 else g
             _copies(self.transfers, (master, exp_avg, exp_avg_sq, grad), (p, m, v, low_grad))
             if low_grad is not g:
@@ -213,7 +221,7 @@ class StepAssist:
                 done = torch.cuda.Event()
                 done.record(down)
             _copies(self.transfers, (p, m, v), (master, exp_avg, exp_avg_sq))
-            free = torch.cuda.Event()
+            free = torch.cuda.Event(enable_timing=True)  # also the chunk's end on the GPU
             free.record(down)
         self._free[k] = free
         return done

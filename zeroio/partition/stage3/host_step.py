@@ -64,7 +64,8 @@ class Stage3HostStep:
         if not isinstance(self.store, (HostShards, DeviceShards)):
             for sg in self._sides[Side.HOST]:
                 if sg.master.numel():
-                    update(sg.group_index, 0, sg.master.numel())
+                    with self._clock.phase("adam", numel=sg.master.numel()):
+                        update(sg.group_index, 0, sg.master.numel())
             self.publish_params()
             return
         self._publish_device_side()
@@ -129,10 +130,10 @@ class Stage3HostStep:
                             out = self.store.writable(gi, ref.piece.lo + lo, hi - lo)
                         if self._assisting(gi, ref.piece.opt_group, ref.base + lo, hi - lo, out):
                             continue
-                        with self._clock.phase("adam"):
+                        with self._clock.phase("adam", numel=hi - lo):
                             update(ref.piece.opt_group, ref.base + lo, hi - lo, out=out)
                         continue
-                    with self._clock.phase("adam"):
+                    with self._clock.phase("adam", numel=hi - lo):
                         update(ref.piece.opt_group, ref.base + lo, hi - lo)
                     with self._clock.phase("publish"):
                         g.update_shard(ref.piece.lo + lo, master.narrow(0, ref.base + lo, hi - lo))
@@ -152,8 +153,13 @@ class Stage3HostStep:
             done = self._assist.take(self._assist_step, opt_group, lo, numel, out)
         if done is None:
             return False
+        self._clock.gpu_chunk(numel, self._assist.last_span)
         self._assisted.setdefault(gi, []).append(done)
         return True
+
+    def step_clock(self):
+        """The host step's clock ([Note: step breakdown] in tiering/breakdown.py)."""
+        return self._clock
 
     def _await_shard(self, gi: int) -> None:
         """``ParamGroup.before_fetch``: the device side's copies of ``gi`` are ordered before
