@@ -86,7 +86,7 @@ def _entry(t, verify: bool, progress: bool) -> dict:
         "client_state_keys": sorted(m.client_state),
         "arrays": {k: {"dtype": str(a.dtype).removeprefix("torch."), "numel": a.numel,
                        "bytes": a.nbytes, "chunks": a.num_chunks,
-                       "layout": "extents" if a.extents else "chunks"} for k, a in m.arrays.items()},
+                       **({"layout": "extents"} if a.extents else {})} for k, a in m.arrays.items()},
         "bytes": sum(a.nbytes for a in m.arrays.values()),
     })
     if verify:
@@ -162,7 +162,7 @@ def run(args) -> int:
               f"{_human(t['bytes'])}" + ("; verified" if t.get("verified") else ""))
         for k, a in t["arrays"].items():
             print(f"    {k:<12} {a['dtype']:<9} {a['numel']:>14,} elements  {_human(a['bytes']):>10}  "
-                  + (f"{a['chunks']} shared extent(s)" if a["layout"] == "extents" else f"{a['chunks']} chunk(s)"))
+                  + (f"{a['chunks']} shared extent(s)" if a.get("layout") == "extents" else f"{a['chunks']} chunk(s)"))
         if t["client_state_keys"]:
             print(f"    client_state: {', '.join(t['client_state_keys'])}")
     for d in info["leftovers"]:
