@@ -183,6 +183,8 @@ def _resume_phase_a(root):
     dist.barrier()
     cont = _train(e, range(4, 8))
     cont_params = {n: p.detach().clone().numpy() for n, p in e.module.named_parameters()}
+    # a later save writes every piece the steps dirtied, resident ones too: never into "t"'s files
+    e.save_checkpoint(os.path.join(root, "later"), tag="l")
     e.close()
     return {"straight": straight, "first": first, "final": final, "shared": shared, "cont": cont,
             "cont_params": cont_params,
