@@ -17,7 +17,9 @@ rank 0 only, every rank holds everything). Parameters in no ShardGroup
 Scalars: counters, optimizer hyperparameters and step counts, scheduler,
 loss scaler, persistent module buffers. Per rank: RNG states. The fp32
 masters are the weights: 16-bit parameters are republished from them on
-load, so a resume is bit-exact in fp32 and needs no 16-bit array.
+load, so a resume is bit-exact in fp32 and needs no 16-bit array. NVMe-resident
+moments go in as their swap files, shared, where the file systems allow
+([Note: shared extents] in shared.py).
 """
 
 from __future__ import annotations
