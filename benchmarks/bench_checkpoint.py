@@ -20,6 +20,14 @@ skips the save/load measurement. Export GB/s counts checkpoint bytes read (fp32)
 output is written without fsync.
 
     python benchmarks/bench_checkpoint.py --path /nvme/zeroio-bench --export-only --export-params 1e9
+
+--nvme-link measures an engine's save with ``offload_optimizer.device: nvme`` both ways, side by
+side in --path: the moments copied through host memory into chunks (``share_swap=False``) and
+their swap files shared with the checkpoint (hard links / reflinks, docs/checkpoint.md), for a
+model of --link-params parameters after one training step each; seconds and bytes written
+against a full copy (``engine.last_save``). Small by default, so it runs on a CPU machine:
+
+    python benchmarks/bench_checkpoint.py --path /tmp --nvme-link --link-params 2e7
 """
 
 from __future__ import annotations
@@ -184,6 +192,9 @@ def main() -> None:
                     "checkpoint (fp32, 4 bytes each; default --params)")
     ap.add_argument("--export-dtype", default=None, choices=("fp32", "bf16", "fp16"),
                     help="dtype of the exported tensors (default the checkpoint's fp32)")
+    ap.add_argument("--nvme-link", action="store_true",
+                    help="an NVMe-offloaded engine's save: moments copied vs swap files shared")
+    ap.add_argument("--link-params", type=float, default=2e7, help="parameters of --nvme-link's model")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
@@ -197,6 +208,9 @@ def main() -> None:
     nbytes = total * 4 * len(KINDS)
     if args.export_only:
         _export_main(args, root)
+        return
+    if args.nvme_link:
+        _link_main(args, root)
         return
     env = {"OMP_NUM_THREADS": "2"}
     res = run_ranks(_rank_save_load, args.ranks, root, total, args.chunk_mb, args.threads,
@@ -265,6 +279,58 @@ def _export_main(args, root: str) -> None:
         print(json.dumps(result))
         return
     _print_export(result["export"])
+    print(f"wrote {out}")
+
+
+def _rank_link(root: str, params: int) -> dict:
+    """One NVMe-offloaded engine; a step before each save, so each has the same dirty state."""
+    import zeroio
+    from zeroio.checkpoint.engine_io import save_checkpoint
+    from zeroio.checkpoint.writer import SaveOptions
+
+    width = 1024
+    layers = max(1, params // (width * width + width))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {
+               "device": "nvme", "nvme_path": os.path.join(root, "swap")},
+               # host: masters, gradients, parameters (~16 B/param) + a quarter of the moments; the rest
+               # streams, as at 15-20B parameters (resident moments are written once per save)
+               "tiering": {"cpu_budget_bytes": params * 18 + (64 << 20)}}}
+    engine, *_ = zeroio.initialize(model=model, config=cfg)
+    engine.show_progress = False
+    out = {"params": sum(p.numel() for p in model.parameters())}
+    for name, share in (("copy", False), ("shared", True), ("shared_again", True)):
+        engine.backward(engine(torch.randn(2, width)).square().mean())
+        engine.step()
+        save_checkpoint(engine, os.path.join(root, "ck"), tag=name,
+                        options=SaveOptions(share_swap=share, progress=False, aio=engine.config.aio))
+        out[name] = dict(engine.last_save)
+    engine.close()
+    return out
+
+
+def _link_main(args, root: str) -> None:
+    from zeroio.testing import run_ranks
+
+    (r,) = run_ranks(_rank_link, 1, root, int(args.link_params), timeout=3600, threads=2)
+    shutil.rmtree(root, ignore_errors=True)
+    result = {**provenance.header(args.path), "path": args.path, "nvme_link": r}
+    out = provenance.write_result(args.out, "checkpoint-nvme-link", result)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"save of an NVMe-offloaded engine, {r['params'] / 1e6:.1f}M parameters "
+          f"(fp32 + 2 Adam moments: {r['copy']['full_copy_bytes'] / 1e6:.1f} MB), on {args.path}")
+    print(f"  {'save':<14}{'seconds':>9}{'written MB':>12}{'of a copy':>11}{'linked':>8}{'copied':>8}  fallback")
+    for name in ("copy", "shared", "shared_again"):
+        s = r[name]
+        links = s["files_hardlinked"] + s["files_reflinked"]
+        print(f"  {name:<14}{s['seconds']:>9.3f}{s['bytes_written'] / 1e6:>12.1f}"
+              f"{s['bytes_written'] / max(1, s['full_copy_bytes']):>10.0%}{links:>8}{s['files_copied']:>8}"
+              f"  {s['fallback'] or '-'}")
     print(f"wrote {out}")
 
 

@@ -74,7 +74,8 @@ def _save_nvme_measured(root: str) -> dict:
     loss = engine(torch.randn(2, WIDTH)).square().mean()
     engine.backward(loss)
     engine.step()
-    opts = SaveOptions(chunk_bytes=1 << 20, threads=2, progress=False)
+    # the copy path (moments read piece by piece into chunks), not the shared swap files
+    opts = SaveOptions(chunk_bytes=1 << 20, threads=2, progress=False, share_swap=False)
     save_checkpoint(engine, os.path.join(root, "warm"), options=opts)  # first-use imports, pools
     with _PeakRSS() as save_rss:
         tdir = save_checkpoint(engine, os.path.join(root, "ck"), options=opts)

@@ -218,6 +218,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._step_applied = False
         self._load_failure: str | None = None  # set by a load that failed after it began writing
+        self.last_save: dict | None = None  # this rank's report of its last checkpoint save
         self.show_progress = True  # checkpoint and model-save bars on rank 0 (docs/engine.md)
         self._timings: dict[str, float] = defaultdict(float)
         self._t0 = time.perf_counter()
@@ -434,6 +435,7 @@ class Engine:
         out["global_steps"] = self.global_steps
         out["skipped_steps"] = self.skipped_steps
         out["loss_scale"] = self.loss_scaler.scale
+        out["last_save"] = self.last_save  # seconds, bytes written vs a full copy (docs/checkpoint.md)
         return out
 
     def _maybe_print(self) -> None:

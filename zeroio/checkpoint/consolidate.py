@@ -282,6 +282,9 @@ def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     manifest = resolve_tag(checkpoint_dir, tag)
     kind = weight_kind(manifest)
     info = manifest.arrays[kind]
+    if info.extents:  # zeroio shares only optimizer moments (checkpoint/shared.py)
+        raise CheckpointError(f"checkpoint {manifest.path}: weights array {kind!r} is stored as "
+                              "extents, which the streamed export does not walk; use consolidate()")
     dt = parse_dtype(dtype) or info.dtype
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,13 +17,17 @@ rank 0 only, every rank holds everything). Parameters in no ShardGroup
 Scalars: counters, optimizer hyperparameters and step counts, scheduler,
 loss scaler, persistent module buffers. Per rank: RNG states. The fp32
 masters are the weights: 16-bit parameters are republished from them on
-load, so a resume is bit-exact in fp32 and needs no 16-bit array.
+load, so a resume is bit-exact in fp32 and needs no 16-bit array. NVMe-resident
+moments go in as their swap files, shared, where the file systems allow
+([Note: shared extents] in shared.py).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import time
+import warnings
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -40,12 +44,21 @@ from zeroio.checkpoint.consolidate import (
     plan_shards,
     stream_shards,
 )
+from zeroio.checkpoint.layout import CheckpointWarning
 from zeroio.checkpoint.reader import ShardedLoad
-from zeroio.checkpoint.state import LazySegment, ParamEntry, Segment, ShardedState, split_by_param
+from zeroio.checkpoint.state import (
+    LazySegment,
+    ParamEntry,
+    Segment,
+    ShardedState,
+    SharedFile,
+    split_by_param,
+)
 from zeroio.checkpoint.tags import check_tag
-from zeroio.checkpoint.writer import SaveOptions, save_sharded
+from zeroio.checkpoint.writer import SaveOptions, existing_parent, save_sharded_report
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError
+from zeroio.io.links import same_device
 from zeroio.partition import collectives
 
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")
@@ -237,15 +250,60 @@ def _hyper(group: dict) -> dict:
     return keep
 
 
+def _shared_files(engine, kind: str, comm: Comm) -> list[SharedFile] | None:
+    """The swap files holding this rank's ``kind`` state, with the global runs each holds
+    ([Note: shared extents] in shared.py); None when the optimizer keeps it in no files."""
+    if not _owns_shards(engine, comm):
+        return []
+    out = []
+    for g in engine.partitioner.groups:
+        files = engine.optimizer.swap_files(g.group_index, kind)
+        if files is None:
+            return None
+        segs = sorted((s.local_offset, s.global_offset, s.numel) for s in g.segments if s.numel)
+        for path, first, n, nbytes, crc_at in files:
+            spans = tuple((lo - first, glob + lo - loc, hi - lo) for loc, glob, sn in segs
+                          for lo, hi in [(max(first, loc), min(first + n, loc + sn))] if lo < hi)
+            if spans:  # a file of padding only holds nothing of the model
+                out.append(SharedFile(path=path, nbytes=nbytes, crc_at=crc_at, spans=spans))
+    return out
+
+
+def _share(engine, kinds, comm: Comm, save_dir) -> tuple[dict[str, list[SharedFile]], int, str | None]:
+    """The kinds whose swap files every rank can share, the bytes this rank's flush of its
+    dirty pieces wrote, and why nothing is shared (None: shared, or nothing to share).
+    Collective: all ranks share, or none does. A checkpoint directory on another file system
+    than the swap files is written as chunks, through host memory, as without sharing."""
+    flushed = engine.optimizer.flush_swap()
+    files = {k: _shared_files(engine, k, comm) for k in OPTIMIZER_KINDS if k in kinds}
+    ok = bool(files) and all(v is not None for v in files.values())
+    first = next((f.path for fs in files.values() for f in fs or []), None)
+    why = None
+    if ok and first is not None and not same_device(first, existing_parent(Path(save_dir))):
+        ok, why = False, (f"the checkpoint directory {save_dir} is on another file system than the "
+                          f"swap file {first}: the moments were copied through host memory")
+    if comm.all_ok(ok):
+        return files, flushed, None
+    if why is None and all(v is not None for v in files.values()) and files:
+        why = "another rank's swap files cannot be shared: the moments were copied through host memory"
+    if why is not None:
+        warnings.warn(why, CheckpointWarning, stacklevel=4)
+    return {}, flushed, why
+
+
 def build_state(engine, *, kinds=("fp32", *OPTIMIZER_KINDS), comm: Comm | None = None,
-                client_state: dict | None = None) -> ShardedState:
-    """This rank's `ShardedState` of ``engine`` (collective: coverage and step counts)."""
+                client_state: dict | None = None, share_into=None) -> ShardedState:
+    """This rank's `ShardedState` of ``engine`` (collective: coverage and step counts).
+    ``share_into``: the checkpoint directory, when NVMe-resident moments may go in as their
+    swap files (``ShardedState.shared``)."""
     comm = comm or _comm(engine)
     index = _index(engine)
     frozen = _uncovered(engine, index, comm)
+    shared, flushed, why = _share(engine, kinds, comm, share_into) if share_into is not None \
+        else ({}, 0, None)
     arrays = {}
     for kind in kinds:
-        arrays[kind] = _save_segments(engine, kind, comm)
+        arrays[kind] = [] if kind in shared else _save_segments(engine, kind, comm)
         if comm.rank == 0 and frozen:
             arrays[kind] += _frozen_segments(engine, index, frozen, kind)
     cfg = engine.config
@@ -270,22 +328,41 @@ def build_state(engine, *, kinds=("fp32", *OPTIMIZER_KINDS), comm: Comm | None =
         "model_class": f"{type(engine.module).__module__}.{type(engine.module).__qualname__}",
         "hf_config": _hf_config(engine.module),
         "_dtypes": {k: torch.float32 for k in kinds},
+        "_swap_flushed": flushed,
+        "_share_fallback": why,
     }
     return ShardedState(
         index=index, arrays=arrays, scalars=scalars, rank_scalars={"rng": rng.capture()},
-        client_state=_jsonable(client_state or {}, "client_state"), meta=meta,
+        client_state=_jsonable(client_state or {}, "client_state"), meta=meta, shared=shared,
     )
 
 
+def _rank_bytes(state: ShardedState) -> int:
+    """Bytes of this rank's part of the arrays: what a full copy of it writes."""
+    segs = sum((s.numel if isinstance(s, LazySegment) else s.tensor.numel()) * 4
+               for segs in state.arrays.values() for s in segs)
+    return segs + sum(n * 4 for fs in state.shared.values() for f in fs for _a, _o, n in f.spans)
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, *, options: SaveOptions | None = None):
-    """Collective: every rank writes its shards of ``engine``'s state as ``save_dir/tag``."""
+    """Collective: every rank writes its shards of ``engine``'s state as ``save_dir/tag``.
+    ``engine.last_save`` then holds this rank's report: ``mode`` ("shared" or "copy"),
+    ``seconds``, the counts of ``shared.REPORT_KEYS``, ``fallback`` (why something was copied,
+    or None) and ``full_copy_bytes`` (what copying this rank's state would write)."""
+    t0 = time.perf_counter()
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     comm = _comm(engine)
-    state = build_state(engine, comm=comm, client_state=client_state)
     opts = options or SaveOptions(progress=engine.global_rank == 0 and engine.show_progress)
     if options is None:  # the aio block sizes the checkpoint's I/O too ([Note: pool settings])
         opts = replace(opts, aio=engine.config.aio)
-    return save_sharded(state, save_dir, tag, comm=comm, options=opts)
+    state = build_state(engine, comm=comm, client_state=client_state,
+                        share_into=save_dir if opts.share_swap else None)
+    path, report = save_sharded_report(state, save_dir, tag, comm=comm, options=opts)
+    engine.last_save = report | {
+        "fallback": report["fallback"] or state.meta["_share_fallback"],
+        "mode": "shared" if state.shared else "copy", "full_copy_bytes": _rank_bytes(state),
+        "seconds": time.perf_counter() - t0}
+    return path
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,

@@ -4,6 +4,8 @@
     <dir>/<tag>/zarr.json           zarr v3 group; attributes mark it a zeroio checkpoint
     <dir>/<tag>/<kind>/zarr.json    zarr v3 array: 1-D, raw little-endian chunks
     <dir>/<tag>/<kind>/c/<i>        chunk i (the last one zero-padded to full size)
+    <dir>/<tag>/<kind>/x/r<R>-<N>   an extent file of a kind stored as extents (format 3:
+                                    NVMe swap files shared, [Note: shared extents] in shared.py)
     <dir>/<tag>/done/rank-<r>.json  rank r wrote and synced its pieces (with their crcs)
     <dir>/<tag>/manifest.json       the commit point: written last, renamed into place
 
@@ -45,7 +47,8 @@ class CheckpointWarning(UserWarning):
     """A checkpoint directory holds something that was skipped (an interrupted save)."""
 
 FORMAT = "zeroio-checkpoint"
-FORMAT_VERSION = 2  # 2: manifest_crc32c; version 1 manifests (without it) are still read
+FORMAT_VERSION = 3  # 3: arrays stored as extents; 2: manifest_crc32c; 1: neither (still read)
+CHUNKED_VERSION = 2  # what a checkpoint without extents is written as (older readers read it)
 CRC_KEY = "manifest_crc32c"
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -53,6 +56,8 @@ DONE_DIR = "done"
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+EXTENTS_DIR = "x"
+EXTENT_RE = re.compile(r"^r[0-9]{5}-[0-9]{6}$")
 
 # the dtypes a checkpoint stores (16-bit floats as raw bits, see DESIGN.md and zeroio.io.layout)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -89,6 +94,20 @@ def chunk_path(tdir: Path, kind: str, i: int) -> Path:
     return tdir / kind / "c" / str(i)
 
 
+def extent_path(tdir: Path, kind: str, name: str) -> Path:
+    return tdir / kind / EXTENTS_DIR / name
+
+
+def extent_name(rank: int, i: int) -> str:
+    return f"r{rank:05d}-{i:06d}"
+
+
+def extents_metadata(dtype: torch.dtype) -> dict[str, Any]:
+    """The zarr.json of a kind stored as extents: a zarr group (its files are not zarr
+    chunks) whose attributes name the layout; the manifest lists the extents."""
+    return zarr_layout.group_metadata({"zeroio": {"layout": "extents", "dtype": dtype_name(dtype)}})
+
+
 def group_metadata() -> dict[str, Any]:
     """The tag's group zarr.json: its attributes are zeroio's checkpoint marker."""
     return zarr_layout.group_metadata({"zeroio": {"format": FORMAT, "format_version": FORMAT_VERSION}})
@@ -101,14 +120,30 @@ def array_metadata(numel: int, dtype: torch.dtype, chunk_elems: int) -> dict[str
 
 
 @dataclass(frozen=True, kw_only=True)
+class Extent:
+    """One extent file of an array stored as extents: its first ``crc_bytes`` bytes have
+    crc32c ``crc32c``; ``spans`` are its (element in the file, global offset, elements) runs."""
+
+    file: str
+    crc_bytes: int
+    crc32c: int
+    spans: tuple[tuple[int, int, int], ...]
+
+    def to_json(self) -> list:
+        return [self.file, self.crc_bytes, self.crc32c, [list(s) for s in self.spans]]
+
+
+@dataclass(frozen=True, kw_only=True)
 class ArrayInfo:
-    """One flat array as the manifest records it."""
+    """One flat array as the manifest records it: chunked (``chunk_elems``, one crc per
+    chunk), or, with ``extents``, stored as extent files (format 3)."""
 
     kind: str
     numel: int
     dtype: torch.dtype
     chunk_elems: int
     chunk_crc32c: tuple[int, ...]
+    extents: tuple[Extent, ...] = ()
 
     @property
     def itemsize(self) -> int:
@@ -116,6 +151,9 @@ class ArrayInfo:
 
     @property
     def num_chunks(self) -> int:
+        """Chunks, or extent files: the units a reader verifies."""
+        if self.extents:
+            return len(self.extents)
         return math.ceil(self.numel / self.chunk_elems) if self.numel else 0
 
     @property
@@ -127,6 +165,9 @@ class ArrayInfo:
         return self.numel * self.itemsize
 
     def to_json(self) -> dict[str, Any]:
+        if self.extents:
+            return {"numel": self.numel, "dtype": dtype_name(self.dtype), "layout": "extents",
+                    "extents": [e.to_json() for e in self.extents]}
         return {
             "numel": self.numel,
             "dtype": dtype_name(self.dtype),
@@ -173,7 +214,7 @@ def seal(doc: dict) -> dict:
 def manifest_json(*, tag, world_size, index, arrays, scalars, rank_scalars, client_state, meta, created_unix):
     return seal({
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if any(a.extents for a in arrays.values()) else CHUNKED_VERSION,
         "tag": tag,
         "created_unix": created_unix,
         "world_size": world_size,
@@ -250,6 +291,8 @@ def parse_index(model: dict, path: Path) -> tuple[dict[str, ParamEntry], int]:
 
 def parse_array(kind, a, numel: int, path: Path) -> ArrayInfo:
     check_name(kind, f"manifest {path}: array")
+    if isinstance(a, dict) and a.get("layout") == "extents":
+        return parse_extents(kind, a, numel, path)
     if not isinstance(a, dict) or not isinstance(a.get("chunk_crc32c"), list) or not isinstance(a.get("dtype"), str):
         raise CheckpointError(f"manifest {path}: array {kind!r} has no valid dtype / chunk_crc32c")
     info = ArrayInfo(
@@ -302,3 +345,51 @@ def read_latest(root: str | os.PathLike) -> str | None:
     except (OSError, UnicodeDecodeError):  # missing, or not a text file: no usable `latest`
         return None
     return tag or None
+
+
+def parse_extents(kind: str, a: dict, numel: int, path: Path) -> ArrayInfo:
+    """An array stored as extents, checked like a chunked one ([Note: manifest checks]): safe
+    file names, each span inside its file's crc-covered bytes, the spans tiling [0, numel)."""
+    if not isinstance(a.get("dtype"), str) or not isinstance(a.get("extents"), list):
+        raise CheckpointError(f"manifest {path}: array {kind!r} has no valid dtype / extents")
+    dtype = torch_dtype(a["dtype"])
+    if _int(a.get("numel"), f"array {kind!r} numel", path) != numel:
+        raise CheckpointError(f"manifest {path}: array {kind!r} has {a.get('numel')} elements, the "
+                              f"index {numel}; the file is damaged")
+    extents = []
+    for e in a["extents"]:
+        if not (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and EXTENT_RE.fullmatch(e[0])
+                and isinstance(e[3], list)):
+            raise CheckpointError(f"manifest {path}: array {kind!r} extent {str(e)[:80]} is not "
+                                  "[file, crc_bytes, crc32c, spans]; the file is damaged")
+        crc_bytes = _int(e[1], f"crc_bytes of extent {e[0]}", path)
+        crc = _int(e[2], f"the crc of extent {e[0]}", path)
+        spans = []
+        for sp in e[3]:
+            if not (isinstance(sp, list) and len(sp) == 3):
+                raise CheckpointError(f"manifest {path}: extent {e[0]} span {sp!r} is not [at, offset, n]")
+            at, off, n = (_int(v, f"a span of extent {e[0]}", path) for v in sp)
+            if (at + n) * dtype.itemsize > crc_bytes:
+                raise CheckpointError(f"manifest {path}: extent {e[0]} span {sp} runs past its "
+                                      f"{crc_bytes} checked bytes; the file is damaged")
+            spans.append((at, off, n))
+        if crc >> 32:
+            raise CheckpointError(f"manifest {path}: extent {e[0]} crc {crc} is not 32-bit")
+        extents.append(Extent(file=e[0], crc_bytes=crc_bytes, crc32c=crc, spans=tuple(spans)))
+    check_tiling(kind, extents, numel, path)
+    return ArrayInfo(kind=kind, numel=numel, dtype=dtype, chunk_elems=1, chunk_crc32c=(),
+                     extents=tuple(extents))
+
+
+def check_tiling(kind: str, extents, numel: int, where) -> None:
+    """The extents' spans cover [0, numel) exactly once."""
+    pos = 0
+    for off, n, name in sorted((off, n, e.file) for e in extents for _at, off, n in e.spans if n):
+        if off != pos:
+            raise CheckpointError(
+                f"{where}: array {kind!r} extents leave {'a gap' if off > pos else 'an overlap'} at "
+                f"element {min(off, pos)} (extent {name} starts at {off}); the ranks' extents do not "
+                "tile the model")
+        pos += n
+    if pos != numel:
+        raise CheckpointError(f"{where}: array {kind!r} extents cover {pos} of {numel} elements")

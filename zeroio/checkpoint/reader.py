@@ -7,6 +7,7 @@ a CheckpointError naming the chunk file, never silently wrong weights.
 
 from __future__ import annotations
 
+import bisect
 import os
 import warnings
 from collections import defaultdict, deque
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from zeroio.checkpoint import layout, tags
+from zeroio.checkpoint import layout, shared, tags
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.layout import CheckpointWarning
 from zeroio.checkpoint.state import LazySegment, ParamEntry, ShardedState, split_by_param
@@ -154,29 +155,33 @@ class ArrayReader:
             )
         return buf.view(info.dtype)
 
+    def _unit(self, engine, info: layout.ArrayInfo, i: int) -> torch.Tensor:
+        """Chunk ``i``, or extent ``i`` of an array stored as extents, verified."""
+        if info.extents:
+            return shared.read_extent(engine, self.manifest, info, i)
+        return self._chunk(engine, info, i)
+
     def read_requests(self, kind: str, requests: list[_Request], desc: str = "") -> None:
         info = self.info(kind)
-        ce = info.chunk_elems
-        by_chunk: dict[int, list[_Request]] = defaultdict(list)
         for r in requests:
             if r.src < 0 or r.end > info.numel:
                 raise CheckpointError(f"range [{r.src}, {r.end}) is outside array {kind!r} of {info.numel}")
-            for c in range(r.src // ce, -(-r.end // ce)):
-                by_chunk[c].append(r)
+        by_unit = _by_unit(info, requests)
 
         def one(c: int) -> int:
-            data = self._chunk(engine, info, c)
-            base = c * ce
-            for r in by_chunk[c]:
-                lo, hi = max(r.src, base), min(r.end, base + ce)
-                r.put(lo - r.src, data[lo - base: hi - base])
-            return info.chunk_nbytes
+            data = self._unit(engine, info, c)
+            for r, at, base, end in by_unit[c]:
+                lo, hi = max(r.src, base), min(r.end, end)
+                r.put(lo - r.src, data[at + lo - base: at + hi - base])
+            return data.numel() * info.itemsize
 
-        bar = tqdm(total=len(by_chunk) * info.chunk_nbytes, unit="B", unit_scale=True,
+        unit_bytes = info.chunk_nbytes if not info.extents else \
+            max((e.crc_bytes for e in info.extents), default=0)
+        bar = tqdm(total=len(by_unit) * unit_bytes, unit="B", unit_scale=True,
                    desc=desc or f"load {kind}", disable=not self.progress, leave=False)
         # chunks are verified and scattered on this pool; their bytes move on the engine's
         with FileIO(self.threads) as io, open_engine(self.io) as engine:
-            for f in [io.submit(one, c) for c in sorted(by_chunk)]:
+            for f in [io.submit(one, c) for c in sorted(by_unit)]:
                 bar.update(f.result())
         bar.close()
 
@@ -236,7 +241,7 @@ class ChunkCursor:
 
         def top_up() -> None:
             while len(pending) < self.depth and (c := next(order, None)) is not None:
-                pending.append((c, self._pool.submit(self.reader._chunk, self._engine, self.info, c)))
+                pending.append((c, self._pool.submit(self.reader._unit, self._engine, self.info, c)))
 
         try:
             top_up()
@@ -329,10 +334,33 @@ def plan(manifest: layout.Manifest, index: Mapping[str, ParamEntry], segments, n
     return reqs
 
 
+def _by_unit(info: layout.ArrayInfo, requests: list[_Request]) -> dict[int, list[tuple]]:
+    """For each chunk (or extent) the requests touch: (request, element in the unit's data
+    where the run starts, global start, global end) of every run of it they overlap."""
+    out: dict[int, list[tuple]] = defaultdict(list)
+    if not info.extents:
+        ce = info.chunk_elems
+        for r in requests:
+            for c in range(r.src // ce, -(-r.end // ce)):
+                out[c].append((r, 0, c * ce, (c + 1) * ce))
+        return out
+    spans = sorted((off, off + n, i, at) for i, e in enumerate(info.extents) for at, off, n in e.spans if n)
+    starts = [sp[0] for sp in spans]
+    for r in requests:
+        if not r.numel:
+            continue
+        j = max(0, bisect.bisect_right(starts, r.src) - 1)
+        while j < len(spans) and spans[j][0] < r.end:
+            off, end, i, at = spans[j]
+            if end > r.src:
+                out[i].append((r, at, off, end))
+            j += 1
+    return out
+
+
 def chunks_of(info: layout.ArrayInfo, requests: list[_Request]) -> list[int]:
-    """The chunks ``requests`` touch, in order."""
-    ce = info.chunk_elems
-    return sorted({c for r in requests if r.numel for c in range(r.src // ce, -(-r.end // ce))})
+    """The chunks (or extents) ``requests`` touch, in order."""
+    return sorted(_by_unit(info, [r for r in requests if r.numel]))
 
 
 class ShardedLoad:

@@ -75,6 +75,22 @@ class LazySegment:
         return self.offset + self.numel
 
 
+@dataclass(frozen=True, kw_only=True)
+class SharedFile:
+    """A file that already holds some of this rank's elements of one array (a chunk file of
+    the NVMe swap store), given to the checkpoint by name instead of by value: it is
+    reflinked, hard-linked or copied into the tag ([Note: shared extents] in shared.py).
+
+    The file is ``nbytes`` long; its first ``crc_at`` bytes (the data, padded) are followed by
+    their crc32c. ``spans`` are (element in the file, global offset, elements) runs of the
+    global flat order it holds; the rest of the file (padding) is not part of the array."""
+
+    path: str
+    nbytes: int
+    crc_at: int
+    spans: tuple[tuple[int, int, int], ...]
+
+
 def segment_dtype(s: Segment | LazySegment) -> torch.dtype:
     return s.dtype if isinstance(s, LazySegment) else s.tensor.dtype
 
@@ -107,6 +123,9 @@ class ShardedState:
     rank_scalars: dict[str, Any] = field(default_factory=dict)
     client_state: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, list[SharedFile]] = field(default_factory=dict)
+    """Kinds stored as extents (shared files plus, for this rank's ``arrays`` of that kind,
+    files the save writes); the other kinds are chunked arrays."""
 
     @property
     def numel(self) -> int:
@@ -125,8 +144,10 @@ class ShardedState:
                                       f"end at {pos}: an index must tile the flat order (no gap, no overlap)")
             pos += e.numel
         total = self.numel
-        for kind, segments in self.arrays.items():
-            spans = sorted((s.offset, s.end) for s in segments)
+        for kind in set(self.arrays) | set(self.shared):
+            segments = self.arrays.get(kind, [])
+            spans = sorted([(s.offset, s.end) for s in segments]
+                           + [(g, g + n) for f in self.shared.get(kind, []) for _e, g, n in f.spans])
             for s in segments:
                 if isinstance(s, Segment) and s.tensor.dim() != 1:
                     raise CheckpointError(

@@ -18,9 +18,11 @@ save (`recover`), which assumes one saver per checkpoint directory at a time.
 
 [Note: deleting only what zeroio wrote] A folder is removed only when its
 group zarr.json carries zeroio's checkpoint marker, and then only the entries
-of the checkpoint layout (manifest, metadata, done markers, chunk files, the
-temp files of atomic writes), the manifest first so a half-removed copy is
-never complete. Anything else found inside is left where it is and named.
+of the checkpoint layout (manifest, metadata, done markers, chunk files, extent
+files, the temp files of atomic writes), the manifest first so a half-removed
+copy is never complete. Anything else found inside is left where it is and
+named. Removing an extent that is a hard link of a swap file removes the
+checkpoint's name only: the swap store's file is untouched.
 """
 
 from __future__ import annotations
@@ -153,11 +155,12 @@ def remove_owned(path: Path) -> list[Path]:
             continue
         if sub.name == layout.DONE_DIR:
             _remove_known(sub, _DONE)
-        elif layout.valid_name(sub.name):  # an array: <kind>/zarr.json, <kind>/c/<i>
-            chunks = sub / "c"
-            if chunks.is_dir() and not chunks.is_symlink():
-                _remove_known(chunks, _CHUNK)
-                _rmdir_if_empty(chunks)
+        elif layout.valid_name(sub.name):  # an array: <kind>/zarr.json, <kind>/c/<i> or x/r<R>-<N>
+            for folder, names in (("c", _CHUNK), (layout.EXTENTS_DIR, layout.EXTENT_RE)):
+                files = sub / folder
+                if files.is_dir() and not files.is_symlink():
+                    _remove_known(files, names)  # an extent's name, never a linked swap file's
+                    _rmdir_if_empty(files)
             _remove_known(sub, _ARRAY_FILES)
         _rmdir_if_empty(sub)
     rest = [p for p in path.iterdir()

@@ -27,7 +27,7 @@ import time
 import warnings
 from collections import defaultdict
 from concurrent.futures import as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from itertools import zip_longest
 from pathlib import Path
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from zeroio.checkpoint import layout, tags
+from zeroio.checkpoint import layout, shared, tags
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.state import LazySegment, ShardedState, segment_dtype
 from zeroio.errors import CheckpointError, SwapIOError
@@ -53,6 +53,7 @@ from zeroio.io.files import (
     read_json,
     set_size,
 )
+from zeroio.io.links import same_device
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +80,12 @@ class SaveOptions:
     """Point `latest` at this tag once it is committed."""
     progress: bool = True
     """A tqdm bar on rank 0."""
+    share_swap: bool = True
+    """Share NVMe-resident optimizer state's swap files with the checkpoint instead of copying
+    them through host memory (engine saves; [Note: shared extents] in shared.py)."""
+    share_modes: tuple[str, ...] = ("reflink", "hardlink", "copy")
+    """How files a state hands over by name (``ShardedState.shared``: NVMe swap files) get
+    into the tag, cheapest first ([Note: shared extents] in shared.py)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,8 @@ class _Piece:
 
 def _kind_dtypes(state: ShardedState) -> dict[str, torch.dtype]:
     dtypes = dict(state.meta.get("_dtypes", {}))
+    for kind in state.shared:
+        state.arrays.setdefault(kind, [])
     for kind, segs in state.arrays.items():
         layout.check_name(kind, "array kind")
         for s in segs:
@@ -137,11 +146,11 @@ def checkpoint_bytes(numel: int, dtypes: dict[str, torch.dtype],
 
 
 def check_disk_space(tdir: Path, numel: int, dtypes: dict[str, torch.dtype],
-                     chunk_elems: dict[str, int]) -> None:
+                     chunk_elems: dict[str, int], *, extra: int = 0) -> None:
     """Raise before anything is touched when the file system holding ``tdir`` cannot take the
-    checkpoint (``checkpoint_bytes``) against its free bytes. An old copy of the same tag is not counted: it stays
+    checkpoint (``checkpoint_bytes``, plus ``extra``) against its free bytes. An old copy of the same tag is not counted: it stays
     until the new one is complete ([Note: re-saving a tag])."""
-    need = checkpoint_bytes(numel, dtypes, chunk_elems)
+    need = checkpoint_bytes(numel, dtypes, chunk_elems) + extra
     probe = existing_parent(tdir)
     free = shutil.disk_usage(probe).free
     if need > free:
@@ -154,8 +163,11 @@ def check_disk_space(tdir: Path, numel: int, dtypes: dict[str, torch.dtype],
 
 
 def _layout_tag(root: Path, tag: str, numel: int, dtypes: dict[str, torch.dtype],
-                chunk_elems: dict[str, int]) -> Path:
-    """Rank 0: clear the way and lay out the staging folder of ``tag``; returns it."""
+                chunk_elems: dict[str, int], shared: dict[str, torch.dtype] | None = None,
+                shared_need: int = 0) -> Path:
+    """Rank 0: clear the way and lay out the staging folder of ``tag``; returns it. ``shared``:
+    the kinds stored as extents (their folders only; ``shared_need``: the bytes their copies
+    may need, counted against free space with the chunked kinds')."""
     final, stage = root / tag, tags.staging_dir(root, tag)
     tags.check_replaceable(final)
     if root.is_dir():
@@ -164,11 +176,15 @@ def _layout_tag(root: Path, tag: str, numel: int, dtypes: dict[str, torch.dtype]
         raise CheckpointError(
             f"{stage} (where zeroio writes a new copy of {tag!r}) still holds files zeroio did not "
             "write; move them out of it and save again")
-    check_disk_space(final, numel, dtypes, chunk_elems)
+    check_disk_space(final, numel, dtypes, chunk_elems, extra=shared_need)
     root.mkdir(parents=True, exist_ok=True)
     stage.mkdir()
     atomic_write_json(stage / "zarr.json", layout.group_metadata())  # the marker, first
     (stage / layout.DONE_DIR).mkdir()
+    for kind, dtype in (shared or {}).items():
+        (stage / kind).mkdir()
+        (stage / kind / layout.EXTENTS_DIR).mkdir()
+        atomic_write_json(stage / kind / "zarr.json", layout.extents_metadata(dtype))
     for kind, dtype in dtypes.items():
         (stage / kind).mkdir()
         (stage / kind / "c").mkdir()
@@ -335,11 +351,18 @@ def _commit(state, tdir, tag, dtypes, chunk_elems, comm, opts, root) -> None:
         done.append(d)
     arrays = {}
     for kind, dtype in dtypes.items():
+        if kind in state.shared:
+            extents = [e for d in done for e in d.get("extents", {}).get(kind, [])]
+            arrays[kind] = shared.array_info(kind, state.numel, dtype, extents, tdir)
+            continue
         pieces = [tuple(p) for d in done for p in d["pieces"].get(kind, [])]
         crcs = _chunk_crcs(tdir, kind, state.numel, dtype, chunk_elems[kind], pieces)
         arrays[kind] = layout.ArrayInfo(kind=kind, numel=state.numel, dtype=dtype,
                                         chunk_elems=chunk_elems[kind], chunk_crc32c=tuple(crcs))
     meta = {k: v for k, v in state.meta.items() if not k.startswith("_")}
+    if state.shared:  # what sharing saved: [Note: shared extents] in shared.py
+        meta["save"] = shared.merge_reports([d.get("share", {}) for d in done]) | {
+            "full_copy_bytes": sum(state.numel * d.itemsize for d in dtypes.values())}
     doc = layout.manifest_json(
         tag=tag, world_size=comm.world_size, index=state.index, arrays=arrays,
         scalars=state.scalars, rank_scalars=[d["rank_scalars"] for d in done],
@@ -380,6 +403,24 @@ def save_sharded(state: ShardedState, save_dir: str | os.PathLike, tag: str, *,
     before anything is touched; the new copy is written beside the tag and swapped in only
     when complete ([Note: re-saving a tag]).
     """
+    return save_sharded_report(state, save_dir, tag, comm=comm, options=options)[0]
+
+
+def _shared_need(state: ShardedState, root: Path, dtypes) -> int:
+    """Bytes the shared kinds need in the tag: none where the files can be linked (same file
+    system as rank 0's), else their copies."""
+    files = [f for fs in state.shared.values() for f in fs]
+    if not files or same_device(files[0].path, existing_parent(root)):
+        return 0
+    return sum(state.numel * dtypes[k].itemsize for k in state.shared)
+
+
+def save_sharded_report(state: ShardedState, save_dir: str | os.PathLike, tag: str, *,
+                        comm: Comm | None = None, options: SaveOptions = SaveOptions()
+                        ) -> tuple[Path, dict]:
+    """``save_sharded``, and this rank's report of what it wrote and shared: the keys of
+    ``shared.REPORT_KEYS`` (``bytes_written``: chunk and extent bytes this rank wrote) and
+    ``fallback`` (why a cheaper way of sharing was not used, or None)."""
     comm = comm or Comm.default()
     tags.check_tag(tag)
     root = Path(save_dir)
@@ -387,14 +428,20 @@ def save_sharded(state: ShardedState, save_dir: str | os.PathLike, tag: str, *,
     state.validate()
     dtypes = _kind_dtypes(state)
     chunk_elems = chunk_elems_for(dtypes, options.chunk_bytes)
+    chunked = {k: d for k, d in dtypes.items() if k not in state.shared}
+    report = shared.empty_report()
 
     def lay_out():
         if comm.rank == 0:
-            _layout_tag(root, tag, state.numel, dtypes, chunk_elems)
+            _layout_tag(root, tag, state.numel, chunked, chunk_elems,
+                        {k: dtypes[k] for k in state.shared}, _shared_need(state, root, dtypes))
 
     def write():
+        plain = replace(state, arrays={k: v for k, v in state.arrays.items() if k in chunked}, shared={})
         try:
-            pieces = _write_rank(state, stage, dtypes, chunk_elems, options, comm)
+            pieces = _write_rank(plain, stage, chunked, chunk_elems, options, comm)
+            extents, done = shared.share_rank(state, stage, comm.rank, verify=options.verify,
+                                              modes=options.share_modes)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -404,9 +451,13 @@ def save_sharded(state: ShardedState, save_dir: str | os.PathLike, tag: str, *,
         by_kind = defaultdict(list)
         for p in sorted(pieces, key=lambda p: (p.kind, p.chunk, p.start)):
             by_kind[p.kind].append([p.chunk, p.start, p.nbytes, p.crc])
+        done["bytes_flushed"] = int(state.meta.get("_swap_flushed", 0))
+        done["bytes_written"] += sum(p.nbytes for p in pieces) + done["bytes_flushed"]
+        report.update(done)
         atomic_write_json(stage / layout.DONE_DIR / f"rank-{comm.rank:05d}.json", {
             "rank": comm.rank, "world_size": comm.world_size,
             "pieces": dict(by_kind), "rank_scalars": state.rank_scalars,
+            **({"extents": extents, "share": done} if state.shared else {}),
         })
 
     def commit():
@@ -421,7 +472,7 @@ def save_sharded(state: ShardedState, save_dir: str | os.PathLike, tag: str, *,
         if comm.rank == 0:  # every rank has stopped writing (each phase ends in all_ok)
             _clean_up(root, tag)
         raise
-    return root / tag
+    return root / tag, report
 
 
 def _clean_up(root: Path, tag: str) -> None:

@@ -35,6 +35,12 @@ def _array_problem(m, kind: str) -> str | None:
         have = read_json(path, f"metadata of array {kind!r}")
     except CheckpointError as e:
         return str(e)
+    if a.extents:  # stored as extents: a group naming the layout ([Note: shared extents])
+        from zeroio.checkpoint.layout import extents_metadata
+
+        if have != extents_metadata(a.dtype):
+            return f"array metadata {path} does not match the manifest {m.path} (extents, dtype); restore it"
+        return None
     want = array_metadata(a.numel, a.dtype, a.chunk_elems)
     keys = ("shape", "data_type", "chunk_grid", "codecs")
     if not isinstance(have, dict) or any(have.get(k) != want[k] for k in keys):
@@ -79,7 +85,8 @@ def _entry(t, verify: bool, progress: bool) -> dict:
         "global_steps": (m.scalars.get("engine") or {}).get("global_steps"),
         "client_state_keys": sorted(m.client_state),
         "arrays": {k: {"dtype": str(a.dtype).removeprefix("torch."), "numel": a.numel,
-                       "bytes": a.nbytes, "chunks": a.num_chunks} for k, a in m.arrays.items()},
+                       "bytes": a.nbytes, "chunks": a.num_chunks,
+                       **({"layout": "extents"} if a.extents else {})} for k, a in m.arrays.items()},
         "bytes": sum(a.nbytes for a in m.arrays.values()),
     })
     if verify:
@@ -155,7 +162,7 @@ def run(args) -> int:
               f"{_human(t['bytes'])}" + ("; verified" if t.get("verified") else ""))
         for k, a in t["arrays"].items():
             print(f"    {k:<12} {a['dtype']:<9} {a['numel']:>14,} elements  {_human(a['bytes']):>10}  "
-                  f"{a['chunks']} chunk(s)")
+                  + (f"{a['chunks']} shared extent(s)" if a.get("layout") == "extents" else f"{a['chunks']} chunk(s)"))
         if t["client_state_keys"]:
             print(f"    client_state: {', '.join(t['client_state_keys'])}")
     for d in info["leftovers"]:

@@ -335,28 +335,80 @@ class TensorStore:
         self.engine.pwrite_from(files, tail, info.chunk_bytes)
 
     def _write_chunk(self, info: ArrayInfo, k: int, a: int, b: int, src: np.ndarray) -> None:
-        self._create_private(self._chunk_path(info.name, k))
-        files = self.engine.open_files(self._chunk_path(info.name, k), "rw")
+        path = self._chunk_path(info.name, k)
+        self._create_private(path)
+        files = self.engine.open_files(path, "rw")
         try:
             fd = files.direct if files.direct is not None else files.buffered
             fcntl.flock(fd, fcntl.LOCK_EX)
-            valid = info.valid_elems(k)
-            if a == 0 and b >= valid:  # whole chunk: no read needed
-                self.engine.pwrite_from(files, src, 0)
-                crc = crc32c(src)
-                pad = info.chunk_bytes - src.nbytes
-                if pad:
-                    self.engine.pwrite_from(files, np.zeros(pad, dtype=np.uint8), src.nbytes)
-                    crc = zeros_crc(pad, crc)
-            else:  # read-modify-write, see [Note: concurrent range writes]
-                stage = self._stage(info.chunk_bytes)
-                self._load_chunk(info, k, files, fd, stage)
-                stage[a * info.itemsize : b * info.itemsize] = src
-                self.engine.pwrite_from(files, stage, 0)
-                crc = crc32c(stage)
-            self._write_crc(files, info, crc)
+            if os.fstat(fd).st_nlink > 1:  # a checkpoint shares it: [Note: shared chunk files]
+                self._replace_chunk(info, k, a, b, src, files, fd)
+            else:
+                self._fill_chunk(info, k, a, b, src, files, files, fd)
         finally:
             self.engine.close_files(files)
+
+    def _fill_chunk(self, info: ArrayInfo, k: int, a: int, b: int, src: np.ndarray, dst: _Files,
+                    old: _Files, old_fd: int) -> None:
+        """Write elements [a, b) of chunk ``k`` and its crc into ``dst``; a partial write merges
+        the rest of the chunk from ``old`` (read-modify-write, [Note: concurrent range writes])."""
+        valid = info.valid_elems(k)
+        if a == 0 and b >= valid:  # whole chunk: no read needed
+            self.engine.pwrite_from(dst, src, 0)
+            crc = crc32c(src)
+            pad = info.chunk_bytes - src.nbytes
+            if pad:
+                self.engine.pwrite_from(dst, np.zeros(pad, dtype=np.uint8), src.nbytes)
+                crc = zeros_crc(pad, crc)
+        else:
+            stage = self._stage(info.chunk_bytes)
+            self._load_chunk(info, k, old, old_fd, stage)
+            stage[a * info.itemsize : b * info.itemsize] = src
+            self.engine.pwrite_from(dst, stage, 0)
+            crc = crc32c(stage)
+        self._write_crc(dst, info, crc)
+
+    def _replace_chunk(self, info: ArrayInfo, k: int, a: int, b: int, src: np.ndarray,
+                       old: _Files, old_fd: int) -> None:
+        """Write chunk ``k`` to a new file renamed over the shared one (its lock still held).
+
+        [Note: shared chunk files] A checkpoint may hard-link a chunk file
+        (zeroio/io/links.py) instead of copying it. A hard link is the same inode, so a
+        write in place would change the checkpoint. A chunk file with more than one link is
+        therefore never written in place: the new bytes go to a fresh file in the same
+        folder, which is renamed over the old name. The name now has a new inode; the old
+        one lives on as the checkpoint's file, unchanged, until the checkpoint is removed.
+        Swap writes are whole chunks (a piece is one array), so breaking a link copies
+        nothing: it costs one create and one rename, once per chunk and per checkpoint,
+        on the first write-back after the save. Files that are not shared (``st_nlink``
+        1: every chunk outside a save, and reflinked ones, whose sharing is the file
+        system's copy-on-write) are written in place as before. The link count is read
+        under the chunk's exclusive lock, which the linker's shared lock excludes, so a
+        link cannot appear between the check and the write.
+        """
+        path = self._chunk_path(info.name, k)
+        tmp = os.path.join(os.path.dirname(path), f".{k}.{os.getpid()}.{threading.get_ident()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600 if self.private else 0o644)
+        if self.private:
+            os.fchmod(fd, 0o600)
+        os.close(fd)
+        new = self.engine.open_files(tmp, "rw")
+        try:
+            self._fill_chunk(info, k, a, b, src, new, old, old_fd)
+        except BaseException:
+            self.engine.close_files(new)
+            os.unlink(tmp)
+            raise
+        self.engine.close_files(new)
+        os.replace(tmp, path)
+
+    def chunk_files(self, name: str) -> list[tuple[str, int, int]]:
+        """(path, first element, elements) of each chunk file of ``name``, for sharing with a
+        checkpoint (zeroio/io/links.py). Each file is ``info(name).file_bytes`` long: the
+        chunk's ``chunk_bytes`` (padded) and their crc32c."""
+        info = self.info(name)
+        return [(self._chunk_path(name, k), k * info.chunk_elems, info.valid_elems(k))
+                for k in range(info.nchunks)]
 
     def _read_chunk(self, info: ArrayInfo, k: int, a: int, b: int, dst: np.ndarray) -> None:
         path = self._chunk_path(info.name, k)

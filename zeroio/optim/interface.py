@@ -36,6 +36,18 @@ class EngineOptimizer:
         """Hand a whole local ``kind`` tensor back after a checkpoint load (state kept as a
         copy must be written back); default: the local tensors were the state itself."""
 
+    def flush_swap(self) -> int:
+        """Write every dirty piece of NVMe-resident state to its swap files and wait, so that
+        ``swap_files`` hold the latest bytes; returns the bytes written. Default: none."""
+        return 0
+
+    def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
+        """The swap files holding the group's local ``kind`` state after ``flush_swap``:
+        (path, first local element, elements, file bytes, crc offset) each, which a
+        checkpoint may share instead of copying; None (default) when the state is not in
+        files."""
+        return None
+
     def begin_chunked_step(self, grad_scale: float = 1.0):
         """A ``ChunkedStep`` (optim/adam.py) for the partitioner to run (``chunked_step``)."""
         raise NotImplementedError(f"{type(self).__name__} has no chunked step")

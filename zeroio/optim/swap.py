@@ -387,6 +387,29 @@ class SwappedAdam(EngineOptimizer):
                 self.store.mark_dirty(sub.name(kind), self._tier)
                 self.store.release(sub.name(kind), self._tier)
 
+    def flush_swap(self) -> int:
+        """Write the dirty pieces (resident head, window) to their swap files and wait; the
+        bytes written. A checkpoint then shares the files ([Note: shared chunk files] in
+        zeroio/io/store.py): each dirty moment is written once, never copied again."""
+        before = self.store.stats()["bytes_moved"].get("cpu->nvme", 0)
+        self.drain()
+        self.store.flush()
+        return self.store.stats()["bytes_moved"].get("cpu->nvme", 0) - before
+
+    def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
+        if kind not in KINDS:
+            return None
+        out = []
+        for sub in self.pieces:
+            if sub.group_index != group_index:
+                continue
+            files = self.store.home_files(sub.name(kind))
+            if files is None:
+                return None
+            out += [(path, sub.start + first, n, nbytes, crc_at)
+                    for path, first, n, nbytes, crc_at in files]
+        return out
+
     def steps_taken(self, group_index: int) -> int:
         return max((int(v.item()) for s, v in self.steps.items() if s.group_index == group_index),
                    default=0)

@@ -42,6 +42,12 @@ class NvmeBackend(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def files_of(self, name: str) -> list[tuple[str, int, int, int, int]] | None:
+        """The files holding ``name``: (path, first element, elements, file bytes, crc offset)
+        each, which a checkpoint may share instead of copying ([Note: shared chunk files] in
+        zeroio/io/store.py); None when the array is not in files (default)."""
+        return None
+
 
 class MemoryBackend(NvmeBackend):
     """Arrays as host byte strings, transferred on a small thread pool.

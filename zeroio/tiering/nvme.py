@@ -56,6 +56,12 @@ class TensorStoreBackend(NvmeBackend):
     def read_into(self, name: str, out: torch.Tensor) -> Future:
         return self._store.read_into(self._key(name), out.reshape(-1))
 
+    def files_of(self, name: str) -> list[tuple[str, int, int, int, int]]:
+        key = self._key(name)
+        info = self._store.info(key)
+        return [(path, first, n, info.file_bytes, info.chunk_bytes)
+                for path, first, n in self._store.chunk_files(key)]
+
     def delete(self, name: str) -> None:
         with self._lock:
             key = self._keys.pop(name, None)

@@ -480,6 +480,21 @@ class TieredStore:
             out["policy"] = PolicyKind.parse(self.cfg.policy).value
             return out
 
+    def home_files(self, name: str) -> list[tuple[str, int, int, int, int]] | None:
+        """The files of ``name``'s NVMe home (``NvmeBackend.files_of``), once they hold its
+        latest bytes (after ``flush``, no dirty copy since); None when its home is not NVMe
+        or not in files. A checkpoint shares them instead of copying the tensor."""
+        with self._lock:
+            self._check_open()
+            entry = self._entry(name)
+            if entry.home is not Tier.NVME or self._backend is None:
+                return None
+            fresh = entry.freshest()
+            if fresh is not None and not fresh.is_home:
+                raise ResidencyError(f"home_files({name!r}): a {fresh.tier.value} copy is newer "
+                                     "than its NVMe home; flush first")
+            return self._backend.files_of(name)
+
     def residency(self, name: str) -> dict[str, str]:
         """{tier: state} of ``name``'s copies, e.g. {"nvme": "clean", "cpu": "dirty"}."""
         with self._lock:
