@@ -294,6 +294,7 @@ def main() -> None:
         steps = tqdm(steps, desc=f"train_llama {a.mode}", unit="step")
     loss_val = float("nan")
     losses: list[float] = []
+    norms: list[float | None] = []  # the gradient norm before clipping (zeroio rows)
     for _ in steps:
         ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=gen).to(device)
         if cuda:
@@ -305,6 +306,7 @@ def main() -> None:
         times.append(time.perf_counter() - t)
         loss_val = loss.item()
         losses.append(loss_val)
+        norms.append(getattr(engine, "last_grad_norm", None))
         log(f"step {len(times)} {times[-1]:.2f} s loss {loss_val:.3f}")
     # the timed steps' breakdown, before --profile adds steps (one optimizer step per loop)
     breakdown = timed_breakdown(engine.stats()["breakdown"], a.warmup) \
@@ -326,7 +328,7 @@ def main() -> None:
         "step_times": times, "tokens_per_s": a.micro_batch * a.seq * world / s_step,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_host_rss_gib": host_peak / 2**30, "final_loss": loss_val,
-        "losses": losses,
+        "losses": losses, "grad_norms": norms,
         "stats": engine.stats() if engine is not None else None,
         "breakdown": breakdown,
         "phases": phases,
