@@ -308,3 +308,46 @@ def test_one_pass_cpu_adam_bf16_state(monkeypatch):
         assert differ.float().mean() <= 0.01
         assert ((got.float() - want.float()).abs()[differ]
                 <= want.float().abs()[differ] * 2.0 ** -7).all()
+
+
+# ---- estimate and planner ------------------------------------------------------------------
+
+def _estimate(bf16, offload):
+    from zeroio.estimate import estimate_memory
+
+    cfg = zeroio.load_config({"train_batch_size": 1, "bf16": bf16, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": offload, "nvme_path": "/x"}}})
+    return {i.name: (i.tier, i.bytes_per_gpu) for i in estimate_memory(
+        1_000_000, 1, 1, config=cfg).items}
+
+
+def test_estimate_counts_two_byte_masters_and_moments():
+    psi = 1_000_000
+    on, off = _estimate(ON, "cpu"), _estimate({"enabled": True}, "cpu")
+    assert off["optimizer states"] == ("cpu", 12 * psi)
+    assert on["optimizer states"] == ("cpu", 6 * psi)  # bf16 master + two bf16 moments
+    # the gradient shard is bf16: nothing beyond the model states' 2-byte gradient term
+    assert "fp32 gradient shard beyond the model states'" in off
+    assert not any("gradient shard beyond" in k for k in on)
+    nv = _estimate(ON, "nvme")
+    assert nv["optimizer moments"] == ("nvme", 4 * psi)
+    assert nv["optimizer bf16 masters"] == ("cpu", 2 * psi)
+    mixed = _estimate({"enabled": True, "bf16_master_weights_and_grads": True}, "cpu")
+    assert mixed["optimizer states"] == ("cpu", 10 * psi)  # bf16 master, fp32 moments
+
+
+def test_planner_plans_with_the_switches():
+    from zeroio.plan import Machine, plan_placement
+
+    machine = Machine(gpus=1, gpu_bytes=80 * 10**9, host_bytes=200 * 10**9,
+                      disk_bytes=4 * 10**12, pcie_bps=25e9, disk_read_bps=6e9,
+                      disk_write_bps=4e9, cpu_adam_elems_per_s=2e9)
+    plain = plan_placement("20B", machine, micro_batch=1, seq=1024)
+    low = plan_placement("20B", machine, micro_batch=1, seq=1024, bf16_optimizer_states=True)
+    assert low.config["bf16"] == ON
+    assert low.estimate.state_dtype == "bf16"
+    state = {p.estimate.offload_optimizer: p for p in (plain, low)}
+    assert state  # both planned; with bf16 state the optimizer needs half the bytes
+    opt_bytes = [sum(i.bytes_per_gpu for i in p.estimate.items if "optimizer" in i.name)
+                 for p in (plain, low)]
+    assert opt_bytes[1] < opt_bytes[0]
