@@ -351,3 +351,60 @@ def test_planner_plans_with_the_switches():
     opt_bytes = [sum(i.bytes_per_gpu for i in p.estimate.items if "optimizer" in i.name)
                  for p in (plain, low)]
     assert opt_bytes[1] < opt_bytes[0]
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+def _ckpt_engine(bf16, nvme):
+    torch.manual_seed(0)
+    return zeroio.initialize(model=_model(), config={
+        "train_micro_batch_size_per_gpu": 4, "bf16": bf16,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+        if nvme is None else {"stage": 3, "sub_group_size": 60, "offload_optimizer": {
+            "device": "nvme", "nvme_path": nvme}}})[0]
+
+
+def _states(engine):
+    from zeroio.testing.training import gather_state
+
+    return {k: gather_state(engine, k) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+
+
+def _ckpt_body(tmpdir):
+    out = {}
+    for name, nvme in (("cpu", None), ("nvme", os.path.join(tmpdir, "swap"))):
+        saved = _ckpt_engine(ON, nvme)
+        for step in range(3):
+            saved.backward(_loss(saved, *_batch(step, 0)))
+            saved.step()
+        want = _states(saved)
+        saved.save_checkpoint(os.path.join(tmpdir, name), tag="t")
+        saved.close()
+        same = _ckpt_engine(ON, nvme)  # the same setting: the bits come back
+        same.load_checkpoint(os.path.join(tmpdir, name), tag="t")
+        got_same = _states(same)
+        same.close()
+        fp32 = _ckpt_engine({"enabled": True}, nvme)  # the other setting: upcast, exactly
+        fp32.load_checkpoint(os.path.join(tmpdir, name), tag="t")
+        kinds = {str(fp32.optimizer.local_tensor(0, k).dtype) for k in ("fp32", "exp_avg")}
+        got_fp32 = _states(fp32)
+        fp32.close()
+        out[name] = dict(
+            same=all(torch.equal(got_same[k][n], want[k][n]) for k in want for n in want[k]),
+            fp32=all(torch.equal(got_fp32[k][n], want[k][n]) for k in want for n in want[k]),
+            fp32_kinds=sorted(kinds),
+            moved=any(bool(want["exp_avg"][n].abs().sum()) for n in want["exp_avg"]))
+    return out
+
+
+def test_checkpoint_keeps_bf16_state_and_converts_for_fp32(tmp_path):
+    (r,) = run_ranks(_ckpt_body, 1, str(tmp_path), timeout=240)
+    for name, res in r.items():
+        assert res["moved"] and res["same"] and res["fp32"], (name, res)
+        assert res["fp32_kinds"] == ["torch.float32"], (name, res)
+    for name in ("cpu", "nvme"):  # the arrays are stored as bf16: 2 bytes per element
+        metas = {p.parent.name: json.loads(p.read_text())
+                 for p in (tmp_path / name / "t").rglob("zarr.json")}
+        for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert "bfloat16" in json.dumps(metas[kind]), (name, kind, metas.get(kind))
