@@ -69,7 +69,8 @@ def resolve_engine_policies(cfg, device: torch.device):
     """The offload and tiering policies of ``cfg`` for ``device``, resolved once per engine
     (config/policy.py); the partitioner and optimizer builders take them."""
     return resolve_policies(cfg.zero_optimization,
-                            accumulation_steps=cfg.gradient_accumulation_steps, device=device)
+                            accumulation_steps=cfg.gradient_accumulation_steps, device=device,
+                            bf16=cfg.bf16)
 
 
 def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device,
@@ -91,7 +92,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             overlap_forward=off.cpu and pol.tiering.overlap_step,
             optimizer_ratio=off.ratio if off.cpu else 1.0,
             cpu_optimizer=off.cpu, accumulation_steps=pol.accumulation_steps,
-            step_assist=pol.tiering.step_assist, host_kernel=cpu_adam)
+            step_assist=pol.tiering.step_assist, host_kernel=cpu_adam,
+            master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states])
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
@@ -128,7 +130,8 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, 
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
-                       grad_divisor=partitioner.host_grad_divisor)
+                       grad_divisor=partitioner.host_grad_divisor,
+                       state_dtype=DTYPES[policies.precision.states])
 
 
 def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
@@ -152,7 +155,8 @@ def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
 
             split = partitioner.optimizer_split
             opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
-                                       zc.sub_group_size)
+                                       zc.sub_group_size,
+                                       DTYPES[cfg.bf16.optimizer_state_dtype].itemsize)
         cut = split_host_budget(zc.tiering.cpu_budget_bytes, held=held_cpu,
                                 param_floor=pstore.cpu_floor() if pstore else 0,
                                 param_ask=pstore.cpu_ask() if pstore else 0,
@@ -199,6 +203,7 @@ class Engine:
             self.config.optimizer, model, model_parameters)
         self.client_optimizer = optimizer
         policies = resolve_engine_policies(self.config, self.device)
+        self._precision = policies.precision  # bf16 optimizer state: engine.stats() sources
         self.partitioner = build_partitioner(self.config, self.module, spec, self.device,
                                              policies)
         self._budgets = explicit_budgets(self.config)  # [Note: budgets in training]
@@ -386,6 +391,10 @@ class Engine:
             sources["optimizer"] = store.stats()
         sources.update(self.partitioner.stats_sources())
         sources["held"] = tstats.held_source(self._held_tensors())
+        if self._precision.low:  # docs/engine.md, "bf16 optimizer state"
+            sources["precision"] = {"master_dtype": self._precision.master,
+                                    "optimizer_state_dtype": self._precision.states,
+                                    "step_assist": "off (bf16 optimizer state)"}
         return sources
 
     def _held_tensors(self) -> list[torch.Tensor]:

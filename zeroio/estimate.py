@@ -65,7 +65,14 @@ Two layers, reported separately in the breakdown:
    offload item. (Bucket padding of stages 1/2 is not modelled: D is taken of
    Psi/N.)
 
-4. Activations (``activation_bytes``, the caller's figure, e.g.
+4. ``bf16.bf16_master_weights_and_grads`` / ``bf16.bf16_optimizer_states`` (docs/engine.md,
+   "bf16 optimizer state"): K = M + 2 S with M the master's and S each moment's bytes per
+   element (4, or 2 in bf16): 6 with both switches, 10 with bf16 masters and fp32 moments;
+   with bf16 masters the gradient shard is bf16 too (2 bytes where the fp32 gradient shard
+   takes 4; at stage 3 nothing beyond the model states' b-byte term), the NVMe masters stay
+   M bytes in host memory and the optimizer swap buffers hold S-byte moments.
+
+5. Activations (``activation_bytes``, the caller's figure, e.g.
    ``llama_activation_bytes``): kind "activations", on the GPU.
 
 Not counted: the CUDA context and allocator fragmentation, the dataloader,
@@ -128,6 +135,10 @@ class MemoryEstimate:
     """offload_optimizer.ratio: the fraction of each rank's optimizer elements offloaded."""
     device_elements: int = 0
     """Optimizer elements per rank kept on the GPU by ``ratio`` (0 at ratio 1)."""
+    master_dtype: str = "fp32"
+    """Masters' and gradient shards' dtype (``bf16.bf16_master_weights_and_grads``)."""
+    state_dtype: str = "fp32"
+    """The Adam moments' dtype (``bf16.bf16_optimizer_states``)."""
 
     @property
     def world_size(self) -> int:
@@ -172,6 +183,8 @@ class MemoryEstimate:
             "offload_param": self.offload_param,
             "dtype": self.dtype,
             "offload_optimizer_ratio": self.ratio,
+            "master_dtype": self.master_dtype,
+            "optimizer_state_dtype": self.state_dtype,
             "optimizer_placement": self.placement(),
             "gpu_bytes_per_gpu": self.gpu_bytes_per_gpu,
             "cpu_bytes_per_node": self.cpu_bytes_per_node,
@@ -231,6 +244,8 @@ def estimate_memory(
     ratio: float | None = None,
     largest_group: int | None = None,
     activation_bytes: int = 0,
+    master_dtype: str | None = None,
+    state_dtype: str | None = None,
 ) -> MemoryEstimate:
     """Estimate training-state memory for ``num_params`` parameters (see module doc).
 
@@ -243,6 +258,8 @@ def estimate_memory(
     ``largest_group``: elements of stage 3's largest flat group (one transformer layer), which
     sizes its gradient buckets and live parameters (None: reduce_bucket_size stands in).
     ``activation_bytes``: activation memory per GPU (e.g. ``llama_activation_bytes``).
+    ``master_dtype`` / ``state_dtype``: "fp32" or "bf16", the masters' (and gradient shards')
+    and the moments' (default the config's ``bf16`` switches, else fp32; module doc, 4.).
     """
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
@@ -256,6 +273,12 @@ def estimate_memory(
         offload_param = zero.offload_param.device if config is not None else "none"
     if dtype is None:
         dtype = config.compute_dtype if config is not None else "bf16"
+    bf16 = config.bf16 if config is not None else None
+    master_dtype = master_dtype or (bf16.master_dtype if bf16 is not None else "fp32")
+    state_dtype = state_dtype or (bf16.optimizer_state_dtype if bf16 is not None else "fp32")
+    for key, v in (("master_dtype", master_dtype), ("state_dtype", state_dtype)):
+        if v not in ("fp32", "bf16"):
+            raise ConfigError(f"{key} = {v!r}: expected fp32 or bf16", key=key)
     if ratio is None:
         ratio = zero.offload_optimizer.ratio if config is not None else 1.0
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or \
@@ -285,6 +308,9 @@ def estimate_memory(
 
     n = gpus_per_node * nodes
     b = DTYPE_BYTES[dtype]
+    mb, sb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype]
+    k_adam = mb + 2 * sb  # K: 12 for fp32 state (module doc, 4.)
+    gshard = mb  # the gradient shard's bytes per element where it would be fp32
     shard = math.ceil(psi / n)
     items: list[MemoryItem] = []
     # ratio < 1: D elements of the shard stay on the GPU (same floor as twin.device_numel)
@@ -317,7 +343,7 @@ def estimate_memory(
     grad_tier = "gpu" if opt_dev == "none" else "cpu"
     # zeroio's stage 3 keeps no 16-bit gradient shard (module doc, 2.): the model states keep
     # the paper's b-byte term, the buffers below the rest of its fp32 shard
-    stage3_grad = stage == 3 and zeroio_buffers and dtype != "fp32"
+    stage3_grad = stage == 3 and zeroio_buffers and dtype != "fp32" and gshard > b
     if stage < 2:
         add("gradients", "gpu", b * psi, state, f"{b} * Psi")
         if opt_dev != "none":
@@ -326,15 +352,15 @@ def estimate_memory(
         add_shard("gradients", grad_tier, b, state, f"{b}")
     # Optimizer state: K bytes per parameter, partitioned from stage 1.
     if stage == 0:
-        add("optimizer states", "gpu", K_ADAM * psi, state, f"{K_ADAM} * Psi")
+        add("optimizer states", "gpu", k_adam * psi, state, f"{k_adam} * Psi")
     elif opt_dev == "nvme" and zeroio_buffers:
-        # zeroio's swapper keeps the fp32 masters in host memory (optim/swap.py, [Note:
-        # masters stay on the host]); only the moments go to the disk
-        add_shard("optimizer fp32 masters", "cpu", FP32, state, "4")
-        add_shard("optimizer moments", "nvme", K_ADAM - FP32, state, f"{K_ADAM - FP32}")
+        # zeroio's swapper keeps the masters in host memory (optim/swap.py, [Note: masters
+        # stay on the host]); only the moments go to the disk
+        add_shard(f"optimizer {master_dtype} masters", "cpu", mb, state, f"{mb}")
+        add_shard("optimizer moments", "nvme", 2 * sb, state, f"{2 * sb}")
     else:
-        add_shard("optimizer states", "gpu" if opt_dev == "none" else opt_dev, K_ADAM, state,
-                  f"{K_ADAM}")
+        add_shard("optimizer states", "gpu" if opt_dev == "none" else opt_dev, k_adam, state,
+                  f"{k_adam}")
 
     if zeroio_buffers:
         buf = "zeroio_buffer"
@@ -345,7 +371,7 @@ def estimate_memory(
             elif stage3_grad:
                 # the gradient is the paper's b-byte term above plus what its fp32 shard
                 # holds beyond it; with 16-bit host gradients only the device side's is fp32
-                beyond = FP32 - b
+                beyond = gshard - b
                 if host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage) == b:
                     add("fp32 gradient shard beyond the model states' (ratio: on GPU)", "gpu",
                         beyond * dev, buf, f"{beyond} * floor((1 - ratio) * Psi / N)")
@@ -360,7 +386,8 @@ def estimate_memory(
                     buf, f"{b} * (Psi / N - floor((1 - ratio) * Psi / N))" if dev
                     else f"{b} * Psi / N")
             else:
-                add_shard("fp32 gradient shard", grad_tier, FP32, buf, "4")
+                add_shard(f"{'fp32' if gshard == FP32 else master_dtype} gradient shard",
+                          grad_tier, gshard, buf, f"{gshard}")
         copies = 2 if (zero.overlap_comm if zero.overlap_comm is not None else stage == 3) else 1
         if stage < 3:
             add("gradient reduce buckets", "gpu", copies * b * min(zero.reduce_bucket_size, psi),
@@ -405,8 +432,8 @@ def estimate_memory(
         if opt_dev == "nvme":
             oo = zero.offload_optimizer
             add("optimizer swap buffers (pinned)", "cpu",
-                oo.buffer_count * min(zero.sub_group_size, shard - dev) * FP32, buf,
-                "buffer_count * min(sub_group_size, offloaded elements per GPU) * 4")
+                oo.buffer_count * min(zero.sub_group_size, shard - dev) * sb, buf,
+                f"buffer_count * min(sub_group_size, offloaded elements per GPU) * {sb}")
         if par_dev == "nvme":
             op = zero.offload_param
             add("parameter swap buffers (pinned)", "cpu", op.buffer_count * op.buffer_size * b,
@@ -418,7 +445,8 @@ def estimate_memory(
 
     return MemoryEstimate(num_params=psi, gpus_per_node=gpus_per_node, nodes=nodes, stage=stage,
                           offload_optimizer=opt_dev, offload_param=par_dev, dtype=dtype,
-                          items=tuple(items), ratio=float(ratio), device_elements=dev)
+                          items=tuple(items), ratio=float(ratio), device_elements=dev,
+                          master_dtype=master_dtype, state_dtype=state_dtype)
 
 
 def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,

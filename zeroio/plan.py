@@ -275,6 +275,8 @@ class _Model:
     nodes: int
     largest_group: int | None
     activation_bytes: int
+    bf16_state: bool = False
+    """Both ``bf16`` optimizer-state switches on (6 bytes of optimizer state per element)."""
 
 
 def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None) -> dict[str, Any]:
@@ -301,6 +303,8 @@ def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None) -
     cfg: dict[str, Any] = {"zero_optimization": zero_block(p, ratio=ratio, cpu_budget=cpu_budget)}
     if model.dtype in ("bf16", "fp16"):
         cfg[model.dtype] = {"enabled": True}
+    if model.bf16_state:  # docs/engine.md, "bf16 optimizer state"
+        cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return cfg
 
 
@@ -363,7 +367,7 @@ def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: in
     up = 2 * b * shard if p.param != "none" else b * host
     read = write = resident = 0
     if p.optimizer == "nvme":
-        moments = MOMENT_BYTES * host
+        moments = MOMENT_BYTES * DTYPE_BYTES[est.state_dtype] // 4 * host
         resident = min(moments, max(0, (cpu_budget or 0) - est.per_gpu("cpu")))
         read = write = moments - resident
     if p.param == "nvme":
@@ -400,7 +404,7 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                    micro_batch: int, seq: int, layers: int | None = None,
                    hidden: int | None = None, vocab: int | None = None,
                    intermediate: int | None = None, largest_group: int | None = None,
-                   nodes: int = 1) -> Plan:
+                   nodes: int = 1, bf16_optimizer_states: bool = False) -> Plan:
     """The first placement of the rule (module doc) that fits ``machine`` for a model of
     ``num_params`` parameters trained on ``nodes`` such nodes.
 
@@ -408,7 +412,9 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
     activation checkpointing, ``micro_batch`` x ``seq`` tokens) when ``layers``, ``hidden``
     and ``vocab`` are given; ``intermediate`` defaults to 4 x hidden. ``largest_group``
     (stage 3's largest flat group) defaults to one such decoder layer when ``hidden`` is
-    given, else the estimate's stand-in. Raises ``CapacityError`` when nothing fits.
+    given, else the estimate's stand-in. ``bf16_optimizer_states``: plan with both bf16
+    optimizer-state switches on (bf16 masters, gradient shards and moments; needs ``dtype``
+    bf16; no partial offload ratio). Raises ``CapacityError`` when nothing fits.
     """
     if not isinstance(machine, Machine):
         raise ConfigError(f"machine = {machine!r}: expected a zeroio.plan.Machine", key="machine")
@@ -419,8 +425,12 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
     if largest_group is None and hidden is not None:
         largest_group = llama_num_params(hidden=hidden, intermediate=intermediate or 4 * hidden,
                                          layers=1, vocab=0, heads=1)[1]
+    if bf16_optimizer_states and dtype != "bf16":
+        raise ConfigError(f"bf16_optimizer_states needs dtype bf16 (got {dtype})",
+                          key="bf16_optimizer_states")
     model = _Model(num_params=parse_count(num_params), dtype=dtype, nodes=nodes,
-                   largest_group=largest_group, activation_bytes=act)
+                   largest_group=largest_group, activation_bytes=act,
+                   bf16_state=bf16_optimizer_states)
     cpu_budget = int(machine.host_bytes * (1 - MARGIN)) // machine.gpus
     reasons: list[str] = []
     tiers: tuple[TierFit, ...] = ()
@@ -432,7 +442,7 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
             reasons.append(_overflow(p, tiers))
             continue
         ratio = 1.0
-        if p.optimizer == "cpu":
+        if p.optimizer == "cpu" and not model.bf16_state:  # the switches take no ratio
             k = _largest_share(p, model, machine)
             if k:
                 ratio = round(1 - k / 100, 2)

@@ -20,6 +20,13 @@ masters are the weights: 16-bit parameters are republished from them on
 load, so a resume is bit-exact in fp32 and needs no 16-bit array. NVMe-resident
 moments go in as their swap files, shared, where the file systems allow
 ([Note: shared extents] in shared.py).
+
+[Note: state dtypes in a checkpoint] Each array is stored in the dtype the engine keeps it in
+(``kind_dtype``): "fp32" is the masters' array whatever their dtype (bf16 with
+``bf16.bf16_master_weights_and_grads``), the moments are bf16 with
+``bf16.bf16_optimizer_states``; the manifest and zarr metadata name the dtype. A load converts
+the stored dtype to the engine's: bf16 -> fp32 is exact, fp32 -> bf16 rounds to nearest-even
+(what the first bf16 step would do), so either setting resumes the other's checkpoint.
 """
 
 from __future__ import annotations
@@ -65,6 +72,12 @@ OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")
 _GATHER_WINDOW = 1 << 25  # elements per reduce when gathering 16-bit weights
 
 
+def kind_dtype(engine, kind: str) -> torch.dtype:
+    """The dtype ``kind`` is kept (and saved) in: [Note: state dtypes in a checkpoint]."""
+    b = engine.config.bf16
+    return DTYPES[b.master_dtype if kind == "fp32" else b.optimizer_state_dtype]
+
+
 def _comm(engine) -> Comm:
     part = engine.partitioner
     return Comm.default(part.group)
@@ -95,7 +108,8 @@ def _save_segments(engine, kind: str, comm: Comm) -> list[Segment | LazySegment]
     for g in engine.partitioner.groups:
         for s in g.segments:
             if s.numel:
-                out.append(LazySegment(offset=s.global_offset, numel=s.numel, dtype=torch.float32,
+                out.append(LazySegment(offset=s.global_offset, numel=s.numel,
+                                       dtype=kind_dtype(engine, kind),
                                        read=partial(_read_local, read_local, g.group_index, kind,
                                                     s.local_offset)))
     return out
@@ -116,7 +130,7 @@ def _load_segments(engine, kind: str, locals_out: dict) -> list[Segment | LazySe
         for s in g.segments:
             if s.numel:
                 out.append(LazySegment(
-                    offset=s.global_offset, numel=s.numel, dtype=torch.float32,
+                    offset=s.global_offset, numel=s.numel, dtype=kind_dtype(engine, kind),
                     read=partial(_read_local, read_local, g.group_index, kind, s.local_offset),
                     write=partial(_write_local, write_range, g.group_index, kind, s.local_offset)))
     return out
@@ -177,7 +191,8 @@ def _frozen_segments(engine, index, names, kind) -> list[Segment]:
     out = []
     for n in names:
         p = params[n].detach().reshape(-1)
-        data = p.float() if kind == "fp32" else torch.zeros(p.numel(), dtype=torch.float32)
+        data = p.to(kind_dtype(engine, kind)) if kind == "fp32" else torch.zeros(
+            p.numel(), dtype=kind_dtype(engine, kind))
         out.append(Segment(index[n].offset, data))
     return out
 
@@ -327,7 +342,7 @@ def build_state(engine, *, kinds=("fp32", *OPTIMIZER_KINDS), comm: Comm | None =
         "offload_param": cfg.zero_optimization.offload_param.device,
         "model_class": f"{type(engine.module).__module__}.{type(engine.module).__qualname__}",
         "hf_config": _hf_config(engine.module),
-        "_dtypes": {k: torch.float32 for k in kinds},
+        "_dtypes": {k: kind_dtype(engine, k) for k in kinds},
         "_swap_flushed": flushed,
         "_share_fallback": why,
     }

@@ -87,8 +87,6 @@ SEMANTIC: dict[str, Any] = {
     "fp16.auto_cast": False,
     "fp16.fp16_master_weights_and_grads": False,
     "bf16.check_grad_overflow": False,
-    "bf16.bf16_master_weights_and_grads": False,
-    "bf16.bf16_optimizer_states": False,
     "checkpoint.writer": None,
 }
 

@@ -247,6 +247,41 @@ def _check_offload(cfg: Config) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one",
                           key="bf16.enabled")
+    _check_bf16_state(cfg)
+
+
+def _check_bf16_state(cfg: Config) -> None:
+    """DeepSpeed's rules for ``bf16.bf16_master_weights_and_grads`` and
+    ``bf16.bf16_optimizer_states`` (runtime/config.py, base_optimizer.py), plus zeroio's own
+    limit (no partial offload); docs/engine.md, "bf16 optimizer state"."""
+    b, zero = cfg.bf16, cfg.zero_optimization
+    on = [k for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+          if getattr(b, k)]
+    if not on:
+        return
+    key = f"bf16.{on[-1]}"
+    if not b.enabled:
+        raise ConfigError(f"{key} = true needs bf16.enabled = true (bf16 parameters and "
+                          "gradients); enable bf16 or drop the key", key=key)
+    if zero.stage == 0:
+        raise ConfigError(f"{key} = true needs zero_optimization.stage 1, 2 or 3 (stage is 0): "
+                          "the bf16 state is the ZeRO optimizer's", key=key)
+    if b.bf16_optimizer_states and not b.bf16_master_weights_and_grads:
+        raise ConfigError("bf16.bf16_optimizer_states = true needs "
+                          "bf16.bf16_master_weights_and_grads = true (as in DeepSpeed: bf16 "
+                          "moments go with bf16 master weights); set both",
+                          key="bf16.bf16_optimizer_states")
+    offload = zero.offload_optimizer.device
+    if not b.bf16_optimizer_states and offload is OffloadDevice.NONE:
+        raise ConfigError("bf16.bf16_master_weights_and_grads = true with fp32 optimizer states "
+                          "needs zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\" "
+                          "(as in DeepSpeed: the fp32 moments live off the GPU); offload the "
+                          "optimizer, or set bf16.bf16_optimizer_states = true too",
+                          key="bf16.bf16_master_weights_and_grads")
+    if offload is not OffloadDevice.NONE and zero.offload_optimizer.ratio < 1.0:
+        raise ConfigError(f"{key} = true with zero_optimization.offload_optimizer.ratio = "
+                          f"{zero.offload_optimizer.ratio:g}: zeroio's partial offload keeps "
+                          "fp32 state on the GPU side; set ratio 1.0 or drop the key", key=key)
 
 
 def load_config(path_or_dict: Any, **auto_values: Any) -> Config:

@@ -75,6 +75,23 @@ class TieringPolicy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """The dtypes of the ZeRO optimizer's own state (``bf16.bf16_master_weights_and_grads``,
+    ``bf16.bf16_optimizer_states``), as ``zeroio.dtypes.DTYPES`` names; docs/engine.md,
+    "bf16 optimizer state"."""
+
+    master: str = "fp32"
+    """Master weights and gradient shards: fp32, or bf16."""
+    states: str = "fp32"
+    """Adam moments: fp32, or bf16."""
+
+    @property
+    def low(self) -> bool:
+        """Some optimizer state is kept in bf16."""
+        return self.master != "fp32" or self.states != "fp32"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Policies:
     """Everything the builders below the config need of the offload and tiering blocks."""
 
@@ -83,16 +100,22 @@ class Policies:
     tiering: TieringPolicy = field(default_factory=TieringPolicy)
     accumulation_steps: int = 1
     """``gradient_accumulation_steps``: above 1 host gradients are summed in fp32."""
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
 
 
 def _device(value) -> str:
     return str(getattr(value, "value", value))
 
 
-def resolve_policies(zero, *, accumulation_steps: int = 1, device=None) -> Policies:
+def resolve_policies(zero, *, accumulation_steps: int = 1, device=None,
+                     bf16=None) -> Policies:
     """``zero``: ``Config.zero_optimization`` (config.zero.ZeroConfig). ``device``: the
     training device (its type decides ``step_assist`` and ``overlap_step`` "auto"; None: not
-    known yet, both stay off unless set on)."""
+    known yet, both stay off unless set on). ``bf16``: ``Config.bf16`` (None: fp32 optimizer
+    state); with bf16 optimizer state the step assist is off (its GPU slots step fp32 state
+    only)."""
+    precision = PrecisionPolicy() if bf16 is None else PrecisionPolicy(
+        master=bf16.master_dtype, states=bf16.optimizer_state_dtype)
     oo, op, t = zero.offload_optimizer, zero.offload_param, zero.tiering
     opt_dev = _device(oo.device)
     optimizer = OffloadPolicy(
@@ -110,11 +133,12 @@ def resolve_policies(zero, *, accumulation_steps: int = 1, device=None) -> Polic
         gpu_budget_bytes=t.gpu_budget_bytes, cpu_budget_bytes=t.cpu_budget_bytes,
         nvme_budget_bytes=t.nvme_budget_bytes, nvme_reserve_bytes=int(t.nvme_reserve_bytes),
         overlap_step=overlap_step_enabled(t, device),
-        step_assist=device is not None and opt_dev == "cpu" and step_assist_enabled(t, device),
+        step_assist=device is not None and opt_dev == "cpu" and not precision.low and
+        step_assist_enabled(t, device),
         step_chunk_numel=int(t.step_chunk_numel))
     return Policies(optimizer=optimizer, param=param, tiering=tiering,
-                    accumulation_steps=int(accumulation_steps))
+                    accumulation_steps=int(accumulation_steps), precision=precision)
 
 
-__all__ = ["OffloadPolicy", "ParamOffloadPolicy", "Policies", "TieringPolicy",
+__all__ = ["OffloadPolicy", "ParamOffloadPolicy", "Policies", "PrecisionPolicy", "TieringPolicy",
            "resolve_policies"]

@@ -64,10 +64,29 @@ class FP16Config:
 
 @dataclass(frozen=True, kw_only=True)
 class BF16Config:
-    """``bf16`` (legacy name ``bfloat16``): bfloat16 parameters, fp32 master weights."""
+    """``bf16`` (legacy name ``bfloat16``): bfloat16 parameters, fp32 master weights unless
+    ``bf16_master_weights_and_grads`` (docs/engine.md, "bf16 optimizer state")."""
 
     enabled: bool = field(False, coerce=as_bool)
     """Train with bf16 parameters and gradients; no loss scaling."""
+    bf16_master_weights_and_grads: bool = field(False, coerce=as_bool)
+    """Keep this rank's master weights and gradient shard in bf16 instead of fp32 (DeepSpeed's
+    switch): 2 bytes each per element instead of 4. Needs ``enabled``, ZeRO stage 1-3, and
+    ``offload_optimizer`` (cpu or nvme) unless ``bf16_optimizer_states`` is on too."""
+    bf16_optimizer_states: bool = field(False, coerce=as_bool)
+    """Keep the Adam moments (exp_avg, exp_avg_sq) in bf16 wherever they live (GPU, host
+    memory, the NVMe swap files); the update is computed in fp32 and rounded back. Needs
+    ``bf16_master_weights_and_grads`` (DeepSpeed's rule)."""
+
+    @property
+    def master_dtype(self) -> str:
+        """ "bf16" or "fp32": the dtype of master weights and gradient shards."""
+        return "bf16" if self.bf16_master_weights_and_grads else "fp32"
+
+    @property
+    def optimizer_state_dtype(self) -> str:
+        """ "bf16" or "fp32": the dtype of the Adam moments."""
+        return "bf16" if self.bf16_optimizer_states else "fp32"
 
 
 class TagValidation(str, enum.Enum):

@@ -32,6 +32,9 @@ from zeroio.optim import cpu_adam
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.shard.types import ShardGroup
 
+UPCAST_PIECE = 1 << 22
+"""Elements of bf16 state upcast to fp32 at once ([Note: bf16 optimizer state])."""
+
 
 @dataclass(eq=False, kw_only=True)
 class AdamState:
@@ -43,12 +46,13 @@ class AdamState:
     """float32 scalar on the moments' device (what the fused kernels expect)."""
 
     @staticmethod
-    def zeros_like(master: torch.Tensor) -> AdamState:
+    def zeros_like(master: torch.Tensor, dtype: torch.dtype = torch.float32) -> AdamState:
+        """Zero moments of ``dtype`` (fp32, or bf16: [Note: bf16 optimizer state])."""
         def z():
             if master.device.type == "cpu":  # see zeroio.io.hostmem.[Note: host memory]
-                return host_zeros(master.numel(), master.dtype,
+                return host_zeros(master.numel(), dtype,
                                   pin=master.is_pinned()).view(master.shape)
-            return torch.zeros(master.shape, dtype=master.dtype, device=master.device)
+            return torch.zeros(master.shape, dtype=dtype, device=master.device)
 
         return AdamState(exp_avg=z(), exp_avg_sq=z(),
                          step=torch.zeros((), dtype=torch.float32, device=master.device))
@@ -70,7 +74,41 @@ def adam_update(
 ) -> None:
     """One Adam(W) step of ``master`` in place (grad divided by ``grad_scale`` first).
     ``scale_tensor``: ``grad_scale`` already as a float32 scalar on the master's device (a
-    caller stepping many chunks makes it once)."""
+    caller stepping many chunks makes it once). bf16 master, gradient or moments are stepped
+    in fp32 and rounded back ([Note: bf16 optimizer state])."""
+    if any(t.dtype != torch.float32 for t in (master, grad, state.exp_avg, state.exp_avg_sq)):
+        _upcast_update(master=master, grad=grad, state=state, hyper=hyper, decoupled=decoupled,
+                       grad_scale=grad_scale, scale_tensor=scale_tensor)
+        return
+    _fp32_update(master=master, grad=grad, state=state, hyper=hyper, decoupled=decoupled,
+                 grad_scale=grad_scale, scale_tensor=scale_tensor)
+
+
+def _upcast_update(*, master, grad, state: AdamState, hyper, decoupled, grad_scale,
+                   scale_tensor) -> None:
+    """``adam_update`` of 16-bit tensors, ``UPCAST_PIECE`` elements at a time: fp32 copies of
+    the piece (a view where a tensor is fp32 already), the fp32 step, copies back (which round
+    to nearest-even)."""
+    n = master.numel()
+    before = state.step.clone()
+    flat = [t.view(-1) for t in (master, grad, state.exp_avg, state.exp_avg_sq)]
+    for lo in range(0, n, UPCAST_PIECE):
+        k = min(UPCAST_PIECE, n - lo)
+        views = [t.narrow(0, lo, k) for t in flat]
+        p, g, m, v = (t.float() for t in views)
+        _fp32_update(master=p, grad=g, state=AdamState(exp_avg=m, exp_avg_sq=v,
+                                                       step=before.clone()),
+                     hyper=hyper, decoupled=decoupled, grad_scale=grad_scale,
+                     scale_tensor=scale_tensor)
+        for dst, src in ((views[0], p), (views[2], m), (views[3], v)):
+            if dst.dtype != torch.float32:
+                dst.copy_(src)
+    if n:
+        state.step.copy_(before + 1)
+
+
+def _fp32_update(*, master, grad, state: AdamState, hyper, decoupled, grad_scale,
+                 scale_tensor) -> None:
     beta1, beta2 = hyper["betas"]
     fn = adamw_fn if decoupled else adam_fn
     fused = fused_supported(master.device)
@@ -173,22 +211,29 @@ class ShardedAdam(EngineOptimizer):
     chunked_step = True
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
-                 grad_divisor: float = 1.0):
+                 grad_divisor: float = 1.0, state_dtype: torch.dtype = torch.float32):
+        """``state_dtype``: the moments' dtype, fp32 or bf16 ([Note: bf16 optimizer
+        state]); the masters' is the partitioner's (``ShardGroup.master``)."""
         self.groups = groups
         self.param_groups = param_groups
         self.decoupled = decoupled
         self.grad_divisor = grad_divisor
         """Folded into every step's ``grad_scale`` ([Note: grad_scale])."""
-        self.state: list[AdamState] = [AdamState.zeros_like(g.master) for g in groups]
+        self.state_dtype = state_dtype
+        self.state: list[AdamState] = [AdamState.zeros_like(g.master, state_dtype)
+                                       for g in groups]
         self.groups_by_index = {g.group_index: g for g in groups}
         host = [g.master for g in groups if g.master.numel()]
         low = {g.grad.dtype for g in groups if g.master.numel()} - {torch.float32}
+        master_dtype = host[0].dtype if host else torch.float32
         self.one_pass = bool(host) and all(
-            t.device.type == "cpu" and t.dtype == torch.float32 for t in host) and \
+            t.device.type == "cpu" and t.dtype in cpu_adam.STATE_DTYPES for t in host) and \
             cpu_adam.wanted(sum(t.numel() for t in host),
-                            grad_dtype=next(iter(low), torch.float32))
-        """Host fp32 masters stepped by the compiled one-pass kernel (cpu_adam.py)."""
-        if low and not self.one_pass:  # the partitioner decided by the same cpu_adam.wanted
+                            grad_dtype=next(iter(low), torch.float32),
+                            master_dtype=master_dtype, state_dtype=state_dtype)
+        """Host masters stepped by the compiled one-pass kernel (cpu_adam.py)."""
+        low_state = master_dtype != torch.float32 or state_dtype != torch.float32
+        if low and not self.one_pass and not low_state:  # the partitioner decided by the same
             raise ConfigError(f"host gradients in {sorted(map(str, low))} need the one-pass CPU "
                               "Adam kernel, which is not in use: set ZEROIO_CPU_ADAM the same "
                               "when the engine is built and the optimizer is",

@@ -17,6 +17,10 @@ C++ backend (vectorized, OpenMP) from the elementwise function below. Dynamic
 shapes let one kernel serve every chunk length and offset. The hyperparameters
 come in as a float64 tensor, so an LR schedule does not recompile.
 
+bf16 master weights and moments ([Note: bf16 optimizer state] in adam.py) are upcast to fp32
+in registers as the gradient is, stepped by the same fp32 math, and rounded back to bf16 to
+nearest-even when stored: one variant per master and moment dtype as well.
+
 The math is torch's fused AdamW/Adam, term by term:
 grad / grad_scale, L2 decay into the gradient (Adam) or
 ``param - lr * wd * param`` (AdamW), ``lerp`` of the first moment, the second
@@ -63,7 +67,12 @@ COMPILE_HINT_NUMEL = 1 << 22
 H_LEN = 8
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+"""Master and moment dtypes the kernel steps (bf16: upcast in registers, rounded on store)."""
+
+
 def _math(p, g, m, v, h):
+    p, m, v = p.float(), m.float(), v.float()  # no-ops for fp32 state
     grad = g.float() / h[0] + p * h[7]  # a 16-bit gradient is upcast in registers
     p_dec = p - h[4] * p
     m_new = m + (grad - m) * (1.0 - h[1])
@@ -87,35 +96,45 @@ def _step_out(p, g, m, v, h, out):
     out.copy_(p_new)
 
 
+_F32 = torch.float32
+
+
 class _Kernels:
-    """The compiled callables, made once per process, gradient dtype and output dtype (under a
-    lock: any thread may ask)."""
+    """The compiled callables, made once per process, gradient, output, master and moment
+    dtype (under a lock: any thread may ask)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._fns: dict[tuple[torch.dtype, torch.dtype | None], object] = {}
+        self._fns: dict[tuple, object] = {}
         self.error: BaseException | None = None
 
     def get(self, out_dtype: torch.dtype | None = None,
-            grad_dtype: torch.dtype = torch.float32):
-        """The kernel reading a ``grad_dtype`` gradient, without an output (``None``) or
-        writing ``out_dtype``; None if it does not compile (``error`` says why)."""
-        key = (grad_dtype, out_dtype)
+            grad_dtype: torch.dtype = _F32, master_dtype: torch.dtype = _F32,
+            state_dtype: torch.dtype = _F32):
+        """The kernel reading a ``grad_dtype`` gradient and ``master_dtype`` / ``state_dtype``
+        master and moments, without an output (``None``) or writing ``out_dtype``; None if it
+        does not compile (``error`` says why)."""
+        key = (grad_dtype, out_dtype, master_dtype, state_dtype)
         with self._lock:
             if key not in self._fns and self.error is None:
+                # fp32 state: the two-argument call (the spies in tests/test_cpu_adam.py)
+                extra = () if key[2:] == (_F32, _F32) else key[2:]
                 try:
-                    self._fns[key] = self._compile(out_dtype, grad_dtype)
+                    self._fns[key] = self._compile(out_dtype, grad_dtype, *extra)
                 except Exception as e:  # no compiler, unsupported platform: caller decides
                     self.error = e
             return self._fns.get(key)
 
-    def has(self, grad_dtype: torch.dtype) -> bool:
-        """Some variant reading a ``grad_dtype`` gradient is built already."""
+    def has(self, grad_dtype: torch.dtype, master_dtype: torch.dtype = _F32,
+            state_dtype: torch.dtype = _F32) -> bool:
+        """Some variant reading a ``grad_dtype`` gradient and stepping this state is built."""
         with self._lock:
-            return any(g == grad_dtype for g, _ in self._fns)
+            return any((g, p, s) == (grad_dtype, master_dtype, state_dtype)
+                       for g, _, p, s in self._fns)
 
     @staticmethod
-    def _compile(out_dtype: torch.dtype | None, grad_dtype: torch.dtype):
+    def _compile(out_dtype: torch.dtype | None, grad_dtype: torch.dtype,
+                 master_dtype: torch.dtype = _F32, state_dtype: torch.dtype = _F32):
         import torch._inductor.config as inductor_config
 
         fn = torch.compile(_step if out_dtype is None else _step_out, dynamic=True,
@@ -136,8 +155,8 @@ class _Kernels:
               "output dtype; ZEROIO_CPU_ADAM=torch skips it)", file=sys.stderr, flush=True)
         with inductor_config.patch(patch), _no_isa_probes(trust):
             for n in (COMPILE_HINT_NUMEL, COMPILE_HINT_NUMEL - 3):  # the second: no recompile
-                t = [torch.zeros(n) for _ in range(4)]
-                t[1] = t[1].to(grad_dtype)
+                t = [torch.zeros(n, dtype=d)
+                     for d in (master_dtype, grad_dtype, state_dtype, state_dtype)]
                 if out_dtype is None:
                     fn(*t, h)
                 else:
@@ -178,7 +197,8 @@ _UNKNOWN = object()
 
 
 def wanted(total_numel: int, grad_dtype: torch.dtype = torch.float32,
-           out_dtype: torch.dtype | None | object = _UNKNOWN) -> bool:
+           out_dtype: torch.dtype | None | object = _UNKNOWN, *,
+           master_dtype: torch.dtype = _F32, state_dtype: torch.dtype = _F32) -> bool:
     """Whether host optimizer state of ``total_numel`` elements uses the compiled kernel
     (``planned``); if so, compiles now the variant the host step will call, reading a
     ``grad_dtype`` gradient and writing ``out_dtype`` (None: no output), so that no training
@@ -188,13 +208,16 @@ def wanted(total_numel: int, grad_dtype: torch.dtype = torch.float32,
     hands ``ChunkedStep.update``). A caller that does not know it leaves it out
     (``ShardedAdam``, built after its partitioner): a variant already built for
     ``grad_dtype`` is then enough, else the one without output (what ``ShardedAdam.step``
-    calls)."""
+    calls). ``master_dtype`` / ``state_dtype``: the master's and the moments' (fp32 or bf16:
+    [Note: bf16 optimizer state] in adam.py)."""
     if not planned(total_numel):
         return False
+    state = (master_dtype, state_dtype)
     if out_dtype is _UNKNOWN:
-        ok = _KERNELS.has(grad_dtype) or _KERNELS.get(None, grad_dtype) is not None
+        ok = _KERNELS.has(grad_dtype, *state) or \
+            _KERNELS.get(None, grad_dtype, *state) is not None
     else:
-        ok = _KERNELS.get(out_dtype, grad_dtype) is not None
+        ok = _KERNELS.get(out_dtype, grad_dtype, *state) is not None
     if ok:
         return True
     if mode() == "compiled":
@@ -221,10 +244,12 @@ def hyper_tensor(*, lr: float, betas: tuple[float, float], eps: float, weight_de
 def step_chunk(*, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, hyper: torch.Tensor,
                out: torch.Tensor | None = None) -> None:
-    """One Adam(W) update of fp32 1-D CPU tensors in place (``hyper`` from ``hyper_tensor``);
-    ``grad`` may be 16-bit (upcast to fp32 first: the same result as on ``grad.float()``);
-    ``out`` (same length, any float dtype) gets the updated master values."""
-    fn = _KERNELS.get(None if out is None else out.dtype, grad.dtype)
+    """One Adam(W) update of 1-D CPU tensors in place (``hyper`` from ``hyper_tensor``);
+    ``grad`` may be 16-bit (upcast to fp32 first: the same result as on ``grad.float()``), the
+    master and moments fp32 or bf16 (stepped in fp32, rounded back); ``out`` (same length, any
+    float dtype) gets the updated master values."""
+    fn = _KERNELS.get(None if out is None else out.dtype, grad.dtype, master.dtype,
+                      exp_avg.dtype)
     if fn is None:
         raise RuntimeError(f"the one-pass CPU Adam kernel is not available ({_KERNELS.error!r})")
     if out is None:

@@ -43,7 +43,9 @@ first step whatever the policy.
 The fp32 master shard stays in the partitioner's (pinned) host memory, as with
 ``device: cpu``: the 16-bit parameters are published from it right after the
 step. Only the moments (8 of the 12 bytes per parameter of optimizer state)
-go to NVMe.
+go to NVMe. With ``bf16.bf16_optimizer_states`` the moments are bf16 in the store, on disk
+and in the host window (4 bytes per element, half the swap I/O per step), and the masters
+bf16 too ([Note: bf16 optimizer state] in adam.py): 6 bytes per element in all.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from zeroio.config.policy import Policies, resolve_policies
+from zeroio.dtypes import DTYPES
 from zeroio.errors import CapacityError, ConfigError
 from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
@@ -95,9 +99,10 @@ def pieces_of(subs: list[SubGroup], piece_elems: int) -> list[SubGroup]:
             for s in subs for o in range(s.start, s.start + s.numel, size)]
 
 
-def pair_cost(piece: SubGroup) -> int:
-    """Host bytes of a piece's two moments in the store's CPU tier (whole pages each)."""
-    return len(KINDS) * max(-(-piece.numel * 4 // _PAGE) * _PAGE, _PAGE)
+def pair_cost(piece: SubGroup, itemsize: int = 4) -> int:
+    """Host bytes of a piece's two moments of ``itemsize`` bytes per element (4: fp32, 2:
+    bf16) in the store's CPU tier (whole pages each)."""
+    return len(KINDS) * max(-(-piece.numel * itemsize // _PAGE) * _PAGE, _PAGE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,36 +118,40 @@ class SwapPlan:
     """Host bytes of the optimizer's store."""
     fits: bool = False
     """Every piece's moments fit in ``cpu_budget`` at once (no swap after the first step)."""
+    itemsize: int = 4
+    """Bytes per moment element: 4 (fp32) or 2 (bf16 optimizer states)."""
 
     @property
     def streamed_bytes(self) -> int:
         """Moment bytes read from, and written to, the disk per step in steady state."""
-        return sum(p.numel * 4 * len(KINDS) for p in self.pieces[self.resident:])
+        return sum(p.numel * self.itemsize * len(KINDS) for p in self.pieces[self.resident:])
 
     @classmethod
     def make(cls, subs: list[SubGroup], *, cpu_budget: int | None, buffer_count: int,
              pipeline_read: bool, piece_elems: int | None = None, read_ahead: int | None = None,
-             hold: bool = True) -> SwapPlan:
+             hold: bool = True, itemsize: int = 4) -> SwapPlan:
         """``read_ahead``: pieces read ahead (None: ``READ_AHEAD`` with ``pipeline_read``, else
         0). ``hold``: keep the head resident (the trace schedule); False: nothing is held,
         the store's eviction policy decides ([Note: resident head, streamed tail])."""
         ahead = read_ahead if read_ahead is not None else (READ_AHEAD if pipeline_read else 0)
-        total = sum(pair_cost(s) for s in subs)
+        cost = partial(pair_cost, itemsize=itemsize)
+        total = sum(cost(s) for s in subs)
         if piece_elems is None:
             piece_elems = MAX_PIECE_ELEMS
             if cpu_budget is not None and cpu_budget < total:
                 # the window (current + read-ahead) takes at most a quarter of the budget
-                piece_elems = min(piece_elems, max(_PAGE // 4, cpu_budget // (4 * 4 * 2 * (1 + ahead))))
+                piece_elems = min(piece_elems, max(_PAGE // 4, cpu_budget // (
+                    4 * itemsize * 2 * (1 + ahead))))
         pieces = tuple(pieces_of(subs, piece_elems))
-        largest = max((pair_cost(p) for p in pieces), default=0)
+        largest = max((cost(p) for p in pieces), default=0)
         if cpu_budget is None:
             # DeepSpeed's meaning: buffer_count host buffers of the largest sub-group's moment
-            sub_bytes = max((pair_cost(s) // len(KINDS) for s in subs), default=0)
+            sub_bytes = max((cost(s) // len(KINDS) for s in subs), default=0)
             cpu_budget = min(total, max(4, buffer_count) * sub_bytes)
             cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest))
         if cpu_budget >= total:
             return cls(pieces=pieces, resident=len(pieces) if hold else 0, read_ahead=ahead,
-                       cpu_budget=cpu_budget, fits=True)
+                       cpu_budget=cpu_budget, fits=True, itemsize=itemsize)
         while ahead and (1 + ahead) * largest > cpu_budget:
             ahead -= 1
         window = (1 + ahead) * largest
@@ -152,20 +161,23 @@ class SwapPlan:
                 f"hold one piece's two moments ({largest} bytes needed); raise "
                 f"zero_optimization.tiering.cpu_budget_bytes or lower sub_group_size")
         if not hold:
-            return cls(pieces=pieces, resident=0, read_ahead=ahead, cpu_budget=cpu_budget)
+            return cls(pieces=pieces, resident=0, read_ahead=ahead, cpu_budget=cpu_budget,
+                       itemsize=itemsize)
         room, resident = cpu_budget - window, 0
         for p in pieces:
-            if pair_cost(p) > room:
+            if cost(p) > room:
                 break
-            room -= pair_cost(p)
+            room -= cost(p)
             resident += 1
-        return cls(pieces=pieces, resident=resident, read_ahead=ahead, cpu_budget=cpu_budget)
+        return cls(pieces=pieces, resident=resident, read_ahead=ahead, cpu_budget=cpu_budget,
+                   itemsize=itemsize)
 
 
-def min_host_bytes(groups: list[ShardGroup], sub_group_size: int) -> int:
+def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int = 4) -> int:
     """The smallest host share the optimizer can step with: one smallest piece's two moments
-    (or all moments, when smaller). What ``SwapPlan.make`` needs at the least."""
-    total = sum(pair_cost(s) for s in split(groups, sub_group_size))
+    (or all moments, when smaller), of ``itemsize`` bytes per element. What
+    ``SwapPlan.make`` needs at the least."""
+    total = sum(pair_cost(s, itemsize) for s in split(groups, sub_group_size))
     return min(total, len(KINDS) * _PAGE)
 
 
@@ -189,9 +201,12 @@ class SwappedAdam(EngineOptimizer):
             if cfg is None:
                 raise TypeError("SwappedAdam needs policies= (and aio=) or cfg=")
             policies = resolve_policies(cfg.zero_optimization,
-                                        accumulation_steps=cfg.gradient_accumulation_steps)
+                                        accumulation_steps=cfg.gradient_accumulation_steps,
+                                        bf16=cfg.bf16)
             aio = cfg.aio if aio is None else aio
         off, tiering = policies.optimizer, policies.tiering
+        self.state_dtype = DTYPES[policies.precision.states]
+        """The moments' dtype in the store and on disk (bf16 optimizer states: bf16)."""
         if off.nvme_path is None and backend is None:
             raise ConfigError("offload_optimizer.device is \"nvme\" but no nvme_path is set",
                               key="zero_optimization.offload_optimizer.nvme_path")
@@ -207,7 +222,8 @@ class SwappedAdam(EngineOptimizer):
         self.plan = SwapPlan.make(self.subs, cpu_budget=cpu_budget_bytes,
                                   buffer_count=off.buffer_count, pipeline_read=self.pipeline_read,
                                   piece_elems=piece_elems, read_ahead=tiering.prefetch_depth,
-                                  hold=self.policy is PolicyKind.TRACE)
+                                  hold=self.policy is PolicyKind.TRACE,
+                                  itemsize=self.state_dtype.itemsize)
         # write-behind is the trace schedule's: under lru / fifo the policy picks the victim
         self._write_behind = self.pipeline_write and self.policy is PolicyKind.TRACE
         self.pieces = list(self.plan.pieces)
@@ -228,7 +244,8 @@ class SwappedAdam(EngineOptimizer):
         self._tier = Tier.CPU
         for piece in self.pieces:
             for kind in KINDS:
-                self.store.register(piece.name(kind), (piece.numel,), torch.float32, home=Tier.NVME)
+                self.store.register(piece.name(kind), (piece.numel,), self.state_dtype,
+                                    home=Tier.NVME)
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
         self._last_of_sub = {self._piece_index(s.group_index, s.start + s.numel - 1): s
                              for s in self.subs}
@@ -312,7 +329,7 @@ class SwappedAdam(EngineOptimizer):
         g = self.groups[group_index]
         if kind == "fp32":
             return g.master
-        out = torch.empty(g.padded_numel, dtype=torch.float32)  # the pieces tile it: no fill
+        out = torch.empty(g.padded_numel, dtype=self.state_dtype)  # the pieces tile it: no fill
         for sub in self.pieces:
             if sub.group_index == group_index:
                 with self._state_pins:
@@ -336,7 +353,7 @@ class SwappedAdam(EngineOptimizer):
                              f"{g.padded_numel} elements")
         if kind == "fp32":
             return g.master.narrow(0, lo, n)
-        out = torch.empty(n, dtype=torch.float32)
+        out = torch.empty(n, dtype=self.state_dtype)
         for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=False):
             out.narrow(0, at, resident.numel()).copy_(resident)
         return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroio.partition.base import ParamIndex, Segment
+from zeroio.partition.base import ParamIndex, Segment, ShardGroup
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -137,3 +137,16 @@ def flatten_into_views(
 
 def grad_view(grads: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     return grads.narrow(0, slot.flat_offset, slot.numel).view_as(slot.param)
+
+
+def shard_group(gi: int, segments: list[Segment], master: torch.Tensor, grad: torch.Tensor,
+                slots) -> ShardGroup:
+    """The ShardGroup of ``segments`` of optimizer group ``gi``, naming the parameters of
+    ``slots`` with elements in them."""
+    names = tuple(dict.fromkeys(
+        s.name for s in slots
+        if any(seg.global_offset < s.global_offset + s.numel
+               and s.global_offset < seg.global_offset + seg.numel for seg in segments)))
+    return ShardGroup(group_index=gi, master=master, grad=grad,
+                      numel=sum(s.numel for s in segments), segments=tuple(segments),
+                      params=names)

@@ -90,8 +90,9 @@ import torch
 from zeroio.errors import DistributedError
 from zeroio.io.hostmem import host_empty, host_zeros
 from zeroio.partition import collectives as comm
-from zeroio.partition.base import ParamIndex, Partitioner, Phase, Segment, ShardGroup
+from zeroio.partition.base import ParamIndex, Partitioner, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
+from zeroio.partition.flat import shard_group as _shard_group
 from zeroio.partition.landing import GradPiece, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
 from zeroio.partition.stage3.twin import OptimizerSplit
@@ -169,16 +170,19 @@ class Stage12Partitioner(HostStep12, Partitioner):
         accumulation_steps: int = 1,
         step_assist: bool = False,
         host_kernel: OnePassKernel | None = None,
+        master_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype = torch.float32,
     ):
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
         gradients]. ``step_assist``: the GPU steps a share of the host chunks
         (shard/assist.py, [Note: step assist]; CUDA with host masters only).
         ``host_kernel``: the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the
-        host gradients stay fp32), asked by ``host_grad_dtype``."""
-        self.stage = stage
+        host gradients stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``:
+        of masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments."""
+        self.stage, self.master_dtype, self._state_dtype = stage, master_dtype, state_dtype
         self.host_grad_dtype = torch.float32
-        """dtype of the host gradient shard ([Note: 16-bit host gradients])."""
+        """The 16-bit compute dtype where [Note: 16-bit host gradients] applies, else fp32."""
         self.host_grad_divisor = 1.0
         """What the host optimizer folds into its grad_scale (the 1/world not applied)."""
         self._cpu_optimizer = cpu_optimizer and home.device.type == "cpu"
@@ -286,9 +290,12 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self.host_grad_dtype = host_grad_dtype(
             stage=self.stage, compute_dtype=self._compute_dtype,
             cpu_optimizer=self._cpu_optimizer, accumulation_steps=self._accumulation_steps,
-            host_numel=host_total, kernel=self._host_kernel, step_out=self._step_out())
-        if self.host_grad_dtype != torch.float32:
-            self.host_grad_divisor = float(self.comm_world)
+            host_numel=host_total, kernel=self._host_kernel, step_out=self._step_out(),
+            master_dtype=self.master_dtype, state_dtype=self._state_dtype)
+        self._unaveraged = self.host_grad_dtype != torch.float32
+        self.host_grad_divisor = float(self.comm_world) if self._unaveraged else 1.0
+        host_grad = self.host_grad_dtype if self._unaveraged else self.master_dtype
+        home = partial(self.home.empty, dtype=self.master_dtype)
         self._dev: list[ShardGroup] = []
         self._host: list[ShardGroup] = []
         groups = []
@@ -301,14 +308,14 @@ class Stage12Partitioner(HostStep12, Partitioner):
                 self._dev.append(_shard_group(gi, dev_segs, on_device.empty(d),
                                               on_device.empty(d), slots))
                 self._host.append(_shard_group(
-                    gi, host_segs, self.home.empty(base - d),
-                    self.home.empty(base - d, self.host_grad_dtype), slots))
+                    gi, host_segs, home(base - d),
+                    self.home.empty(base - d, host_grad), slots))
                 groups.append(_shard_group(
                     gi, segments, torch.empty(base, dtype=torch.float32, device="meta"),
                     torch.empty(base, dtype=torch.float32, device="meta"), slots))
             else:
-                groups.append(_shard_group(gi, segments, self.home.empty(base),
-                                           self.home.empty(base, self.host_grad_dtype), slots))
+                groups.append(_shard_group(gi, segments, home(base),
+                                           self.home.empty(base, host_grad), slots))
                 self._host.append(groups[-1])
             for b in buckets:
                 for s in b.slots:  # original (full precision) values, before the 16-bit cast
@@ -426,10 +433,9 @@ class Stage12Partitioner(HostStep12, Partitioner):
         first = self._first_micro or self.stage != 2
         lo = self._local_base[b.index] + piece.slice_lo
         for off, dst in self._parts(b.group_index, "grad", lo, k):  # device part stays there
-            # a 16-bit host shard takes the reduced values as they are: [Note: 16-bit host
-            # gradients] (the optimizer divides by the world)
-            part = (scaled if dst.dtype == scaled.dtype else src).narrow(0, off, dst.numel())
-            if not first and dst.dtype != torch.float32:
+            raw = self._unaveraged and dst.dtype != torch.float32  # [Note: 16-bit host gradients]
+            part = (src if raw else scaled).narrow(0, off, dst.numel())
+            if not first and raw:
                 raise DistributedError(
                     "a second backward before engine.step with 16-bit host gradients (stage 2, "
                     "gradient_accumulation_steps 1): call engine.step after each backward, or "
@@ -575,17 +581,6 @@ class Stage12Partitioner(HostStep12, Partitioner):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _shard_group(gi: int, segments: list[Segment], master: torch.Tensor, grad: torch.Tensor,
-                 slots) -> ShardGroup:
-    names = tuple(dict.fromkeys(
-        s.name for s in slots
-        if any(seg.global_offset < s.global_offset + s.numel
-               and s.global_offset < seg.global_offset + seg.numel for seg in segments)))
-    return ShardGroup(group_index=gi, master=master, grad=grad,
-                      numel=sum(s.numel for s in segments), segments=tuple(segments),
-                      params=names)
 
 
 _OVERLAPPED: weakref.WeakSet[Stage12Partitioner] = weakref.WeakSet()

@@ -37,14 +37,18 @@ class OnePassKernel(Protocol):
         """Host state of ``total_numel`` elements is planned for the kernel (compiles nothing)."""
 
     def wanted(self, total_numel: int, grad_dtype: torch.dtype,
-               out_dtype: torch.dtype | None) -> bool:
+               out_dtype: torch.dtype | None, *, master_dtype: torch.dtype,
+               state_dtype: torch.dtype) -> bool:
         """The kernel steps that state, and its variant reading ``grad_dtype`` and writing
-        ``out_dtype`` (None: no output) is built now."""
+        ``out_dtype`` (None: no output) over ``master_dtype`` masters and ``state_dtype``
+        moments is built now."""
 
 
 def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bool,
                     accumulation_steps: int, host_numel: int, kernel: OnePassKernel | None,
-                    step_out: torch.dtype | None = None, plan_only: bool = False) -> torch.dtype:
+                    step_out: torch.dtype | None = None, plan_only: bool = False,
+                    master_dtype: torch.dtype = torch.float32,
+                    state_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """dtype of the host gradient shard of ``host_numel`` elements at ``stage`` (module doc).
 
     ``cpu_optimizer``: the host side is stepped by a CPU Adam (offload_optimizer cpu, the
@@ -53,7 +57,9 @@ def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bo
     under the one-pass kernel (the 16-bit dtype it writes, None for no output);
     ``kernel.wanted`` builds that variant here, also when the gradient stays fp32, so no
     training step compiles. ``plan_only``: decide from ``kernel.planned`` alone, compiling
-    nothing (zeroio.estimate)."""
+    nothing (zeroio.estimate). ``master_dtype`` / ``state_dtype``: the optimizer state's
+    (bf16 with ``bf16.bf16_master_weights_and_grads`` / ``bf16_optimizer_states``), which
+    the kernel variant built here steps."""
     if not (cpu_optimizer and host_numel > 0) or kernel is None:
         return torch.float32
     grad = compute_dtype if host_grad_may_be_16bit(
@@ -62,7 +68,8 @@ def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bo
     if plan_only:
         one_pass = kernel.planned(host_numel)
     else:
-        one_pass = kernel.wanted(host_numel, grad_dtype=grad, out_dtype=step_out)
+        one_pass = kernel.wanted(host_numel, grad_dtype=grad, out_dtype=step_out,
+                                 master_dtype=master_dtype, state_dtype=state_dtype)
     return grad if one_pass else torch.float32
 
 

@@ -16,6 +16,17 @@ given only by ``segments``: sorted by ``local_offset``, disjoint, each a run of
 ``numel`` elements that are contiguous both locally and globally. A
 partitioner may lay its shard out in any order (stage 2 uses bucket-wise
 slices), so nothing may assume local offset == global offset - base.
+
+[Note: bf16 shards]
+With ``bf16.bf16_master_weights_and_grads`` the partitioners make ``master`` and ``grad`` bf16
+(as DeepSpeed's master partition and averaged gradient partition then are): the masters start
+as the parameters rounded to bf16 (the 16-bit parameters' own values); a reduced gradient is
+averaged in fp32 and rounded once into the bf16 shard (its squared norm is taken from the
+fp32 values before that rounding, as without the switch); a later micro step's gradient is
+added into it in bf16, one rounding per sum, as DeepSpeed accumulates in the master dtype.
+Where stage 1/2's 16-bit host gradients apply (partition/stage12.py, [Note: 16-bit host
+gradients]) the shard holds the unaveraged reduced values, as without the switch. The
+optimizer steps them in fp32 ([Note: bf16 optimizer state] in optim/adam.py).
 """
 
 from __future__ import annotations
@@ -74,7 +85,8 @@ class ParamIndex:
 class ShardGroup:
     """This rank's part of one optimizer param group.
 
-    ``master`` and ``grad`` are fp32 and live where the optimizer steps them
+    ``master`` and ``grad`` are fp32 (bf16: [Note: bf16 shards]) and live where the optimizer
+    steps them
     (GPU, pinned CPU). With NVMe offload the optimizer keeps ``master`` in the
     tiered store between steps and ``master`` here is the resident copy the
     optimizer hands back after the step (see ``zeroio/optim``).
@@ -83,7 +95,7 @@ class ShardGroup:
     group_index: int
     """Index of the optimizer param group whose hyperparameters apply."""
     master: torch.Tensor
-    """fp32 master weights of this shard, 1-D, ``padded_numel`` long."""
+    """fp32 (or bf16) master weights of this shard, 1-D, ``padded_numel`` long."""
     grad: torch.Tensor
     """fp32 gradient of this shard: reduced, averaged over ranks, summed over the accumulation
     micro steps and divided by their number. Valid after ``finalize_gradients(boundary=True)``.

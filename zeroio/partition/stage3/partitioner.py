@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zeroio.dtypes import DTYPES
 from zeroio.errors import DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Partitioner, Phase, ShardGroup
@@ -178,18 +179,24 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             pieces[side][pc.opt_group].append(ref)
             by_group.setdefault(gi, []).append(ref)
             sizes[side][pc.opt_group] += pc.hi - pc.lo
-        homes = {Side.HOST: self.home.empty, Side.DEVICE: lambda n: torch.zeros(
+        mdt, sdt = DTYPES[self.settings.master_dtype], DTYPES[self.settings.state_dtype]
+        homes = {Side.HOST: lambda n: self.home.empty(n, mdt), Side.DEVICE: lambda n: torch.zeros(
             n, dtype=torch.float32, device=self.device)}
         masters = {side: [homes[side](n) for n in sizes[side]] for side in Side}
         self.host_grad_dtype = host_grad_dtype(
             stage=3, compute_dtype=self.dtype, cpu_optimizer=self.settings.cpu_optimizer,
             accumulation_steps=self.settings.accumulation_steps,
             host_numel=sum(sizes[Side.HOST]), kernel=self._host_kernel,
-            step_out=self.dtype if isinstance(self.store, HostShards) else None)  # as run_step
+            step_out=self.dtype if isinstance(self.store, HostShards) else None,  # as run_step
+            master_dtype=mdt, state_dtype=sdt)
         """dtype of the host side's gradient shards ([Note: 16-bit host gradients at stage 3]
-        in grads.py); the device side's are fp32."""
+        in grads.py; bf16 with bf16 masters: [Note: bf16 shards] in shard/types.py); the
+        device side's are fp32."""
+        if self.host_grad_dtype == torch.float32:
+            self.host_grad_dtype = mdt
         grad_homes = {Side.HOST: lambda n: self.home.empty(n, self.host_grad_dtype),
-                      Side.DEVICE: homes[Side.DEVICE]}
+                      Side.DEVICE: lambda n: torch.zeros(n, dtype=torch.float32,
+                                                         device=self.device)}
         for g in self.pgroups:
             flat = self._full_flat(g)
             for ref in by_group.get(g.plan.index, []):

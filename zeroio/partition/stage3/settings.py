@@ -69,6 +69,13 @@ class Stage3Settings:
     chunks ([Note: step assist] in shard/assist.py); ``build_stage3_partitioner`` resolves
     ``zero_optimization.tiering.step_assist`` for the device."""
 
+    master_dtype: str = "fp32"
+    """fp32 or bf16 (``bf16.bf16_master_weights_and_grads``): the masters' and gradient
+    shards' dtype ([Note: bf16 shards] in shard/types.py)."""
+    state_dtype: str = "fp32"
+    """fp32 or bf16 (``bf16.bf16_optimizer_states``): the moments' (the one-pass CPU Adam
+    variant the partitioner builds)."""
+
     def __post_init__(self) -> None:
         if not 0.0 < self.optimizer_ratio <= 1.0:
             raise ConfigError(f"offload_optimizer.ratio must be in (0, 1], got "
@@ -124,4 +131,6 @@ class Stage3Settings:
             tiering=policies.tiering,
             aio=aio,
             step_assist=policies.tiering.step_assist,
+            master_dtype=policies.precision.master,
+            state_dtype=policies.precision.states,
         )
