@@ -197,7 +197,9 @@ def _gpu_body(tmpdir):
         tag = "" if assist is False else "_assist"
         for name, stage, off_param in (("z2_cpu", 2, "none"), ("z3_cpu", 3, "cpu")):
             cfg = _config(stage, off_param, "cpu", tmpdir)
-            cfg["zero_optimization"]["tiering"] = {"step_assist": assist}
+            # per-step hand counts: the step done within its step (with the overlap, CUDA's
+            # default, a step's publication copies land in the next step's window)
+            cfg["zero_optimization"]["tiering"] = {"step_assist": assist, "overlap_step": False}
             res[name + tag] = _train(cfg)
     return res
 

@@ -178,13 +178,14 @@ class Stage3HostStep:
         writes of the device masters on the caller's stream follow the device-side publish."""
         if self._publisher is not None:
             self._publisher.order_writers(self.streams.current())
-        runner, self._runner = self._runner, None
+        runner = self._runner  # kept while joined: the worker's jobs still ask it (_assisting)
         if runner is None:
             return
         try:
             with torch.profiler.record_function("zeroio::stage3::await_step"):
                 runner.join()
         finally:
+            self._runner = None
             self._unpublished = set()
             self._job_of = {}
             if self._assist is not None:  # the GPU's chunks are back in host memory
