@@ -303,7 +303,8 @@ def _rank_link(root: str, params: int) -> dict:
     engine.show_progress = False
     out = {"params": sum(p.numel() for p in model.parameters())}
     for name, share in (("copy", False), ("shared", True), ("shared_again", True)):
-        engine.backward(engine(torch.randn(2, width)).square().mean())
+        x = torch.randn(2, width).to(engine.device, next(engine.module.parameters()).dtype)
+        engine.backward(engine(x).float().square().mean())
         engine.step()
         save_checkpoint(engine, os.path.join(root, "ck"), tag=name,
                         options=SaveOptions(share_swap=share, progress=False, aio=engine.config.aio))

@@ -29,6 +29,9 @@ BF = torch.bfloat16
 ON = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
 
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+"""Rank environment for the engine tests: their inputs and reference live on the CPU."""
+
 
 # ---- config -------------------------------------------------------------------------------
 
@@ -268,7 +271,8 @@ def _engine_body(tmpdir):
 
 
 def test_engine_matches_bf16_reference_every_stage_and_offload(tmp_path):
-    results = run_ranks(_engine_body, 2, str(tmp_path), timeout=400)
+    # the reference is CPU arithmetic: the engines train on the CPU on a GPU machine too
+    results = run_ranks(_engine_body, 2, str(tmp_path), timeout=400, env=CPU_ONLY)
     for rank_results in results:
         assert len(rank_results) == 9
         for r in rank_results:
@@ -399,7 +403,7 @@ def _ckpt_body(tmpdir):
 
 
 def test_checkpoint_keeps_bf16_state_and_converts_for_fp32(tmp_path):
-    (r,) = run_ranks(_ckpt_body, 1, str(tmp_path), timeout=240)
+    (r,) = run_ranks(_ckpt_body, 1, str(tmp_path), timeout=240, env=CPU_ONLY)
     for name, res in r.items():
         assert res["moved"] and res["same"] and res["fp32"], (name, res)
         assert res["fp32_kinds"] == ["torch.float32"], (name, res)
