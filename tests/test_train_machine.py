@@ -38,7 +38,7 @@ def test_cuda_machine_takes_each_probe(tmp_path):
                                 disk_bytes=500 * GB, pcie_bps=25 * GB, disk_read_bps=6 * GB,
                                 disk_write_bps=3 * GB, cpu_adam_elems_per_s=2 * GB)
     # the disk is probed where the swap folder will be: its nearest existing parent
-    assert calls == [("disk", tmp_path, 256 << 20), ("copy", 64 << 20, True), ("adam", 1 << 22)]
+    assert calls == [("disk", tmp_path, 256 << 20), ("copy", 64 << 20, True), ("adam", 1 << 26)]
     assert any("2 x 79.00 GB free" in n for n in m.notes)
 
 
