@@ -204,10 +204,11 @@ def test_torch_kernel_keeps_fp32_host_grads_stage3(tmp_path, monkeypatch):
 
 
 PLACEMENTS = [("nvme", "cpu", "torch.bfloat16"), ("none", "cpu", "torch.bfloat16"),
-              ("cpu", "nvme", "torch.float32")]
+              ("cpu", "nvme", "torch.bfloat16")]
 """(offload_param, offload_optimizer, host gradient dtype) at gas 1: shards on NVMe (the
 whole-group step, no output in the kernel's pass), shards on the GPU (DeviceShards: the
-kernel steps, a copy publishes), and the optimizer on NVMe (its swapper reads fp32)."""
+kernel steps, a copy publishes), and the optimizer on NVMe (its swapper steps each piece
+with the kernel, reading the 16-bit gradient: optim/swap.py)."""
 
 
 def _placement_body(tmpdir):

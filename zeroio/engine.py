@@ -91,7 +91,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
             overlap_forward=off.cpu and pol.tiering.overlap_step,
             optimizer_ratio=off.ratio if off.cpu else 1.0,
-            cpu_optimizer=off.cpu, accumulation_steps=pol.accumulation_steps,
+            cpu_optimizer=off.cpu, nvme_optimizer=off.nvme,
+            accumulation_steps=pol.accumulation_steps,
             step_assist=pol.tiering.step_assist, host_kernel=cpu_adam,
             master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states])
     if zc.stage == 3:
@@ -125,10 +126,10 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, 
         from zeroio.optim.swap import SwappedAdam
 
         return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, policies=policies,
-                           aio=cfg.aio,
+                           aio=cfg.aio, grad_divisor=partitioner.host_grad_divisor,
                            rank=comm.rank(), **(shares or {}))
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
-    # gradients]): the optimizer folds the divisor into its grad_scale
+    # gradients]): the optimizer (either) folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
                        grad_divisor=partitioner.host_grad_divisor,
                        state_dtype=DTYPES[policies.precision.states])

@@ -26,7 +26,8 @@ Two layers, reported separately in the breakdown:
      (so they read 16 Psi / N at stage 3, as the paper's figure 1) and the buffer
      is the (4 - b) bytes per element the fp32 shard holds beyond it; the sum is
      the bytes training holds. With
-     offload_optimizer cpu, nothing accumulated on the host (stage 1, or stages
+     offload_optimizer cpu or nvme (both step the host shard with a CPU Adam; nvme's
+     swapper piece by piece), nothing accumulated on the host (stage 1, or stages
      2/3 with gradient_accumulation_steps 1) and the one-pass CPU Adam
      (ZEROIO_CPU_ADAM compiled, or auto, the default, for a host shard of at
      least its AUTO_MIN_NUMEL) the host part is kept in the compute dtype
@@ -96,6 +97,9 @@ K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
 FP32 = 4
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TIERS = ("gpu", "cpu", "nvme")
+_HOST_ADAM = ("cpu", "nvme")
+"""offload_optimizer devices whose host shard a CPU Adam steps (the 16-bit host gradient rule's
+``cpu_optimizer``: shard/host_rule.py)."""
 PUBLISH_CHUNK_NUMEL = 1 << 26
 """Elements of the GPU staging buffer through which stage 3 with ratio < 1 publishes the
 device side's 16-bit values to the host shards (``Stage3Partitioner``'s publisher; the same
@@ -459,7 +463,7 @@ def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
     from zeroio.shard.host_rule import host_grad_may_be_16bit
 
     half = host_grad_may_be_16bit(stage=stage, half=dtype in ("bf16", "fp16"),
-                                  cpu_optimizer=opt_dev == "cpu", accumulation_steps=gas,
+                                  cpu_optimizer=opt_dev in _HOST_ADAM, accumulation_steps=gas,
                                   host_numel=host_numel)
     return 2 if half and planned(host_numel) else FP32
 
@@ -471,7 +475,7 @@ def _host_grad_dtype(dtype: str, opt_dev: str, gas: int, host_numel: int, *, sta
     from zeroio.shard.host_grads import host_grad_dtype
 
     return host_grad_dtype(stage=stage, compute_dtype=DTYPES[dtype],
-                           cpu_optimizer=opt_dev == "cpu", accumulation_steps=gas,
+                           cpu_optimizer=opt_dev in _HOST_ADAM, accumulation_steps=gas,
                            host_numel=host_numel, kernel=cpu_adam_plan, plan_only=True)
 
 

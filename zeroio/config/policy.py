@@ -37,6 +37,12 @@ class OffloadPolicy:
         """The host side is stepped by a CPU Adam (``device: cpu``)."""
         return self.device == "cpu"
 
+    @property
+    def nvme(self) -> bool:
+        """The host side is stepped by the NVMe swapper's CPU Adam (``device: nvme``: masters
+        in host memory, moments swapped)."""
+        return self.device == "nvme"
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParamOffloadPolicy:

@@ -46,6 +46,18 @@ step. Only the moments (8 of the 12 bytes per parameter of optimizer state)
 go to NVMe. With ``bf16.bf16_optimizer_states`` the moments are bf16 in the store, on disk
 and in the host window (4 bytes per element, half the swap I/O per step), and the masters
 bf16 too ([Note: bf16 optimizer state] in adam.py): 6 bytes per element in all.
+
+[Note: the gradient a piece reads]
+The gradient shard is the partitioner's, in the dtype ``host_grad_dtype``
+(shard/host_grads.py) gave it by the rule of ``offload_optimizer cpu``: the compute dtype
+(bf16 / fp16) where nothing accumulates on the host and the one-pass CPU Adam
+(optim/cpu_adam.py) steps the state, fp32 otherwise. Under that kernel (``one_pass``, decided
+by ``cpu_adam.wanted`` as for ``ShardedAdam``) each piece is stepped in one pass that reads the
+16-bit gradient and upcasts it in registers (exact), so no fp32 copy of the shard exists: 2
+bytes per element instead of 4 in host memory (20B parameters: 40 GB). Stage 1/2's 16-bit
+gradients are not averaged (``grad_divisor``, folded into ``grad_scale``). Without the kernel,
+``adam_update`` steps the piece with torch's fused kernel (a 16-bit gradient, which the rule
+never hands it then, would be upcast per ``UPCAST_PIECE`` of the piece).
 """
 
 from __future__ import annotations
@@ -60,6 +72,7 @@ import torch
 from zeroio.config.policy import Policies, resolve_policies
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CapacityError, ConfigError
+from zeroio.optim import cpu_adam
 from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.shard.types import ShardGroup
@@ -181,20 +194,39 @@ def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int 
     return min(total, len(KINDS) * _PAGE)
 
 
+def _one_pass(groups: list[ShardGroup], state_dtype: torch.dtype) -> bool:
+    """The compiled one-pass CPU Adam steps these host groups (``cpu_adam.wanted`` decides,
+    as for ``ShardedAdam``; its variant without output, reading the groups' gradient dtype, is
+    built now)."""
+    host = [g for g in groups if g.master.numel()]
+    if not host or any(g.master.device.type != "cpu" or g.master.dtype not in
+                       cpu_adam.STATE_DTYPES for g in host):
+        return False
+    grads = {g.grad.dtype for g in host}
+    if len(grads) != 1:
+        return False
+    return cpu_adam.wanted(sum(g.master.numel() for g in host), grad_dtype=grads.pop(),
+                           out_dtype=None, master_dtype=host[0].master.dtype,
+                           state_dtype=state_dtype)
+
+
 class SwappedAdam(EngineOptimizer):
     """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  cfg=None, policies: Policies | None = None, aio=None, backend=None,
                  piece_elems: int | None = None, cpu_budget_bytes: int | None = None,
-                 nvme_budget_bytes: int | None = None, rank: int = 0):
+                 nvme_budget_bytes: int | None = None, rank: int = 0,
+                 grad_divisor: float = 1.0):
         """``policies`` (config/policy.py) and ``aio``: the resolved offload and tiering
         blocks and the I/O engine's settings, as the engine passes them; or ``cfg``, a
         ``Config`` they are resolved from. ``cpu_budget_bytes`` / ``nvme_budget_bytes``: this
         optimizer's share of the tier budgets (the engine's split, [Note: budgets in training]
         in tiering/budget.py); None: ``zero_optimization.tiering``'s value (or derived, as
         DeepSpeed's buffer_count). ``rank``: this process's global rank, which names its swap
-        folder (``zeroio-optim-rank<rank>`` under ``nvme_path``)."""
+        folder (``zeroio-optim-rank<rank>`` under ``nvme_path``). ``grad_divisor``: folded into
+        every step's ``grad_scale``, as ``ShardedAdam``'s (stage 1/2's unaveraged 16-bit host
+        gradients: [Note: 16-bit host gradients] in partition/stage12.py)."""
         from zeroio.tiering import PolicyKind, Tier, TieredStore
 
         if policies is None:
@@ -213,6 +245,10 @@ class SwappedAdam(EngineOptimizer):
         self.groups = groups
         self.param_groups = param_groups
         self.decoupled = decoupled
+        self.grad_divisor = grad_divisor
+        self.one_pass = _one_pass(groups, self.state_dtype)
+        """Pieces stepped by the compiled one-pass CPU Adam ([Note: the gradient a piece
+        reads])."""
         self.pipeline_read = bool(off.pipeline_read)
         self.pipeline_write = bool(off.pipeline_write)
         self.subs = split(groups, off.sub_group_size)
@@ -299,19 +335,15 @@ class SwappedAdam(EngineOptimizer):
                 self.store.evict(p.name(k), self._tier)  # write behind: it is used again next step
 
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
+        grad_scale *= self.grad_divisor
+        hypers: dict[tuple[int, int], torch.Tensor] = {}  # (group, update number): this step's
         with torch.profiler.record_function("zeroio::optimizer_step_nvme"):
             for i, p in enumerate(self.pieces):
                 if self.plan.read_ahead:  # piece i first: requests are served in order
                     self._read_ahead(i, 1 + self.plan.read_ahead)
                 exp_avg, exp_avg_sq = self._take(i)
-                g = self.groups[p.group_index]
                 with torch.profiler.record_function("zeroio::adam_subgroup"):
-                    adam_update(master=g.master.narrow(0, p.start, p.numel),
-                                grad=g.grad.narrow(0, p.start, p.numel),
-                                state=AdamState(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                                                step=self.steps[p]),
-                                hyper=self.param_groups[g.group_index],
-                                decoupled=self.decoupled, grad_scale=grad_scale)
+                    self._update(p, exp_avg, exp_avg_sq, grad_scale, hypers)
                 self._put_back(i)
                 sub = self._last_of_sub.get(i)
                 if sub is not None and on_updated is not None:
@@ -319,6 +351,30 @@ class SwappedAdam(EngineOptimizer):
             if self.plan.read_ahead:
                 self._read_ahead(0, self.plan.read_ahead)  # the next step's stream starts loading
             self.store.step_boundary()
+
+    def _update(self, p: SubGroup, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                grad_scale: float, hypers: dict) -> None:
+        """Adam(W) of one piece, reading its gradient as the partitioner keeps it ([Note: the
+        gradient a piece reads])."""
+        g = self.groups[p.group_index]
+        master, grad = g.master.narrow(0, p.start, p.numel), g.grad.narrow(0, p.start, p.numel)
+        step = self.steps[p]
+        if not self.one_pass:
+            adam_update(master=master, grad=grad,
+                        state=AdamState(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step),
+                        hyper=self.param_groups[g.group_index], decoupled=self.decoupled,
+                        grad_scale=grad_scale)
+            return
+        key = (g.group_index, int(step.item()) + 1)
+        if key not in hypers:
+            hyper = self.param_groups[g.group_index]
+            hypers[key] = cpu_adam.hyper_tensor(
+                lr=float(hyper["lr"]), betas=tuple(hyper["betas"]), eps=float(hyper["eps"]),
+                weight_decay=float(hyper["weight_decay"]), decoupled=self.decoupled,
+                step=key[1], grad_scale=grad_scale)
+        cpu_adam.step_chunk(master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                            hyper=hypers[key])
+        step.add_(1)  # torch's fused kernel counts it itself
 
     # ---- state access (checkpoints) --------------------------------------------------------
 

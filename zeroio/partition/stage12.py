@@ -167,6 +167,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         grad_piece_numel: int | None = None,
         optimizer_ratio: float = 1.0,
         cpu_optimizer: bool = False,
+        nvme_optimizer: bool = False,
         accumulation_steps: int = 1,
         step_assist: bool = False,
         host_kernel: OnePassKernel | None = None,
@@ -175,7 +176,8 @@ class Stage12Partitioner(HostStep12, Partitioner):
     ):
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
-        gradients]. ``step_assist``: the GPU steps a share of the host chunks
+        gradients]. ``nvme_optimizer``: they are stepped by ``SwappedAdam`` on the CPU
+        (offload_optimizer nvme), under the same rule. ``step_assist``: the GPU steps a share of the host chunks
         (shard/assist.py, [Note: step assist]; CUDA with host masters only).
         ``host_kernel``: the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the
         host gradients stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``:
@@ -186,6 +188,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self.host_grad_divisor = 1.0
         """What the host optimizer folds into its grad_scale (the 1/world not applied)."""
         self._cpu_optimizer = cpu_optimizer and home.device.type == "cpu"
+        self._nvme_optimizer = nvme_optimizer and home.device.type == "cpu"
         self._accumulation_steps = accumulation_steps
         self._compute_dtype = compute_dtype
         self._host_kernel = host_kernel
@@ -289,8 +292,10 @@ class Stage12Partitioner(HostStep12, Partitioner):
         host_total = sum(lay[2] for lay in layouts) - sum(self._dev_len)
         self.host_grad_dtype = host_grad_dtype(
             stage=self.stage, compute_dtype=self._compute_dtype,
-            cpu_optimizer=self._cpu_optimizer, accumulation_steps=self._accumulation_steps,
-            host_numel=host_total, kernel=self._host_kernel, step_out=self._step_out(),
+            cpu_optimizer=self._cpu_optimizer or self._nvme_optimizer,
+            accumulation_steps=self._accumulation_steps, host_numel=host_total,
+            kernel=self._host_kernel,  # nvme: the swapper steps whole, no 16-bit output
+            step_out=None if self._nvme_optimizer else self._step_out(),
             master_dtype=self.master_dtype, state_dtype=self._state_dtype)
         self._unaveraged = self.host_grad_dtype != torch.float32
         self.host_grad_divisor = float(self.comm_world) if self._unaveraged else 1.0

@@ -2,8 +2,9 @@
 and zeroio.estimate plans with.
 
 A host gradient shard is kept in the 16-bit compute dtype when
-- the host side is stepped by a CPU Adam (offload_optimizer cpu; nvme's swapper steps with
-  torch's fused kernel, which reads fp32),
+- the host side is stepped by a CPU Adam: offload_optimizer cpu (``ShardedAdam``) or nvme
+  (``SwappedAdam``, which steps each swapped piece with the same kernel: [Note: the gradient a
+  piece reads] in optim/swap.py),
 - nothing is accumulated on the host: stage 1 (micro steps are summed in the replicated
   device gradient, the host gets the reduced total once), stages 2 and 3 with
   ``gradient_accumulation_steps`` 1 (above it the micro steps are summed on the host, in
@@ -51,10 +52,11 @@ def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bo
                     state_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """dtype of the host gradient shard of ``host_numel`` elements at ``stage`` (module doc).
 
-    ``cpu_optimizer``: the host side is stepped by a CPU Adam (offload_optimizer cpu, the
-    shard in host memory). ``kernel``: the one-pass CPU Adam (None: there is none, fp32).
+    ``cpu_optimizer``: the host side is stepped by a CPU Adam (offload_optimizer cpu or nvme,
+    the shard in host memory). ``kernel``: the one-pass CPU Adam (None: there is none, fp32).
     ``step_out``: what the partitioner's host step hands the optimizer's update as ``out``
-    under the one-pass kernel (the 16-bit dtype it writes, None for no output);
+    under the one-pass kernel (the 16-bit dtype it writes, None for no output: the nvme
+    swapper's step);
     ``kernel.wanted`` builds that variant here, also when the gradient stays fp32, so no
     training step compiles. ``plan_only``: decide from ``kernel.planned`` alone, compiling
     nothing (zeroio.estimate). ``master_dtype`` / ``state_dtype``: the optimizer state's

@@ -184,10 +184,13 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             n, dtype=torch.float32, device=self.device)}
         masters = {side: [homes[side](n) for n in sizes[side]] for side in Side}
         self.host_grad_dtype = host_grad_dtype(
-            stage=3, compute_dtype=self.dtype, cpu_optimizer=self.settings.cpu_optimizer,
+            stage=3, compute_dtype=self.dtype,
+            cpu_optimizer=self.settings.cpu_optimizer or self.settings.nvme_optimizer,
             accumulation_steps=self.settings.accumulation_steps,
             host_numel=sum(sizes[Side.HOST]), kernel=self._host_kernel,
-            step_out=self.dtype if isinstance(self.store, HostShards) else None,  # as run_step
+            # as run_step (nvme: the swapper's whole step, then publish_params)
+            step_out=self.dtype if isinstance(self.store, HostShards) and
+            not self.settings.nvme_optimizer else None,
             master_dtype=mdt, state_dtype=sdt)
         """dtype of the host side's gradient shards ([Note: 16-bit host gradients at stage 3]
         in grads.py; bf16 with bf16 masters: [Note: bf16 shards] in shard/types.py); the

@@ -46,9 +46,12 @@ class Stage3Settings:
     fraction of this rank's optimizer elements on the host side ([Note: twin placement] in
     twin.py); the rest stays on the compute device."""
     cpu_optimizer: bool = False
-    """``offload_optimizer.device`` is cpu: the host side is stepped by a CPU Adam (with nvme
-    by the swapper), so its gradient shard may be 16-bit ([Note: 16-bit host gradients at
-    stage 3] in grads.py)."""
+    """``offload_optimizer.device`` is cpu: the host side is stepped by a CPU Adam, so its
+    gradient shard may be 16-bit ([Note: 16-bit host gradients at stage 3] in grads.py)."""
+    nvme_optimizer: bool = False
+    """``offload_optimizer.device`` is nvme: the host side is stepped on the CPU by the
+    swapper (optim/swap.py), under the same 16-bit rule; its kernel writes no 16-bit copy
+    (the shards are published after the step)."""
     accumulation_steps: int = 1
     """``gradient_accumulation_steps``: above 1 the host gradients are summed in fp32."""
     step_chunk_numel: int = 1 << 26
@@ -127,6 +130,7 @@ class Stage3Settings:
             step_chunk_numel=policies.tiering.step_chunk_numel,
             optimizer_ratio=policies.optimizer.ratio,
             cpu_optimizer=policies.optimizer.cpu,
+            nvme_optimizer=policies.optimizer.nvme,
             accumulation_steps=policies.accumulation_steps,
             tiering=policies.tiering,
             aio=aio,
