@@ -347,14 +347,15 @@ def test_estimate_counts_16bit_host_grads(monkeypatch, mode, ratio):
     assert fp32.cpu_bytes_per_node - est.cpu_bytes_per_node == (4 - per_elem) * host
 
 
-def test_estimate_fp32_host_grads_with_accumulation_or_nvme(monkeypatch):
-    """gradient_accumulation_steps 2 (config), or the optimizer on nvme: 4 bytes."""
+def test_estimate_fp32_host_grads_with_accumulation(monkeypatch):
+    """gradient_accumulation_steps 2 (config): 4 bytes, with the optimizer on cpu or nvme; gas 1
+    on nvme: 2 (its swapper steps with the one-pass kernel, optim/swap.py)."""
     import zeroio
     from zeroio.estimate import estimate_memory
 
     monkeypatch.setenv("ZEROIO_CPU_ADAM", "compiled")
     psi = 1_000_000
-    cfg = zeroio.load_config(_config(2, None, False, "/tmp/unused"), world_size=1)
+    cfg = cfg2 = zeroio.load_config(_config(2, None, False, "/tmp/unused"), world_size=1)
     est = estimate_memory(psi, config=cfg)
     assert est.stage == 3 and est.offload_optimizer == "cpu"
     assert sum(i.bytes_per_gpu for i in _grad_items(est)) == 4 * psi, est.items
@@ -362,4 +363,8 @@ def test_estimate_fp32_host_grads_with_accumulation_or_nvme(monkeypatch):
     assert sum(i.bytes_per_gpu for i in _grad_items(estimate_memory(psi, config=cfg))) == 2 * psi
     nvme = estimate_memory(psi, stage=3, offload_optimizer="nvme", offload_param="cpu",
                            dtype="bf16")
-    assert sum(i.bytes_per_gpu for i in _grad_items(nvme)) == 4 * psi
+    assert sum(i.bytes_per_gpu for i in _grad_items(nvme)) == 2 * psi
+    nvme2 = estimate_memory(psi, stage=3, offload_optimizer="nvme", offload_param="cpu",
+                            dtype="bf16", config=cfg2)
+    assert nvme2.offload_optimizer == "nvme"
+    assert sum(i.bytes_per_gpu for i in _grad_items(nvme2)) == 4 * psi
