@@ -79,7 +79,7 @@ def _info(engine):
     dev = split.device if split is not None else []
     engine.synchronize()
     part.landing._norm_valid = False  # the norm from the shards as they stand (the fallback)
-    return {"one_pass": bool(getattr(host_opt, "one_pass", False)),  # not with nvme's swapper
+    return {"one_pass": bool(host_opt.one_pass),
             "grad_divisor": getattr(host_opt, "grad_divisor", 1.0),
             "rule": str(part.host_grad_dtype),
             "host_grads": sorted({str(g.grad.dtype) for g in host if g.grad.numel()}),

@@ -64,19 +64,18 @@ host elements only, so a module whose parameters are all device-side waits
 for nothing in an overlapped step.
 
 [Note: 16-bit host gradients]
-With 16-bit parameters, a host optimizer stepped by the one-pass CPU Adam
-(optim/cpu_adam.py; ``host_grad_dtype`` in shard/host_grads.py decides, for every
-stage) and no accumulation on the host (stage 1, or stage 2
-with ``gradient_accumulation_steps`` 1), the host gradient shard is kept in
-the compute dtype: a consumed piece goes to the host as the reduced 16-bit
-values themselves (2 bytes per element over PCIe and read by the CPU Adam
-instead of 4), and the kernel upcasts them in registers, which is exact.
-Only the 1/world averaging needed fp32: it is not applied to the host copy,
-the optimizer folds it into its ``grad_scale`` (``host_grad_divisor`` ->
-``ShardedAdam.grad_divisor``). The squared norm is still taken from the fp32,
-averaged piece on the GPU. Stage 2 with accumulation keeps fp32 host
-gradients (the sum of micro steps is taken in fp32), and with a ratio the
-device side's gradient stays fp32.
+With 16-bit parameters, a host optimizer stepped by the one-pass CPU Adam (optim/cpu_adam.py;
+offload_optimizer cpu, or nvme, whose swapper steps each piece with it: optim/swap.py;
+``host_grad_dtype`` in shard/host_grads.py decides, for every stage) and no accumulation on
+the host (stage 1, or stage 2 with ``gradient_accumulation_steps`` 1), the host gradient
+shard is kept in the compute dtype: a consumed piece goes to the host as the reduced 16-bit
+values themselves (2 bytes per element over PCIe and read by the CPU Adam instead of 4), and
+the kernel upcasts them in registers, which is exact. Only the 1/world averaging needed fp32:
+it is not applied to the host copy, the optimizer folds it into its ``grad_scale``
+(``host_grad_divisor`` -> ``ShardedAdam.grad_divisor`` / ``SwappedAdam.grad_divisor``). The
+squared norm is still taken from the fp32, averaged piece on the GPU. Stage 2 with
+accumulation keeps fp32 host gradients (the sum of micro steps is taken in fp32), and with a
+ratio the device side's gradient stays fp32.
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ dtype), so the step is bit-equal. With offload_optimizer.ratio < 1 only the
 host side changes: the device side keeps fp32 gradients on the GPU. A second
 write of a group in one accumulation (a group reduced twice in one backward)
 still goes through the fp32 staging buffer and is added on the host, rounded
-to 16 bits once more. offload_optimizer nvme keeps fp32 host gradients (its
-swapper steps sub-groups with torch's fused kernel, which reads fp32).
+to 16 bits once more. offload_optimizer nvme follows the same rule: its swapper steps each
+swapped piece with the one-pass kernel, reading the 16-bit gradient (optim/swap.py, [Note: the
+gradient a piece reads]).
 """
 
 from __future__ import annotations
