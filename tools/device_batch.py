@@ -358,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(describe(suite, commit, args.extra))
         return 0
+    if args.out is not None and not os.environ.get("ZEROIO_COMMIT"):
+        # on the device machine the copy's .git is the one of the machine's first call:
+        # its HEAD is not the code that runs (--print-run puts ZEROIO_COMMIT in the command)
+        ap.error("set ZEROIO_COMMIT=<the commit of this tree> (the device copy's git HEAD "
+                 "can be stale); --print-run gives the whole command")
     if args.out is None:
         ap.error("--out is required to run a suite (on the device: --out $OUT)")
     only = set(args.only.split(",")) if args.only else None
