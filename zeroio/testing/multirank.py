@@ -21,9 +21,10 @@ group. Such a rank is what a spawned one would be only if the server started wit
 environment the rank would get, because variables read once at process start (glibc's
 ``MALLOC_*``, OpenMP's ``OMP_*``, read while the server loaded them) come from there. So each
 forked rank compares its start environment (``/proc/self/environ``) with the parent's (after
-``env``), before it does anything; on any difference (``PYTEST_CURRENT_TEST`` aside) every rank
+``env``), before it does anything; on any difference (``_VOLATILE`` aside) every rank
 is stopped and the job runs again on ``spawn``. The Python-level environment is then set to
-the parent's exactly. Without ``/proc`` (not Linux) ranks are always spawned.
+the parent's exactly. NCCL jobs, and any job without ``/proc`` (not Linux), are spawned.
+
 A rank that raises has its traceback re-raised in the caller as
 ``RankFailedError``; a run that exceeds ``timeout`` kills every rank and raises
 ``TimeoutError`` naming the ranks still running. Results travel back through
@@ -45,7 +46,9 @@ from zeroio.errors import RankFailedError
 
 PRELOAD = ("torch", "torch.distributed", "zeroio.partition.collectives", "zeroio.engine")
 """What the forkserver imports once for every forked rank (see the note above)."""
-_VOLATILE = ("PYTEST_CURRENT_TEST",)  # changes per test phase; read by no one at start
+# Set in this process by pytest (per test phase) and by torch's inductor (its cache folder, on
+# the first compile); both are read through ``os.environ`` only, never at process start.
+_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 _PROC_ENVIRON = "/proc/self/environ"
 
 
@@ -145,7 +148,8 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     job = (fn, world_size, args, kwargs, timeout, backend, threads, dict(env or {}))
-    if _start_environ() is not None and _process_environ() is not None:
+    # NCCL ranks are always spawned: nothing CUDA-related is ever inherited through a fork
+    if backend == "gloo" and _start_environ() is not None and _process_environ() is not None:
         try:
             return _run(*job, forked=True)
         except _Respawn:
