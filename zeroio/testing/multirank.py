@@ -157,13 +157,20 @@ def run_ranks(
     return _run(*job, forked=False)
 
 
-def _forkserver_context():
+def start_forkserver():
+    """Start the forkserver now (it loads ``PRELOAD`` in the background), with this process's
+    environment as it is: a test session calls this before any test can ``monkeypatch`` it,
+    so that later jobs fork. Otherwise the first job starts it. Returns the context."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # a no-op once the server runs
     from multiprocessing import forkserver
 
-    forkserver.ensure_running()  # started before ``env`` touches this process's environment
+    forkserver.ensure_running()
     return ctx
+
+
+def _forkserver_context():
+    return start_forkserver()  # before ``env`` touches this process's environment
 
 
 def _run(fn, world_size, args, kwargs, timeout, backend, threads, env, *, forked) -> list[Any]:
