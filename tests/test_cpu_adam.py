@@ -5,7 +5,6 @@ chunks at odd offsets and lengths; its 16-bit output against the master's own ca
 gradient's bytes against a copy (the kernel never writes it); and, in training, stage 2 and
 stage 3 with offload_optimizer cpu forced onto the kernel against plain AdamW + clipping."""
 
-import shutil
 
 import pytest
 import torch
@@ -13,10 +12,8 @@ import torch
 from zeroio.errors import ConfigError
 from zeroio.optim import cpu_adam
 from zeroio.testing import run_ranks
+from zeroio.testing.markers import needs_compiler
 from zeroio.testing.models import mlp_batch, mlp_reference, tiny_mlp
-
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                    reason="torch inductor's CPU backend needs a C++ compiler")
 
 
 def _torch_steps(init, grads, *, decoupled, wd, lr, scales):

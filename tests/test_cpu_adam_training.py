@@ -25,13 +25,13 @@ On the GPU machine:  .venv/bin/python -m pytest -q -m gpu tests/test_cpu_adam_tr
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under pytest)
 
 from zeroio.testing import run_ranks
 from zeroio.testing.cuda import exact_cuda_device, need_cuda
+from zeroio.testing.markers import needs_compiler
 from zeroio.testing.models import llama_reference, offload_optimizer, token_batches
 from zeroio.testing.training import (
     reference_diffs,
@@ -42,8 +42,6 @@ from zeroio.testing.training import (
 CASES = [(2, "fp32", False), (2, "bf16", True), (3, "fp32", False), (3, "bf16", True)]
 """(stage, dtype, overlap_step)."""
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                    reason="torch inductor's CPU backend needs a C++ compiler")
 
 
 def _info(engine):

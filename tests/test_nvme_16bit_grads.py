@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from unittest import mock
 
 import pytest
@@ -33,6 +32,7 @@ import test_stage3_equivalence as eq  # noqa: I001 (tests/ is on sys.path under 
 import torch
 
 from zeroio.testing import run_ranks
+from zeroio.testing.markers import needs_compiler
 from zeroio.testing.models import llama_reference, offload_optimizer, token_batches
 from zeroio.testing.training import (
     gather_state,
@@ -42,8 +42,6 @@ from zeroio.testing.training import (
     train_steps,
 )
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                    reason="torch inductor's CPU backend needs a C++ compiler")
 needs_nvme = pytest.mark.skipif(not eq._nvme_ready(), reason="no NVMe backend")
 
 CASES = [(1, 1, "torch.bfloat16"), (1, 2, "torch.bfloat16"), (2, 1, "torch.bfloat16"),

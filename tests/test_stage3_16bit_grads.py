@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 from unittest import mock
 
 import pytest
@@ -40,6 +39,7 @@ import torch
 
 from zeroio.testing import run_ranks
 from zeroio.testing.cuda import exact_cuda_device, need_cuda
+from zeroio.testing.markers import needs_compiler
 from zeroio.testing.models import llama_reference, offload_optimizer, token_batches
 from zeroio.testing.training import (
     gather_state,
@@ -49,9 +49,6 @@ from zeroio.testing.training import (
     shard_grad_norm,
     train_steps,
 )
-
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                    reason="torch inductor's CPU backend needs a C++ compiler")
 
 CASES = [(1, None, False, "torch.bfloat16"), (1, None, True, "torch.bfloat16"),
          (1, 0.5, False, "torch.bfloat16"), (2, None, False, "torch.float32")]
