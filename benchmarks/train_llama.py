@@ -54,6 +54,9 @@ def _args():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--accumulation", type=int, default=1, metavar="N",
+                    help="gradient_accumulation_steps: N micro-batches per optimizer step (a "
+                         "timed step is N forward/backward passes and one optimizer step)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -163,6 +166,7 @@ def zeroio_config(a) -> dict:
     with open(a.config) as f:
         cfg = json.load(f)
     cfg["train_micro_batch_size_per_gpu"] = a.micro_batch
+    cfg["gradient_accumulation_steps"] = a.accumulation
     cfg.pop("train_batch_size", None)
     cfg["gradient_clipping"] = a.clip
     if a.stage is not None:
@@ -178,23 +182,40 @@ def zeroio_config(a) -> dict:
 
 
 def _one_step(a, engine, model, opt, ids, mark=lambda name: None):
-    if engine is None:
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        mark("forward")
-        loss.backward()
-        mark("backward")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    else:
-        loss = engine(input_ids=ids, labels=ids).loss
-        mark("forward")
-        engine.backward(loss)
-        mark("backward")
-        engine.step()
+    """One optimizer step over ``ids`` (one micro-batch per row block of --micro-batch rows:
+    --accumulation of them); the last micro-batch's loss."""
+    micro = ids.split(a.micro_batch) if ids.shape[0] > a.micro_batch else (ids,)
+    for i, mb in enumerate(micro):
+        if engine is None:
+            with torch.autocast(mb.device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=mb, labels=mb).loss
+            mark("forward")
+            (loss / len(micro)).backward()
+            mark("backward")
+            if i == len(micro) - 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        else:
+            loss = engine(input_ids=mb, labels=mb).loss
+            mark("forward")
+            engine.backward(loss)
+            mark("backward")
+            engine.step()  # an optimizer step at the accumulation boundary only
     mark("step")
     return loss
+
+
+def optimizer_io(engine) -> dict | None:
+    """The NVMe optimizer's swap traffic of the last optimizer step (``engine.stats()``'s
+    ``sources.optimizer.last_step``): bytes each way, stall and busy seconds; None without one."""
+    src = (engine.stats().get("sources") or {}).get("optimizer") if engine is not None else None
+    if not src:
+        return None
+    last = src.get("last_step") or {}
+    moved = last.get("bytes_moved") or {}
+    return {"read_bytes": moved.get("nvme->cpu", 0), "write_bytes": moved.get("cpu->nvme", 0),
+            "stall_s": last.get("stall_seconds", 0.0), "busy_s": last.get("busy_seconds", 0.0)}
 
 
 def timed_breakdown(bd: dict, warmup: int) -> dict | None:
@@ -223,7 +244,7 @@ def _profile(a, engine, model, opt, device, gen, rank: int = 0) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     for _ in range(2):
-        ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=gen).to(device)
+        ids = torch.randint(0, a.vocab, (a.micro_batch * a.accumulation, a.seq), generator=gen).to(device)
         sync()
         last = [time.perf_counter()]
 
@@ -237,7 +258,7 @@ def _profile(a, engine, model, opt, device, gen, rank: int = 0) -> dict:
     os.makedirs(a.profile, exist_ok=True)
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=gen).to(device)
+    ids = torch.randint(0, a.vocab, (a.micro_batch * a.accumulation, a.seq), generator=gen).to(device)
     with torch.profiler.profile(activities=acts) as prof:
         _one_step(a, engine, model, opt, ids)
         sync()
@@ -295,8 +316,10 @@ def main() -> None:
     loss_val = float("nan")
     losses: list[float] = []
     norms: list[float | None] = []  # the gradient norm before clipping (zeroio rows)
+    io_steps: list[dict | None] = []  # the NVMe optimizer's traffic per step
     for _ in steps:
-        ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=gen).to(device)
+        ids = torch.randint(0, a.vocab, (a.micro_batch * a.accumulation, a.seq),
+                            generator=gen).to(device)
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -307,6 +330,7 @@ def main() -> None:
         loss_val = loss.item()
         losses.append(loss_val)
         norms.append(getattr(engine, "last_grad_norm", None))
+        io_steps.append(optimizer_io(engine))
         log(f"step {len(times)} {times[-1]:.2f} s loss {loss_val:.3f}")
     # the timed steps' breakdown, before --profile adds steps (one optimizer step per loop)
     breakdown = timed_breakdown(engine.stats()["breakdown"], a.warmup) \
@@ -325,7 +349,9 @@ def main() -> None:
         "model": {k: getattr(a, k) for k in ("hidden", "layers", "intermediate", "heads",
                                              "vocab", "seq", "micro_batch")},
         "steps": a.steps, "warmup": a.warmup, "s_per_step": s_step,
-        "step_times": times, "tokens_per_s": a.micro_batch * a.seq * world / s_step,
+        "step_times": times, "accumulation": a.accumulation,
+        "tokens_per_s": a.micro_batch * a.accumulation * a.seq * world / s_step,
+        "optimizer_io": io_steps,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_host_rss_gib": host_peak / 2**30, "final_loss": loss_val,
         "losses": losses, "grad_norms": norms,

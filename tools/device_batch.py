@@ -151,6 +151,30 @@ def _levers_steps() -> tuple[Step, ...]:
              quote=r"^\| (?!contender|-)") for name, row, env in LEVERS)
 
 
+SHAPE_15B = ("--hidden 5120 --intermediate 13824 --heads 40 --vocab 32000")
+"""The 15.24B Llama of the NVMe regime (47 layers)."""
+
+
+def _nvme_steps(accumulation: int, steps: int, timeout_s: int) -> tuple[Step, ...]:
+    """The disk's best (fio's sweep, `zeroio bench io`), the 15B plan, then the 15B run."""
+    train = ("python3 benchmarks/train_llama.py --mode zeroio --config {res}/cfg-15b.json "
+             f"--zero-init --mem-log {SHAPE_15B} --layers 47 --seq 1024 --micro-batch 1 "
+             f"--accumulation {accumulation} --steps {steps} --warmup 1 "
+             "--nvme-path {scratch}/nvme --out {res} --quiet{extra}")
+    return (
+        Step("disk", "df -B1 . /tmp; free -b; nproc; rm -rf {scratch}/disk && mkdir -p "
+             "{scratch}/disk && python3 -m zeroio.cli bench io --path {scratch}/disk --size 4G "
+             "--fio .dev/fio --json > {res}/bench-io.json && python3 -c \"import json;r=json."
+             "load(open('{res}/bench-io.json'));print('raw',r['raw']['write_gbps'],r['raw']"
+             "['read_gbps'],'mixed',r['raw']['mixed'],'engine',r['engine'])\"", 150,
+             quote="."),
+        Step("plan", f"python3 benchmarks/probe_largest.py --plan-only {SHAPE_15B} "
+             "--start-layers 47 --gpu-gib 139 --ram-gib 125 --disk-gib 64 --write-config "
+             "{res}/cfg-15b.json | tail -c 600", 60, quote="."),
+        Step("train-15b", train, timeout_s, quote=r"step \d|engine|built|Error|error"),
+    )
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-tests", "nvidia-h200", "every -m gpu test file on 1 GPU (2-GPU cases skip)",
           _pytest_steps(150)),
@@ -170,6 +194,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "at this tree, interleaved, one call", _before_after_steps(), extra_carry=(BEFORE,)),
     Suite("levers", "nvidia-h200", "zeroio z2/z3 + CPU offload under one switch each, one call "
           "(and the CPU Adam training GPU tests)", _levers_steps()),
+    Suite("nvme15", "nvidia-h200", "the NVMe regime: fio's best over a sweep (zeroio bench io),"
+          " then the 15.24B Llama for 3 steps at micro batch 1 (moments on NVMe)",
+          _nvme_steps(1, 3, 400), extra_carry=(".dev",)),
+    Suite("nvme15-accum", "nvidia-h200", "nvme15 with 16 micro-batches per optimizer step",
+          _nvme_steps(16, 2, 400), extra_carry=(".dev",)),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "

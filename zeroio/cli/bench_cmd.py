@@ -18,6 +18,11 @@ def add_parser(sub) -> None:
     io.add_argument("--config", default=None, help="take the aio block from this DeepSpeed JSON config")
     io.add_argument("--raw", choices=["auto", "dd", "fio", "none"], default="auto",
                     help="raw device tool (auto: fio when installed, else dd)")
+    io.add_argument("--fio", default=None, metavar="PATH",
+                    help="the fio binary (default: fio on PATH); implies --raw fio under auto")
+    io.add_argument("--no-sweep", action="store_true",
+                    help="fio: one run at the engine's block size and queue depth instead of "
+                    "the best over queue depths 1-32 x 1-4 jobs")
     io.add_argument("--json", action="store_true", help="print one JSON object only")
     io.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -43,6 +48,8 @@ def run(args) -> int:
         raw=args.raw,
         progress=not (args.json or args.quiet),
         aio_cfg=_aio_from_config(args.config),
+        fio=args.fio,
+        sweep=not args.no_sweep,
     )
     if args.json:
         print(json.dumps(result))
