@@ -331,7 +331,10 @@ def main() -> None:
         losses.append(loss_val)
         norms.append(getattr(engine, "last_grad_norm", None))
         io_steps.append(optimizer_io(engine))
-        log(f"step {len(times)} {times[-1]:.2f} s loss {loss_val:.3f}")
+        io = io_steps[-1]
+        log(f"step {len(times)} {times[-1]:.2f} s loss {loss_val:.3f}" + (
+            f" nvme read {io['read_bytes'] / 1e9:.2f} GB write {io['write_bytes'] / 1e9:.2f} GB"
+            f" stall {io['stall_s']:.1f} s" if io else ""))
     # the timed steps' breakdown, before --profile adds steps (one optimizer step per loop)
     breakdown = timed_breakdown(engine.stats()["breakdown"], a.warmup) \
         if engine is not None else None

@@ -101,7 +101,7 @@ def test_bench_io_fio_sweep_takes_the_best_of_each_direction(tmp_path, capsys):
     """The raw side is fio's best over queue depths x jobs, each direction on its own, every
     run O_DIRECT libaio sequential with jobs on disjoint regions; a hand-made disk whose best
     read (depth 16 x 1 job or deeper, 6 GB/s) and best write (depth 4, 1 job, 3 GB/s) differ."""
-    from zeroio.io.bench import FIO_JOBS, FIO_QUEUE_DEPTHS, disk_bound_s
+    from zeroio.io.bench import FIO_BLOCKS, FIO_JOBS, FIO_QUEUE_DEPTHS, disk_bound_s
 
     exe, log = _fake_fio(tmp_path)
     data = tmp_path / "disk"
@@ -116,12 +116,14 @@ def test_bench_io_fio_sweep_takes_the_best_of_each_direction(tmp_path, capsys):
     assert raw["write_gbps"] == pytest.approx(3.0, rel=0.01)
     assert (raw["best"]["write"]["iodepth"], raw["best"]["write"]["numjobs"]) == (4, 1)
     assert 0.5 * raw["best"]["read"]["iodepth"] * raw["best"]["read"]["numjobs"] >= 6.0
-    assert len(raw["sweep"]) == 2 * len(FIO_QUEUE_DEPTHS) * len(FIO_JOBS)
+    assert len(raw["sweep"]) == 2 * len(FIO_BLOCKS) * len(FIO_QUEUE_DEPTHS) * len(FIO_JOBS)
+    assert {r["block_size"] for r in raw["sweep"]} == set(FIO_BLOCKS)
     assert raw["mixed"]["read_gbps"] == pytest.approx(6.0, rel=0.01)
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == len(raw["sweep"]) + 1  # the sweep, then the mixed job
     for argv in calls:
         assert "--direct=1" in argv and "--ioengine=libaio" in argv
+        assert any(a.startswith("--runtime=") for a in argv)
         jobs = int(next(a for a in argv if a.startswith("--numjobs=")).split("=")[1])
         per_job = int(next(a for a in argv if a.startswith("--size=")).split("=")[1])
         assert per_job * jobs <= size  # the jobs share the file's bytes, not each the whole
@@ -134,7 +136,7 @@ def test_bench_io_fio_sweep_takes_the_best_of_each_direction(tmp_path, capsys):
     text_rc = main(["bench", "io", "--path", str(data), "--size", "64M", "--fio", str(exe),
                     "--quiet"])
     assert text_rc == 0
-    assert "fio best of 16 runs: write at iodepth 4 x 1 jobs" in capsys.readouterr().out
+    assert "fio best of 32 runs: write at iodepth 4 x 1 jobs x 1 MiB" in capsys.readouterr().out
 
 
 def test_bench_io_fio_report_it_cannot_read_names_the_tool(tmp_path, capsys):

@@ -242,3 +242,39 @@ def test_short_direct_read_is_not_mistaken_for_missing_odirect(tmp_path):
         with IOEngine(block_size=4096, queue_depth=1) as e:
             with pytest.raises(IntegrityError, match="short read"):
                 e.read(tmp_path / "s", out.tensor).result()
+
+
+class _HeldWrites(OsOps):
+    """Every write blocks until ``go`` is set (a disk busy writing back)."""
+
+    def __init__(self):
+        self.go = threading.Event()
+
+    def pwritev(self, fd, buffers, offset):
+        assert self.go.wait(30), "the write was never let through"
+        return super().pwritev(fd, buffers, offset)
+
+    def pwrite(self, fd, data, offset):
+        assert self.go.wait(30), "the write was never let through"
+        return super().pwrite(fd, data, offset)
+
+
+def test_a_read_does_not_queue_behind_writes(tmp_path):
+    """[Note: read and write lanes]: with one worker a read submitted after write-backs that
+    cannot finish yet still completes, with the file's bytes; the writes then land."""
+    src = tmp_path / "moments.bin"
+    want = torch.arange(1 << 16, dtype=torch.int32)
+    src.write_bytes(want.numpy().tobytes())
+    ops = _HeldWrites()
+    with IOEngine(block_size=65536, queue_depth=1, thread_count=1, os_ops=ops) as e:
+        writes = [e.write(str(tmp_path / f"victim{i}.bin"), torch.ones(1 << 16)) for i in range(3)]
+        got = torch.empty_like(want)
+        try:
+            e.read(str(src), got).result(timeout=10)  # times out when it waits for the writes
+            assert torch.equal(got, want)
+            assert not any(w.done() for w in writes)
+        finally:
+            ops.go.set()
+        for i, w in enumerate(writes):
+            w.result(timeout=10)
+            assert (tmp_path / f"victim{i}.bin").read_bytes() == torch.ones(1 << 16).numpy().tobytes()

@@ -121,14 +121,18 @@ FIO_QUEUE_DEPTHS = (1, 4, 16, 32)
 """I/O depths per job of fio's sweep ([Note: the raw disk's best])."""
 FIO_JOBS = (1, 4)
 """Jobs of fio's sweep, each on its own region of the file (``offset_increment``)."""
-FIO_BLOCK = 1 << 20
-"""Block size of the sweep (1 MiB); the engine's default is the same."""
+FIO_BLOCKS = (1 << 20, 8 << 20)
+"""Block sizes of the sweep: the engine's default block (1 MiB) and one syscall of its
+default queue depth (8 x 1 MiB)."""
+FIO_RUNTIME_S = 5
+"""Seconds at most per run of the sweep (fio's ``runtime``: the run ends at ``size`` or then)."""
 
 # [Note: the raw disk's best]
 # What a step's NVMe bytes are held against is the disk's best sequential bandwidth, not one
 # tool run at one queue depth (``dd`` at depth 1 undersells a virtual or NVMe disk by 2x and
 # more). With fio the raw side sweeps FIO_QUEUE_DEPTHS x FIO_JOBS, libaio, O_DIRECT,
-# sequential, writes timed with ``end_fsync``, and takes the best of each direction; the
+# sequential, at FIO_BLOCKS, each run at most FIO_RUNTIME_S, writes timed with
+# ``end_fsync``, and takes the best of each direction; the
 # sweep's rows stay in the result. It also runs one mixed job (half reads, half writes, at
 # the best read setting), the pattern of a swapped optimizer step, for reference. The disk
 # bound of a step is then ``read bytes / best read + written bytes / best write`` (one device
@@ -184,7 +188,8 @@ def _fio_cmd(exe: str, path: str, size: int, rw: str, *, bs: int, qd: int, jobs:
     per_job = max(bs, size // jobs // bs * bs)
     cmd = [exe, "--name=zeroio", f"--filename={path}", f"--size={per_job}", f"--bs={bs}",
            f"--iodepth={qd}", "--ioengine=libaio", "--direct=1", "--output-format=json",
-           f"--rw={rw}", f"--numjobs={jobs}", "--group_reporting=1"]
+           f"--rw={rw}", f"--numjobs={jobs}", "--group_reporting=1",
+           f"--runtime={FIO_RUNTIME_S}"]
     if jobs > 1:
         cmd.append(f"--offset_increment={per_job}")
     if rw in ("write", "rw"):
@@ -224,25 +229,28 @@ def _fio(exe: str, path: str, size: int, bs: int, qd: int) -> tuple[Bandwidth, d
 
 
 def fio_sweep(exe: str, path: str, size: int, *, queue_depths=FIO_QUEUE_DEPTHS, jobs=FIO_JOBS,
-              bs: int = FIO_BLOCK) -> tuple[Bandwidth, dict]:
-    """fio's best sequential write and read over ``queue_depths`` x ``jobs`` ([Note: the raw
-    disk's best]); ``how`` holds every row, the best settings and the mixed job."""
+              blocks=FIO_BLOCKS) -> tuple[Bandwidth, dict]:
+    """fio's best sequential write and read over ``blocks`` x ``queue_depths`` x ``jobs``
+    ([Note: the raw disk's best]); ``how`` holds every row, the best settings and the mixed
+    job."""
     rows, best = [], {"write": None, "read": None}
     for rw in ("write", "read"):  # the writes lay the file out for the reads
-        for j in jobs:
-            for qd in queue_depths:
-                gbps = _run_fio(_fio_cmd(exe, path, size, rw, bs=bs, qd=qd, jobs=j))[rw]
-                row = {"rw": rw, "iodepth": qd, "numjobs": j, "block_size": bs, "gbps": gbps}
-                rows.append(row)
-                if best[rw] is None or gbps > best[rw]["gbps"]:
-                    best[rw] = row
+        for bs in blocks:
+            for j in jobs:
+                for qd in queue_depths:
+                    gbps = _run_fio(_fio_cmd(exe, path, size, rw, bs=bs, qd=qd, jobs=j))[rw]
+                    row = {"rw": rw, "iodepth": qd, "numjobs": j, "block_size": bs, "gbps": gbps}
+                    rows.append(row)
+                    if best[rw] is None or gbps > best[rw]["gbps"]:
+                        best[rw] = row
     r = best["read"]
-    mixed = _run_fio(_fio_cmd(exe, path, size, "rw", bs=bs, qd=r["iodepth"], jobs=r["numjobs"]))
+    at = {"bs": r["block_size"], "qd": r["iodepth"], "jobs": r["numjobs"]}
+    mixed = _run_fio(_fio_cmd(exe, path, size, "rw", **at))
     how = {"tool": "fio", "sweep": rows, "best": best, "direct": True,
-           "mixed": {"iodepth": r["iodepth"], "numjobs": r["numjobs"], "read_gbps": mixed["read"],
+           "mixed": {"iodepth": r["iodepth"], "numjobs": r["numjobs"],
+                     "block_size": r["block_size"], "read_gbps": mixed["read"],
                      "write_gbps": mixed["write"]},
-           "cmd": " ".join(_fio_cmd(exe, path, size, "read", bs=bs, qd=r["iodepth"],
-                                    jobs=r["numjobs"]))}
+           "cmd": " ".join(_fio_cmd(exe, path, size, "read", **at))}
     return Bandwidth(best["write"]["gbps"], best["read"]["gbps"]), how
 
 
@@ -334,8 +342,10 @@ def disk_table(result: dict) -> list[str]:
         if "best" in raw:
             b = raw["best"]
             lines.append(f"fio best of {len(raw['sweep'])} runs: write at iodepth "
-                         f"{b['write']['iodepth']} x {b['write']['numjobs']} jobs, read at iodepth "
-                         f"{b['read']['iodepth']} x {b['read']['numjobs']} jobs; mixed 50/50: "
+                         f"{b['write']['iodepth']} x {b['write']['numjobs']} jobs x "
+                         f"{b['write']['block_size'] >> 20} MiB, read at iodepth "
+                         f"{b['read']['iodepth']} x {b['read']['numjobs']} jobs x "
+                         f"{b['read']['block_size'] >> 20} MiB; mixed 50/50: "
                          f"{raw['mixed']['write_gbps']:.3f} write + {raw['mixed']['read_gbps']:.3f}"
                          f" read GB/s")
     return lines
