@@ -46,8 +46,8 @@ import torch
 
 from zeroio.partition.base import Phase
 from zeroio.partition.host_plan import chunk_bounds
-from zeroio.partition.stage3.state import GroupState
 from zeroio.partition.stage3.master_store import MasterShards
+from zeroio.partition.stage3.state import GroupState
 from zeroio.partition.stage3.store import DeviceShards, HostShards
 from zeroio.partition.stage3.twin import Side
 from zeroio.partition.step_overlap import StepRunner
