@@ -13,6 +13,7 @@ casts the master ([Note: shards read from the master] in partition/stage3/master
    (offload_param cpu) is 2 bytes x the attached shards' elements lower, the store's
    ``resident_bytes`` and a scan of the partitioner's held tensors agree.
 4. Config: "auto" resolution, and a ConfigError naming the key where it cannot apply.
+5. A ``GatheredParameters`` modifier's write reaches the masters the gathers read.
 """
 
 from __future__ import annotations
@@ -267,3 +268,39 @@ def test_config_errors(zero, words):
         zeroio.load_config(zero, world_size=1)
     assert "zero_optimization.tiering.params_from_master" in str(e.value)
     assert words in str(e.value)
+
+
+
+W = "model.layers.0.mlp.up_proj.weight"
+
+
+def _modifier_body(tmpdir):
+    import zeroio
+    from zeroio.testing.training import gathered_params, train_steps
+
+    init = _init()
+    batches = token_batches(1, steps=2, gas=1, micro=MICRO)
+    out = {}
+    for on in (False, True):
+        e = _engine(_config("cpu", "cpu", "bf16", tmpdir, on=on), init)
+        train_steps(e, batches[:1])
+        before = gathered_params(e)[W]
+        w = dict(e.module.named_parameters())[W]
+        with zeroio.zero.GatheredParameters([w], modifier_rank=0):
+            w.data.mul_(-1.0)
+        after = gathered_params(e)[W]
+        train_steps(e, batches[1:])
+        out[on] = (before, after, _bytes(gathered_params(e)))
+        e.close()
+    return out
+
+
+def test_modifier_write_back_reaches_the_master(tmp_path):
+    """A ``GatheredParameters(modifier_rank=0)`` write lands in the masters the next gather
+    casts (negated exactly), and training on from it equals the option off."""
+    import torch
+
+    (r,) = run_ranks(_modifier_body, 1, str(tmp_path), timeout=200)
+    before, after, trained = r[True]
+    assert before.abs().sum() > 0 and torch.equal(after, -before)
+    assert trained == r[False][2]
