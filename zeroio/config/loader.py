@@ -42,7 +42,12 @@ from zeroio.config.sections import (
     DistributedConfig,
     FP16Config,
 )
-from zeroio.config.zero import OffloadDevice, ZeroConfig, ineffective_tiering_keys
+from zeroio.config.zero import (
+    OffloadDevice,
+    ZeroConfig,
+    ineffective_tiering_keys,
+    params_from_master_enabled,
+)
 from zeroio.errors import ConfigError, ConfigWarning
 
 
@@ -248,6 +253,7 @@ def _check_offload(cfg: Config) -> None:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one",
                           key="bf16.enabled")
     _check_bf16_state(cfg)
+    params_from_master_enabled(zero)  # a ConfigError where it cannot apply
 
 
 def _check_bf16_state(cfg: Config) -> None:

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zeroio.config.zero import overlap_step_enabled, step_assist_enabled
+from zeroio.config.zero import (
+    overlap_step_enabled,
+    params_from_master_enabled,
+    step_assist_enabled,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +82,9 @@ class TieringPolicy:
     step_chunk_numel: int = 1 << 26
     """Most elements one host Adam call updates before its chunk is published
     (``step_chunk_numel``; ``ZEROIO_STEP_CHUNK_NUMEL`` applied at load_config)."""
+    params_from_master: bool = False
+    """Stage 3 keeps no 16-bit parameter shards: each gather casts the master
+    (``params_from_master``, "auto" resolved; partition/stage3/master_store.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,14 +141,15 @@ def resolve_policies(zero, *, accumulation_steps: int = 1, device=None,
         device=par_dev, nvme_path=op.nvme_path, buffer_count=int(op.buffer_count),
         buffer_size=int(op.buffer_size), max_in_cpu=int(op.max_in_cpu),
         pin_memory=bool(op.pin_memory) or par_dev == "cpu")
+    from_master = params_from_master_enabled(zero)
     tiering = TieringPolicy(
         policy=t.policy, prefetch_depth=t.prefetch_depth,
         gpu_budget_bytes=t.gpu_budget_bytes, cpu_budget_bytes=t.cpu_budget_bytes,
         nvme_budget_bytes=t.nvme_budget_bytes, nvme_reserve_bytes=int(t.nvme_reserve_bytes),
         overlap_step=overlap_step_enabled(t, device),
         step_assist=device is not None and opt_dev == "cpu" and not precision.low and
-        step_assist_enabled(t, device),
-        step_chunk_numel=int(t.step_chunk_numel))
+        not from_master and step_assist_enabled(t, device),
+        step_chunk_numel=int(t.step_chunk_numel), params_from_master=from_master)
     return Policies(optimizer=optimizer, param=param, tiering=tiering,
                     accumulation_steps=int(accumulation_steps), precision=precision)
 

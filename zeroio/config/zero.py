@@ -163,6 +163,14 @@ class TieringConfig:
     """Stage 3 with offload_optimizer cpu: most elements one CPU Adam call updates before
     that chunk is published (cast into the 16-bit shard); 64M. The environment variable
     ZEROIO_STEP_CHUNK_NUMEL, when set, replaces it at load_config."""
+    params_from_master: bool | None = field(None, coerce=_bool_or_auto)
+    """Stage 3: keep no 16-bit parameter shard; each gather casts this rank's slice of the
+    fp32 (or bf16) master to the compute dtype on the way to the all-gather (FSDP2's mixed
+    precision): 2 bytes per parameter less where the shards lived, 4 bytes instead of 2 per
+    element over PCIe for each host-side gather. "auto" (None, the default): on when
+    ``offload_optimizer.device`` is nvme (the host memory it frees is what such runs are
+    short of), off otherwise. Not with ``offload_param.device`` nvme, nor at stages 0-2
+    (``params_from_master_enabled``)."""
 
 
 def ineffective_tiering_keys(zero: ZeroConfig, raw_tiering: object) -> list[tuple[str, str]]:
@@ -249,6 +257,38 @@ def overlap_step_enabled(tiering: TieringConfig | None, device=None) -> bool:
     if want is None:
         return getattr(device, "type", str(device)) == "cuda"
     return bool(want)
+
+
+def params_from_master_enabled(zero: ZeroConfig) -> bool:
+    """Whether stage 3 derives its 16-bit shards from the masters (``zero_optimization.
+    tiering.params_from_master``, "auto" resolved: on at stage 3 with ``offload_optimizer.
+    device`` nvme and ``offload_param.device`` not nvme). True where it cannot apply is a
+    ConfigError naming the key: stages 0-2 (their 16-bit parameters are whole replicas, not
+    shards), ``offload_param.device`` nvme (the shards' NVMe home and its swap buffers are
+    what that setting asks for), and ``tiering.step_assist`` true (the assist writes the
+    16-bit shard the option removes)."""
+    want = zero.tiering.params_from_master
+    key = "zero_optimization.tiering.params_from_master"
+    param_nvme = zero.offload_param.device is OffloadDevice.NVME
+    if want is None:
+        return zero.stage == 3 and not param_nvme and \
+            zero.offload_optimizer.device is OffloadDevice.NVME
+    if not want:
+        return False
+    if zero.stage != 3:
+        raise ConfigError(f"{key} = true needs zero_optimization.stage 3 (stage is "
+                          f"{zero.stage}): only stage 3 keeps a 16-bit parameter shard beside "
+                          'the master; set it to false or "auto"', key=key)
+    if param_nvme:
+        raise ConfigError(f'{key} = true with zero_optimization.offload_param.device "nvme" '
+                          "is not supported (the 16-bit shards' NVMe home is what that setting "
+                          'asks for); set offload_param.device to "cpu" or "none", or '
+                          f'{key} to false or "auto"', key=key)
+    if zero.tiering.step_assist is True:
+        raise ConfigError(f"{key} = true with zero_optimization.tiering.step_assist = true: "
+                          "the step assist writes 16-bit shards, which this option removes; "
+                          'set one of them to false or "auto"', key=key)
+    return True
 
 
 def step_assist_enabled(tiering: TieringConfig | None, device) -> bool:

@@ -46,6 +46,7 @@ import torch
 
 from zeroio.partition.base import Phase
 from zeroio.partition.host_plan import chunk_bounds
+from zeroio.partition.stage3.master_store import MasterShards
 from zeroio.partition.stage3.state import GroupState
 from zeroio.partition.stage3.store import DeviceShards, HostShards
 from zeroio.partition.stage3.twin import Side
@@ -61,7 +62,7 @@ class Stage3HostStep:
         the note for the threads and when it returns. ``step``: the ``ChunkedStep`` behind
         ``update``, whose chunks the GPU may step instead ([Note: step assist])."""
         self.wait_step()
-        if not isinstance(self.store, (HostShards, DeviceShards)):
+        if not isinstance(self.store, (HostShards, DeviceShards, MasterShards)):
             for sg in self._sides[Side.HOST]:
                 if sg.master.numel():
                     with self._clock.phase("adam", numel=sg.master.numel()):
@@ -175,7 +176,16 @@ class Stage3HostStep:
 
     def wait_step(self) -> None:
         """Wait for a step started by ``run_step`` (re-raising its worker's error); later
-        writes of the device masters on the caller's stream follow the device-side publish."""
+        writes of the device masters on the caller's stream follow the device-side publish,
+        and no fetch still reads a master ([Note: shards read from the master]: the caller
+        may write them next)."""
+        self._settle_master_reads()
+        self.join_step()
+
+    def join_step(self) -> None:
+        """``wait_step`` without the wait for fetches reading the masters: for a caller that
+        writes no master (``begin_micro_step``, whose backward would otherwise start only once
+        the forward's last copy is done)."""
         if self._publisher is not None:
             self._publisher.order_writers(self.streams.current())
         runner = self._runner  # kept while joined: the worker's jobs still ask it (_assisting)

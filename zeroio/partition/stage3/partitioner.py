@@ -26,6 +26,7 @@ from zeroio.partition.stage3.group import ParamGroup, PendingReduce
 from zeroio.partition.stage3.hooks import HookSet
 from zeroio.partition.stage3.host_step import Stage3HostStep
 from zeroio.partition.stage3.layout import ShardPiece, index_of, plan_groups, shard_pieces
+from zeroio.partition.stage3.master_store import MasterShards
 from zeroio.partition.stage3.prefetch import Trace
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
@@ -83,6 +84,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.store = make_store(settings, device, rank=self.rank,
                                 shard_numels={gp.index: gp.shard_numel for gp in self.plan.groups},
                                 dtype=compute_dtype, transfers=self.transfers)
+        if settings.params_from_master:  # [Note: shards read from the master]
+            self.store = MasterShards(self.store, device, compute_dtype, self.transfers)
         self.streams = Streams.for_device(device)  # the device's, from tiering/streams.py
         by_id = {id(p): p for p in module.parameters()}
         self.pgroups: list[ParamGroup] = []
@@ -200,6 +203,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         grad_homes = {Side.HOST: lambda n: self.home.empty(n, self.host_grad_dtype),
                       Side.DEVICE: lambda n: torch.zeros(n, dtype=torch.float32,
                                                          device=self.device)}
+        if isinstance(self.store, MasterShards):
+            self._attach_masters(by_group, masters)
         for g in self.pgroups:
             flat = self._full_flat(g)
             for ref in by_group.get(g.plan.index, []):
@@ -225,6 +230,23 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                     grad=grad_homes[side](sizes[side][og]), numel=sum(s.numel for s in segs),
                     segments=tuple(segs), params=names))
         return groups, by_group
+
+    def _attach_masters(self, by_group: dict[int, list[_PieceRef]], masters) -> None:
+        """Bind each sharded group whose master pieces cover every element that matters to
+        them ([Note: shards read from the master] in master_store.py)."""
+        for g in self.pgroups:
+            refs = by_group.get(g.plan.index, [])
+            if g.plan.persistent or not _covers_shard(g.plan, self.rank, refs):
+                continue
+            self.store.attach(g.plan.index, g.plan.shard_numel, [
+                (r.piece.lo, masters[r.side][r.piece.opt_group].narrow(
+                    0, r.base, r.piece.hi - r.piece.lo)) for r in refs])
+
+    def _settle_master_reads(self) -> None:
+        """Before the masters are written: no fetch still reads them (MasterShards)."""
+        if isinstance(self.store, MasterShards):
+            self.store.order_writers(self.streams.current())
+            self.store.settle_reads()
 
     def _master(self, ref: _PieceRef) -> torch.Tensor:
         """The fp32 masters of one piece, on its side."""
@@ -308,7 +330,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
 
     # -- Partitioner protocol ---------------------------------------------------------------
     def begin_micro_step(self, boundary: bool) -> None:
-        self.wait_step()  # backward writes the host gradients the step reads
+        self.join_step()  # backward writes the host gradients the step reads
         self._boundary = boundary
         self.phase = Phase.ACCUMULATING
 
@@ -323,6 +345,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             wait_stream(self.streams.current(), self.streams.comm)  # gradients land on comm
             if self._publisher is not None:  # the step writes masters the last publish reads
                 self._publisher.order_writers(self.streams.current())
+            self._settle_master_reads()  # ... and the last fetches, with MasterShards
             self.landing.settle(boundary, self.streams.comm)
             self.release_all()
             self.pass_state = PassState.IDLE
@@ -331,6 +354,9 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             self.phase = Phase.REDUCED if boundary else Phase.ACCUMULATING
 
     def local_grad_sq_norm(self) -> torch.Tensor:
+        # the engine's step starts here: a fetch since finalize_gradients (GatheredParameters)
+        # may still read masters the optimizer is about to write
+        self._settle_master_reads()
         taken = self.landing.sq_norm()  # [Note: landing reduced gradients]
         if taken is not None:
             return taken
@@ -420,11 +446,11 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.wait_step()
         self._settle_publish()
         g = self.pgroups[gi]
-        g.write_back_full()
         flat = g.full_flat()
         for ref in self._pieces.get(gi, []):
             n = ref.piece.hi - ref.piece.lo
             self._master(ref).copy_(flat.narrow(0, g.shard_lo + ref.piece.lo, n))
+        g.write_back_full()  # after the masters: MasterShards orders its next fetch behind it
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameter storage this rank holds now, per place (shards + gathered)."""

@@ -72,6 +72,11 @@ class Stage3Settings:
     chunks ([Note: step assist] in shard/assist.py); ``build_stage3_partitioner`` resolves
     ``zero_optimization.tiering.step_assist`` for the device."""
 
+    params_from_master: bool = False
+    """No 16-bit shards: each gather casts this rank's master slice to the compute dtype
+    (``zero_optimization.tiering.params_from_master`` resolved; [Note: shards read from the
+    master] in master_store.py)."""
+
     master_dtype: str = "fp32"
     """fp32 or bf16 (``bf16.bf16_master_weights_and_grads``): the masters' and gradient
     shards' dtype ([Note: bf16 shards] in shard/types.py)."""
@@ -96,6 +101,10 @@ class Stage3Settings:
             raise ConfigError(f"stage-3 step chunk must be >= 1 element, got "
                               f"{self.step_chunk_numel}",
                               key="zero_optimization.tiering.step_chunk_numel")
+        if self.params_from_master and self.offload_device == "nvme":
+            raise ConfigError("zero_optimization.tiering.params_from_master with "
+                              'offload_param.device "nvme" is not supported',
+                              key="zero_optimization.tiering.params_from_master")
         if self.offload_device == "nvme" and not self.nvme_path:
             raise ConfigError(
                 "offload_param.device is nvme but offload_param.nvme_path is not set; "
@@ -135,6 +144,7 @@ class Stage3Settings:
             tiering=policies.tiering,
             aio=aio,
             step_assist=policies.tiering.step_assist,
+            params_from_master=policies.tiering.params_from_master,
             master_dtype=policies.precision.master,
             state_dtype=policies.precision.states,
         )
