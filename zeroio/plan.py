@@ -29,9 +29,14 @@ included) puts at most the usable bytes on each tier:
 For 3 and 4 (optimizer on the CPU) the plan then keeps the largest share of the optimizer
 state on the GPU that still fits: ``offload_optimizer.ratio = 1 - k / 100`` for the largest
 whole percent k in 1..99 that fits (ratio 1 when not even 1% fits). With the optimizer on
-NVMe (5-7) the ratio stays 1 and ``tiering.cpu_budget_bytes`` is set to the usable host
-memory per rank: what the state outside the NVMe store leaves of it holds Adam moments
-resident, and only the rest streams to and from the disk.
+NVMe (5-7) the plan takes the largest k the GPU takes first (host and disk bytes only shrink
+with it), and ``tiering.cpu_budget_bytes`` is set to the usable host memory per rank: what
+the state outside the NVMe store leaves of it holds Adam moments resident, and only the rest
+streams to and from the disk. Where the disk cannot hold every host-side moment the resident
+head has no disk home (optim/swap.py) and ``tiering.nvme_budget_bytes`` is set to the usable
+disk per rank, so the engine knows it. The NVMe placements are planned with
+``params_from_master`` (no 16-bit parameter shard) as its "auto" does, where the config takes
+the key (or when the caller asks).
 
 ``sub_group_size`` is DeepSpeed's default (1e9) without NVMe and ``NVME_SUB_GROUP_SIZE``
 (1e8) with it, which keeps the pinned optimizer swap buffers at 1.6 GB per GPU instead of 16.
@@ -50,7 +55,8 @@ element of the host gradient as ``estimate.host_grad_bytes`` decides):
   shards, ``b x D``.
 - CPU -> GPU, per GPU: without ``offload_param`` the updated 16-bit parameters of the host
   elements, ``b x H``; with it the shard copied in before each all-gather, forward and
-  backward, ``2 x b x S``.
+  backward, ``2 x b x S``; with ``params_from_master`` the host fp32 masters, forward and
+  backward, ``2 x 4 x H``.
 - NVMe -> CPU and CPU -> NVMe, per node: the Adam moments (8 bytes per element) that do not
   fit the host budget, read once and written once; with ``offload_param`` nvme also the
   parameter shards, read twice (forward, backward) and written once (an upper bound: no
