@@ -90,8 +90,9 @@ def test_gpu_share_is_the_largest_whole_percent_that_fits():
 
 
 def test_model_bigger_than_host_memory_streams_its_moments_from_nvme():
-    """Bytes per step and every time term by hand, on the NVMe placement."""
-    m = machine(host_bytes=128 * GB, disk_bytes=200 * GB)
+    """Bytes per step and every time term by hand, on the NVMe placement (a GPU that takes
+    no 1% share of the optimizer state: 2 Psi + buffers = 28 GB <= 28.8 < 29.6 GB)."""
+    m = machine(gpu_bytes=32 * GB, host_bytes=128 * GB, disk_bytes=200 * GB)
     plan = plan_placement(PSI, m, micro_batch=1, seq=1024)
     assert plan.placement == "stage 3, optimizer on NVMe"
     usable_host = 115_200_000_000  # 0.9 x 128 GB
@@ -120,7 +121,7 @@ def test_model_bigger_than_host_memory_streams_its_moments_from_nvme():
 
 
 def test_cpu_budget_is_per_rank_on_a_node_of_several_gpus():
-    m = machine(gpus=4, host_bytes=512 * GB, disk_bytes=800 * GB)
+    m = machine(gpus=4, gpu_bytes=32 * GB, host_bytes=512 * GB, disk_bytes=800 * GB)
     plan = plan_placement(4 * PSI, m, micro_batch=1, seq=1024)  # the previous test, x 4
     assert plan.placement == "stage 3, optimizer on NVMe"
     assert plan.config["zero_optimization"]["tiering"]["cpu_budget_bytes"] == 115_200_000_000
@@ -129,16 +130,43 @@ def test_cpu_budget_is_per_rank_on_a_node_of_several_gpus():
 
 
 def test_model_bigger_than_the_disk_names_the_disk_and_the_shortfall():
-    m = machine(host_bytes=128 * GB, disk_bytes=50 * GB)
+    # a GPU that takes the most offloaded placement's buffers (11 GB: stage 3 buffers and the
+    # shards copied in, 2 x 1.5e9) but no 1% share of the optimizer state (1.6 GB more)
+    m = machine(gpu_bytes=13 * GB, host_bytes=128 * GB, disk_bytes=20 * GB)
     with pytest.raises(CapacityError) as err:
         plan_placement(PSI, m, micro_batch=1, seq=1024)
     msg = str(err.value)
-    # the most offloaded placement puts the moments (8) and the 16-bit parameters (2) on disk,
-    # against 50 GB less the 1 GiB reserve
-    short = 10 * PSI - (50 * GB - (1 << 30))
+    # the most offloaded placement: host holds the fp32 master 4 + 16-bit gradient 2 bytes per
+    # element and 5 parameter swap buffers of 1e8 16-bit elements; the rest of the 115.2 GB
+    # budget is the optimizer's share: a window of 4 pieces of 2^24 elements' two fp32 moments
+    # (pipeline_read: 3 ahead), then whole pieces resident in host memory (the disk cannot hold
+    # every moment); the disk holds the streamed moments and the 16-bit parameters (2)
+    share = 115_200_000_000 - 6 * PSI - 5 * 10**8 * 2
+    pair = 2 * 4 * (1 << 24)
+    resident = (share - 4 * pair) // pair * pair
+    short = 8 * PSI - resident + 2 * PSI - (20 * GB - (1 << 30))
     assert f"{short:,} bytes" in msg and "disk" in msg
     assert "optimizer and parameters on NVMe" in msg
     assert "GPU memory" not in msg and "host memory" not in msg
+
+
+def test_a_disk_too_small_for_every_moment_keeps_the_resident_head_only_in_host_memory():
+    """The previous machine with a 50 GB disk: the moments (80 GB) do not fit it, but what the
+    host budget keeps resident needs no disk home (optim/swap.py), so the tail fits."""
+    m = machine(gpu_bytes=32 * GB, host_bytes=128 * GB, disk_bytes=50 * GB)
+    plan = plan_placement(PSI, m, micro_batch=1, seq=1024)
+    assert plan.placement == "stage 3, optimizer on NVMe" and plan.ratio == 1.0
+    share = 115_200_000_000 - 6 * PSI
+    pair = 2 * 4 * (1 << 24)
+    resident = (share - 4 * pair) // pair * pair
+    assert plan.resident_moment_bytes == resident
+    assert plan.tiers[2].need_bytes == 8 * PSI - resident <= 50 * GB - (1 << 30)
+    assert plan.tiers[1].need_bytes == 6 * PSI + 4 * pair + resident <= 115_200_000_000
+    assert plan.config["zero_optimization"]["tiering"] == {
+        "cpu_budget_bytes": 115_200_000_000, "nvme_budget_bytes": 50 * GB - (1 << 30)}
+    streamed = 8 * PSI - resident
+    assert plan.traffic["nvme->cpu"] == plan.traffic["cpu->nvme"] == streamed
+    load_config(plan.config)
 
 
 def test_activations_count_on_the_gpu():

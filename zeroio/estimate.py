@@ -53,7 +53,15 @@ Two layers, reported separately in the breakdown:
    - offload_optimizer nvme: the fp32 masters (4 of the K bytes) stay in host
      memory, only the moments (8) go to the disk (zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU): buffer_count x
-     min(sub_group_size, Psi / N) x 4 bytes.
+     min(sub_group_size, Psi / N) x 4 bytes. With ``tiering.cpu_budget_bytes`` and an NVMe
+     budget (``nvme_budget_bytes``, or ``tiering.nvme_budget_bytes``) too small for every
+     moment: what the state above leaves of the budget is the optimizer's share; its swap
+     window and the resident head of moments are in host memory and only the streamed tail
+     is on the disk (optim/swap_rule.py, [Note: resident head, streamed tail]).
+   - ``params_from_master`` (stage 3): no 16-bit shard of the sharded parameters (a negative
+     buffer item beside the paper's b Psi / N, wherever offload_param put it); the gather
+     casts the fp32 master, so a host-side master is copied to the GPU first (4 bytes per
+     element of the live groups' shards, an upper bound like the live parameters).
    - NVMe parameter swap buffers (pinned CPU): buffer_count x buffer_size x b.
 
 3. ``offload_optimizer.ratio`` r < 1 (stage 3, and stages 1/2 with the
@@ -90,6 +98,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
+from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
 from zeroio.config.zero import step_assist_enabled
 from zeroio.errors import ConfigError
 
@@ -143,6 +152,8 @@ class MemoryEstimate:
     """Masters' and gradient shards' dtype (``bf16.bf16_master_weights_and_grads``)."""
     state_dtype: str = "fp32"
     """The Adam moments' dtype (``bf16.bf16_optimizer_states``)."""
+    params_from_master: bool = False
+    """Stage 3 keeps no 16-bit shard of the sharded parameters (module doc, 2.)."""
 
     @property
     def world_size(self) -> int:
@@ -189,6 +200,7 @@ class MemoryEstimate:
             "offload_optimizer_ratio": self.ratio,
             "master_dtype": self.master_dtype,
             "optimizer_state_dtype": self.state_dtype,
+            "params_from_master": self.params_from_master,
             "optimizer_placement": self.placement(),
             "gpu_bytes_per_gpu": self.gpu_bytes_per_gpu,
             "cpu_bytes_per_node": self.cpu_bytes_per_node,
@@ -250,6 +262,8 @@ def estimate_memory(
     activation_bytes: int = 0,
     master_dtype: str | None = None,
     state_dtype: str | None = None,
+    params_from_master: bool | None = None,
+    nvme_budget_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Estimate training-state memory for ``num_params`` parameters (see module doc).
 
@@ -264,6 +278,10 @@ def estimate_memory(
     ``activation_bytes``: activation memory per GPU (e.g. ``llama_activation_bytes``).
     ``master_dtype`` / ``state_dtype``: "fp32" or "bf16", the masters' (and gradient shards')
     and the moments' (default the config's ``bf16`` switches, else fp32; module doc, 4.).
+    ``params_from_master`` (default: the config's ``tiering.params_from_master`` where the
+    config knows the key, "auto" on at stage 3 with offload_optimizer nvme; else off) and
+    ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``, None: room for
+    every moment): module doc, 2.
     """
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
@@ -310,6 +328,8 @@ def estimate_memory(
                           f"needs stage 3 (got stage {stage}); use offload_optimizer cpu",
                           key="offload_optimizer.ratio")
 
+    pfm = _params_from_master(params_from_master, zero if config is not None else None,
+                              stage, opt_dev)
     n = gpus_per_node * nodes
     b = DTYPE_BYTES[dtype]
     mb, sb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype]
@@ -343,6 +363,11 @@ def estimate_memory(
     else:
         add("parameters", "gpu" if par_dev == "none" else par_dev, b * shard, state,
             f"{b} * Psi / N")
+        if pfm and zeroio_buffers:  # module doc, 2.: a negative item, the paper's term kept
+            items.append(MemoryItem(
+                name="16-bit parameter shard not held (params_from_master: the gather casts "
+                "the fp32 master)", tier="gpu" if par_dev == "none" else par_dev,
+                bytes_per_gpu=-b * shard, kind="zeroio_buffer", formula=f"-{b} * Psi / N"))
     # Gradients: replicated at stages 0/1, the reduced shard from stage 2.
     grad_tier = "gpu" if opt_dev == "none" else "cpu"
     # zeroio's stage 3 keeps no 16-bit gradient shard (module doc, 2.): the model states keep
@@ -409,11 +434,15 @@ def estimate_memory(
             live = min(zero.stage3_max_live_parameters + grp, psi)
             add("live gathered parameters (upper bound)", "gpu", b * live, buf,
                 f"{b} * min(stage3_max_live_parameters + {gname}, Psi)")
-            if par_dev != "none":
+            if pfm and opt_dev != "none" and shard > dev:
+                add("host fp32 masters copied in before their cast (params_from_master)",
+                    "gpu", FP32 * min(math.ceil(live / n), shard - dev), buf,
+                    f"4 * min(stage3_max_live_parameters + {gname}, Psi) / N")
+            elif par_dev != "none":
                 add("offloaded shards copied in before their all-gather", "gpu",
                     b * math.ceil(live / n), buf,
                     f"{b} * min(stage3_max_live_parameters + {gname}, Psi) / N")
-            if dev and par_dev != "none":
+            if dev and par_dev != "none" and not pfm:
                 add("device-side publish staging (ratio)", "gpu",
                     b * min(PUBLISH_CHUNK_NUMEL, dev), buf,
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
@@ -443,6 +472,9 @@ def estimate_memory(
             add("parameter swap buffers (pinned)", "cpu", op.buffer_count * op.buffer_size * b,
                 buf, f"buffer_count * buffer_size * {b}")
 
+    if opt_dev == "nvme" and zeroio_buffers and zero.tiering.cpu_budget_bytes is not None:
+        nb = zero.tiering.nvme_budget_bytes if nvme_budget_bytes is None else nvme_budget_bytes
+        items = _split_moments(items, zero, shard - dev, sb, nb)
     if activation_bytes:
         add("activations (caller's estimate)", "gpu", activation_bytes, "activations",
             "activation_bytes")
@@ -450,7 +482,59 @@ def estimate_memory(
     return MemoryEstimate(num_params=psi, gpus_per_node=gpus_per_node, nodes=nodes, stage=stage,
                           offload_optimizer=opt_dev, offload_param=par_dev, dtype=dtype,
                           items=tuple(items), ratio=float(ratio), device_elements=dev,
-                          master_dtype=master_dtype, state_dtype=state_dtype)
+                          master_dtype=master_dtype, state_dtype=state_dtype,
+                          params_from_master=pfm)
+
+
+def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,
+                        opt_dev: str) -> bool:
+    """``params_from_master`` as given, else the config's where it knows the key ("auto" /
+    None: stage 3 with offload_optimizer nvme), else off."""
+    if given is None:
+        given = getattr(getattr(zero, "tiering", None), "params_from_master", False)
+        if given is None or given == "auto":
+            given = stage == 3 and opt_dev == "nvme"
+    if not isinstance(given, bool):
+        raise ConfigError(f"params_from_master = {given!r}: expected true, false or auto",
+                          key="zero_optimization.tiering.params_from_master")
+    if given and stage != 3:
+        raise ConfigError(f"params_from_master needs stage 3 (got stage {stage})",
+                          key="zero_optimization.tiering.params_from_master")
+    return given
+
+
+def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, sb: int,
+                   nvme_budget: int | None) -> list[MemoryItem]:
+    """The NVMe moments with an explicit CPU budget too small for them (module doc, 2.): the
+    swap buffers become the window, the resident head moves to host memory where the NVMe
+    budget cannot hold every moment."""
+    from zeroio.optim.swap_rule import moment_split, read_ahead
+
+    moments = next((i for i in items if i.name == "optimizer moments"), None)
+    swap = next((i for i in items if i.name == "optimizer swap buffers (pinned)"), None)
+    held = sum(i.bytes_per_gpu for i in items if i.tier == "cpu" and i is not swap)
+    share = zero.tiering.cpu_budget_bytes - held
+    if moments is None or swap is None or share <= 0:
+        return items
+    oo = zero.offload_optimizer
+    cut = moment_split(host_numel, share=share, itemsize=sb, nvme_budget=nvme_budget,
+                       ahead=read_ahead(zero.tiering.prefetch_depth, bool(oo.pipeline_read)))
+    if cut.disk == moments.bytes_per_gpu:  # every home on the disk: the buffers as before
+        return items
+    out = [i for i in items if i is not moments and i is not swap]
+    out.append(MemoryItem(name="optimizer swap window (pinned)", tier="cpu",
+                          bytes_per_gpu=cut.window, kind="zeroio_buffer",
+                          formula="(1 + read ahead) pieces' two moments (optim/swap_rule.py)"))
+    if cut.disk < moments.bytes_per_gpu:
+        out.append(MemoryItem(name="optimizer moments resident in host memory (tiering."
+                              "cpu_budget_bytes)", tier="cpu",
+                              bytes_per_gpu=moments.bytes_per_gpu - cut.disk, kind="model_state",
+                              formula="whole pieces of what the budget leaves past the window"))
+    if cut.disk:
+        out.append(MemoryItem(name="optimizer moments", tier="nvme", bytes_per_gpu=cut.disk,
+                              kind="model_state", formula=moments.formula +
+                              ("" if cut.disk == moments.bytes_per_gpu else " - resident head")))
+    return out
 
 
 def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,
@@ -486,83 +570,6 @@ def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab
     a, c = ACT_PER_TOKEN_LAYER
     tokens = seq * micro_batch
     return tokens * (layers * (a * hidden + c * intermediate) + 10 * vocab)
-
-
-def llama_num_params(*, hidden: int, intermediate: int, layers: int, vocab: int, heads: int,
-                     kv_heads: int | None = None, head_dim: int | None = None,
-                     tied: bool = False, attention_bias: bool = False,
-                     mlp_bias: bool = False) -> tuple[int, int]:
-    """(parameters, parameters of one decoder layer) of a Llama-style decoder: q/k/v/o
-    projections (grouped-query: ``kv_heads`` key/value heads of ``head_dim``), a gated MLP of
-    three matrices, two RMSNorm weights per layer, a final norm, the embedding and (unless
-    ``tied``) the output head."""
-    kv = kv_heads or heads
-    hd = head_dim or hidden // heads
-    attn = 2 * hidden * heads * hd + 2 * hidden * kv * hd
-    if attention_bias:
-        attn += heads * hd + 2 * kv * hd + hidden
-    mlp = 3 * hidden * intermediate + ((2 * intermediate + hidden) if mlp_bias else 0)
-    layer = attn + mlp + 2 * hidden
-    return layers * layer + vocab * hidden * (1 if tied else 2) + hidden, layer
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The shape of a decoder read from a Hugging Face ``config.json`` (no transformers)."""
-
-    source: str
-    hidden: int
-    intermediate: int
-    layers: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    num_params: int
-    layer_params: int
-
-
-def model_shape(path: str) -> ModelShape:
-    """Read ``config.json`` (or a folder holding one) of a Llama-style model: vocab_size,
-    hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-    num_key_value_heads, head_dim, tie_word_embeddings (default false, Llama's),
-    attention_bias, mlp_bias. Plain JSON: no torch, no transformers."""
-    import json
-    from pathlib import Path
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ConfigError(f"--model-config {p} does not exist; pass a config.json or the model "
-                          "folder holding one", key="model_config")
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--model-config {p} is not a JSON file: {e}", key="model_config") \
-            from None
-    raw = raw.get("text_config", raw) if isinstance(raw, dict) else raw  # multimodal wrappers
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--model-config {p} must hold a JSON object", key="model_config")
-
-    def need(key: str) -> int:
-        v = raw.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"--model-config {p}: {key} is {v!r}; expected a positive "
-                              "integer (a Llama-style decoder config)", key=f"model_config.{key}")
-        return v
-
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv = raw.get("num_key_value_heads") or heads
-    hd = raw.get("head_dim") or hidden // heads
-    shape = dict(hidden=hidden, intermediate=need("intermediate_size"),
-                 layers=need("num_hidden_layers"), vocab=need("vocab_size"), heads=heads,
-                 kv_heads=int(kv), head_dim=int(hd), tied=bool(raw.get("tie_word_embeddings",
-                                                                        False)))
-    total, layer = llama_num_params(**shape, attention_bias=bool(raw.get("attention_bias")),
-                                    mlp_bias=bool(raw.get("mlp_bias")))
-    return ModelShape(source=str(p), num_params=total, layer_params=layer, **shape)
 
 
 __all__ = ["estimate_memory", "llama_num_params", "model_shape", "ModelShape", "host_grad_bytes", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count"]

@@ -29,9 +29,14 @@ included) puts at most the usable bytes on each tier:
 For 3 and 4 (optimizer on the CPU) the plan then keeps the largest share of the optimizer
 state on the GPU that still fits: ``offload_optimizer.ratio = 1 - k / 100`` for the largest
 whole percent k in 1..99 that fits (ratio 1 when not even 1% fits). With the optimizer on
-NVMe (5-7) the ratio stays 1 and ``tiering.cpu_budget_bytes`` is set to the usable host
-memory per rank: what the state outside the NVMe store leaves of it holds Adam moments
-resident, and only the rest streams to and from the disk.
+NVMe (5-7) the plan takes the largest k the GPU takes first (host and disk bytes only shrink
+with it), and ``tiering.cpu_budget_bytes`` is set to the usable host memory per rank: what
+the state outside the NVMe store leaves of it holds Adam moments resident, and only the rest
+streams to and from the disk. Where the disk cannot hold every host-side moment the resident
+head has no disk home (optim/swap.py) and ``tiering.nvme_budget_bytes`` is set to the usable
+disk per rank, so the engine knows it. The NVMe placements are planned with
+``params_from_master`` (no 16-bit parameter shard) as its "auto" does, where the config takes
+the key (or when the caller asks).
 
 ``sub_group_size`` is DeepSpeed's default (1e9) without NVMe and ``NVME_SUB_GROUP_SIZE``
 (1e8) with it, which keeps the pinned optimizer swap buffers at 1.6 GB per GPU instead of 16.
@@ -50,7 +55,8 @@ element of the host gradient as ``estimate.host_grad_bytes`` decides):
   shards, ``b x D``.
 - CPU -> GPU, per GPU: without ``offload_param`` the updated 16-bit parameters of the host
   elements, ``b x H``; with it the shard copied in before each all-gather, forward and
-  backward, ``2 x b x S``.
+  backward, ``2 x b x S``; with ``params_from_master`` the host fp32 masters, forward and
+  backward, ``2 x 4 x H``.
 - NVMe -> CPU and CPU -> NVMe, per node: the Adam moments (8 bytes per element) that do not
   fit the host budget, read once and written once; with ``offload_param`` nvme also the
   parameter shards, read twice (forward, backward) and written once (an upper bound: no
@@ -240,6 +246,10 @@ class Plan:
     reasons: tuple[str, ...]
     """One line per faster placement rejected (and why the ratio is not lower)."""
     machine: Machine
+    params_from_master: bool = False
+    """Planned with ``tiering.params_from_master`` (no 16-bit parameter shard)."""
+    notes: tuple[str, ...] = ()
+    """What the plan assumes beyond its config block."""
 
     @property
     def step_s(self) -> float:
@@ -263,6 +273,7 @@ class Plan:
                 "resident_moment_bytes": self.resident_moment_bytes,
                 "times": dict(self.times), "step_s": self.step_s, "bound": self.bound,
                 "reasons": list(self.reasons), "margin": MARGIN,
+                "params_from_master": self.params_from_master, "notes": list(self.notes),
                 "machine": self.machine.to_dict(), "estimate": self.estimate.to_dict()}
 
 
@@ -277,9 +288,21 @@ class _Model:
     activation_bytes: int
     bf16_state: bool = False
     """Both ``bf16`` optimizer-state switches on (6 bytes of optimizer state per element)."""
+    params_from_master: bool = False
+    """Plan the NVMe placements with ``tiering.params_from_master`` (as its "auto" does)."""
 
 
-def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None) -> dict[str, Any]:
+def config_knows_params_from_master() -> bool:
+    """Whether this build's config loader takes ``zero_optimization.tiering.params_from_master``
+    (the guard for writing it into a planned config)."""
+    from zeroio.config.zero import TieringConfig
+
+    return "params_from_master" in {f.name for f in fields(TieringConfig)}
+
+
+def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None,
+               nvme_budget: int | None = None, params_from_master: bool = False
+               ) -> dict[str, Any]:
     """The ``zero_optimization`` block of placement ``p`` (DeepSpeed schema, zeroio's
     ``tiering`` keys)."""
     nvme = "nvme" in (p.optimizer, p.param)
@@ -288,7 +311,7 @@ def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None) -> dict[st
     if p.optimizer != "none":
         oo: dict[str, Any] = {"device": p.optimizer, "ratio": ratio}
         if p.optimizer == "nvme":
-            oo["nvme_path"] = NVME_PATH
+            oo.update(nvme_path=NVME_PATH, pipeline_read=True, pipeline_write=True)
         block["offload_optimizer"] = oo
     if p.param != "none":
         block["offload_param"] = {"device": p.param}
@@ -296,11 +319,22 @@ def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None) -> dict[st
             block["offload_param"]["nvme_path"] = NVME_PATH
     if nvme and cpu_budget is not None:
         block["tiering"] = {"cpu_budget_bytes": cpu_budget}
+        if nvme_budget is not None:
+            block["tiering"]["nvme_budget_bytes"] = nvme_budget
+        if params_from_master and config_knows_params_from_master():
+            block["tiering"]["params_from_master"] = True
     return block
 
 
-def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None) -> dict:
-    cfg: dict[str, Any] = {"zero_optimization": zero_block(p, ratio=ratio, cpu_budget=cpu_budget)}
+def _pfm(p: Placement, model: _Model) -> bool:
+    return model.params_from_master and p.stage == 3 and p.optimizer == "nvme"
+
+
+def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,
+            nvme_budget: int | None = None) -> dict:
+    cfg: dict[str, Any] = {"zero_optimization": zero_block(
+        p, ratio=ratio, cpu_budget=cpu_budget, nvme_budget=nvme_budget,
+        params_from_master=_pfm(p, model))}
     if model.dtype in ("bf16", "fp16"):
         cfg[model.dtype] = {"enabled": True}
     if model.bf16_state:  # docs/engine.md, "bf16 optimizer state"
@@ -311,9 +345,20 @@ def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None) -
 def _estimate(p: Placement, model: _Model, machine: Machine, ratio: float,
               cpu_budget: int | None) -> MemoryEstimate:
     cfg = load_config(_config(p, model, ratio, cpu_budget))
+    disk = _disk_per_rank(machine) if p.optimizer == "nvme" else None
     return estimate_memory(model.num_params, machine.gpus, model.nodes, config=cfg,
                            dtype=model.dtype, largest_group=model.largest_group,
-                           activation_bytes=model.activation_bytes)
+                           activation_bytes=model.activation_bytes,
+                           params_from_master=_pfm(p, model), nvme_budget_bytes=disk)
+
+
+def _disk_per_rank(machine: Machine) -> int:
+    return max(0, machine.disk_bytes - DISK_RESERVE) // machine.gpus
+
+
+def _split(est: MemoryEstimate) -> bool:
+    """The estimate homes the resident moments in host memory (the disk holds the tail)."""
+    return any(i.name.startswith("optimizer moments resident") for i in est.items)
 
 
 def _fits(est: MemoryEstimate, machine: Machine) -> tuple[TierFit, ...]:
@@ -337,22 +382,69 @@ def _overflow(p: Placement, tiers: tuple[TierFit, ...]) -> str:
     return f"{p.name}: " + "; ".join(over)
 
 
-def _largest_share(p: Placement, model: _Model, machine: Machine) -> int:
+def _largest_share(p: Placement, model: _Model, machine: Machine,
+                   cpu_budget: int | None = None, *, step_down: bool = True) -> int:
     """The largest whole percent k in 0..99 of the optimizer state kept on the GPU (ratio
-    1 - k/100) that fits. GPU bytes grow with k, so bisect on the GPU; then step down past
-    any k the host does not take (its gradient dtype can change for a small host shard)."""
+    1 - k/100) that fits. GPU bytes grow with k, so bisect on the GPU; then (``step_down``)
+    step down past any k the host does not take (its gradient dtype can change for a small
+    host shard). The NVMe placements keep the largest k the GPU takes: host and disk bytes
+    only shrink as k grows."""
     def ok_gpu(k: int) -> bool:
-        est = _estimate(p, model, machine, 1 - k / 100, None)
+        est = _estimate(p, model, machine, 1 - k / 100, cpu_budget)
         return _fits(est, machine)[0].over_bytes == 0
 
-    lo, hi = 0, 99  # ok_gpu(0) holds: the caller checked ratio 1
+    if not ok_gpu(0):
+        return -1
+    lo, hi = 0, 99
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ok_gpu(mid) else (lo, mid - 1)
-    while lo > 0 and any(t.over_bytes for t in _fits(
-            _estimate(p, model, machine, 1 - lo / 100, None), machine)):
+    while step_down and lo > 0 and any(t.over_bytes for t in _fits(
+            _estimate(p, model, machine, 1 - lo / 100, cpu_budget), machine)):
         lo -= 1
     return lo
+
+
+def _try(p: Placement, model: _Model, machine: Machine, budget: int | None,
+         reasons: list[str]):
+    """(estimate, tiers, ratio) of placement ``p`` at its GPU share; where a tier overflows,
+    the reason is appended: module doc, "The rule"."""
+    nvme_share = p.optimizer == "nvme" and not model.bf16_state
+    if nvme_share:  # the largest GPU share first: host and disk bytes only shrink with it
+        k = _largest_share(p, model, machine, budget, step_down=False)
+        ratio = round(1 - max(k, 0) / 100, 2)
+    else:
+        ratio = 1.0
+    est = _estimate(p, model, machine, ratio, budget)
+    tiers = _fits(est, machine)
+    if any(t.over_bytes for t in tiers):
+        at = f" at offload_optimizer.ratio {ratio:g}" if ratio < 1 else ""
+        reasons.append(_overflow(p, tiers).replace(": ", f"{at}: ", 1))
+        return est, tiers, ratio
+    if p.optimizer == "cpu" and not model.bf16_state:  # the switches take no ratio
+        k = _largest_share(p, model, machine)
+        if k > 0:
+            ratio = round(1 - k / 100, 2)
+            est = _estimate(p, model, machine, ratio, None)
+            tiers = _fits(est, machine)
+        else:
+            reasons.append(f"{p.name}: no GPU share of the optimizer state fits "
+                           "(offload_optimizer.ratio below 1 needs at least 1% on the GPU)")
+    return est, tiers, ratio
+
+
+def _notes(est: MemoryEstimate) -> tuple[str, ...]:
+    out = []
+    if est.params_from_master:
+        out.append("planned with zero_optimization.tiering.params_from_master (no 16-bit "
+                   "parameter shard; the gather casts the fp32 master)"
+                   + ("" if config_knows_params_from_master() else
+                      ": this build's config does not take the key yet, so the block leaves "
+                      "it out and the engine would keep the 16-bit shards"))
+    if _split(est):
+        out.append("the disk cannot hold every Adam moment: the resident head lives only in "
+                   "host memory and tiering.nvme_budget_bytes tells the engine so")
+    return tuple(out)
 
 
 def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: int | None):
@@ -363,14 +455,22 @@ def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: in
     host = est.placement()["offloaded_elements_per_gpu"]
     dev = shard - host if p.optimizer != "none" else 0
     g = host_grad_bytes(est.dtype, p.optimizer, 1, host, stage=p.stage) if host else 0
-    down = g * host + (b * dev if p.param != "none" else 0)
-    up = 2 * b * shard if p.param != "none" else b * host
+    pfm = est.params_from_master
+    down = g * host + (b * dev if p.param != "none" and not pfm else 0)
+    if pfm:  # forward and backward copy the host-side fp32 masters in, then cast
+        up = 2 * 4 * host
+    else:
+        up = 2 * b * shard if p.param != "none" else b * host
     read = write = resident = 0
     if p.optimizer == "nvme":
         moments = MOMENT_BYTES * DTYPE_BYTES[est.state_dtype] // 4 * host
-        resident = min(moments, max(0, (cpu_budget or 0) - est.per_gpu("cpu")))
+        if _split(est):
+            resident = sum(i.bytes_per_gpu for i in est.items
+                           if i.name.startswith("optimizer moments resident"))
+        else:
+            resident = min(moments, max(0, (cpu_budget or 0) - est.per_gpu("cpu")))
         read = write = moments - resident
-    if p.param == "nvme":
+    if p.param == "nvme" and not pfm:
         read += 2 * b * shard
         write += b * shard
     gpus = machine.gpus
@@ -404,7 +504,8 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                    micro_batch: int, seq: int, layers: int | None = None,
                    hidden: int | None = None, vocab: int | None = None,
                    intermediate: int | None = None, largest_group: int | None = None,
-                   nodes: int = 1, bf16_optimizer_states: bool = False) -> Plan:
+                   nodes: int = 1, bf16_optimizer_states: bool = False,
+                   params_from_master: bool | None = None) -> Plan:
     """The first placement of the rule (module doc) that fits ``machine`` for a model of
     ``num_params`` parameters trained on ``nodes`` such nodes.
 
@@ -414,7 +515,9 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
     (stage 3's largest flat group) defaults to one such decoder layer when ``hidden`` is
     given, else the estimate's stand-in. ``bf16_optimizer_states``: plan with both bf16
     optimizer-state switches on (bf16 masters, gradient shards and moments; needs ``dtype``
-    bf16; no partial offload ratio). Raises ``CapacityError`` when nothing fits.
+    bf16; no partial offload ratio). ``params_from_master``: plan the NVMe placements with
+    ``tiering.params_from_master`` on, as its "auto" does (None: where this build's config
+    knows the key). Raises ``CapacityError`` when nothing fits.
     """
     if not isinstance(machine, Machine):
         raise ConfigError(f"machine = {machine!r}: expected a zeroio.plan.Machine", key="machine")
@@ -430,35 +533,27 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                           key="bf16_optimizer_states")
     model = _Model(num_params=parse_count(num_params), dtype=dtype, nodes=nodes,
                    largest_group=largest_group, activation_bytes=act,
-                   bf16_state=bf16_optimizer_states)
+                   bf16_state=bf16_optimizer_states,
+                   params_from_master=config_knows_params_from_master()
+                   if params_from_master is None else bool(params_from_master))
     cpu_budget = int(machine.host_bytes * (1 - MARGIN)) // machine.gpus
     reasons: list[str] = []
     tiers: tuple[TierFit, ...] = ()
     for p in PLACEMENTS:
         budget = cpu_budget if "nvme" in (p.optimizer, p.param) else None
-        est = _estimate(p, model, machine, 1.0, budget)
-        tiers = _fits(est, machine)
+        est, tiers, ratio = _try(p, model, machine, budget, reasons)
         if any(t.over_bytes for t in tiers):
-            reasons.append(_overflow(p, tiers))
             continue
-        ratio = 1.0
-        if p.optimizer == "cpu" and not model.bf16_state:  # the switches take no ratio
-            k = _largest_share(p, model, machine)
-            if k:
-                ratio = round(1 - k / 100, 2)
-                est = _estimate(p, model, machine, ratio, None)
-                tiers = _fits(est, machine)
-            else:
-                reasons.append(f"{p.name}: no GPU share of the optimizer state fits "
-                               "(offload_optimizer.ratio below 1 needs at least 1% on the GPU)")
         traffic, resident = _traffic(p, est, machine, budget)
         host_elems = est.placement()["offloaded_elements_per_gpu"] * machine.gpus
-        return Plan(placement=p.name, config=_config(p, model, ratio, budget), estimate=est,
-                    tiers=tiers, traffic=traffic, resident_moment_bytes=resident,
+        nvme_budget = _disk_per_rank(machine) if _split(est) else None
+        return Plan(placement=p.name, config=_config(p, model, ratio, budget, nvme_budget),
+                    estimate=est, tiers=tiers, traffic=traffic, resident_moment_bytes=resident,
                     times=_times(traffic, host_elems, machine), reasons=tuple(reasons),
-                    machine=machine)
+                    machine=machine, params_from_master=est.params_from_master,
+                    notes=_notes(est))
     raise CapacityError("no placement fits this machine; the most offloaded one, "
-                        + _overflow(PLACEMENTS[-1], tiers)
+                        + reasons[-1]
                         + ": add memory or disk, more GPUs or nodes, or train a smaller model")
 
 

@@ -45,6 +45,9 @@ def add_arguments(p) -> None:
                    help="CPU Adam speed, 1e9 elements per second per node")
     g.add_argument("--micro-batch", type=int, default=1,
                    help="micro batch per GPU for the activations (with --model-config)")
+    g.add_argument("--params-from-master", choices=("true", "false", "auto"), default="auto",
+                   help="plan the NVMe placements with tiering.params_from_master (auto: where "
+                   "this build's config takes the key)")
     g.add_argument("--seq", type=int, default=2048,
                    help="sequence length for the activations (with --model-config)")
 
@@ -95,7 +98,9 @@ def run(args, shape) -> int:
                   intermediate=shape.intermediate, largest_group=shape.layer_params)
     plan = plan_placement(shape.num_params if shape else args.params, machine,
                           dtype=args.dtype or "bf16", micro_batch=args.micro_batch,
-                          seq=args.seq, nodes=args.nodes, **kw)
+                          seq=args.seq, nodes=args.nodes,
+                          params_from_master={"true": True, "false": False}.get(
+                              getattr(args, "params_from_master", "auto")), **kw)
     if args.json:
         out = plan.to_dict()
         if shape is not None:
@@ -129,6 +134,7 @@ def render_fit(plan) -> list[str]:
     for t in plan.tiers:
         lines.append(f"{TIER_WORDS[t.tier]:36s} {t.need_bytes / _GB:10.2f} "
                      f"{t.usable_bytes / _GB:10.2f} {t.capacity_bytes / _GB:12.2f}")
+    lines += [f"note: {n}" for n in getattr(plan, "notes", ())]
     if plan.resident_moment_bytes:
         lines.append(f"(the host budget also keeps {plan.resident_moment_bytes / _GB:.2f} GB of "
                      "Adam moments resident per node)")

@@ -19,8 +19,13 @@ window:
     read(i+1..i+read_ahead)  |  update(i)  |  write-back(i-1)
 
 Each streamed piece is read once and written once per step, and nothing else
-moves: bytes per step = 2 x (moments - resident). A resident piece is written
-only when the store flushes or closes (checkpoint save reads it from memory).
+moves: bytes per step = 2 x (moments - resident). Every piece is homed on NVMe
+and a resident piece is written only when the store flushes or closes (a
+checkpoint save then links the swap files), unless the NVMe budget cannot hold
+all the moments: then the resident head is homed in host memory (no file under
+nvme_path), the disk holds only the streamed tail, and the GPU side of a ratio,
+the host head and the disk tail hold optimizer state at once (zeroio.estimate
+counts it so; a checkpoint save writes such moments from memory).
 
 With ``lru`` or ``fifo`` nothing is held: every piece is acquired, updated and
 released, and the store's own lru / fifo eviction decides which released
@@ -278,10 +283,12 @@ class SwappedAdam(EngineOptimizer):
                                  cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0,
                                  policy=self.policy, **extra)
         self._tier = Tier.CPU
-        for piece in self.pieces:
+        head = self._host_homed_head()
+        for i, piece in enumerate(self.pieces):
+            home = Tier.CPU if i < head else Tier.NVME
             for kind in KINDS:
                 self.store.register(piece.name(kind), (piece.numel,), self.state_dtype,
-                                    home=Tier.NVME)
+                                    home=home)
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
         self._last_of_sub = {self._piece_index(s.group_index, s.start + s.numel - 1): s
                              for s in self.subs}
@@ -290,6 +297,14 @@ class SwappedAdam(EngineOptimizer):
         # checkpoint threads pin pieces in the store (thread-safe, pin-counted) at most two at
         # a time, inside the window the plan leaves next to the read-ahead
         self._state_pins = threading.BoundedSemaphore(2)
+
+    def _host_homed_head(self) -> int:
+        """Pieces of the resident head homed in host memory: all of it when the NVMe budget
+        cannot hold every piece's moments, else none ([Note: resident head, streamed tail])."""
+        if self.plan.fits or not self.plan.resident:
+            return 0
+        disk = sum(p.numel for p in self.pieces) * len(KINDS) * self.state_dtype.itemsize
+        return self.plan.resident if disk > self.store.budgets.nvme else 0
 
     def _piece_index(self, group_index: int, element: int) -> int:
         for i, p in enumerate(self.pieces):

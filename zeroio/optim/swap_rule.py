@@ -1,0 +1,55 @@
+"""The NVMe optimizer's use of its host share, decided without importing torch.
+
+``zeroio.estimate`` plans with these figures; ``optim/swap.py`` (``SwapPlan.make`` and
+``SwappedAdam``) applies the same rules in training ([Note: resident head, streamed tail]
+there): the window (the piece being updated and ``read_ahead`` pieces requested ahead) comes
+out of the share first, the first whole pieces that fit the rest stay resident, and when the
+NVMe budget cannot hold every moment the resident head is homed in host memory, so the disk
+holds only the streamed tail. Pieces are counted without their sub-group remainders: the
+figures are within one piece of the runtime's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PIECE_ELEMS = 1 << 24
+"""``optim/swap.py``'s largest swap piece (the same number)."""
+READ_AHEAD = 3
+"""``optim/swap.py``'s read-ahead with ``pipeline_read`` (the same number)."""
+_PAGE = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class MomentSplit:
+    """Where one rank's host-side Adam moments live (bytes)."""
+
+    window: int
+    """Pinned host bytes of the swap window (current piece + read-ahead)."""
+    resident: int
+    """Moment bytes the host share keeps resident."""
+    disk: int
+    """Moment bytes homed on NVMe: all of them, or the streamed tail when the NVMe budget
+    cannot hold them all."""
+
+
+def read_ahead(prefetch_depth: int | None, pipeline_read: bool) -> int:
+    return prefetch_depth if prefetch_depth is not None else (READ_AHEAD if pipeline_read else 0)
+
+
+def moment_split(numel: int, *, share: int, itemsize: int, ahead: int,
+                 nvme_budget: int | None) -> MomentSplit:
+    """The split of ``numel`` elements' two moments (``itemsize`` bytes each) for a host share
+    of ``share`` bytes (what the optimizer's store gets of ``tiering.cpu_budget_bytes``) and
+    an NVMe budget of ``nvme_budget`` bytes (None: room for all)."""
+    total = 2 * itemsize * numel
+    if share >= total:
+        return MomentSplit(window=0, resident=total, disk=total)
+    piece = min(MAX_PIECE_ELEMS, numel, max(_PAGE // 4, share // (4 * itemsize * 2 * (1 + ahead))))
+    pair = 2 * itemsize * piece
+    while ahead and (1 + ahead) * pair > share:
+        ahead -= 1
+    window = min(share, (1 + ahead) * pair)
+    resident = min(total, (share - window) // pair * pair)
+    disk = total if nvme_budget is None or total <= nvme_budget else total - resident
+    return MomentSplit(window=window, resident=resident, disk=disk)
