@@ -93,7 +93,7 @@ def test_model_bigger_than_host_memory_streams_its_moments_from_nvme():
     """Bytes per step and every time term by hand, on the NVMe placement (a GPU that takes
     no 1% share of the optimizer state: 2 Psi + buffers = 28 GB <= 28.8 < 29.6 GB)."""
     m = machine(gpu_bytes=32 * GB, host_bytes=128 * GB, disk_bytes=200 * GB)
-    plan = plan_placement(PSI, m, micro_batch=1, seq=1024)
+    plan = plan_placement(PSI, m, micro_batch=1, seq=1024, params_from_master=False)
     assert plan.placement == "stage 3, optimizer on NVMe"
     usable_host = 115_200_000_000  # 0.9 x 128 GB
     # rejected on host memory: Adam 12 + 16-bit gradient 2 (+ 16-bit parameters 2)
@@ -122,7 +122,7 @@ def test_model_bigger_than_host_memory_streams_its_moments_from_nvme():
 
 def test_cpu_budget_is_per_rank_on_a_node_of_several_gpus():
     m = machine(gpus=4, gpu_bytes=32 * GB, host_bytes=512 * GB, disk_bytes=800 * GB)
-    plan = plan_placement(4 * PSI, m, micro_batch=1, seq=1024)  # the previous test, x 4
+    plan = plan_placement(4 * PSI, m, micro_batch=1, seq=1024, params_from_master=False)  # the previous test, x 4
     assert plan.placement == "stage 3, optimizer on NVMe"
     assert plan.config["zero_optimization"]["tiering"]["cpu_budget_bytes"] == 115_200_000_000
     assert plan.resident_moment_bytes == 4 * 53_600_000_000
@@ -154,7 +154,7 @@ def test_a_disk_too_small_for_every_moment_keeps_the_resident_head_only_in_host_
     """The previous machine with a 50 GB disk: the moments (80 GB) do not fit it, but what the
     host budget keeps resident needs no disk home (optim/swap.py), so the tail fits."""
     m = machine(gpu_bytes=32 * GB, host_bytes=128 * GB, disk_bytes=50 * GB)
-    plan = plan_placement(PSI, m, micro_batch=1, seq=1024)
+    plan = plan_placement(PSI, m, micro_batch=1, seq=1024, params_from_master=False)
     assert plan.placement == "stage 3, optimizer on NVMe" and plan.ratio == 1.0
     share = 115_200_000_000 - 6 * PSI
     pair = 2 * 4 * (1 << 24)

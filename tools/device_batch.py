@@ -162,8 +162,11 @@ def _nvme_steps(accumulation: int, steps: int, timeout_s: int) -> tuple[Step, ..
              f"--accumulation {accumulation} --steps {steps} --warmup 1 "
              "--nvme-path {scratch}/nvme --out {res} --quiet{extra}")
     return (
+        Step("pfm-gpu", "python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml "
+             "{res}/junit-pfm.xml tests/test_params_from_master_gpu.py", 120,
+             quote=r"passed|failed|Error"),
         Step("disk", "df -B1 . /tmp; free -b; nproc; rm -rf {scratch}/disk && mkdir -p "
-             "{scratch}/disk && python3 -m zeroio.cli bench io --path {scratch}/disk --size 4G "
+             "{scratch}/disk && python3 -m zeroio.cli bench io --path {scratch}/disk --size 2G "
              "--fio .dev/fio --json > {res}/bench-io.json && python3 -c \"import json;r=json."
              "load(open('{res}/bench-io.json'));print('raw',r['raw']['write_gbps'],r['raw']"
              "['read_gbps'],'mixed',r['raw']['mixed'],'engine',r['engine'])\"", 150,
