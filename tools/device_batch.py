@@ -178,6 +178,20 @@ def _nvme_steps(accumulation: int, steps: int, timeout_s: int) -> tuple[Step, ..
     )
 
 
+def _accum_steps() -> tuple[Step, ...]:
+    disk, plan, train = _nvme_steps(16, 2, 400)[1:]
+    bench = Step("nvme-step", "rm -rf {scratch}/step && mkdir -p {scratch}/step && python3 "
+                 "benchmarks/bench_nvme_step.py --path {scratch}/step --elements 1e9 --budget "
+                 "1e9 --threads 1,4 --read-ahead 3,8 --steps 1 --disk {res}/bench-io.json "
+                 "--out {res} && rm -rf {scratch}/step", 150, quote="best")
+    best = ("B=$(python3 -c \"import json,glob;r=json.load(open(sorted(glob.glob('{res}/nvme-"
+            "step-*.json'))[-1]))['best'];print(r['threads'],r['read_ahead'])\" || echo 1 3); "
+            "set -- $B; echo \"best: threads $1 read ahead $2\"; ")
+    tuned = (" --set aio.intra_op_parallelism=$1 --set zero_optimization.tiering.prefetch_depth=$2")
+    return (disk, bench, plan, Step("train-15b-accum", best + train.shell.replace(
+        "{extra}", tuned + "{extra}"), train.timeout_s, quote=train.quote))
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-tests", "nvidia-h200", "every -m gpu test file on 1 GPU (2-GPU cases skip)",
           _pytest_steps(150)),
@@ -200,8 +214,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("nvme15", "nvidia-h200", "the NVMe regime: fio's best over a sweep (zeroio bench io),"
           " then the 15.24B Llama for 3 steps at micro batch 1 (moments on NVMe)",
           _nvme_steps(1, 3, 400), extra_carry=(".dev",)),
-    Suite("nvme15-accum", "nvidia-h200", "nvme15 with 16 micro-batches per optimizer step",
-          _nvme_steps(16, 2, 400), extra_carry=(".dev",)),
+    Suite("nvme15-accum", "nvidia-h200", "the disk's best, the NVMe step alone per I/O "
+          "setting (bench_nvme_step.py), then the 15B with 16 micro-batches per optimizer step "
+          "at the best setting", _accum_steps(), extra_carry=(".dev",)),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "
