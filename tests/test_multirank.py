@@ -86,3 +86,31 @@ def test_tensor_results_arrive_after_the_rank_is_done():
         assert len(tensors) == 64
         for i, t in enumerate(tensors):
             assert torch.equal(t, torch.full((4096,), float(r * 1000 + i)))
+
+
+def _how_started(name):
+    import os
+    import sys
+
+    with open("/proc/self/environ", "rb") as f:
+        start = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return (os.getppid(), start.get(name.encode(), b"").decode(), os.environ.get(name),
+            "torch" in sys.modules)
+
+
+def test_ranks_fork_from_the_preloaded_server_only_when_the_environment_matches(monkeypatch):
+    """With this process's environment unchanged since the forkserver started, ranks are forked
+    from it (their parent is the server, not this process; torch is already imported). With a
+    variable changed, a forked rank would start with the server's stale environment, so the
+    job runs on spawned ranks: their parent is this process and the variable is there from
+    process start, as in the environment they run with."""
+    import os
+
+    monkeypatch.delenv("ZEROIO_TEST_FORK_ENV", raising=False)
+    run_ranks(_how_started, 1, "ZEROIO_TEST_FORK_ENV")  # the server is up from here on
+    forked = run_ranks(_how_started, 2, "ZEROIO_TEST_FORK_ENV")
+    assert all(ppid != os.getpid() for ppid, *_ in forked), forked
+    assert [rest for _, *rest in forked] == [["", None, True]] * 2
+    monkeypatch.setenv("ZEROIO_TEST_FORK_ENV", "changed")
+    spawned = run_ranks(_how_started, 2, "ZEROIO_TEST_FORK_ENV")
+    assert [s[:3] for s in spawned] == [(os.getpid(), "changed", "changed")] * 2
