@@ -18,12 +18,14 @@ environment sees a ``torchrun``-like world.
 a small machine, more than most tests' work). So ranks are forked from a ``forkserver`` that
 imported ``PRELOAD`` once and has done nothing else: no thread pool used, no CUDA, no process
 group. Such a rank is what a spawned one would be only if the server started with the
-environment the rank would get, because variables read once at process start (glibc's
-``MALLOC_*``, OpenMP's ``OMP_*``, read while the server loaded them) come from there. So each
-forked rank compares its start environment (``/proc/self/environ``) with the parent's (after
-``env``), before it does anything; on any difference (``_VOLATILE`` aside) every rank
-is stopped and the job runs again on ``spawn``. The Python-level environment is then set to
-the parent's exactly. NCCL jobs, and any job without ``/proc`` (not Linux), are spawned.
+environment the rank would get (variables read at process start, glibc's ``MALLOC_*``, or
+while the server imported torch, OpenMP's ``OMP_*``, come from there), runs the same
+interpreter with the same flags, and holds the code a spawned rank would import now: the
+same files, found through the parent's ``sys.path``, unchanged since the server read them.
+Each forked rank checks all of that (``fork_identity.differences``) before it does
+anything; on any difference every rank is stopped and the job runs again on ``spawn``, and
+``LAST_START`` says why. The Python-level environment is then set to the parent's exactly.
+NCCL jobs, and any job without ``/proc`` (not Linux), are spawned.
 
 A rank that raises has its traceback re-raised in the caller as
 ``RankFailedError``; a run that exceeds ``timeout`` kills every rank and raises
@@ -43,58 +45,33 @@ from typing import Any
 
 from zeroio.cli.ports import free_port
 from zeroio.errors import RankFailedError
+from zeroio.testing import fork_identity
 
-PRELOAD = ("torch", "torch.distributed", "zeroio.partition.collectives", "zeroio.engine")
-"""What the forkserver imports once for every forked rank (see the note above)."""
-# Set in this process by pytest (per test phase) and by torch's inductor (its cache folder, on
-# the first compile); both are read through ``os.environ`` only, never at process start.
-_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
-_PROC_ENVIRON = "/proc/self/environ"
+PRELOAD = ("torch", "torch.distributed", "zeroio.partition.collectives", "zeroio.engine",
+           "zeroio.testing.fork_identity")
+"""What the forkserver imports once for every forked rank (see the note above); the last entry
+records the module files the server loaded, to tell later whether they changed."""
+
+LAST_START: dict[str, Any] = {}
+"""How the latest job in this process started: ``{"start": "fork" | "spawn", "why": [...]}``,
+``why`` naming what made it spawn (empty where it forked, or where forking was not tried)."""
 
 
 class _Respawn(Exception):
-    """A forked rank's start environment differs from the parent's: run the job on spawn."""
+    """A forked rank is not what a spawned one would be: run the job on spawn."""
 
-
-def _start_environ() -> dict[str, str] | None:
-    """The environment this process started with (None where /proc is not readable)."""
-    try:
-        with open(_PROC_ENVIRON, "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    pairs = (kv.split(b"=", 1) for kv in raw.split(b"\0") if b"=" in kv)
-    return {k.decode(errors="surrogateescape"): v.decode(errors="surrogateescape")
-            for k, v in pairs}
-
-
-def _process_environ() -> dict[str, str] | None:
-    """This process's C-level environment now: what a child started now inherits. It can hold
-    more than ``os.environ`` (a C library may ``setenv``, as readline does ``LINES``)."""
-    try:
-        import ctypes
-
-        env = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
-    except (OSError, ValueError, AttributeError):
-        return None
-    out, i = {}, 0
-    while env[i] is not None:
-        k, sep, v = env[i].decode(errors="surrogateescape").partition("=")
-        if sep:
-            out[k] = v
-        i += 1
-    return out
-
-
-def _without_volatile(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in _VOLATILE}
+    def __init__(self, why: list[str]):
+        super().__init__("; ".join(why))
+        self.why = why
 
 
 def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, out,
-               received, parent_env=None) -> None:
-    if parent_env is not None:  # forked from the forkserver: started as a spawned rank would?
-        if _without_volatile(_start_environ() or {}) != _without_volatile(parent_env):
-            out.put((rank, None, "start environment differs from the parent's"))
+               received, parent=None) -> None:
+    if parent is not None:  # forked from the forkserver: is it what a spawned rank would be?
+        parent_env, parent_interpreter = parent
+        why = fork_identity.differences(parent_env, parent_interpreter)
+        if why:
+            out.put((rank, None, why))
             return
         os.environ.clear()
         os.environ.update(parent_env)
@@ -149,12 +126,21 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     job = (fn, world_size, args, kwargs, timeout, backend, threads, dict(env or {}))
     # NCCL ranks are always spawned: nothing CUDA-related is ever inherited through a fork
-    if backend == "gloo" and _start_environ() is not None and _process_environ() is not None:
+    why = ["backend " + backend] if backend != "gloo" else []
+    if not why and fork_identity.start_environ() is None:
+        why = ["no " + fork_identity.PROC_ENVIRON]
+    if not why and fork_identity.process_environ() is None:
+        why = ["no C-level environ"]
+    if not why:
         try:
-            return _run(*job, forked=True)
-        except _Respawn:
-            pass
-    return _run(*job, forked=False)
+            results = _run(*job, forked=True)
+            LAST_START.update(start="fork", why=[])
+            return results
+        except _Respawn as e:
+            why = e.why
+    results = _run(*job, forked=False)
+    LAST_START.update(start="spawn", why=why)
+    return results
 
 
 def start_forkserver():
@@ -173,6 +159,19 @@ def _forkserver_context():
     return start_forkserver()  # before ``env`` touches this process's environment
 
 
+def _check_server_environ(parent_env: dict[str, str]) -> None:
+    """Raise ``_Respawn`` before forking when the server's start environment (read from
+    ``/proc``) already differs from ``parent_env``; each rank checks again, and more."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:
+        start = fork_identity.start_environ(f"/proc/{pid}/environ")
+        why = fork_identity.environ_differences(start, parent_env)
+        if why:
+            raise _Respawn([f"environment variable {k}" for k in why])
+
+
 def _run(fn, world_size, args, kwargs, timeout, backend, threads, env, *, forked) -> list[Any]:
     ctx = _forkserver_context() if forked else mp.get_context("spawn")
     out = ctx.Queue()
@@ -183,12 +182,19 @@ def _run(fn, world_size, args, kwargs, timeout, backend, threads, env, *, forked
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        parent_env = _process_environ() if forked else None
+        parent = None
+        if forked:
+            parent = (fork_identity.process_environ() or {}, fork_identity.interpreter())
+            try:
+                _check_server_environ(parent[0])
+            except _Respawn:
+                out.close()
+                raise
         procs = [
             ctx.Process(
                 target=_rank_main,
                 args=(fn, r, world_size, port, backend, threads, env, args, kwargs, out,
-                      received[r], parent_env),
+                      received[r], parent),
                 daemon=False,
             )
             for r in range(world_size)
