@@ -1,4 +1,10 @@
-"""ZeroIOTrainer: a Hugging Face Trainer script on zeroio with "auto" config (2 ranks, CPU)."""
+"""ZeroIOTrainer: a Hugging Face Trainer script on zeroio with "auto" config (2 ranks, CPU).
+
+The three 2-rank Trainer jobs (train + evaluate + reload best, resume, overlapped step) run
+in one ``run_ranks`` call, each in its own output folder: a rank pays the transformers import
+once. Each test asserts on its own job's results; a job that raised fails its test with the
+rank's traceback, and the jobs after it (not run: a rank may have left a collective
+half done) fail theirs naming it."""
 
 from __future__ import annotations
 
@@ -104,14 +110,46 @@ def _trainer_job(out: str) -> dict:
     }
 
 
+def _jobs_body(root: str) -> dict:
+    """In a rank: each job in order, in ``root/<job>``; job -> (True, result) or (False, why)."""
+    import traceback
+
+    res: dict = {}
+    for name, job in (("trained", _trainer_job), ("resume", _resume_job),
+                      ("overlap", _overlap_job)):
+        if any(not ok for ok, _ in res.values()):
+            res[name] = (False, f"not run: an earlier job failed ({sorted(res)})")
+            continue
+        try:
+            res[name] = (True, job(str(Path(root) / name)))
+        except Exception:  # noqa: BLE001 - reported to the job's test
+            res[name] = (False, traceback.format_exc())
+    return res
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf") / "run"
-    results = run_ranks(_trainer_job, 2, str(out), timeout=300)
-    return out, results
+def jobs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return root, run_ranks(_jobs_body, 2, str(root), timeout=600)
+
+
+def _job(jobs, name):
+    """Every rank's result of job ``name``; a failed job fails the test with its traceback."""
+    root, per_rank = jobs
+    for rank, res in enumerate(per_rank):
+        ok, payload = res[name]
+        if not ok:
+            pytest.fail(f"job {name} on rank {rank}:\n{payload}", pytrace=False)
+    return root / name, [res[name][1] for res in per_rank]
+
+
+@pytest.fixture(scope="module")
+def trained(jobs):
+    return _job(jobs, "trained")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # whichever runs first sets up all three jobs
 def test_trainer_trains_evaluates_with_auto_config(trained):
     _, (r0, r1) = trained
     assert r0["final_eval"] == pytest.approx(r1["final_eval"], rel=1e-6)
@@ -134,6 +172,7 @@ def test_trainer_trains_evaluates_with_auto_config(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # whichever runs first sets up all three jobs
 def test_trainer_reloads_best_and_saves_from_pretrained(trained):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -207,8 +246,9 @@ def _resume_job(out: str) -> dict:
 
 
 @pytest.mark.slow
-def test_trainer_resume_from_checkpoint_retraces_the_run(tmp_path):
-    r0, _ = run_ranks(_resume_job, 2, str(tmp_path / "run"), timeout=300)
+@pytest.mark.timeout(600)  # whichever runs first sets up all three jobs
+def test_trainer_resume_from_checkpoint_retraces_the_run(jobs):
+    _, (r0, _) = _job(jobs, "resume")
     assert len(r0["full"]) == len(r0["resumed"]) == 8
     # steps 5-8 after resuming from the engine checkpoint match the uninterrupted run
     assert r0["resumed"][4:] == pytest.approx(r0["full"][4:], rel=1e-5)
@@ -246,8 +286,9 @@ def _overlap_job(out: str) -> dict:
 
 
 @pytest.mark.slow
-def test_trainer_with_the_overlapped_step_equals_the_plain_order(tmp_path):
-    r0, r1 = run_ranks(_overlap_job, 2, str(tmp_path / "run"), timeout=300)
+@pytest.mark.timeout(600)  # whichever runs first sets up all three jobs
+def test_trainer_with_the_overlapped_step_equals_the_plain_order(jobs):
+    _, (r0, r1) = _job(jobs, "overlap")
     for r in (r0, r1):
         assert r[True]["overlapped"] and not r[False]["overlapped"]
         assert len(r[True]["losses"]) == 8

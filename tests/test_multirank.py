@@ -3,7 +3,7 @@
 import pytest
 
 from zeroio.errors import RankFailedError
-from zeroio.testing import run_ranks
+from zeroio.testing import fork_identity, multirank, run_ranks
 
 
 def _all_reduce_body(offset):
@@ -86,3 +86,100 @@ def test_tensor_results_arrive_after_the_rank_is_done():
         assert len(tensors) == 64
         for i, t in enumerate(tensors):
             assert torch.equal(t, torch.full((4096,), float(r * 1000 + i)))
+
+
+def _how_started(name):
+    import os
+    import sys
+
+    with open("/proc/self/environ", "rb") as f:
+        start = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return (os.getppid(), start.get(name.encode(), b"").decode(), os.environ.get(name),
+            "torch" in sys.modules)
+
+
+def test_ranks_fork_from_the_preloaded_server_only_when_the_environment_matches(monkeypatch):
+    """With this process's environment unchanged since the forkserver started, ranks are forked
+    from it (their parent is the server, not this process; torch is already imported). With a
+    variable changed, a forked rank would start with the server's stale environment, so the
+    job runs on spawned ranks: their parent is this process and the variable is there from
+    process start, as in the environment they run with."""
+    import os
+
+    monkeypatch.delenv("ZEROIO_TEST_FORK_ENV", raising=False)
+    run_ranks(_how_started, 1, "ZEROIO_TEST_FORK_ENV")  # the server is up from here on
+    forked = run_ranks(_how_started, 2, "ZEROIO_TEST_FORK_ENV")
+    # a spawn here names what made it spawn: something earlier in the run changed this
+    # process's environment or code for good, and every later job pays a spawn
+    assert multirank.LAST_START == {"start": "fork", "why": []}, multirank.LAST_START
+    assert all(ppid != os.getpid() for ppid, *_ in forked), forked
+    assert [rest for _, *rest in forked] == [["", None, True]] * 2
+    monkeypatch.setenv("ZEROIO_TEST_FORK_ENV", "changed")
+    spawned = run_ranks(_how_started, 2, "ZEROIO_TEST_FORK_ENV")
+    assert multirank.LAST_START == {"start": "spawn",
+                                    "why": ["environment variable ZEROIO_TEST_FORK_ENV"]}
+    assert [s[:3] for s in spawned] == [(os.getpid(), "changed", "changed")] * 2
+
+
+def test_a_variable_inductor_sets_in_process_keeps_ranks_forking(monkeypatch):
+    """torch's inductor sets ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`` in this process each
+    time it loads a compiled kernel (any in-process compile earlier in the run); it is read
+    by that kernel as it loads, never at start, so jobs still fork and the rank sees this
+    process's value, as a spawned rank would."""
+    import os
+
+    run_ranks(_how_started, 1, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "140000000000")
+    out = run_ranks(_how_started, 2, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+    assert multirank.LAST_START == {"start": "fork", "why": []}, multirank.LAST_START
+    assert [(ppid != os.getpid(), start, now) for ppid, start, now, _ in out] == [
+        (True, "", "140000000000")] * 2
+
+
+def _module_file(name):
+    import importlib
+
+    return importlib.import_module(name).__file__
+
+
+def test_ranks_spawn_when_a_preloaded_module_would_be_imported_from_elsewhere(
+        tmp_path, monkeypatch):
+    """The server imported ``quopri`` (through torch) from the standard library. With a folder
+    holding another ``quopri`` first on this process's ``sys.path``, a spawned rank imports
+    that one: a forked rank would run other code than a spawned one, so the job spawns and
+    the ranks hold the module from the folder."""
+    import quopri
+
+    shadow = tmp_path / "quopri.py"
+    # the same code, from another file
+    shadow.write_text(f"exec(compile(open({quopri.__file__!r}).read(), {str(shadow)!r}, 'exec'))\n")
+    run_ranks(_module_file, 1, "quopri")
+    assert multirank.LAST_START["start"] == "fork", multirank.LAST_START
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert run_ranks(_module_file, 2, "quopri") == [str(shadow)] * 2
+    assert multirank.LAST_START == {
+        "start": "spawn", "why": ["module quopri would be imported from elsewhere"]}
+
+
+def test_a_module_file_changed_since_it_was_loaded_is_named(tmp_path, monkeypatch):
+    """A module file edited after the server read it: a spawned rank would read the new code,
+    so the check names the module (its size or modification time differs from the record)."""
+    import importlib
+    import sys
+
+    src = tmp_path / "zeroio_fork_probe.py"
+    src.write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "zeroio_fork_probe", raising=False)
+    importlib.import_module("zeroio_fork_probe")
+    loaded = fork_identity.snapshot()
+    assert fork_identity.changed_files(loaded) == []
+    src.write_text("VALUE = 22\n")  # one byte longer
+    assert fork_identity.changed_files(loaded) == ["zeroio_fork_probe"]
+    src.write_text("VALUE = 3\n")  # the old size: the modification time tells
+    import os
+
+    st = os.stat(src)
+    os.utime(src, ns=(st.st_atime_ns, loaded["zeroio_fork_probe"][1][0] + 1))
+    assert fork_identity.changed_files(loaded) == ["zeroio_fork_probe"]
+    monkeypatch.delitem(sys.modules, "zeroio_fork_probe")

@@ -10,9 +10,23 @@
 
     assert run_ranks(body, 2, 1.0) == [3.0, 3.0]
 
-Each rank is a fresh ``spawn`` process with a gloo (or NCCL) process group
-already initialised and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set,
-so code under test that reads the environment sees a ``torchrun``-like world.
+Each rank is a fresh process with a gloo (or NCCL) process group already initialised and
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set, so code under test that reads the
+environment sees a ``torchrun``-like world.
+
+[Note: forkserver ranks] A ``spawn`` rank pays ``import torch`` and zeroio (seconds each on
+a small machine, more than most tests' work). So ranks are forked from a ``forkserver`` that
+imported ``PRELOAD`` once and has done nothing else: no thread pool used, no CUDA, no process
+group. Such a rank is what a spawned one would be only if the server started with the
+environment the rank would get (variables read at process start, glibc's ``MALLOC_*``, or
+while the server imported torch, OpenMP's ``OMP_*``, come from there), runs the same
+interpreter with the same flags, and holds the code a spawned rank would import now: the
+same files, found through the parent's ``sys.path``, unchanged since the server read them.
+Each forked rank checks all of that (``fork_identity.differences``) before it does
+anything; on any difference every rank is stopped and the job runs again on ``spawn``, and
+``LAST_START`` says why. The Python-level environment is then set to the parent's exactly.
+NCCL jobs, and any job without ``/proc`` (not Linux), are spawned.
+
 A rank that raises has its traceback re-raised in the caller as
 ``RankFailedError``; a run that exceeds ``timeout`` kills every rank and raises
 ``TimeoutError`` naming the ranks still running. Results travel back through
@@ -31,10 +45,36 @@ from typing import Any
 
 from zeroio.cli.ports import free_port
 from zeroio.errors import RankFailedError
+from zeroio.testing import fork_identity
+
+PRELOAD = ("torch", "torch.distributed", "zeroio.partition.collectives", "zeroio.engine",
+           "zeroio.testing.fork_identity")
+"""What the forkserver imports once for every forked rank (see the note above); the last entry
+records the module files the server loaded, to tell later whether they changed."""
+
+LAST_START: dict[str, Any] = {}
+"""How the latest job in this process started: ``{"start": "fork" | "spawn", "why": [...]}``,
+``why`` naming what made it spawn (empty where it forked, or where forking was not tried)."""
+
+
+class _Respawn(Exception):
+    """A forked rank is not what a spawned one would be: run the job on spawn."""
+
+    def __init__(self, why: list[str]):
+        super().__init__("; ".join(why))
+        self.why = why
 
 
 def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, out,
-               received) -> None:
+               received, parent=None) -> None:
+    if parent is not None:  # forked from the forkserver: is it what a spawned rank would be?
+        parent_env, parent_interpreter = parent
+        why = fork_identity.differences(parent_env, parent_interpreter)
+        if why:
+            out.put((rank, None, why))
+            return
+        os.environ.clear()
+        os.environ.update(parent_env)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -84,24 +124,81 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    job = (fn, world_size, args, kwargs, timeout, backend, threads, dict(env or {}))
+    # NCCL ranks are always spawned: nothing CUDA-related is ever inherited through a fork
+    why = ["backend " + backend] if backend != "gloo" else []
+    if not why and fork_identity.start_environ() is None:
+        why = ["no " + fork_identity.PROC_ENVIRON]
+    if not why and fork_identity.process_environ() is None:
+        why = ["no C-level environ"]
+    if not why:
+        try:
+            results = _run(*job, forked=True)
+            LAST_START.update(start="fork", why=[])
+            return results
+        except _Respawn as e:
+            why = e.why
+    results = _run(*job, forked=False)
+    LAST_START.update(start="spawn", why=why)
+    return results
+
+
+def start_forkserver():
+    """Start the forkserver now (it loads ``PRELOAD`` in the background), with this process's
+    environment as it is: a test session calls this before any test can ``monkeypatch`` it,
+    so that later jobs fork. Otherwise the first job starts it. Returns the context."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # a no-op once the server runs
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return ctx
+
+
+def _forkserver_context():
+    return start_forkserver()  # before ``env`` touches this process's environment
+
+
+def _check_server_environ(parent_env: dict[str, str]) -> None:
+    """Raise ``_Respawn`` before forking when the server's start environment (read from
+    ``/proc``) already differs from ``parent_env``; each rank checks again, and more."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:
+        start = fork_identity.start_environ(f"/proc/{pid}/environ")
+        why = fork_identity.environ_differences(start, parent_env)
+        if why:
+            raise _Respawn([f"environment variable {k}" for k in why])
+
+
+def _run(fn, world_size, args, kwargs, timeout, backend, threads, env, *, forked) -> list[Any]:
+    ctx = _forkserver_context() if forked else mp.get_context("spawn")
     out = ctx.Queue()
     received = [ctx.Event() for _ in range(world_size)]
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(fn, r, world_size, port, backend, threads, dict(env or {}), args, kwargs, out,
-                  received[r]),
-            daemon=False,
-        )
-        for r in range(world_size)
-    ]
     # A spawned child takes its environment from the parent at start; variables read
     # once at process start (glibc's MALLOC_*, OMP_*) only work if set before it.
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
+        parent = None
+        if forked:
+            parent = (fork_identity.process_environ() or {}, fork_identity.interpreter())
+            try:
+                _check_server_environ(parent[0])
+            except _Respawn:
+                out.close()
+                raise
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, r, world_size, port, backend, threads, env, args, kwargs, out,
+                      received[r], parent),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
     finally:
@@ -141,6 +238,8 @@ def run_ranks(
                         ) from None
                 else:
                     continue
+            if ok is None:
+                raise _Respawn(payload)
             if not ok:
                 raise RankFailedError(rank, payload)
             results[rank] = payload
