@@ -368,3 +368,54 @@ def test_publish_chunk_matches_the_estimate():
     from zeroio.partition.stage3 import twin
 
     assert estimate.PUBLISH_CHUNK_NUMEL == twin.PUBLISH_CHUNK_NUMEL
+
+
+# ---- all three tiers at once: the GPU share, a host-homed head, the disk tail ----------------
+
+def _three_tier_body(tmpdir):
+    """ratio 0.5 with the host side's moments on NVMe, a host budget smaller than those
+    moments and an NVMe budget that holds only the streamed tail: the plan the planner
+    writes for a model whose state fills every tier ([Note: resident head, streamed tail]
+    in optim/swap.py). Trained against single-process AdamW."""
+    import torch
+
+    from zeroio.optim.twin import TwinAdam
+
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in tiny_llama().state_dict().items()}
+    batches = _batches(1)
+    ref_losses, ref_params = llama_reference(batches, init, lr=LR, clip=CLIP)
+    nvme = os.path.join(tmpdir, "nvme")
+    cfg = stage3_config(micro=MICRO, gas=GAS, clip=CLIP, lr=LR, zero=dict(
+        SMALL_STAGE3, stage3_param_persistence_threshold=0, sub_group_size=2048,
+        offload_param=offload_param("cpu", nvme),
+        offload_optimizer=offload_optimizer("nvme", nvme, 0.5),
+        tiering={"cpu_budget_bytes": 240_000, "nvme_budget_bytes": 60_000}))
+    engine = _engine(init, cfg)
+    assert isinstance(engine.optimizer, TwinAdam)
+    swapped = engine.optimizer.host
+    plan, head = swapped.plan, swapped._host_homed_head()
+    per_step = []
+    losses = []
+    for step in batches:
+        losses += train_steps(engine, [step])
+        moved = engine.stats()["sources"]["optimizer"]["last_step"]["bytes_moved"]
+        per_step.append((moved.get("nvme->cpu", 0), moved.get("cpu->nvme", 0)))
+    disk = engine.stats()["sources"]["optimizer"]["tiers"]["nvme"]["home_bytes"]
+    masters = gather_state(engine)
+    published = gathered_params(engine)
+    engine.close()
+    return dict(pieces=len(plan.pieces), resident=plan.resident, head=head, fits=plan.fits,
+                streamed=plan.streamed_bytes, disk=disk, per_step=per_step,
+                **reference_diffs(losses, published, masters, ref_losses, ref_params, init, "fp32"))
+
+
+def test_gpu_share_host_head_and_disk_tail_train_as_adamw(tmp_path):
+    (r,) = run_ranks(_three_tier_body, 1, str(tmp_path), timeout=240)
+    # the head lives only in host memory, the tail streams: all three tiers hold state
+    assert not r["fits"] and 0 < r["resident"] == r["head"] < r["pieces"], r
+    assert r["streamed"] > 0 and r["disk"] == r["streamed"], r  # no file for the head
+    # after the first step, each step reads and writes exactly the streamed tail once
+    for read, write in r["per_step"][1:]:
+        assert read == r["streamed"] and write == r["streamed"], r
+    assert not reference_failures(r, "fp32", fp32_tol=2e-5), r
