@@ -80,18 +80,10 @@ from zeroio.errors import CapacityError, ConfigError
 from zeroio.optim import cpu_adam
 from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
+from zeroio.optim.swap_rule import _PAGE, MAX_PIECE_ELEMS, READ_AHEAD  # noqa: F401 (re-exported)
 from zeroio.shard.types import ShardGroup
 
 KINDS = ("exp_avg", "exp_avg_sq")
-MAX_PIECE_ELEMS = 1 << 24
-"""Largest swap piece: 64 MiB per moment. Small enough that reads, updates and writes of
-neighbouring pieces overlap within a step (a 1e9-element sub-group would leave one 4 GB
-transfer per moment with nothing to overlap it), large enough for full-speed disk I/O."""
-READ_AHEAD = 3
-"""Streamed pieces requested ahead of the one being updated (with ``pipeline_read``): the
-window holds them and the current one; the last of them starts reading as soon as the
-write-back of the previous piece frees its space."""
-_PAGE = 4096
 
 
 @dataclass(frozen=True, kw_only=True)

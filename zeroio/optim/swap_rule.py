@@ -14,9 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_PIECE_ELEMS = 1 << 24
-"""``optim/swap.py``'s largest swap piece (the same number)."""
+"""Largest swap piece: 64 MiB per moment. Small enough that reads, updates and writes of
+neighbouring pieces overlap within a step (a 1e9-element sub-group would leave one 4 GB
+transfer per moment with nothing to overlap it), large enough for full-speed disk I/O."""
 READ_AHEAD = 3
-"""``optim/swap.py``'s read-ahead with ``pipeline_read`` (the same number)."""
+"""Streamed pieces requested ahead of the one being updated (with ``pipeline_read``): the
+window holds them and the current one; the last of them starts reading as soon as the
+write-back of the previous piece frees its space."""
 _PAGE = 4096
 
 
