@@ -183,3 +183,80 @@ def test_a_module_file_changed_since_it_was_loaded_is_named(tmp_path, monkeypatc
     os.utime(src, ns=(st.st_atime_ns, loaded["zeroio_fork_probe"][1][0] + 1))
     assert fork_identity.changed_files(loaded) == ["zeroio_fork_probe"]
     monkeypatch.delitem(sys.modules, "zeroio_fork_probe")
+
+
+def _cuda_env_seen():
+    import ctypes
+    import os
+    import sys
+
+    import torch
+
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    c_level = libc.getenv(b"CUDA_VISIBLE_DEVICES")
+    return (os.getppid(), os.environ.get("CUDA_VISIBLE_DEVICES"),
+            None if c_level is None else c_level.decode(), "torch" in sys.modules,
+            torch.cuda.is_initialized(), torch.cuda.device_count())
+
+
+def test_a_job_setting_cuda_visible_devices_forks_and_the_rank_sees_it_from_the_start(
+        monkeypatch):
+    """``CUDA_VISIBLE_DEVICES`` is read when CUDA initialises, not at process start: a job that
+    sets it forks, the rank has it in ``os.environ`` and in the C-level environment the CUDA
+    driver reads (libc's getenv), CUDA is not initialised there, and this process's
+    environment is left as it was."""
+    import os
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    run_ranks(_how_started, 1, "CUDA_VISIBLE_DEVICES")  # the server is up from here on
+    out = run_ranks(_cuda_env_seen, 2, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert multirank.LAST_START == {"start": "fork", "why": []}, multirank.LAST_START
+    assert [(ppid != os.getpid(), *rest) for ppid, *rest in out] == [
+        (True, "", "", True, False, 0)] * 2
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_a_job_setting_a_variable_not_known_safe_after_fork_spawns():
+    """A variable outside ``SAFE_AFTER_FORK`` (one glibc reads at process start, here) makes
+    the job spawn, naming it; the rank has it from process start."""
+    import os
+
+    run_ranks(_how_started, 1, "MALLOC_ARENA_MAX")
+    out = run_ranks(_how_started, 1, "MALLOC_ARENA_MAX", env={"MALLOC_ARENA_MAX": "2"})
+    assert multirank.LAST_START == {"start": "spawn", "why": [
+        "environment variable MALLOC_ARENA_MAX set for the job (not in "
+        "fork_identity.SAFE_AFTER_FORK)"]}
+    assert out == [(os.getpid(), "2", "2", True)]
+
+
+def test_safe_after_fork_splits_a_job_env_against_the_parent():
+    late, why = fork_identity.set_after_fork(
+        {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "ZEROIO_CPU_ADAM": "torch"},
+        {"OMP_NUM_THREADS": "1"})
+    # OMP_NUM_THREADS is already the parent's value: nothing to set, no reason to spawn
+    assert late == {"CUDA_VISIBLE_DEVICES": "", "ZEROIO_CPU_ADAM": "torch"}
+    assert why == []
+    _, why = fork_identity.set_after_fork({"OMP_NUM_THREADS": "4"}, {"OMP_NUM_THREADS": "1"})
+    assert why == ["environment variable OMP_NUM_THREADS set for the job (not in "
+                   "fork_identity.SAFE_AFTER_FORK)"]
+
+
+def test_cuda_touched_in_the_server_is_a_difference(tmp_path, monkeypatch):
+    """CUDA initialised (as the forked rank sees the server's state) always counts; the CUDA
+    driver library in the process map counts where the job sets a CUDA variable."""
+    import torch
+
+    clean = tmp_path / "maps"
+    clean.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/libc.so.6\n")
+    driver = tmp_path / "maps_driver"
+    driver.write_text("7f00-7f01 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.550.1\n")
+    cuda_env = {"CUDA_VISIBLE_DEVICES": ""}
+    assert fork_identity.cuda_differences(cuda_env, str(clean)) == []
+    assert fork_identity.cuda_differences(cuda_env, str(driver)) == [
+        "the CUDA driver library loaded in the server"]
+    assert fork_identity.cuda_differences({"ZEROIO_CPU_ADAM": "torch"}, str(driver)) == []
+    assert fork_identity.cuda_differences(cuda_env, str(tmp_path / "absent")) == [
+        "the CUDA driver library loaded in the server"]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert fork_identity.cuda_differences(None, str(clean)) == ["CUDA initialised in the server"]

@@ -32,6 +32,31 @@ VOLATILE = (
 """Variables that may differ between the server's start environment and the parent's: a
 forked rank's ``os.environ`` is set to the parent's exactly, and nothing reads them earlier."""
 
+SAFE_AFTER_FORK = {
+    "CUDA_VISIBLE_DEVICES": "read by the CUDA driver when CUDA initialises (cuInit) and by "
+                            "torch.cuda's device count when it is called, never at process "
+                            "start or at import; the server never initialises CUDA, and a "
+                            "forked rank checks that (``cuda_differences``)",
+    "CUDA_DEVICE_ORDER": "read with CUDA_VISIBLE_DEVICES, when CUDA initialises",
+    "ZEROIO_CPU_ADAM": "read by zeroio.config.overrides at each call (engine build, step), "
+                       "never at import",
+    "ZEROIO_OVERLAP_STEP": "read by zeroio.config.overrides when a config is loaded",
+    "ZEROIO_STEP_ASSIST": "read by zeroio.config.overrides when a config is loaded",
+    "ZEROIO_STEP_CHUNK_NUMEL": "read by zeroio.config.overrides when a config is loaded",
+    "ZEROIO_STEP_THREADS": "read by zeroio.config.overrides when the host step starts",
+}
+"""A job's ``env=`` variables that a forked rank may set in ``os.environ`` (and so the C-level
+environment) as its first act, with the reason each is safe: nothing reads them at
+interpreter start or while the server imported ``PRELOAD``, so a rank that sets them then
+behaves as one spawned with them. A rank's ``/proc/self/environ`` still shows the server's
+start environment. Any other variable a job sets (``MALLOC_*``, ``OMP_*``, ``PYTHON*``, an
+unknown name) makes the job spawn; add a name here only with the reason it is safe."""
+
+CUDA_SET_AFTER_FORK = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+"""The ``SAFE_AFTER_FORK`` variables that hold only while CUDA is untouched in the server."""
+
+PROC_MAPS = "/proc/self/maps"
+
 
 def start_environ(path: str = PROC_ENVIRON) -> dict[str, str] | None:
     """The environment a process started with (None where ``path`` is not readable)."""
@@ -138,10 +163,46 @@ def interpreter() -> list[str]:
     return [os.fsdecode(a) for a in (spawn.get_executable(), *util._args_from_interpreter_flags())]
 
 
-def differences(parent_env: dict[str, str], parent_interpreter: list[str]) -> list[str]:
+def set_after_fork(env: dict[str, str], now: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """A job's ``env=`` against the parent's environment ``now``: the variables a forked rank
+    sets as its first act (those that change something), and why the job must spawn instead
+    (each changed variable not in ``SAFE_AFTER_FORK``)."""
+    late = {k: v for k, v in env.items() if now.get(k) != v}
+    why = [f"environment variable {k} set for the job (not in fork_identity.SAFE_AFTER_FORK)"
+           for k in sorted(late) if k not in SAFE_AFTER_FORK]
+    return late, why
+
+
+def cuda_differences(late: dict[str, str] | None = None, maps: str = PROC_MAPS) -> list[str]:
+    """Why CUDA in this process is not as a fresh one's (empty: untouched). A forked rank is a
+    copy of the server, so in one this is the server's state: CUDA initialised (or a bad
+    fork) always counts; where ``late`` sets a ``CUDA_SET_AFTER_FORK`` variable, so does the
+    CUDA driver library being loaded at all (the driver may have read the old value)."""
+    torch = sys.modules.get("torch")
+    out = []
+    if torch is not None:
+        if torch.cuda.is_initialized():
+            out.append("CUDA initialised in the server")
+        if torch.cuda._is_in_bad_fork():
+            out.append("a CUDA bad fork")
+    if late and any(k in late for k in CUDA_SET_AFTER_FORK):
+        try:
+            with open(maps, encoding="utf-8", errors="replace") as f:
+                loaded = any("/libcuda.so" in line for line in f)
+        except OSError:
+            loaded = True  # cannot tell: spawn
+        if loaded:
+            out.append("the CUDA driver library loaded in the server")
+    return out
+
+
+def differences(parent_env: dict[str, str], parent_interpreter: list[str],
+                late: dict[str, str] | None = None) -> list[str]:
     """In a rank forked from the server, after multiprocessing gave it the parent's
-    ``sys.path`` and folder: why it is not what a spawned rank would be (empty: it is)."""
+    ``sys.path`` and folder: why it is not what a spawned rank would be (empty: it is), where
+    the rank is to set ``late`` (``SAFE_AFTER_FORK`` variables) before anything else."""
     out = [f"environment variable {k}" for k in environ_differences(start_environ(), parent_env)]
+    out += cuda_differences(late)
     argv = list(getattr(sys, "orig_argv", []))
     # the server runs ``<executable> <flags> -c <code>``
     if len(argv) < 2 or argv[-2] != "-c" or argv[:-2] != list(parent_interpreter):

@@ -24,8 +24,12 @@ interpreter with the same flags, and holds the code a spawned rank would import 
 same files, found through the parent's ``sys.path``, unchanged since the server read them.
 Each forked rank checks all of that (``fork_identity.differences``) before it does
 anything; on any difference every rank is stopped and the job runs again on ``spawn``, and
-``LAST_START`` says why. The Python-level environment is then set to the parent's exactly.
-NCCL jobs, and any job without ``/proc`` (not Linux), are spawned.
+``LAST_START`` says why. The Python-level environment is then set to the parent's exactly,
+and then to the job's ``env=``, before anything else runs: a job may fork only where each
+variable it changes is one nothing reads until later (``fork_identity.SAFE_AFTER_FORK``,
+each with its reason; e.g. ``CUDA_VISIBLE_DEVICES``, read when CUDA initialises, which the
+rank checks the server never did); any other variable makes the job spawn. NCCL jobs, and
+any job without ``/proc`` (not Linux), are spawned.
 
 A rank that raises has its traceback re-raised in the caller as
 ``RankFailedError``; a run that exceeds ``timeout`` kills every rank and raises
@@ -69,12 +73,14 @@ def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, 
                received, parent=None) -> None:
     if parent is not None:  # forked from the forkserver: is it what a spawned rank would be?
         parent_env, parent_interpreter = parent
-        why = fork_identity.differences(parent_env, parent_interpreter)
+        why = fork_identity.differences(parent_env, parent_interpreter, late=env)
         if why:
             out.put((rank, None, why))
             return
         os.environ.clear()
         os.environ.update(parent_env)
+    # forked: only fork_identity.SAFE_AFTER_FORK variables, set before anything reads them;
+    # spawned: already there from process start
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -124,21 +130,24 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    job = (fn, world_size, args, kwargs, timeout, backend, threads, dict(env or {}))
+    env = dict(env or {})
+    job = (fn, world_size, args, kwargs, timeout, backend, threads)
+    late, why = fork_identity.set_after_fork(env, dict(os.environ))
     # NCCL ranks are always spawned: nothing CUDA-related is ever inherited through a fork
-    why = ["backend " + backend] if backend != "gloo" else []
+    if backend != "gloo":
+        why = ["backend " + backend]
     if not why and fork_identity.start_environ() is None:
         why = ["no " + fork_identity.PROC_ENVIRON]
     if not why and fork_identity.process_environ() is None:
         why = ["no C-level environ"]
     if not why:
         try:
-            results = _run(*job, forked=True)
+            results = _run(*job, late, forked=True)
             LAST_START.update(start="fork", why=[])
             return results
         except _Respawn as e:
             why = e.why
-    results = _run(*job, forked=False)
+    results = _run(*job, env, forked=False)
     LAST_START.update(start="spawn", why=why)
     return results
 
@@ -178,9 +187,11 @@ def _run(fn, world_size, args, kwargs, timeout, backend, threads, env, *, forked
     received = [ctx.Event() for _ in range(world_size)]
     port = free_port()
     # A spawned child takes its environment from the parent at start; variables read
-    # once at process start (glibc's MALLOC_*, OMP_*) only work if set before it.
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    # once at process start (glibc's MALLOC_*, OMP_*) only work if set before it. A forked
+    # rank is handed the parent's environment as it is and sets ``env`` itself.
+    saved = {} if forked else {k: os.environ.get(k) for k in env}
+    if not forked:
+        os.environ.update(env)
     try:
         parent = None
         if forked:
