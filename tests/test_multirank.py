@@ -260,3 +260,18 @@ def test_cuda_touched_in_the_server_is_a_difference(tmp_path, monkeypatch):
         "the CUDA driver library loaded in the server"]
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert fork_identity.cuda_differences(None, str(clean)) == ["CUDA initialised in the server"]
+
+
+def test_a_safe_variable_changed_in_this_process_keeps_ranks_forking(monkeypatch):
+    """A ``SAFE_AFTER_FORK`` variable this process set after the server started (a test's
+    ``monkeypatch.setenv``) does not make the job spawn: the forked rank has this process's
+    value, as a spawned one would, though its start environment is the server's."""
+    import os
+
+    monkeypatch.delenv("ZEROIO_CPU_ADAM", raising=False)
+    run_ranks(_how_started, 1, "ZEROIO_CPU_ADAM")
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "torch")
+    out = run_ranks(_how_started, 2, "ZEROIO_CPU_ADAM")
+    assert multirank.LAST_START == {"start": "fork", "why": []}, multirank.LAST_START
+    assert [(ppid != os.getpid(), *rest) for ppid, *rest in out] == [
+        (True, "", "torch", True)] * 2

@@ -45,7 +45,8 @@ SAFE_AFTER_FORK = {
     "ZEROIO_STEP_CHUNK_NUMEL": "read by zeroio.config.overrides when a config is loaded",
     "ZEROIO_STEP_THREADS": "read by zeroio.config.overrides when the host step starts",
 }
-"""A job's ``env=`` variables that a forked rank may set in ``os.environ`` (and so the C-level
+"""A job's ``env=`` variables (and the parent's own, changed since the server started) that a
+forked rank may set in ``os.environ`` (and so the C-level
 environment) as its first act, with the reason each is safe: nothing reads them at
 interpreter start or while the server imported ``PRELOAD``, so a rank that sets them then
 behaves as one spawned with them. A rank's ``/proc/self/environ`` still shows the server's
@@ -201,7 +202,11 @@ def differences(parent_env: dict[str, str], parent_interpreter: list[str],
     """In a rank forked from the server, after multiprocessing gave it the parent's
     ``sys.path`` and folder: why it is not what a spawned rank would be (empty: it is), where
     the rank is to set ``late`` (``SAFE_AFTER_FORK`` variables) before anything else."""
-    out = [f"environment variable {k}" for k in environ_differences(start_environ(), parent_env)]
+    diff = environ_differences(start_environ(), parent_env)
+    # a SAFE_AFTER_FORK variable the parent changed since the server started (a test's
+    # monkeypatch.setenv) is set from parent_env with the rest, first, as the job's are
+    late = {**{k: parent_env.get(k, "") for k in diff if k in SAFE_AFTER_FORK}, **(late or {})}
+    out = [f"environment variable {k}" for k in diff if k not in SAFE_AFTER_FORK]
     out += cuda_differences(late)
     argv = list(getattr(sys, "orig_argv", []))
     # the server runs ``<executable> <flags> -c <code>``

@@ -176,7 +176,8 @@ def _check_server_environ(parent_env: dict[str, str]) -> None:
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
     if pid is not None:
         start = fork_identity.start_environ(f"/proc/{pid}/environ")
-        why = fork_identity.environ_differences(start, parent_env)
+        why = [k for k in fork_identity.environ_differences(start, parent_env)
+               if k not in fork_identity.SAFE_AFTER_FORK]
         if why:
             raise _Respawn([f"environment variable {k}" for k in why])
 
