@@ -146,34 +146,3 @@ def test_prefetch_never_fails_for_lack_of_space():
         assert torch.equal(s.acquire("c", "cpu"), torch.full((N,), 2.0))
         s.release("c")
         assert s.stats()["hits"] >= 1
-
-
-class _PairedReads(MemoryBackend):
-    """A disk whose reads finish only once two are in flight together (a barrier of two)."""
-
-    def __init__(self):
-        super().__init__(threads=4)
-        self.barrier = threading.Barrier(2, timeout=10)
-
-    def _read(self, name, out):
-        self.barrier.wait()  # BrokenBarrierError when the second read never comes
-        return super()._read(name, out)
-
-
-def test_the_loads_of_successive_async_acquires_are_in_flight_together():
-    """``acquire_async`` starts each load on the acquire thread in call order but waits for
-    it on a landing thread: the next acquire's load is issued before the first has landed
-    (one load at a time would leave the disk at queue depth one)."""
-    backend = _PairedReads()
-    with TieredStore(None, backend=backend, prefetch_depth=0, cpu_budget_bytes=4 * PAGE,
-                     nvme_budget_bytes=8 * PAGE) as s:
-        for i, name in enumerate("ab"):
-            s.register(name, (N,), torch.float32, home=Tier.NVME, init=torch.full((N,), 7.0 + i))
-        s.flush()
-        for name in "ab":
-            s.evict(name, "cpu")
-        s.drain()
-        a, b = s.acquire_async("a", "cpu"), s.acquire_async("b", "cpu")
-        assert torch.equal(a.result(timeout=20), torch.full((N,), 7.0))
-        assert torch.equal(b.result(timeout=20), torch.full((N,), 8.0))
-        assert s.stats()["misses"] == 2

@@ -29,7 +29,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,21 +253,3 @@ def diff(now: dict, before: dict | None) -> dict:
         out[key] = now.get(key, 0) - before.get(key, 0)
     out["hidden_fraction"] = hidden_fraction(out["stall_seconds"], out["busy_seconds"])
     return out
-
-
-class TimedFuture(Future):
-    """A future whose ``result`` counts the time a caller blocks in it as stall (the tiered
-    store's ``acquire_async``)."""
-
-    def __init__(self, stats: TierStats):
-        super().__init__()
-        self._stats = stats
-
-    def result(self, timeout: float | None = None):
-        if self.done():
-            return super().result(timeout)
-        t0 = time.perf_counter()
-        try:
-            return super().result(timeout)
-        finally:
-            self._stats.stalled(time.perf_counter() - t0)

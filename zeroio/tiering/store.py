@@ -13,7 +13,6 @@ placement]): placement.py; the streams: [Note: zeroio's CUDA streams] in streams
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -30,14 +29,10 @@ from zeroio.tiering.placement import ORDER as _ORDER
 from zeroio.tiering.placement import check_shrink, place_with_room
 from zeroio.tiering.policy import PolicyKind, make_policy
 from zeroio.tiering.state import Copy, Entry, Space
-from zeroio.tiering.stats import TierStats, TimedFuture
+from zeroio.tiering.stats import TierStats
 from zeroio.tiering.streams import DeviceStreams
 from zeroio.tiering.tier import Event, Residency, Tier
 from zeroio.tiering.transfer import TierMemory
-
-LANDING_THREADS = 4
-"""Threads waiting for started loads, so several acquires' loads are in flight at once
-(the acquire thread only makes room and starts each, in call order)."""
 
 
 class TieredStore:
@@ -88,8 +83,7 @@ class TieredStore:
         self._queue: queue.Queue = queue.Queue()
         self._queued: set[tuple[str, Tier]] = set()
         self._worker: threading.Thread | None = None
-        self._waiter: ThreadPoolExecutor | None = None  # starts loads, in call order
-        self._landing: ThreadPoolExecutor | None = None  # waits for them, several at once
+        self._waiter: ThreadPoolExecutor | None = None
         self._closed = False
 
     # -- registration ---------------------------------------------------------
@@ -103,11 +97,11 @@ class TieredStore:
             raise ResidencyError(f"register: name must be a non-empty string, got {name!r}")
         if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
             raise ResidencyError(f"register({name!r}): bad shape {shape} or dtype {dtype!r}")
-        if init is not None and init.numel() != math.prod(shape):
+        if init is not None and init.numel() != _numel(shape):
             raise ResidencyError(
-                f"register({name!r}): init has {init.numel()} elements, shape {shape} needs {math.prod(shape)}")
+                f"register({name!r}): init has {init.numel()} elements, shape {shape} needs {_numel(shape)}")
         want = Tier.parse(home)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         with self._lock:
             self._check_open()
             if name in self._entries:
@@ -132,7 +126,7 @@ class TieredStore:
             else:
                 copy.tensor.copy_(init.detach().reshape(entry.shape))
             return
-        self._backend.create(entry.name, math.prod(entry.shape), entry.dtype)  # type: ignore[union-attr]
+        self._backend.create(entry.name, _numel(entry.shape), entry.dtype)  # type: ignore[union-attr]
         if init is not None:
             flat = init.detach().to("cpu", entry.dtype).contiguous().reshape(-1)
             try:
@@ -182,9 +176,7 @@ class TieredStore:
         [Note: asynchronous acquire] Only the bookkeeping that fixes the access order (the
         policy's touch, hit or miss, the pin of a copy already there) runs in the caller.
         Making room (which may wait for a victim's write-back to land, or for another
-        acquire's release) and the start of the load run on the store's acquire thread, in
-        call order; the wait for the load runs on a landing thread, so the loads of the
-        next acquires are in flight together:
+        acquire's release) and the load run on the store's acquire thread, in call order:
         a caller that asks for the next tensor before computing on the current one must
         not wait there for the write-back of the previous one."""
         with self._lock:
@@ -201,36 +193,28 @@ class TieredStore:
                 self._stats.miss()
             if self._waiter is None:
                 self._waiter = ThreadPoolExecutor(1, thread_name_prefix="zeroio-tiering-acquire")
-                self._landing = ThreadPoolExecutor(LANDING_THREADS,
-                                                   thread_name_prefix="zeroio-tiering-land")
-        future = TimedFuture(self._stats)
+        future = _TimedFuture(self._stats)
 
-        def land(started: Copy) -> None:
-            try:
-                with self._lock:
-                    self._finish_acquire(entry, started)
-                    future.set_result(started.tensor)
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        def finish() -> None:  # room and the load's start; its wait goes to a landing thread
+        def finish() -> None:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                with self._lock:
-                    started = copy
-                    if started is None:
-                        self._check_open()
-                        started = self._mover.load(entry, tier, prefetch=False)
-                        self._mover.pin(started)  # type: ignore[arg-type]
-                        started.evict_after = False  # type: ignore[union-attr]
+                future.set_result(self._finish_async(entry, tier, copy))
             except BaseException as exc:
                 future.set_exception(exc)
-                return
-            self._landing.submit(land, started)  # type: ignore[union-attr]
 
         self._waiter.submit(finish)
         return future
+
+    def _finish_async(self, entry: Entry, tier: Tier, copy: Copy | None) -> torch.Tensor:
+        with self._lock:
+            if copy is None:
+                self._check_open()
+                copy = self._mover.load(entry, tier, prefetch=False)
+                self._mover.pin(copy)  # type: ignore[arg-type]
+                copy.evict_after = False  # type: ignore[union-attr]
+            self._finish_acquire(entry, copy)  # type: ignore[arg-type]
+            return copy.tensor  # type: ignore[union-attr]
 
     def _begin_overwrite(self, name: str, tier: Tier | str) -> tuple[Entry, Copy]:
         """``acquire(overwrite=True)`` up to a pinned, DIRTY copy in ``tier`` (lock held)."""
@@ -534,9 +518,8 @@ class TieredStore:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
-        for pool in (self._waiter, self._landing):  # the acquire thread submits landings
-            if pool is not None:
-                pool.shutdown(wait=True)
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
         with self._lock:
             while self._mover.deferred:
                 self._mover._wait_deferred(self._mover.deferred[0])
@@ -591,3 +574,26 @@ class TieredStore:
         if self._closed:
             raise ResidencyError("tiered store: it is closed")
 
+
+class _TimedFuture(Future):
+    """The future of ``acquire_async``: blocking in ``result`` counts as stall."""
+
+    def __init__(self, stats: TierStats):
+        super().__init__()
+        self._stats = stats
+
+    def result(self, timeout: float | None = None):
+        if self.done():
+            return super().result(timeout)
+        t0 = time.perf_counter()
+        try:
+            return super().result(timeout)
+        finally:
+            self._stats.stalled(time.perf_counter() - t0)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
