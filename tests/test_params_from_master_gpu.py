@@ -74,9 +74,13 @@ def _body(tmpdir):
 
 def test_one_gpu(tmp_path):
     need_cuda(1)
-    cpu._check_training(run_ranks(_body, 1, str(tmp_path), backend="nccl", timeout=500))
+    results = run_ranks(_body, 1, str(tmp_path), backend="nccl", timeout=500)
+    assert len(results) == 1 and all(results), results  # one list of cases per rank
+    cpu._check_training(results)  # asserts on == off per case
 
 
 def test_two_gpus_nccl(tmp_path):
     need_cuda(2)
-    cpu._check_training(run_ranks(_body, 2, str(tmp_path), backend="nccl", timeout=500))
+    results = run_ranks(_body, 2, str(tmp_path), backend="nccl", timeout=500)
+    assert len(results) == 2 and all(results), results  # one list of cases per rank
+    cpu._check_training(results)  # asserts on == off per case
