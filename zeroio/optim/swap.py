@@ -77,7 +77,7 @@ import torch
 from zeroio.config.policy import Policies, resolve_policies
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CapacityError, ConfigError
-from zeroio.optim import cpu_adam
+from zeroio.optim import cpu_adam, swap_rule
 from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.optim.swap_rule import _PAGE, MAX_PIECE_ELEMS, READ_AHEAD  # noqa: F401 (re-exported)
@@ -143,15 +143,15 @@ class SwapPlan:
         """``read_ahead``: pieces read ahead (None: ``READ_AHEAD`` with ``pipeline_read``, else
         0). ``hold``: keep the head resident (the trace schedule); False: nothing is held,
         the store's eviction policy decides ([Note: resident head, streamed tail])."""
-        ahead = read_ahead if read_ahead is not None else (READ_AHEAD if pipeline_read else 0)
+        ahead = swap_rule.read_ahead(read_ahead, pipeline_read)
         cost = partial(pair_cost, itemsize=itemsize)
         total = sum(cost(s) for s in subs)
         if piece_elems is None:
             piece_elems = MAX_PIECE_ELEMS
             if cpu_budget is not None and cpu_budget < total:
                 # the window (current + read-ahead) takes at most a quarter of the budget
-                piece_elems = min(piece_elems, max(_PAGE // 4, cpu_budget // (
-                    4 * itemsize * 2 * (1 + ahead))))
+                piece_elems = swap_rule.piece_elems_for(cpu_budget, itemsize=itemsize,
+                                                        ahead=ahead)
         pieces = tuple(pieces_of(subs, piece_elems))
         largest = max((cost(p) for p in pieces), default=0)
         if cpu_budget is None:

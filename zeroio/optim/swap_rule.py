@@ -41,6 +41,12 @@ def read_ahead(prefetch_depth: int | None, pipeline_read: bool) -> int:
     return prefetch_depth if prefetch_depth is not None else (READ_AHEAD if pipeline_read else 0)
 
 
+def piece_elems_for(share: int, *, itemsize: int, ahead: int) -> int:
+    """Elements per swap piece when the moments do not fit ``share`` host bytes: the window
+    (current piece + ``ahead``) takes at most a quarter of it, within [a page, MAX_PIECE_ELEMS]."""
+    return min(MAX_PIECE_ELEMS, max(_PAGE // 4, share // (4 * itemsize * 2 * (1 + ahead))))
+
+
 def moment_split(numel: int, *, share: int, itemsize: int, ahead: int,
                  nvme_budget: int | None) -> MomentSplit:
     """The split of ``numel`` elements' two moments (``itemsize`` bytes each) for a host share
@@ -49,7 +55,7 @@ def moment_split(numel: int, *, share: int, itemsize: int, ahead: int,
     total = 2 * itemsize * numel
     if share >= total:
         return MomentSplit(window=0, resident=total, disk=total)
-    piece = min(MAX_PIECE_ELEMS, numel, max(_PAGE // 4, share // (4 * itemsize * 2 * (1 + ahead))))
+    piece = min(numel, piece_elems_for(share, itemsize=itemsize, ahead=ahead))
     pair = 2 * itemsize * piece
     while ahead and (1 + ahead) * pair > share:
         ahead -= 1
