@@ -175,6 +175,34 @@ def test_acquire_async_result_wait_counts_as_stall():
         s.release("w")
 
 
+def test_acquire_async_keeps_several_loads_in_flight():
+    """A disk that answers a read only once a second one is outstanding: the store must
+    start the next asynchronous acquire's load before the previous one lands."""
+    import threading
+
+    from zeroio.tiering.backend import MemoryBackend as Mem
+
+    both = threading.Barrier(2, timeout=5)
+
+    class Paired(Mem):
+        def _read(self, name, out):
+            try:
+                both.wait()  # breaks (and the read fails) unless two reads overlap
+            except threading.BrokenBarrierError:
+                raise SwapIOError(f"read of {name!r} ran alone") from None
+            return super()._read(name, out)
+
+    with small_store(backend=Paired(threads=2), cpu_budget_bytes=4 * PAGE) as s:
+        for i, n in enumerate(("a", "b")):
+            s.register(n, (16,), torch.float32, home=Tier.NVME, init=torch.full((16,), float(i)))
+        futures = [s.acquire_async(n, "cpu") for n in ("a", "b")]
+        got = [f.result(timeout=10) for f in futures]
+        torch.testing.assert_close(got[0], torch.zeros(16))
+        torch.testing.assert_close(got[1], torch.ones(16))
+        for n in ("a", "b"):
+            s.release(n)
+
+
 def test_clean_data_is_not_written_back():
     with small_store(cpu_budget_bytes=2 * PAGE) as s:
         for n in ("a", "b", "c"):

@@ -16,12 +16,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
 
 from zeroio.errors import CapacityError, ResidencyError, SwapIOError, ZeroIOError
+from zeroio.tiering.acquirer import Acquirer
 from zeroio.tiering.backend import NvmeBackend
 from zeroio.tiering.config import Budgets, TieringPolicyConfig
 from zeroio.tiering.mover import Mover
@@ -83,7 +84,7 @@ class TieredStore:
         self._queue: queue.Queue = queue.Queue()
         self._queued: set[tuple[str, Tier]] = set()
         self._worker: threading.Thread | None = None
-        self._waiter: ThreadPoolExecutor | None = None
+        self._acquirer = Acquirer(self._stats)
         self._closed = False
 
     # -- registration ---------------------------------------------------------
@@ -172,13 +173,8 @@ class TieredStore:
     def acquire_async(self, name: str, tier: Tier | str) -> Future:
         """Like ``acquire`` but returns at once; the future's result is the tensor. Time a
         caller then blocks in ``result()`` counts as stall ([Note: stall and hidden time]).
-
-        [Note: asynchronous acquire] Only the bookkeeping that fixes the access order (the
-        policy's touch, hit or miss, the pin of a copy already there) runs in the caller.
-        Making room (which may wait for a victim's write-back to land, or for another
-        acquire's release) and the load run on the store's acquire thread, in call order:
-        a caller that asks for the next tensor before computing on the current one must
-        not wait there for the write-back of the previous one."""
+        Loads start in call order and several can be in flight ([Note: asynchronous
+        acquire] in acquirer.py)."""
         with self._lock:
             entry, tier = self._acquirable(name, tier)
             self._mover.settle_done()  # a write-back that landed has freed its copy by now
@@ -191,30 +187,23 @@ class TieredStore:
                 copy.evict_after = False
             else:
                 self._stats.miss()
-            if self._waiter is None:
-                self._waiter = ThreadPoolExecutor(1, thread_name_prefix="zeroio-tiering-acquire")
-        future = _TimedFuture(self._stats)
 
-        def finish() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(self._finish_async(entry, tier, copy))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self._waiter.submit(finish)
-        return future
-
-    def _finish_async(self, entry: Entry, tier: Tier, copy: Copy | None) -> torch.Tensor:
-        with self._lock:
-            if copy is None:
+        def start() -> Copy:
+            if copy is not None:
+                return copy
+            with self._lock:
                 self._check_open()
-                copy = self._mover.load(entry, tier, prefetch=False)
-                self._mover.pin(copy)  # type: ignore[arg-type]
-                copy.evict_after = False  # type: ignore[union-attr]
-            self._finish_acquire(entry, copy)  # type: ignore[arg-type]
-            return copy.tensor  # type: ignore[union-attr]
+                loaded = self._mover.load(entry, tier, prefetch=False)
+                self._mover.pin(loaded)  # type: ignore[arg-type]
+                loaded.evict_after = False  # type: ignore[union-attr]
+                return loaded  # type: ignore[return-value]
+
+        def land(started: Copy) -> torch.Tensor:
+            with self._lock:
+                self._finish_acquire(entry, started)
+                return started.tensor
+
+        return self._acquirer.submit(start, land)
 
     def _begin_overwrite(self, name: str, tier: Tier | str) -> tuple[Entry, Copy]:
         """``acquire(overwrite=True)`` up to a pinned, DIRTY copy in ``tier`` (lock held)."""
@@ -518,8 +507,7 @@ class TieredStore:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
-        if self._waiter is not None:
-            self._waiter.shutdown(wait=True)
+        self._acquirer.shutdown()
         with self._lock:
             while self._mover.deferred:
                 self._mover._wait_deferred(self._mover.deferred[0])
@@ -573,23 +561,6 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise ResidencyError("tiered store: it is closed")
-
-
-class _TimedFuture(Future):
-    """The future of ``acquire_async``: blocking in ``result`` counts as stall."""
-
-    def __init__(self, stats: TierStats):
-        super().__init__()
-        self._stats = stats
-
-    def result(self, timeout: float | None = None):
-        if self.done():
-            return super().result(timeout)
-        t0 = time.perf_counter()
-        try:
-            return super().result(timeout)
-        finally:
-            self._stats.stalled(time.perf_counter() - t0)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
