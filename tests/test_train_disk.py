@@ -3,7 +3,8 @@
 A run without checkpoints must write the same weights (cast to bf16) as a run
 that checkpoints and is consolidated afterwards; a run whose output folder is
 too small must fail before step 1, naming bytes needed (checked against a hand
-count) and free.
+count) and free. The moments' swap files are gone before the model export, and
+the pre-flight counts the larger phase, not the sum.
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ def test_preflight_fails_before_step_one_with_needed_and_free(runs, tmp_path, mo
     chunk = (64 << 20) // 4  # fp32 elements per 64 MiB chunk; the last chunk is padded whole
     one_ckpt = 3 * -(-params // chunk) * chunk * 4  # fp32 masters + exp_avg + exp_avg_sq
     model_bytes = (Path(live["model_dir"]) / "model.safetensors").stat().st_size  # raw bf16 file
-    nvme = 12 * params  # built-in config, 1 rank on CPU: fp32 params (4) + two moments (8) on NVMe
-    need = 2 * one_ckpt + model_bytes + nvme  # --save-every 2 of 4 steps: step2 and step4 kept
+    # built-in config, 1 rank on CPU: fp32 params (4) + two moments (8) on NVMe while training;
+    # the moments' files are deleted before the export (the model and the params' 4)
+    nvme = 12 * params
+    # --save-every 2 of 4 steps: step2 and step4 kept through both phases
+    need = 2 * one_ckpt + max(nvme, model_bytes + 4 * params)
     real = shutil.disk_usage
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage",
@@ -125,3 +129,88 @@ def test_no_checkpoint_conflicts_are_config_errors(tmp_path, extra, clash):
     assert proc.returncode == 2  # a ConfigError: bad arguments, like argparse's
     assert "--no-checkpoint" in proc.stderr and clash in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_moment_swap_files_are_deleted_before_the_export(tmp_path, monkeypatch):
+    """The optimizer's swap folder holds the moments while the run trains and is gone when the
+    live export starts; the parameters' swap folder stays (the disk plan counts it then)."""
+    import zeroio.checkpoint.engine_io as engine_io
+    import zeroio.cli.train.loop as loop
+    from zeroio.cli.train.loop import TrainOptions, train
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / "run"
+    nvme = out / "nvme"
+
+    def files() -> dict[str, int]:
+        return {str(f.relative_to(nvme)): f.stat().st_size for f in nvme.rglob("*") if f.is_file()}
+
+    seen: dict[str, dict[str, int]] = {}
+    real_export, real_step = engine_io.save_16bit_model, loop._one_step
+
+    def export(engine, d, **kw):
+        seen["export"] = files()
+        return real_export(engine, d, **kw)
+
+    def step(*a, **kw):
+        r = real_step(*a, **kw)
+        seen["train"] = files()
+        return r
+
+    monkeypatch.setattr(engine_io, "save_16bit_model", export)
+    monkeypatch.setattr(loop, "_one_step", step)
+    try:
+        res = train(TrainOptions(steps=2, seq_len=64, micro_batch=2, json=True, output=str(out),
+                                 no_checkpoint=True, model_dtype="bf16"))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def optim(snapshot):
+        return sum(n for f, n in snapshot.items() if f.startswith("zeroio-optim-"))
+
+    # built-in config at world 1, tiny model: both moments (fp32) of every element on NVMe
+    assert optim(seen["train"]) >= 8 * res["params"]
+    assert optim(seen["export"]) == 0, seen["export"]
+    params_dirs = {f.split("/")[0] for f in seen["export"]}
+    assert params_dirs and all(d.startswith("stage3-params-") for d in params_dirs)
+    assert (Path(res["model_dir"]) / "model.safetensors").is_file()
+    assert res["bytes_moved"]  # the stats were taken before the optimizer closed
+
+
+def test_disk_plan_counts_the_larger_phase(tmp_path):
+    """No checkpoints, moments and parameters on NVMe (built-in config, 1 rank): training holds
+    12 B/param of swap, the export the model plus the parameters' 4 B/param; the plan needs
+    the larger, which here is training's, not their sum."""
+    from transformers import LlamaForCausalLM
+
+    from zeroio.cli.train import disk
+    from zeroio.cli.train.defaults import default_config
+    from zeroio.cli.train.presets import llama_config
+    from zeroio.config import load_config
+
+    mcfg = llama_config("tiny")
+    params = sum(p.numel() for p in LlamaForCausalLM(mcfg).parameters())
+    out = tmp_path / "run"
+    cfg = load_config(default_config(out / "nvme", cuda=False), world_size=1,
+                      hidden_size=mcfg.hidden_size, per_device_train_batch_size=2,
+                      gradient_accumulation_steps=1, learning_rate=1e-3, adam_beta1=0.9,
+                      adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+                      bf16=False, fp16=False, num_training_steps=4, warmup_steps=1)
+    p = disk.plan(out=out, mcfg=mcfg, cfg=cfg, world_size=1, start=0, end=4, save_every=0,
+                  checkpoint=False, write_model=True, model_dtype="bf16", fresh=True)
+    model = disk.export_bytes(disk.param_specs(mcfg, torch.bfloat16))
+    assert model > 2 * params  # the bf16 weights and a header
+    assert p.phase_bytes("train") == 12 * params
+    assert p.phase_bytes("export") == model + 4 * params
+    assert p.need == 12 * params
+    assert "deleted before the model export" in p.breakdown()
+    with_ckpt = disk.plan(out=out, mcfg=mcfg, cfg=cfg, world_size=1, start=0, end=4,
+                          save_every=0, checkpoint=True, write_model=True, model_dtype="fp32",
+                          fresh=True)
+    one = disk.training_checkpoint_bytes(params)
+    assert with_ckpt.need == one + max(12 * params, disk.export_bytes(
+        disk.param_specs(mcfg, torch.float32)) + 4 * params)

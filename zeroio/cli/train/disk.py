@@ -3,9 +3,13 @@
 [Note: what the run writes] Checkpoints are never replaced or pruned: every
 ``--save-every`` multiple and the final step get their own tag
 (``checkpoints/stepN``), so all of them are on disk together when the final
-model is exported. The peak is therefore
+model is exported. Before the export the run closes the optimizer, which
+deletes the moments' swap files (the export reads the fp32 masters, which live
+in host or GPU memory, never in the optimizer's swap). The peak is therefore
+the larger of the two phases:
 
-    saves x checkpoint  +  model export  +  NVMe swap files (same file system)
+    training:  saves x checkpoint  +  NVMe swap files (same file system)
+    export:    saves x checkpoint  +  model export  +  NVMe swap files but the moments
 
 - checkpoint: the writer's own count (``writer.checkpoint_bytes``): the arrays
   ``engine_io.build_state`` writes (fp32 masters, exp_avg, exp_avg_sq; no
@@ -14,7 +18,7 @@ model is exported. The peak is therefore
   ``consolidate.safetensors_header``, the same shard plan) in --model-dtype;
 - NVMe swap: ``zeroio.estimate``'s NVMe term for this config and world (the
   16-bit parameter shard with offload_param nvme, the two moments with
-  offload_optimizer nvme). An upper bound: what stays resident in host memory
+  offload_optimizer nvme; only the former stays through the export). An upper bound: what stays resident in host memory
   is never written, but the tier may write all of it.
 What the run deletes before writing counts as free: what zeroio wrote in model/
 (replaced by the export) and, on a fresh run, in checkpoints/ ([Note: run
@@ -46,6 +50,8 @@ class DiskItem:
     name: str
     nbytes: int
     count: int = 1
+    phases: tuple[str, ...] = ("train", "export")
+    """The phases of the run it is on disk in ([Note: what the run writes])."""
 
     @property
     def total(self) -> int:
@@ -61,18 +67,33 @@ class DiskPlan:
     free: int
     """Free bytes of the file system now, plus what the run deletes before writing."""
 
+    def phase_bytes(self, phase: str) -> int:
+        return sum(i.total for i in self.items if phase in i.phases)
+
     @property
     def need(self) -> int:
-        return sum(i.total for i in self.items)
+        """The peak: the larger phase ([Note: what the run writes])."""
+        return max(self.phase_bytes("train"), self.phase_bytes("export"))
 
     @property
     def fits(self) -> bool:
         return self.need <= self.free
 
     def breakdown(self) -> str:
-        return "; ".join(f"{i.name} {i.total / 1e9:.2f} GB" + (f" ({i.count} x {i.nbytes / 1e9:.2f})"
-                                                                if i.count > 1 else "")
-                         for i in self.items if i.total)
+        def one(i: DiskItem) -> str:
+            return (f"{i.name} {i.total / 1e9:.2f} GB"
+                    + (f" ({i.count} x {i.nbytes / 1e9:.2f})" if i.count > 1 else "")
+                    + ("" if "export" in i.phases or not export
+                       else ", deleted before the model export"))
+
+        train, export = self.phase_bytes("train"), self.phase_bytes("export")
+        if not any("train" not in i.phases for i in self.items if i.total):
+            export = 0  # no model export
+        text = "; ".join(one(i) for i in self.items if i.total)
+        if train != export and export:
+            text += (f"; peak of training {train / 1e9:.2f} GB and export "
+                     f"{export / 1e9:.2f} GB")
+        return text
 
 
 def param_specs(mcfg, dtype: torch.dtype):
@@ -125,12 +146,19 @@ def nvme_paths(cfg, out: Path) -> list[Path]:
 
 def nvme_bytes(cfg, numel: int, world_size: int) -> int:
     """NVMe swap bytes of this node's ranks for ``cfg`` (zeroio.estimate's NVMe term)."""
+    return sum(nvme_split(cfg, numel, world_size))
+
+
+def nvme_split(cfg, numel: int, world_size: int) -> tuple[int, int]:
+    """(optimizer moments, the rest: parameter shards) of `nvme_bytes`."""
     from zeroio.config.launch_env import launch_env
     from zeroio.estimate import estimate_memory
 
     local = launch_env().local_world_size or world_size
     est = estimate_memory(numel, gpus_per_node=local, nodes=max(1, world_size // local), config=cfg)
-    return est.nvme_bytes_per_node
+    moments = sum(i.bytes_per_gpu for i in est.items
+                  if i.tier == "nvme" and i.name == "optimizer moments") * local
+    return moments, est.nvme_bytes_per_node - moments
 
 
 def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_every: int,
@@ -144,10 +172,14 @@ def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_ev
         items.append(DiskItem(name="checkpoints", nbytes=training_checkpoint_bytes(numel),
                               count=num_saves(start, end, save_every)))
     if write_model:
-        items.append(DiskItem(name=f"model ({model_dtype})", nbytes=export_bytes(specs)))
+        items.append(DiskItem(name=f"model ({model_dtype})", nbytes=export_bytes(specs),
+                              phases=("export",)))
     swap = nvme_paths(cfg, out)
     if swap:
-        items.append(DiskItem(name="NVMe swap", nbytes=nvme_bytes(cfg, numel, world_size)))
+        moments, rest = nvme_split(cfg, numel, world_size)
+        items.append(DiskItem(name="NVMe swap (optimizer moments)", nbytes=moments,
+                              phases=("train",)))
+        items.append(DiskItem(name="NVMe swap (parameters)", nbytes=rest))
     from zeroio.cli.train.rundir import removable_bytes
     from zeroio.io.swapdir import find_stale
 
@@ -168,7 +200,7 @@ def check(p: DiskPlan, *, checkpoint: bool, model_dtype: str) -> None:
         fixes.append("--no-checkpoint (only the final model is written, from the live engine)")
     if model_dtype != "bf16":
         fixes.append("--model-dtype bf16 (half the model's bytes)")
-    if any(i.name == "NVMe swap" and i.total for i in p.items):
+    if any(i.name.startswith("NVMe swap") and i.total for i in p.items):
         fixes.append("a --config whose nvme_path lies on another file system")
     raise CheckpointError(
         f"--output {p.output} needs {p.need:,} bytes ({p.need / 1e9:.2f} GB: {p.breakdown()}) but "

@@ -508,7 +508,13 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict
         if end > start and saved_at != end and not opts.no_checkpoint:
             _save(engine, ckpt, f"step{end}", losses, rank0)
         comm.barrier()
+        stats = engine.stats()
         model_dir = out / "model" if end >= opts.steps and end > 0 else None
+        if model_dir is not None:
+            # the moments' swap files go before the export ([Note: what the run writes] in
+            # disk.py); the export reads the masters, never the optimizer's swap
+            engine.synchronize()
+            engine.optimizer.close()
         if model_dir is not None and opts.no_checkpoint:
             write_model_live(engine, mcfg, model_dir, MODEL_DTYPES[opts.model_dtype], rank0=rank0,
                              overwrite=opts.overwrite)
@@ -516,7 +522,6 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict
             write_model(ckpt, f"step{end}", mcfg, model_dir, progress=show,
                         dtype=MODEL_DTYPES[opts.model_dtype], overwrite=opts.overwrite)
         comm.barrier()
-        stats = engine.stats()
     finally:
         engine.close()
     summary = {
