@@ -217,6 +217,18 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("nvme15-accum", "nvidia-h200", "the disk's best, the NVMe step alone per I/O "
           "setting (bench_nvme_step.py), then the 15B with 16 micro-batches per optimizer step "
           "at the best setting", _accum_steps(), extra_carry=(".dev",)),
+    Suite("train-20b", "nvidia-h200", "`zeroio train` plans and trains the 19.87B Llama of "
+          "benchmarks/models/llama-20b for 3 steps (micro batch 1) and writes the bf16 model; "
+          "peaks of host, disk and GPU (benchmarks/peaks.py)", (
+              Step("train", "df -B1 {scratch}; free -b; nproc; rm -rf {scratch}/run20 && python3 benchmarks/peaks.py --path "
+                   "{scratch} --every 1 --json {res}/peaks-20b.json -- python3 -m zeroio.cli "
+                   "train --model-config benchmarks/models/llama-20b --nproc 1 --steps 3 "
+                   "--seq-len 512 --micro-batch 1 --no-checkpoint --model-dtype bf16 --output "
+                   "{scratch}/run20 --progress-every 1{extra}; rc=$?; cp {scratch}/run20/zeroio-"
+                   "plan.json {res}/ 2>/dev/null; ls -la {scratch}/run20/model; du -sb "
+                   "{scratch}/run20/model; rm -rf {scratch}/run20; exit $rc", 505,
+                   quote=r"step \d|plan|predicted|measured|peaks|Error|error|GB"),
+          )),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "
