@@ -296,9 +296,11 @@ def _rank_link(root: str, params: int) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 2, "offload_optimizer": {
                "device": "nvme", "nvme_path": os.path.join(root, "swap")},
-               # host: masters, gradients, parameters (~16 B/param) + a quarter of the moments; the rest
-               # streams, as at 15-20B parameters (resident moments are written once per save)
-               "tiering": {"cpu_budget_bytes": params * 18 + (64 << 20)}}}
+               # host: masters, gradients and, without a GPU, the parameters (8 or ~16 B/param)
+               # + a quarter of the moments; the rest streams, as at 15-20B parameters
+               # (resident moments are written once per save: engine.last_save's bytes_flushed)
+               "tiering": {"cpu_budget_bytes": params * (10 if torch.cuda.is_available() else 18)
+                           + (64 << 20)}}}
     engine, *_ = zeroio.initialize(model=model, config=cfg)
     engine.show_progress = False
     out = {"params": sum(p.numel() for p in model.parameters())}
