@@ -48,6 +48,7 @@ import torch
 
 from zeroio.errors import ResidencyError
 from zeroio.partition.stage3.settings import Stage3Settings
+from zeroio.partition.stage3.store import OwnCopies
 from zeroio.partition.stage3.streams import Fetched, on, record
 from zeroio.tiering import Tier, TieredStore
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
@@ -75,7 +76,7 @@ def resident_keys(shard_numels: dict[int, int], max_in_cpu: int, *,
     return keep
 
 
-class TieredShards:
+class TieredShards(OwnCopies):
     def __init__(self, settings: Stage3Settings, device: torch.device, *, rank: int,
                  shard_numels: dict[int, int], dtype: torch.dtype,
                  transfers: TierStats | None = None):

@@ -243,10 +243,10 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                     0, r.base, r.piece.hi - r.piece.lo)) for r in refs])
 
     def _settle_master_reads(self) -> None:
-        """Before the masters are written: no fetch still reads them (MasterShards)."""
-        if isinstance(self.store, MasterShards):
-            self.store.order_writers(self.streams.current())
-            self.store.settle_reads()
+        """Before the masters are written: no fetch still reads them (a no-op unless the
+        store reads the masters: MasterShards)."""
+        self.store.order_writers(self.streams.current())
+        self.store.settle_reads()
 
     def _master(self, ref: _PieceRef) -> torch.Tensor:
         """The fp32 masters of one piece, on its side."""

@@ -58,7 +58,27 @@ class ShardStore(Protocol):
     def held_tensors(self) -> list[torch.Tensor]:
         """Shards held outside a tiered store (``engine.stats()["tiers"]``; a store reports its own)."""
 
+    def order_writers(self, stream: torch.cuda.Stream | None) -> None:
+        """Work queued on ``stream`` from now on (writes of the fp32 masters) runs after every
+        copy a fetch queued that reads them. A no-op for stores whose shards are their own
+        copies; ``MasterShards`` reads the masters themselves."""
+
+    def settle_reads(self) -> None:
+        """Host wait until no fetch still reads a master (before host code writes them); a
+        no-op where fetches never read the masters."""
+
     def close(self) -> None: ...
+
+
+class OwnCopies:
+    """``order_writers`` / ``settle_reads`` of a store whose shards are copies of its own: no
+    fetch reads the masters, so writers of the masters need no ordering against fetches."""
+
+    def order_writers(self, stream: torch.cuda.Stream | None) -> None:
+        pass
+
+    def settle_reads(self) -> None:
+        pass
 
 
 def update_each(store: ShardStore, key: int, pieces: list[tuple[int, torch.Tensor]]) -> None:
@@ -66,7 +86,7 @@ def update_each(store: ShardStore, key: int, pieces: list[tuple[int, torch.Tenso
         store.update(key, values, lo)
 
 
-class DeviceShards:
+class DeviceShards(OwnCopies):
     def __init__(self, device: torch.device, transfers: TierStats | None = None):
         self.device = device
         self.transfers = transfers
@@ -103,7 +123,7 @@ class DeviceShards:
         self._shards.clear()
 
 
-class HostShards:
+class HostShards(OwnCopies):
     def __init__(self, device: torch.device, pin: bool, transfers: TierStats | None = None):
         self.device = device
         self.transfers = transfers
