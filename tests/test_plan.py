@@ -186,9 +186,50 @@ def _write(tmp_path, raw) -> Path:
     return p
 
 
+def test_a_disk_slower_at_reading_and_writing_at_once_sets_the_disk_time():
+    """With ``disk_mixed_bps`` the disk term is max((read + write) / mixed, read / read_bps,
+    write / write_bps), by hand on the same NVMe placement as above; the bytes and the
+    placement do not change. A mixed rate above both alone still leaves each direction its
+    own floor."""
+    base = machine(gpu_bytes=32 * GB, host_bytes=128 * GB, disk_bytes=200 * GB)
+    ref = plan_placement(PSI, base, micro_batch=1, seq=1024, params_from_master=False)
+    streamed = ref.traffic["nvme->cpu"]
+    slow = plan_placement(PSI, dataclasses.replace(base, disk_mixed_bps=1.25 * GB),
+                          micro_batch=1, seq=1024, params_from_master=False)
+    assert slow.placement == ref.placement and slow.traffic == ref.traffic
+    assert slow.times["disk_s"] == pytest.approx(2 * streamed / (1.25 * GB))
+    assert slow.step_s == pytest.approx(2 * streamed / (1.25 * GB))
+    assert slow.step_s > ref.step_s
+    fast = plan_placement(PSI, dataclasses.replace(base, disk_mixed_bps=100 * GB),
+                          micro_batch=1, seq=1024, params_from_master=False)
+    assert fast.times["disk_s"] == pytest.approx(streamed / (3 * GB))  # the write alone
+
+
+def test_cli_disk_mixed_flag_and_machine_file_key(tmp_path, zeroio_estimate):
+    flags = ("--plan", "--params", "10B", "--gpu-mem", "32", "--host-mem", "128",
+             "--disk-free", "200", "--pcie-gbps", "25", "--disk-read-gbps", "6",
+             "--disk-write-gbps", "3", "--cpu-adam-gelems", "2", "--seq", "1024", "--json")
+    plain = json.loads(zeroio_estimate(*flags).stdout)
+    mixed = json.loads(zeroio_estimate(*flags, "--disk-mixed-gbps", "1.25").stdout)
+    assert plain["machine"]["disk_mixed_bps"] is None
+    assert mixed["machine"]["disk_mixed_bps"] == 1.25 * GB
+    both = mixed["bytes_per_step"]["nvme->cpu"] + mixed["bytes_per_step"]["cpu->nvme"]
+    assert mixed["times"]["disk_s"] == pytest.approx(both / (1.25 * GB))
+    m = dataclasses.replace(machine(), disk_mixed_bps=2 * GB)
+    assert Machine.from_json(_write(tmp_path, m.to_dict())) == m
+    proc = zeroio_estimate("--plan", "--params", "1B", "--machine", str(_write(tmp_path, m.to_dict())),
+                           "--disk-mixed-gbps", "2")
+    assert proc.returncode == 2 and "--disk-mixed-gbps" in proc.stderr
+    bad = _write(tmp_path, {**m.to_dict(), "disk_mixed_bps": 0})
+    proc = zeroio_estimate("--plan", "--params", "1B", "--machine", str(bad))
+    assert proc.returncode == 2 and "machine.disk_mixed_bps" in proc.stderr
+
+
 def test_bad_machine_json_names_the_key(tmp_path):
     good = machine().to_dict()
     assert Machine.from_json(_write(tmp_path, good)) == machine()
+    old_file = {k: v for k, v in good.items() if k != "disk_mixed_bps"}  # the key is optional
+    assert Machine.from_json(_write(tmp_path, old_file)) == machine()
     cases = [
         ({**{k: v for k, v in good.items() if k != "gpu_bytes"}, "gpu_byte": 1}, "machine.gpu_byte"),
         ({k: v for k, v in good.items() if k != "pcie_bps"}, "machine.pcie_bps"),

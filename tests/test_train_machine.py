@@ -18,6 +18,10 @@ def _probes(calls: list, *, disk_free: int = 500 * GB) -> Probes:
         calls.append(("disk", where, size))
         return 6 * GB, 3 * GB, True
 
+    def mixed(where: Path, size: int):
+        calls.append(("mixed", where, size))
+        return 2 * GB
+
     def copy(nbytes: int, cuda: bool):
         calls.append(("copy", nbytes, cuda))
         return 25 * GB
@@ -28,7 +32,7 @@ def _probes(calls: list, *, disk_free: int = 500 * GB) -> Probes:
 
     return Probes(gpu_free=lambda n: [80 * GB, 79 * GB][:n], host_available=lambda: 200 * GB,
                   disk_free=lambda where: disk_free, disk_bandwidth=disk_bw,
-                  copy_bandwidth=copy, cpu_adam=adam)
+                  disk_mixed=mixed, copy_bandwidth=copy, cpu_adam=adam)
 
 
 def test_cuda_machine_takes_each_probe(tmp_path):
@@ -36,9 +40,12 @@ def test_cuda_machine_takes_each_probe(tmp_path):
     m = measure(gpus=2, nvme_path=tmp_path / "nvme" / "swap", cuda=True, probes=_probes(calls))
     assert m.machine == Machine(gpus=2, gpu_bytes=79 * GB, host_bytes=200 * GB,
                                 disk_bytes=500 * GB, pcie_bps=25 * GB, disk_read_bps=6 * GB,
-                                disk_write_bps=3 * GB, cpu_adam_elems_per_s=2 * GB)
+                                disk_write_bps=3 * GB, cpu_adam_elems_per_s=2 * GB,
+                                disk_mixed_bps=2 * GB)
     # the disk is probed where the swap folder will be: its nearest existing parent
-    assert calls == [("disk", tmp_path, 256 << 20), ("copy", 64 << 20, True), ("adam", 1 << 26)]
+    assert calls == [("disk", tmp_path, 256 << 20), ("mixed", tmp_path, 256 << 20),
+                     ("copy", 64 << 20, True), ("adam", 1 << 26)]
+    assert any("reading and writing at once 2.00 GB/s together" in n for n in m.notes)
     assert any("2 x 79.00 GB free" in n for n in m.notes)
 
 
@@ -54,12 +61,14 @@ def test_cpu_only_splits_host_memory_between_the_device_and_host_tiers(tmp_path)
 def test_disk_probe_is_a_quarter_of_the_free_bytes_at_most(tmp_path):
     calls: list = []
     measure(gpus=1, nvme_path=tmp_path, cuda=True, probes=_probes(calls, disk_free=100 << 20))
-    assert calls[0] == ("disk", tmp_path, 25 << 20)
+    # a quarter for the write-then-read file; the mixed probe's two files an eighth each
+    assert calls[:2] == [("disk", tmp_path, 25 << 20), ("mixed", tmp_path, 12 << 20)]
     calls.clear()
     m = measure(gpus=1, nvme_path=tmp_path, cuda=True,
                 probes=_probes(calls, disk_free=3 << 20))  # under 1 MiB a quarter: no probe
     assert [c[0] for c in calls] == ["copy", "adam"]
     assert m.machine.disk_bytes == 3 << 20 and m.machine.disk_read_bps == 1.0
+    assert m.machine.disk_mixed_bps is None
     assert any("too few to probe" in n for n in m.notes)
 
 
@@ -73,7 +82,7 @@ def test_real_probes_on_this_cpu(tmp_path):
     assert abs(mach.host_bytes * 2 - avail) < 0.25 * avail  # half of what is available
     assert abs(mach.disk_bytes - os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize) \
         < 1 << 30
-    for bps in (mach.pcie_bps, mach.disk_read_bps, mach.disk_write_bps):
+    for bps in (mach.pcie_bps, mach.disk_read_bps, mach.disk_write_bps, mach.disk_mixed_bps):
         assert bps > 1e7  # 10 MB/s: any disk or memory copy beats it
     assert mach.cpu_adam_elems_per_s > 1e6
     assert list(tmp_path.iterdir()) == []  # the probe file is gone

@@ -65,7 +65,11 @@ element of the host gradient as ``estimate.host_grad_bytes`` decides):
 Predicted step time = the largest of: CPU Adam time (host elements per node /
 ``cpu_adam_elems_per_s``), PCIe time (the larger direction per GPU / ``pcie_bps``, a
 full-duplex link per GPU) and disk time (read / ``disk_read_bps`` + write /
-``disk_write_bps``, one device doing both). GPU compute is not modelled: the figure is the
+``disk_write_bps``, one device doing both; where the machine says how fast the disk reads
+and writes at once, ``disk_mixed_bps``, the larger of (read + write) / ``disk_mixed_bps``
+and each direction alone instead, since the step reads and writes at the same time and a
+disk may serve the two together much slower than either alone: `disk_seconds`). GPU
+compute is not modelled: the figure is the
 floor the offload puts under a step, 0 with everything on the GPU.
 
 The machine's figures are the caller's (measured with ``zeroio bench io`` and the like);
@@ -126,10 +130,16 @@ class Machine:
     """Write bandwidth of the NVMe path, for the whole node."""
     cpu_adam_elems_per_s: float
     """Elements the host's CPU Adam updates per second, all cores of the node together."""
+    disk_mixed_bps: float | None = None
+    """Bytes per second read and written together while the disk does both at once (the NVMe
+    step's pattern), for the whole node; None: not measured (the step time then counts the
+    reads and the writes one after the other). Optional in a machine file."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            if v is None and f.name in _OPTIONAL:
+                continue
             low = 0 if f.name == "disk_bytes" else 1
             if isinstance(v, bool) or not isinstance(v, (int, float)) or \
                     not math.isfinite(v) or v < low:
@@ -152,11 +162,11 @@ class Machine:
             if key not in known:
                 raise ConfigError(f"{source}: unknown key machine.{key}{did_you_mean(key, known)}"
                                   f"; expected {', '.join(known)}", key=f"machine.{key}")
-        missing = [k for k in known if k not in raw]
+        missing = [k for k in known if k not in raw and k not in _OPTIONAL]
         if missing:
             raise ConfigError(f"{source}: missing machine.{missing[0]} ({_UNITS[missing[0]]})",
                               key=f"machine.{missing[0]}")
-        return cls(**{k: raw[k] for k in known})
+        return cls(**{k: raw[k] for k in known if k in raw})
 
     @classmethod
     def from_json(cls, path: str | Path) -> Machine:
@@ -177,7 +187,9 @@ class Machine:
 _UNITS = {"gpus": "GPUs per node", "gpu_bytes": "bytes per GPU",
           "host_bytes": "usable host bytes per node", "disk_bytes": "free bytes under the NVMe path",
           "pcie_bps": "bytes/s per GPU each way", "disk_read_bps": "bytes/s",
-          "disk_write_bps": "bytes/s", "cpu_adam_elems_per_s": "elements/s per node"}
+          "disk_write_bps": "bytes/s", "cpu_adam_elems_per_s": "elements/s per node",
+          "disk_mixed_bps": "bytes/s read + written together, optional"}
+_OPTIONAL = ("disk_mixed_bps",)
 
 
 def _is_int_field(name: str) -> bool:
@@ -481,11 +493,21 @@ def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: in
              "cpu->nvme": write * gpus}, resident * gpus)
 
 
+def disk_seconds(read: int, write: int, machine: Machine) -> float:
+    """Seconds the disk takes for ``read`` and ``write`` bytes of one step (module doc, "The
+    step time"): one after the other at their own rates; with ``disk_mixed_bps`` measured,
+    at least both together at the mixed rate, and never faster than either alone."""
+    alone = read / machine.disk_read_bps + write / machine.disk_write_bps
+    if machine.disk_mixed_bps is None:
+        return alone
+    return max((read + write) / machine.disk_mixed_bps, read / machine.disk_read_bps,
+               write / machine.disk_write_bps)
+
+
 def _times(traffic: dict[str, int], host_elems_per_node: int, machine: Machine):
     return {"cpu_adam_s": host_elems_per_node / machine.cpu_adam_elems_per_s,
             "pcie_s": max(traffic["gpu->cpu"], traffic["cpu->gpu"]) / machine.pcie_bps,
-            "disk_s": traffic["nvme->cpu"] / machine.disk_read_bps +
-            traffic["cpu->nvme"] / machine.disk_write_bps}
+            "disk_s": disk_seconds(traffic["nvme->cpu"], traffic["cpu->nvme"], machine)}
 
 
 def _activations(*, layers, hidden, vocab, intermediate, seq, micro_batch) -> int:

@@ -25,6 +25,8 @@ MACHINE_FLAGS = {
     "disk_read_gbps": ("disk_read_bps", _GB), "disk_write_gbps": ("disk_write_bps", _GB),
     "cpu_adam_gelems": ("cpu_adam_elems_per_s", _GB),
 }
+#: optional machine flags (the Machine field's default when absent)
+OPTIONAL_FLAGS = {"disk_mixed_gbps": ("disk_mixed_bps", _GB)}
 #: estimate flags that choose a placement by hand: --plan chooses it
 _NOT_WITH_PLAN = ("stage", "offload_optimizer", "offload_param", "ratio", "config")
 
@@ -41,6 +43,9 @@ def add_arguments(p) -> None:
     g.add_argument("--pcie-gbps", type=float, help="host <-> GPU GB/s per GPU, each way")
     g.add_argument("--disk-read-gbps", type=float, help="NVMe read GB/s per node")
     g.add_argument("--disk-write-gbps", type=float, help="NVMe write GB/s per node")
+    g.add_argument("--disk-mixed-gbps", type=float,
+                   help="NVMe GB/s read and written together while the disk does both at once "
+                   "(optional; without it the step time counts reads then writes)")
     g.add_argument("--cpu-adam-gelems", type=float,
                    help="CPU Adam speed, 1e9 elements per second per node")
     g.add_argument("--micro-batch", type=int, default=1,
@@ -56,7 +61,8 @@ def check_args(args) -> None:
     """Plan-only flags without --plan, or hand placement flags with it: a ConfigError."""
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     if not args.plan:
-        used = [n for n in ("machine", *MACHINE_FLAGS) if getattr(args, n) is not None]
+        used = [n for n in ("machine", *MACHINE_FLAGS, *OPTIONAL_FLAGS)
+                if getattr(args, n) is not None]
         if used:
             raise ConfigError(f"{flag(used[0])} needs --plan", key=used[0])
         return
@@ -70,9 +76,13 @@ def machine_from_args(args):
     from zeroio.plan import Machine
 
     given = {n: getattr(args, n) for n in MACHINE_FLAGS if getattr(args, n) is not None}
+    optional = {f: getattr(args, n) * scale for n, (f, scale) in OPTIONAL_FLAGS.items()
+                if getattr(args, n) is not None}
     if args.machine is not None:
-        if given:
-            raise ConfigError(f"--machine and --{next(iter(given)).replace('_', '-')}: give the "
+        if given or optional:
+            flag = next(iter(given)) if given else next(
+                n for n in OPTIONAL_FLAGS if getattr(args, n) is not None)
+            raise ConfigError(f"--machine and --{flag.replace('_', '-')}: give the "
                               "machine as a file or as flags, not both", key="machine")
         m = Machine.from_json(args.machine)
         if args.gpus_per_node is not None and args.gpus_per_node != m.gpus:
@@ -84,7 +94,7 @@ def machine_from_args(args):
         raise ConfigError("--plan needs the machine: --machine machine.json, or "
                           + ", ".join("--" + n.replace("_", "-") for n in missing),
                           key="machine")
-    return Machine(gpus=args.gpus_per_node or 1,
+    return Machine(gpus=args.gpus_per_node or 1, **optional,
                    **{f: given[n] * scale for n, (f, scale) in MACHINE_FLAGS.items()})
 
 

@@ -106,6 +106,52 @@ def engine_bandwidth(engine: IOEngine, directory: str, size: int, *, progress: b
     return Bandwidth(size / t_write / GB, size / t_read / GB)
 
 
+def engine_mixed_bandwidth(engine: IOEngine, directory: str, size: int) -> float:
+    """GB/s of reads and writes together when ``engine`` reads one file of ``size`` bytes
+    while it writes another of the same size (its read and write lanes at once, as the NVMe
+    optimizer step reads the next moments while it writes the last ones back): 2 x size
+    over the time both take, the write's fsync included. Both files are deleted after."""
+    src = os.path.join(directory, "zeroio-bench-mixed-src.bin")
+    dst = os.path.join(directory, "zeroio-bench-mixed-dst.bin")
+    window = min(_WINDOW, size)
+    wbuf, rbuf = AlignedBuffer(window), AlignedBuffer(window)
+    wbuf.tensor.copy_(torch_randbytes(window))
+    offsets = list(range(0, size, window))
+    try:
+        for f in (src, dst):
+            if os.path.exists(f):
+                os.unlink(f)
+        for fut in [engine.write(src, wbuf.tensor[:min(window, size - off)], off)
+                    for off in offsets]:
+            fut.result()
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        engine.drop_cache(src)
+        t0 = time.perf_counter()
+        pending: list = []
+        for off in offsets:
+            n = min(window, size - off)
+            pending += [engine.read(src, rbuf.tensor[:n], off), engine.write(dst, wbuf.tensor[:n], off)]
+            while len(pending) >= 2 * _IN_FLIGHT:
+                pending.pop(0).result()
+        for fut in pending:
+            fut.result()
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        elapsed = time.perf_counter() - t0
+    finally:
+        for f in (src, dst):
+            if os.path.exists(f):
+                os.unlink(f)
+    return 2 * size / elapsed / GB
+
+
 def torch_randbytes(n: int):
     import torch
 

@@ -9,7 +9,10 @@ function of ``Probes`` so a test can hand in its own:
 - disk: the free bytes of the file system under the NVMe path, and a sequential write then
   read through zeroio's own I/O engine (``io.bench.engine_bandwidth``: O_DIRECT where the
   file system takes it, the page cache dropped before the read otherwise); 256 MiB by
-  default, at most a quarter of the free bytes. The probe file is deleted at once.
+  default, at most a quarter of the free bytes; then one file read while another is
+  written, both at once (``io.bench.engine_mixed_bandwidth``: the NVMe step's pattern; a
+  disk may serve the two together much slower than either alone), an eighth of the free
+  bytes each at most. The probe files are deleted at once.
 - host <-> GPU: a pinned 64 MiB buffer copied to the GPU and back, best of three, the
   slower direction.
 - CPU Adam: torch's fused CPU AdamW over 64M fp32 elements (1 GiB with its state), best of
@@ -81,6 +84,16 @@ def disk_bandwidth(directory: Path, size: int) -> tuple[float, float, bool]:
     return bw.read_gbps * GB, bw.write_gbps * GB, direct
 
 
+def disk_mixed_bandwidth(directory: Path, size: int) -> float:
+    """Bytes/s read and written together, ``size`` bytes each way at once, through zeroio's
+    I/O engine."""
+    from zeroio.io.bench import GB, engine_mixed_bandwidth
+    from zeroio.io.engine import IOEngine
+
+    with IOEngine() as engine:
+        return engine_mixed_bandwidth(engine, str(directory), size) * GB
+
+
 def _best(fn: Callable[[], None], sync: Callable[[], None] = lambda: None) -> float:
     fn()  # warm-up: first-touch page faults, allocator, kernel load
     sync()
@@ -139,6 +152,8 @@ class Probes:
     disk_free: Callable[[Path], int] = disk_free_bytes
     disk_bandwidth: Callable[[Path, int], tuple[float, float, bool]] = disk_bandwidth
     """(read bytes/s, write bytes/s, whether I/O was direct) for a probe of n bytes."""
+    disk_mixed: Callable[[Path, int], float] = disk_mixed_bandwidth
+    """Bytes/s of reads and writes together, n bytes each way at once."""
     copy_bandwidth: Callable[[int, bool], float] = copy_bandwidth
     cpu_adam: Callable[[int], float] = cpu_adam_speed
 
@@ -188,11 +203,16 @@ def measure(*, gpus: int, nvme_path: Path, cuda: bool, probes: Probes | None = N
     size = min(disk_probe_bytes, disk // 4) // _MIN_DISK_PROBE * _MIN_DISK_PROBE
     if size >= _MIN_DISK_PROBE:
         read_bps, write_bps, direct = pr.disk_bandwidth(where, size)
+        both = min(size, disk // 8 // _MIN_DISK_PROBE * _MIN_DISK_PROBE)
+        mixed_bps = pr.disk_mixed(where, both) if both >= _MIN_DISK_PROBE else None
         notes.append(f"disk {where}: {disk / 1e9:.2f} GB free; {size >> 20} MiB probe through the "
                      f"I/O engine: read {read_bps / 1e9:.2f} GB/s, write {write_bps / 1e9:.2f} "
-                     "GB/s" + ("" if direct else " (buffered: no O_DIRECT there)"))
+                     "GB/s" + ("" if direct else " (buffered: no O_DIRECT there)")
+                     + (f"; reading and writing at once {mixed_bps / 1e9:.2f} GB/s together"
+                        if mixed_bps else ""))
     else:
         read_bps = write_bps = 1.0
+        mixed_bps = None
         notes.append(f"disk {where}: {disk:,} bytes free, too few to probe; NVMe placements "
                      "are out of reach there")
     pcie = pr.copy_bandwidth(copy_probe_bytes, cuda)
@@ -203,7 +223,8 @@ def measure(*, gpus: int, nvme_path: Path, cuda: bool, probes: Probes | None = N
                  "G elements/s")
     machine = Machine(gpus=gpus, gpu_bytes=max(1, gpu_bytes), host_bytes=max(1, host_bytes),
                       disk_bytes=disk, pcie_bps=max(1.0, pcie), disk_read_bps=max(1.0, read_bps),
-                      disk_write_bps=max(1.0, write_bps), cpu_adam_elems_per_s=max(1.0, adam))
+                      disk_write_bps=max(1.0, write_bps), cpu_adam_elems_per_s=max(1.0, adam),
+                      disk_mixed_bps=max(1.0, mixed_bps) if mixed_bps else None)
     return Measured(machine=machine, notes=tuple(notes), seconds=time.perf_counter() - t0)
 
 

@@ -231,7 +231,9 @@ def render(plan, source: str, notes, zero: dict[str, Any]) -> str:
     lines.append(f"  {m.gpus} GPU(s) x {m.gpu_bytes / 1e9:.2f} GB, host {m.host_bytes / 1e9:.2f} "
                  f"GB, disk {m.disk_bytes / 1e9:.2f} GB free; host<->GPU {m.pcie_bps / 1e9:.2f} "
                  f"GB/s, disk read {m.disk_read_bps / 1e9:.2f} / write "
-                 f"{m.disk_write_bps / 1e9:.2f} GB/s, CPU Adam "
+                 f"{m.disk_write_bps / 1e9:.2f} GB/s"
+                 + (f" ({m.disk_mixed_bps / 1e9:.2f} together)" if m.disk_mixed_bps else "")
+                 + ", CPU Adam "
                  f"{m.cpu_adam_elems_per_s / 1e9:.3f} G elements/s")
     lines += render_fit(plan)
     if not plan.reasons:
