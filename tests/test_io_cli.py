@@ -139,6 +139,41 @@ def test_bench_io_fio_sweep_takes_the_best_of_each_direction(tmp_path, capsys):
     assert "fio best of 32 runs: write at iodepth 4 x 1 jobs x 1 MiB" in capsys.readouterr().out
 
 
+def test_bench_io_sustained_runs_fio_untimed_over_its_size(tmp_path, capsys):
+    """--sustained: after the sweep, one write, one read and one mixed fio run over a file of
+    that size, at the sweep's best settings, with no time limit; the made-up disk's rates at
+    those settings come back, and the file is gone."""
+    exe, log = _fake_fio(tmp_path)
+    data = tmp_path / "disk"
+    data.mkdir()
+    rc = main(["bench", "io", "--path", str(data), "--size", "16M", "--fio", str(exe),
+               "--sustained", "48M", "--json"])
+    assert rc == 0
+    raw = json.loads(capsys.readouterr().out)["raw"]
+    su = raw["sustained"]
+    assert su["size_bytes"] == 48 << 20
+    assert su["write_gbps"] == pytest.approx(3.0, rel=0.01)  # depth 4, 1 job: the best write
+    assert su["read_gbps"] == pytest.approx(6.0, rel=0.01)
+    assert su["mixed"]["read_gbps"] == pytest.approx(6.0, rel=0.01)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    tail = calls[-3:]  # the sweep and its mixed job first, then these three
+    assert [next(a for a in argv if a.startswith("--rw=")) for argv in tail] == \
+        ["--rw=write", "--rw=read", "--rw=rw"]
+    for argv in tail:
+        assert not any(a.startswith("--runtime=") for a in argv)
+        assert any(a.endswith("zeroio-bench-sustained.bin") for a in argv)
+        jobs = int(next(a for a in argv if a.startswith("--numjobs=")).split("=")[1])
+        per_job = int(next(a for a in argv if a.startswith("--size=")).split("=")[1])
+        assert per_job * jobs == 48 << 20
+    assert os.listdir(data) == []
+    assert main(["bench", "io", "--path", str(data), "--size", "16M", "--fio", str(exe),
+                 "--sustained", "48M", "--quiet"]) == 0
+    assert "fio over 48 MiB, no time limit: write 3.000, read 6.000" in capsys.readouterr().out
+    assert main(["bench", "io", "--path", str(data), "--size", "16M", "--raw", "dd",
+                 "--sustained", "48M"]) == 1
+    assert "--sustained runs fio" in capsys.readouterr().err
+
+
 def test_bench_io_fio_report_it_cannot_read_names_the_tool(tmp_path, capsys):
     exe = tmp_path / "fio"
     exe.write_text(f"#!{sys.executable}\nprint('no json here')\n")

@@ -23,6 +23,10 @@ def add_parser(sub) -> None:
     io.add_argument("--no-sweep", action="store_true",
                     help="fio: one run at the engine's block size and queue depth instead of "
                     "the best over queue depths 1-32 x 1-4 jobs")
+    io.add_argument("--sustained", default=None, metavar="SIZE",
+                    help="fio: also one write, read and mixed run over a SIZE file with no time "
+                    "limit at the sweep's best settings (a disk's burst rate can be far above "
+                    "what it sustains), e.g. 24G")
     io.add_argument("--json", action="store_true", help="print one JSON object only")
     io.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -50,6 +54,7 @@ def run(args) -> int:
         aio_cfg=_aio_from_config(args.config),
         fio=args.fio,
         sweep=not args.no_sweep,
+        sustained=parse_size(args.sustained) if args.sustained else None,
     )
     if args.json:
         print(json.dumps(result))
