@@ -4,7 +4,8 @@ casts the master ([Note: shards read from the master] in partition/stage3/master
 1. Training with it on equals training with it off bit for bit (every step's loss, the
    parameters ``GatheredParameters`` shows, the fp32 masters) on a tiny tied Llama with
    gradient checkpointing and clipping: offload_optimizer cpu / nvme / ratio 0.5, bf16
-   and fp32 compute, persistent parameters, 1 and 2 gloo ranks. The on runs must really
+   and fp32 compute, persistent parameters, offload_param nvme (the persistent ones stay in
+   its NVMe store), 1 and 2 gloo ranks. The on runs must really
    use ``MasterShards`` with attached groups (else the test would compare off with off).
 2. A checkpoint saved with it on is the same bytes as one saved with it off (every file
    of the tag folder read raw), and resuming either across on/off continues exactly as an
@@ -12,7 +13,8 @@ casts the master ([Note: shards read from the master] in partition/stage3/master
 3. The host memory the 16-bit shards held is gone: ``engine.stats()["tiers"]["cpu"]``
    (offload_param cpu) is 2 bytes x the attached shards' elements lower, the store's
    ``resident_bytes`` and a scan of the partitioner's held tensors agree.
-4. Config: "auto" resolution, and a ConfigError naming the key where it cannot apply.
+4. Config: "auto" resolution (off with offload_param nvme; true turns it on there), and a
+   ConfigError naming the key where it cannot apply.
 5. A ``GatheredParameters`` modifier's write reaches the masters the gathers read.
 """
 
@@ -68,7 +70,8 @@ def _store_kind(engine):
 
 CASES = {
     1: [("cpu", "cpu", "bf16", None, 0), ("cpu", "nvme", "bf16", None, 0),
-        ("none", "cpu", "bf16", 0.5, 0), ("none", "none", "fp32", None, 0)],
+        ("none", "cpu", "bf16", 0.5, 0), ("none", "none", "fp32", None, 0),
+        ("nvme", "nvme", "bf16", None, 100)],
     2: [("cpu", "cpu", "bf16", None, 100), ("cpu", "nvme", "bf16", None, 0),
         ("cpu", "cpu", "fp32", 0.5, 0)],
 }
@@ -188,7 +191,16 @@ def test_checkpoint_bytes_and_resume_across(tmp_path):
         assert resumed[(True, False)] == ref  # saved on, resumed off
 
 
-def _memory_body(tmpdir):
+def _nvme_homes(store):
+    """Bytes homed on NVMe by the parameter store (its tiered store's), or 0 without one."""
+    from zeroio.partition.stage3.master_store import MasterShards
+
+    inner = store.inner if isinstance(store, MasterShards) else store
+    tiered = getattr(inner, "store", None)
+    return tiered.stats()["tiers"]["nvme"]["home_bytes"] if tiered is not None else 0
+
+
+def _memory_body(tmpdir, off_param="cpu"):
     import torch
 
     from zeroio.partition.stage3.state import GroupState
@@ -197,7 +209,11 @@ def _memory_body(tmpdir):
     init = _init()
     out = {}
     for on in (False, True):
-        e = _engine(_config("cpu", "cpu", "bf16", tmpdir, on=on, persistence=100), init)
+        cfg = _config(off_param, "cpu" if off_param == "cpu" else "nvme",
+                      "bf16", os.path.join(tmpdir, f"m-{on}"), on=on, persistence=100)
+        if off_param == "nvme":  # no shard resident in host memory: every one homed on NVMe
+            cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
+        e = _engine(cfg, init)
         from zeroio.testing.training import train_steps
 
         train_steps(e, token_batches(1, steps=1, gas=1, micro=MICRO))
@@ -212,7 +228,9 @@ def _memory_body(tmpdir):
                        store=part.store.resident_bytes().get("cpu", 0),
                        held=tstats.held_bytes(part.held_tensors()).get("cpu", 0),
                        bf16_shards=bf16_held - gathered,
-                       shard_elems=shard_elems, persistent=persistent)
+                       shard_elems=shard_elems, persistent=persistent,
+                       places=part.store.resident_bytes(),
+                       nvme_homes=_nvme_homes(part.store))
         e.close()
     return out
 
@@ -227,6 +245,16 @@ def test_host_memory_of_the_shards_is_gone(tmp_path):
     assert off["store"] == 2 * (n + p) and on["store"] == 2 * p, (off, on)
     assert off["bf16_shards"] == 2 * (n + p) and on["bf16_shards"] == 2 * p, (off, on)
 
+
+def test_offload_param_nvme_with_it_on_homes_only_the_persistent_shards(tmp_path):
+    """``true`` with offload_param nvme: the sharded groups' 16-bit shards have no NVMe home
+    (2 bytes an element gone from the disk), the persistent ones stay in the NVMe store."""
+    (r,) = run_ranks(_memory_body, 1, str(tmp_path), "nvme", timeout=200)
+    off, on = r[False], r[True]
+    n, p = off["shard_elems"], off["persistent"]
+    assert n > 0 and p > 0
+    assert off["nvme_homes"] == 2 * (n + p), off  # every bf16 shard homed on the disk
+    assert on["nvme_homes"] == 2 * p, on  # only the persistent ones
 
 def _zero(stage=3, *, opt="none", param="none", **tiering):
     z = {"stage": stage, "offload_optimizer": {"device": opt}, "offload_param": {"device": param},
@@ -243,6 +271,7 @@ def _zero(stage=3, *, opt="none", param="none", **tiering):
     (_zero(opt="nvme"), True), (_zero(opt="nvme", param="cpu"), True),
     (_zero(opt="cpu", param="cpu"), False), (_zero(), False),
     (_zero(opt="nvme", param="nvme"), False), (_zero(2, opt="nvme"), False),
+    (_zero(opt="nvme", param="nvme", params_from_master=True), True),
     (_zero(opt="cpu", params_from_master=True), True),
     (_zero(opt="nvme", params_from_master=False), False),
 ])
@@ -257,7 +286,6 @@ def test_auto_and_explicit(zero, want):
 @pytest.mark.parametrize("zero, words", [
     (_zero(2, opt="cpu", params_from_master=True), "stage 3"),
     (_zero(1, params_from_master=True), "stage 3"),
-    (_zero(opt="nvme", param="nvme", params_from_master=True), "offload_param.device"),
     (_zero(opt="cpu", params_from_master=True, step_assist=True), "step_assist"),
     (_zero(params_from_master="yes"), '"auto"'),
 ])

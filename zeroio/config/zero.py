@@ -262,11 +262,11 @@ def overlap_step_enabled(tiering: TieringConfig | None, device=None) -> bool:
 def params_from_master_enabled(zero: ZeroConfig) -> bool:
     """Whether stage 3 derives its 16-bit shards from the masters (``zero_optimization.
     tiering.params_from_master``, "auto" resolved: on at stage 3 with ``offload_optimizer.
-    device`` nvme and ``offload_param.device`` not nvme). True where it cannot apply is a
-    ConfigError naming the key: stages 0-2 (their 16-bit parameters are whole replicas, not
-    shards), ``offload_param.device`` nvme (the shards' NVMe home and its swap buffers are
-    what that setting asks for), and ``tiering.step_assist`` true (the assist writes the
-    16-bit shard the option removes)."""
+    device`` nvme and ``offload_param.device`` not nvme: "auto" keeps the 16-bit shards' NVMe
+    home that ``offload_param.device`` nvme asks for; ``true`` there drops it, the gathers
+    then cast the host masters). True where it cannot apply is a ConfigError naming the key:
+    stages 0-2 (their 16-bit parameters are whole replicas, not shards) and
+    ``tiering.step_assist`` true (the assist writes the 16-bit shard the option removes)."""
     want = zero.tiering.params_from_master
     key = "zero_optimization.tiering.params_from_master"
     param_nvme = zero.offload_param.device is OffloadDevice.NVME
@@ -279,11 +279,6 @@ def params_from_master_enabled(zero: ZeroConfig) -> bool:
         raise ConfigError(f"{key} = true needs zero_optimization.stage 3 (stage is "
                           f"{zero.stage}): only stage 3 keeps a 16-bit parameter shard beside "
                           'the master; set it to false or "auto"', key=key)
-    if param_nvme:
-        raise ConfigError(f'{key} = true with zero_optimization.offload_param.device "nvme" '
-                          "is not supported (the 16-bit shards' NVMe home is what that setting "
-                          'asks for); set offload_param.device to "cpu" or "none", or '
-                          f'{key} to false or "auto"', key=key)
     if zero.tiering.step_assist is True:
         raise ConfigError(f"{key} = true with zero_optimization.tiering.step_assist = true: "
                           "the step assist writes 16-bit shards, which this option removes; "

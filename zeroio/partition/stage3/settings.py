@@ -101,10 +101,6 @@ class Stage3Settings:
             raise ConfigError(f"stage-3 step chunk must be >= 1 element, got "
                               f"{self.step_chunk_numel}",
                               key="zero_optimization.tiering.step_chunk_numel")
-        if self.params_from_master and self.offload_device == "nvme":
-            raise ConfigError("zero_optimization.tiering.params_from_master with "
-                              'offload_param.device "nvme" is not supported',
-                              key="zero_optimization.tiering.params_from_master")
         if self.offload_device == "nvme" and not self.nvme_path:
             raise ConfigError(
                 "offload_param.device is nvme but offload_param.nvme_path is not set; "
