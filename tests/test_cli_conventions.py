@@ -102,7 +102,10 @@ def test_launch_accepts_deepspeed_and_torchrun_spellings(tmp_path):
     script.write_text(textwrap.dedent("""
         import json, os, sys
         keys = ("RANK", "WORLD_SIZE", "MASTER_PORT", "ZEROIO_LAUNCHER_PID")
-        print(json.dumps({k: os.environ.get(k) for k in keys} | {"argv": sys.argv[1:]}))
+        # one write of one line (< PIPE_BUF): the two ranks share the pipe, and print's
+        # separate write of the newline could land after the other rank's line
+        os.write(1, (json.dumps({k: os.environ.get(k) for k in keys}
+                                | {"argv": sys.argv[1:]}) + "\\n").encode())
     """))
     port = free_port()
     proc = _zeroio("launch", "--num_gpus", "2", "--master_port", str(port), str(script),

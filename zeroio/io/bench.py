@@ -27,6 +27,7 @@ from tqdm import tqdm
 from zeroio.errors import SwapIOError
 from zeroio.io.buffers import AlignedBuffer
 from zeroio.io.engine import O_DIRECT, IOEngine
+from zeroio.io.files import fsync_file
 
 GB = 1e9
 _WINDOW = 64 << 20  # bytes per engine request in the benchmark
@@ -91,11 +92,7 @@ def engine_bandwidth(engine: IOEngine, directory: str, size: int, *, progress: b
 
         t_write = run(lambda t, off: engine.write(path, t, off))
         t0 = time.perf_counter()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(path)
         t_write += time.perf_counter() - t0
         engine.drop_cache(path)
         t_read = run(lambda t, off: engine.read(path, t, off))
@@ -121,14 +118,10 @@ def engine_mixed_bandwidth(engine: IOEngine, directory: str, size: int) -> float
         for f in (src, dst):
             if os.path.exists(f):
                 os.unlink(f)
-        for fut in [engine.write(src, wbuf.tensor[:min(window, size - off)], off)
-                    for off in offsets]:
+        laid = [engine.write(src, wbuf.tensor[:min(window, size - off)], off) for off in offsets]
+        for fut in laid:
             fut.result()
-        fd = os.open(src, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(src)
         engine.drop_cache(src)
         t0 = time.perf_counter()
         pending: list = []
@@ -139,11 +132,7 @@ def engine_mixed_bandwidth(engine: IOEngine, directory: str, size: int) -> float
                 pending.pop(0).result()
         for fut in pending:
             fut.result()
-        fd = os.open(dst, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(dst)
         elapsed = time.perf_counter() - t0
     finally:
         for f in (src, dst):
