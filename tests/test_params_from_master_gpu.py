@@ -29,6 +29,7 @@ CASES = [  # (offload_param, offload_optimizer, dtype, ratio, overlap_step)
     ("cpu", "cpu", "bf16", None, True), ("cpu", "cpu", "bf16", 0.5, True),
     ("none", "cpu", "bf16", 0.5, False), ("cpu", "nvme", "bf16", None, True),
     ("none", "none", "bf16", None, True), ("cpu", "cpu", "fp32", None, True),
+    ("nvme", "nvme", "bf16", None, True),  # no NVMe home for the sharded 16-bit shards
 ]
 
 
