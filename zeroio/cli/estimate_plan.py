@@ -75,14 +75,11 @@ def check_args(args) -> None:
 def machine_from_args(args):
     from zeroio.plan import Machine
 
-    given = {n: getattr(args, n) for n in MACHINE_FLAGS if getattr(args, n) is not None}
-    optional = {f: getattr(args, n) * scale for n, (f, scale) in OPTIONAL_FLAGS.items()
-                if getattr(args, n) is not None}
+    given = {n: getattr(args, n) for n in (*MACHINE_FLAGS, *OPTIONAL_FLAGS)
+             if getattr(args, n) is not None}
     if args.machine is not None:
-        if given or optional:
-            flag = next(iter(given)) if given else next(
-                n for n in OPTIONAL_FLAGS if getattr(args, n) is not None)
-            raise ConfigError(f"--machine and --{flag.replace('_', '-')}: give the "
+        if given:
+            raise ConfigError(f"--machine and --{next(iter(given)).replace('_', '-')}: give the "
                               "machine as a file or as flags, not both", key="machine")
         m = Machine.from_json(args.machine)
         if args.gpus_per_node is not None and args.gpus_per_node != m.gpus:
@@ -94,8 +91,10 @@ def machine_from_args(args):
         raise ConfigError("--plan needs the machine: --machine machine.json, or "
                           + ", ".join("--" + n.replace("_", "-") for n in missing),
                           key="machine")
-    return Machine(gpus=args.gpus_per_node or 1, **optional,
-                   **{f: given[n] * scale for n, (f, scale) in MACHINE_FLAGS.items()})
+    return Machine(gpus=args.gpus_per_node or 1,
+                   **{f: given[n] * scale for n, (f, scale) in {**MACHINE_FLAGS,
+                                                                **OPTIONAL_FLAGS}.items()
+                      if n in given})
 
 
 def run(args, shape) -> int:

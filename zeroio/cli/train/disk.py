@@ -80,17 +80,17 @@ class DiskPlan:
         return self.need <= self.free
 
     def breakdown(self) -> str:
+        exports = any(i.phases == ("export",) for i in self.items if i.total)
+
         def one(i: DiskItem) -> str:
             return (f"{i.name} {i.total / 1e9:.2f} GB"
                     + (f" ({i.count} x {i.nbytes / 1e9:.2f})" if i.count > 1 else "")
-                    + ("" if "export" in i.phases or not export
-                       else ", deleted before the model export"))
+                    + (", deleted before the model export"
+                       if exports and "export" not in i.phases else ""))
 
-        train, export = self.phase_bytes("train"), self.phase_bytes("export")
-        if not any("train" not in i.phases for i in self.items if i.total):
-            export = 0  # no model export
         text = "; ".join(one(i) for i in self.items if i.total)
-        if train != export and export:
+        train, export = self.phase_bytes("train"), self.phase_bytes("export")
+        if exports and train != export:
             text += (f"; peak of training {train / 1e9:.2f} GB and export "
                      f"{export / 1e9:.2f} GB")
         return text
