@@ -63,13 +63,31 @@ def _check_dir(path: str, size: int) -> None:
         raise SwapIOError(28, f"bench: {path} needs {size} bytes for the test file, {free} bytes free")
 
 
+def _stream(submit: Callable[[int, int], list], size: int, window: int,
+            done: Callable[[int], object] = lambda n: None) -> None:
+    """``submit(offset, n)`` for each ``window`` of ``size`` bytes in order (its futures), at
+    most _IN_FLIGHT windows outstanding; ``done(n)`` as each window's futures complete."""
+    def land(futures: list, n: int) -> None:
+        for f in futures:
+            f.result()
+        done(n)
+
+    pending: list[tuple[list, int]] = []
+    for off in range(0, size, window):
+        n = min(window, size - off)
+        pending.append((submit(off, n), n))
+        if len(pending) >= _IN_FLIGHT:
+            land(*pending.pop(0))
+    for futures, n in pending:
+        land(futures, n)
+
+
 def engine_bandwidth(engine: IOEngine, directory: str, size: int, *, progress: bool = True) -> Bandwidth:
     """Sequential write then read of ``size`` bytes through ``engine``; see [Note: fair comparison]."""
     path = os.path.join(directory, "zeroio-bench-engine.bin")
     window = min(_WINDOW, size)
     buf = AlignedBuffer(window)
     buf.tensor.copy_(torch_randbytes(window))
-    offsets = list(range(0, size, window))
     try:
         if os.path.exists(path):
             os.unlink(path)
@@ -77,17 +95,7 @@ def engine_bandwidth(engine: IOEngine, directory: str, size: int, *, progress: b
 
         def run(submit: Callable) -> float:
             t0 = time.perf_counter()
-            pending = []
-            for off in offsets:
-                n = min(window, size - off)
-                pending.append((submit(buf.tensor[:n], off), n))
-                if len(pending) >= _IN_FLIGHT:
-                    fut, done = pending.pop(0)
-                    fut.result()
-                    bar.update(done)
-            for fut, done in pending:
-                fut.result()
-                bar.update(done)
+            _stream(lambda off, n: [submit(buf.tensor[:n], off)], size, window, bar.update)
             return time.perf_counter() - t0
 
         t_write = run(lambda t, off: engine.write(path, t, off))
@@ -113,25 +121,16 @@ def engine_mixed_bandwidth(engine: IOEngine, directory: str, size: int) -> float
     window = min(_WINDOW, size)
     wbuf, rbuf = AlignedBuffer(window), AlignedBuffer(window)
     wbuf.tensor.copy_(torch_randbytes(window))
-    offsets = list(range(0, size, window))
     try:
         for f in (src, dst):
             if os.path.exists(f):
                 os.unlink(f)
-        laid = [engine.write(src, wbuf.tensor[:min(window, size - off)], off) for off in offsets]
-        for fut in laid:
-            fut.result()
+        _stream(lambda off, n: [engine.write(src, wbuf.tensor[:n], off)], size, window)
         fsync_file(src)
         engine.drop_cache(src)
         t0 = time.perf_counter()
-        pending: list = []
-        for off in offsets:
-            n = min(window, size - off)
-            pending += [engine.read(src, rbuf.tensor[:n], off), engine.write(dst, wbuf.tensor[:n], off)]
-            while len(pending) >= 2 * _IN_FLIGHT:
-                pending.pop(0).result()
-        for fut in pending:
-            fut.result()
+        _stream(lambda off, n: [engine.read(src, rbuf.tensor[:n], off),
+                                engine.write(dst, wbuf.tensor[:n], off)], size, window)
         fsync_file(dst)
         elapsed = time.perf_counter() - t0
     finally:
