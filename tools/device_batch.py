@@ -87,22 +87,36 @@ def _pytest_steps(timeout_s: int) -> tuple[Step, ...]:
 
 
 PEER_ROWS: tuple[tuple[str, int, int], ...] = (
-    # (contender, step timeout s, training steps); DeepSpeed's JIT ops are built by ds-jit first
-    ("zeroio-z2-cpu", 75, 6), ("zeroio-z3-cpu", 75, 6),
+    # (contender, step timeout s, training steps); DeepSpeed's JIT ops are built by ds-jit first;
+    # the rows of the table's headline comparison first, so a call's budget cuts the extra modes
+    ("zeroio-z2-cpu", 75, 6), ("zeroio-z3-cpu", 75, 6), ("ds-z2-cpu", 75, 6),
+    ("ds-z3-cpu", 70, 6),
     # ZenFlow's figure is the mean over whole update windows after its first update
     # (update_interval 4): 12 steps give two whole windows
-    ("ds-z2-zenflow", 100, 12), ("ds-z3-twinflow", 80, 6), ("ds-z3-superoffload", 85, 6),
-    ("ds-z3-zenflow", 60, 12), ("torchao-cpu", 120, 6), ("ds-z2-cpu", 75, 6),
-    ("ds-z3-cpu", 70, 6), ("fsdp2-cpu", 75, 6), ("plain", 45, 6),
+    ("ds-z2-zenflow", 100, 12), ("fsdp2-cpu", 75, 6), ("plain", 45, 6),
+    ("ds-z3-twinflow", 80, 6), ("ds-z3-superoffload", 85, 6), ("ds-z3-zenflow", 60, 12),
+    ("torchao-cpu", 120, 6),
 )
 """One step each, in this order; a call's budget cuts the tail (run it with --only next)."""
 
 
-def _peers_steps(nproc: int) -> tuple[Step, ...]:
-    """benchmarks/train_peers.py, one contender per step on the 1.364B default shape; each
-    row's own --timeout sits 5 s inside the step's so the script writes its failure row."""
+SHAPE_4B = "--hidden 4096 --layers 20 --intermediate 11008 --heads 32"
+"""The widest shape DeepSpeed ZeRO-3 + CPU offload trains on one H200 (4.31B, micro batch 8)."""
+
+WIDE_ROWS: tuple[tuple[str, int, int], ...] = (
+    ("zeroio-z3-cpu", 130, 6), ("ds-z3-cpu", 190, 6), ("zeroio-z2-cpu", 110, 6),
+    ("ds-z2-cpu", 150, 6),
+)
+"""The peers rows at SHAPE_4B, stage 3 first (the comparison that shape is for)."""
+
+
+def _peers_steps(nproc: int, rows: tuple[tuple[str, int, int], ...] = PEER_ROWS,
+                 shape: str = "") -> tuple[Step, ...]:
+    """benchmarks/train_peers.py, one contender per step (the 1.364B default shape unless
+    ``shape`` names another); each row's own --timeout sits 5 s inside the step's so the
+    script writes its failure row."""
     run = ("python3 benchmarks/train_peers.py --warmup 2 --quiet --nvme-dir {scratch} "
-           f"--out {{res}} --nproc {nproc}")
+           f"--out {{res}} --nproc {nproc}" + (f" {shape}" if shape else ""))
     jit = ("python3 -c \"import time,torch;t=time.time();from deepspeed.ops.adam import "
            "DeepSpeedCPUAdam;DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))]);"
            "print('DeepSpeed cpu_adam ready', round(time.time()-t, 1), 's')\"")
@@ -110,7 +124,7 @@ def _peers_steps(nproc: int) -> tuple[Step, ...]:
         Step(name, f"{run} --steps {steps} --only {name} --timeout {t - 5}"
              + (" --libaio-dir /tmp/libaio" if name.startswith("ds-") else "") + "{extra}", t,
              quote=r"^\| (?!contender|-)")
-        for name, t, steps in PEER_ROWS)
+        for name, t, steps in rows)
 
 
 BEFORE = ".old"
@@ -201,6 +215,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("peers", "nvidia-h200", "benchmarks/train_peers.py: zeroio, DeepSpeed and FSDP2 on "
           "the 1.364B shape, one contender per step", _peers_steps(1), peers=True),
     Suite("peers2", "nvidia-h200-x2", "the peers suite at --nproc 2", _peers_steps(2), peers=True),
+    Suite("peers-wide", "nvidia-h200", "zeroio and DeepSpeed ZeRO-Offload z3/z2 on the 4.31B "
+          "shape (hidden 4096, 20 layers, micro batch 8)", _peers_steps(1, WIDE_ROWS, SHAPE_4B),
+          peers=True),
     Suite("capacity", "nvidia-h200", "benchmarks/probe_largest.py: the estimate's plan, then "
           "one depth (--extra '--start-layers N', else the plan's)", (
               Step("plan", "python3 benchmarks/probe_largest.py --plan-only --nvme-dir "
