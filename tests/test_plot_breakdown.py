@@ -105,3 +105,14 @@ def test_documents_without_breakdowns(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match="no row has a step breakdown"):
         plot_breakdown.main([str(path)])
+
+
+def test_loss_curves_follow_the_row_files(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import plot_losses
+
+    docs = [{"row": "a", "numbers": {"losses": [3.0, 2.5, 2.0]}}, {"row": "b", "numbers": {}}]
+    assert plot_losses.curves(docs) == [("a", [3.0, 2.5, 2.0]), ("b", [])]
+    pytest.importorskip("matplotlib")
+    out = plot_losses.plot(docs, tmp_path / "l.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
