@@ -109,13 +109,16 @@ def test_zeroio_buffers_hand_computation_nvme(monkeypatch):
     shard = PSI // 4
     # stage 3 reduces one group in fp32 (reduce_bucket_size stands in for the unknown group
     # size G = 5e8): two fp32 buckets + autograd's bf16 gradients of one group; live params
-    # max_live + G capped at Psi, and with offload_param each gathered group's shard copied in
-    gpu = 2 * 4 * 500_000_000 + 2 * 500_000_000 + 2 * PSI + 2 * PSI // 4
+    # max_live + G capped at Psi, and each gathered group's shard copied in: with the NVMe
+    # optimizer params_from_master "auto" is on, so that is the fp32 master (4 bytes)
+    gpu = 2 * 4 * 500_000_000 + 2 * 500_000_000 + 2 * PSI + 4 * PSI // 4
     # gas 1 and the one-pass CPU Adam stepping the swapped pieces: the host gradient shard is
     # bf16 (shard/host_grads.py), the model states' 2-byte term, nothing beyond it
     cpu = 2 * shard + 4 * shard + 4 * shard * 4 + 5 * 100_000_000 * 2
     #     bf16 grads  fp32 masters  opt swap buffers  param swap buffers
-    nvme = 2 * shard + 8 * shard  # parameters, moments (the masters stay on the host)
+    # the moments (the masters stay on the host); the parameters' 2 B/param home, the paper's
+    # term, is cancelled by params_from_master's negative item
+    nvme = 8 * shard
     assert (r.stage, r.offload_optimizer, r.offload_param, r.dtype) == (3, "nvme", "nvme", "bf16")
     assert r.gpu_bytes_per_gpu == gpu
     assert r.cpu_bytes_per_node == 2 * cpu

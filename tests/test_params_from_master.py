@@ -270,7 +270,8 @@ def _zero(stage=3, *, opt="none", param="none", **tiering):
 @pytest.mark.parametrize("zero, want", [
     (_zero(opt="nvme"), True), (_zero(opt="nvme", param="cpu"), True),
     (_zero(opt="cpu", param="cpu"), False), (_zero(), False),
-    (_zero(opt="nvme", param="nvme"), False), (_zero(2, opt="nvme"), False),
+    (_zero(opt="nvme", param="nvme"), True), (_zero(2, opt="nvme"), False),
+    (_zero(opt="nvme", param="nvme", params_from_master=False), False),
     (_zero(opt="nvme", param="nvme", params_from_master=True), True),
     (_zero(opt="cpu", params_from_master=True), True),
     (_zero(opt="nvme", params_from_master=False), False),

@@ -77,6 +77,8 @@ def _config(stage, policy, root, budget):
                     offload_param={"device": "nvme", "nvme_path": os.path.join(root, "param"),
                                    "buffer_count": 1, "buffer_size": PARAM_BUFFER // 2,
                                    "max_in_cpu": 0})
+        # the 16-bit shards in their NVMe home (params_from_master "auto" would drop it)
+        zero["tiering"]["params_from_master"] = False
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
             "zero_optimization": zero}

@@ -329,7 +329,7 @@ def estimate_memory(
                           key="offload_optimizer.ratio")
 
     pfm = _params_from_master(params_from_master, zero if config is not None else None,
-                              stage, opt_dev, par_dev)
+                              stage, opt_dev)
     n = gpus_per_node * nodes
     b = DTYPE_BYTES[dtype]
     mb, sb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype]
@@ -487,14 +487,14 @@ def estimate_memory(
 
 
 def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,
-                        opt_dev: str, param_dev: str) -> bool:
+                        opt_dev: str) -> bool:
     """``params_from_master`` as given, else the config's ("auto" / None: what
-    ``params_from_master_enabled`` decides: stage 3 with offload_optimizer nvme and
-    offload_param not nvme), else off."""
+    ``params_from_master_enabled`` decides: stage 3 with offload_optimizer nvme), else
+    off."""
     if given is None:
         given = getattr(getattr(zero, "tiering", None), "params_from_master", False)
         if given is None or given == "auto":
-            given = stage == 3 and opt_dev == "nvme" and param_dev != "nvme"
+            given = stage == 3 and opt_dev == "nvme"
     if not isinstance(given, bool):
         raise ConfigError(f"params_from_master = {given!r}: expected true, false or auto",
                           key="zero_optimization.tiering.params_from_master")

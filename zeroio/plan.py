@@ -339,10 +339,8 @@ def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None,
 
 
 def _pfm(p: Placement, model: _Model) -> bool:
-    """Where "auto" turns it on: stage 3, optimizer on NVMe, parameters not on NVMe (their
-    16-bit shards' NVMe home is what ``offload_param nvme`` asks for)."""
-    return (model.params_from_master and p.stage == 3 and p.optimizer == "nvme"
-            and p.param != "nvme")
+    """Where "auto" turns it on (``params_from_master_enabled``): stage 3, optimizer on NVMe."""
+    return model.params_from_master and p.stage == 3 and p.optimizer == "nvme"
 
 
 def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,

@@ -262,17 +262,17 @@ def overlap_step_enabled(tiering: TieringConfig | None, device=None) -> bool:
 def params_from_master_enabled(zero: ZeroConfig) -> bool:
     """Whether stage 3 derives its 16-bit shards from the masters (``zero_optimization.
     tiering.params_from_master``, "auto" resolved: on at stage 3 with ``offload_optimizer.
-    device`` nvme and ``offload_param.device`` not nvme: "auto" keeps the 16-bit shards' NVMe
-    home that ``offload_param.device`` nvme asks for; ``true`` there drops it, the gathers
-    then cast the host masters). True where it cannot apply is a ConfigError naming the key:
+    device`` nvme, whatever ``offload_param.device`` says: the NVMe optimizer keeps the fp32
+    masters in host memory ([Note: masters stay on the host] in optim/swap.py), so the gathers
+    cast those and a 16-bit shard, on the host or in an NVMe home, would be a second copy
+    (2 bytes per parameter, and with ``offload_param`` nvme its reads and write-back every
+    step). True where it cannot apply is a ConfigError naming the key:
     stages 0-2 (their 16-bit parameters are whole replicas, not shards) and
     ``tiering.step_assist`` true (the assist writes the 16-bit shard the option removes)."""
     want = zero.tiering.params_from_master
     key = "zero_optimization.tiering.params_from_master"
-    param_nvme = zero.offload_param.device is OffloadDevice.NVME
     if want is None:
-        return zero.stage == 3 and not param_nvme and \
-            zero.offload_optimizer.device is OffloadDevice.NVME
+        return zero.stage == 3 and zero.offload_optimizer.device is OffloadDevice.NVME
     if not want:
         return False
     if zero.stage != 3:

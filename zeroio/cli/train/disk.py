@@ -17,9 +17,13 @@ the larger of the two phases:
 - model export: the safetensors files exactly (headers from
   ``consolidate.safetensors_header``, the same shard plan) in --model-dtype;
 - NVMe swap: ``zeroio.estimate``'s NVMe term for this config and world (the
-  16-bit parameter shard with offload_param nvme, the two moments with
-  offload_optimizer nvme; only the former stays through the export). An upper bound: what stays resident in host memory
-  is never written, but the tier may write all of it.
+  two moments with offload_optimizer nvme; the 16-bit parameter shard with
+  offload_param nvme unless params_from_master drops it, which "auto" does with
+  the NVMe optimizer; only the shard stays through the export). An upper bound:
+  what stays resident in host memory is never written, but the tier may write
+  all of it. Not counted: the few persistent parameters (below
+  stage3_param_persistence_threshold) that keep a 16-bit NVMe home under
+  params_from_master, kilobytes to a few MB.
 What the run deletes before writing counts as free: what zeroio wrote in model/
 (replaced by the export) and, on a fresh run, in checkpoints/ ([Note: run
 directory] in rundir.py; with --overwrite those folders whole, nvme/ too), and
