@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_results import save  # noqa: E402
 
 
 def curves(docs: list[dict]) -> list[tuple[str, list[float]]]:
@@ -38,10 +42,7 @@ def plot(docs: list[dict], path: Path, title: str = "") -> Path:
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def main(argv=None) -> Path:

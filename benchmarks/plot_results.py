@@ -45,6 +45,13 @@ def plot(doc: dict, path: Path) -> Path:
     m, p = doc["machine"], doc["provenance"]
     ax.set_title(f"{', '.join(m.get('gpus') or ['CPU'])} - {p['date'][:10]} - {p['commit'][:10]}",
                  fontsize=9)
+    return save(fig, path)
+
+
+def save(fig, path: Path) -> Path:
+    """Lay out, write and close a figure (the plotting scripts' common ending)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -99,7 +99,7 @@ from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
 from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
-from zeroio.config.zero import step_assist_enabled
+from zeroio.config.zero import params_from_master_auto, step_assist_enabled
 from zeroio.errors import ConfigError
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
@@ -494,7 +494,7 @@ def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,
     if given is None:
         given = getattr(getattr(zero, "tiering", None), "params_from_master", False)
         if given is None or given == "auto":
-            given = stage == 3 and opt_dev == "nvme"
+            given = params_from_master_auto(stage, opt_dev)
     if not isinstance(given, bool):
         raise ConfigError(f"params_from_master = {given!r}: expected true, false or auto",
                           key="zero_optimization.tiering.params_from_master")

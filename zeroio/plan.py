@@ -86,6 +86,7 @@ from typing import Any
 
 from zeroio.config import load_config
 from zeroio.config.fields import did_you_mean
+from zeroio.config.zero import params_from_master_auto
 from zeroio.errors import CapacityError, ConfigError
 from zeroio.estimate import (
     DTYPE_BYTES,
@@ -340,7 +341,7 @@ def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None,
 
 def _pfm(p: Placement, model: _Model) -> bool:
     """Where "auto" turns it on (``params_from_master_enabled``): stage 3, optimizer on NVMe."""
-    return model.params_from_master and p.stage == 3 and p.optimizer == "nvme"
+    return model.params_from_master and params_from_master_auto(p.stage, p.optimizer)
 
 
 def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,

@@ -259,6 +259,13 @@ def overlap_step_enabled(tiering: TieringConfig | None, device=None) -> bool:
     return bool(want)
 
 
+def params_from_master_auto(stage: int, optimizer_device: str) -> bool:
+    """``tiering.params_from_master`` "auto": on at stage 3 with ``offload_optimizer.device``
+    nvme, whatever ``offload_param.device`` says (``params_from_master_enabled`` says why);
+    the one rule the engine, ``zeroio.estimate`` and the planner share."""
+    return stage == 3 and optimizer_device == "nvme"  # OffloadDevice is a str enum
+
+
 def params_from_master_enabled(zero: ZeroConfig) -> bool:
     """Whether stage 3 derives its 16-bit shards from the masters (``zero_optimization.
     tiering.params_from_master``, "auto" resolved: on at stage 3 with ``offload_optimizer.
@@ -272,7 +279,7 @@ def params_from_master_enabled(zero: ZeroConfig) -> bool:
     want = zero.tiering.params_from_master
     key = "zero_optimization.tiering.params_from_master"
     if want is None:
-        return zero.stage == 3 and zero.offload_optimizer.device is OffloadDevice.NVME
+        return params_from_master_auto(zero.stage, zero.offload_optimizer.device)
     if not want:
         return False
     if zero.stage != 3:

@@ -493,8 +493,9 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict
             done = step + 1
             # engine.stats() waits for an overlapped host step (the next forward's to hide), so
             # the swap counters are read on the steps that print, not on every step
-            report = every > 0 and (done % every == 0 or done == start + 1 or done == end)
-            if report or done == start + 1 or done == end:
+            edge = done in (start + 1, end)
+            report = every > 0 and (edge or done % every == 0)
+            if edge or report:
                 swap = swap_summary(engine.stats())
             # a step's time is the loop's period (the wait for the previous step's overlapped
             # host step lands in the next forward), checkpoint saves left out
