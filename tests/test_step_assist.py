@@ -120,11 +120,15 @@ def test_cpu_engine_has_no_assist(monkeypatch):
 # ---- GPU -------------------------------------------------------------------------------------
 
 STEPS = 3
-MODES = {"all": 1 << 40, "mixed": 64, "off": None}
+MODES = {"all": (1 << 40, 0), "mixed": (64, 0), "off": (None, 0),
+         "resident": (1 << 40, None), "part": (64, "half"), "shrink": (1 << 40, None)}
+"""mode -> (the assist's backlog, None: assist off; ``gpu_budget_bytes``: 0 none resident,
+None "auto", "half": 12 bytes for half the host elements)."""
 
 
-def _config(stage, dtype):
+def _config(stage, dtype, budget=0):
     cfg = r12._config(stage, 1.0, overlap=True, dtype=dtype)
+    cfg["zero_optimization"]["tiering"]["gpu_budget_bytes"] = budget
     if stage == 3:
         cfg["zero_optimization"].update(
             stage3_param_persistence_threshold=0,
@@ -150,28 +154,46 @@ def _gpu_body(stage, dtype, tmpdir):
     os.environ["ZEROIO_STEP_CHUNK_NUMEL"] = "64"
     assist.SLOT_NUMEL = 32
     os.environ["ZEROIO_CPU_ADAM"] = "compiled" if dtype == "bf16" else "torch"
+    host_numel = sum(p.numel() for p in tiny_mlp().parameters())  # one rank holds at most
     out = {}
-    for mode, backlog in MODES.items():
+    for mode, (backlog, budget) in MODES.items():
         os.environ["ZEROIO_STEP_ASSIST"] = "0" if backlog is None else "1"
         assist.BACKLOG_NUMEL = backlog or 1
-        engine, *_ = zeroio.initialize(model=tiny_mlp(), config=_config(stage, dtype))
-        losses = r12._train(engine, STEPS, 1, engine.device)
+        if budget == "half":
+            budget = 12 * (host_numel // 2)
+        engine, *_ = zeroio.initialize(model=tiny_mlp(), config=_config(stage, dtype, budget))
+        if mode == "shrink":  # resident for two steps, then a budget of 0: all given back
+            losses = r12._train(engine, STEPS - 1, 1, engine.device)
+            held = engine.partitioner._assist.resident_bytes
+            engine.partitioner._assist.gpu_budget_bytes = 0
+            losses += r12._train(engine, 1, 1, engine.device, first_step=STEPS - 1)
+        else:
+            losses = r12._train(engine, STEPS, 1, engine.device)
         stats = engine.stats()
-        res = {"losses": losses, "states": [t.tolist() for t in _states(engine)],
-               "masters": r12._masters(engine).tolist() if stage < 3 else None,
-               "counts": next((v for k, v in stats["sources"].items()
-                               if k.endswith("step_assist")), None),
-               "moved": stats["bytes_moved"],
+        counts = next((v for k, v in stats["sources"].items() if k.endswith("step_assist")),
+                      None)
+        res = {"losses": losses, "counts": dict(counts) if counts else None,
+               "moved": stats["bytes_moved"], "budget": budget,
                "host_numel": sum(g.master.numel() for g in engine.partitioner.groups)}
-        if mode == "all":  # a checkpoint right behind an assisted step, loaded without it
+        if mode == "shrink":
+            res["held_before"] = held
+        # local_tensor gives the resident chunks back (to be loaded again on their next step)
+        res["states"] = [t.tolist() for t in _states(engine)]
+        res["masters"] = r12._masters(engine).tolist() if stage < 3 else None
+        if mode in ("all", "resident"):  # a checkpoint right behind an assisted step
             saved = _states(engine)
-            engine.save_checkpoint(tmpdir, tag="t")
+            engine.save_checkpoint(tmpdir, tag=mode)
+            # training on after the save: the resident chunks load their state again
+            res["after"] = r12._train(engine, 2, 1, engine.device, first_step=STEPS)
+            res["after_counts"] = dict(engine.stats()["sources"][
+                f"stage{'3' if stage == 3 else '12'}.step_assist"])
             engine.close()
             os.environ["ZEROIO_STEP_ASSIST"] = "0"
             other, *_ = zeroio.initialize(model=tiny_mlp(), config=_config(stage, dtype))
-            other.load_checkpoint(tmpdir, tag="t")
+            other.load_checkpoint(tmpdir, tag=mode)
             res["reload_equal"] = all(torch.equal(a, b) for a, b in zip(
                 saved, _states(other), strict=True))
+            res["after_reloaded"] = r12._train(other, 2, 1, other.device, first_step=STEPS)
             other.close()
         else:
             engine.close()
@@ -188,24 +210,49 @@ def test_step_assist_matches_reference(tmp_path, stage, dtype, world):
                      backend="nccl" if world > 1 else "gloo")
     ref_losses, ref_params = r12._reference(world, STEPS, 1)
     tight = dtype == "fp32"
+    grad_bytes = 2 if dtype == "bf16" else 4
     for out in outs:
         off = out["off"]
         assert off["counts"] is None  # no assist, no source
-        for mode in ("all", "mixed"):
+        for mode in ("all", "mixed", "resident", "part", "shrink"):
             got = out[mode]
             c = got["counts"]
             assert c["numel_gpu"] > 0, (mode, c)
             assert c["numel_gpu"] + c["numel_cpu"] == STEPS * got["host_numel"], (mode, c)
+            if mode in ("all", "mixed"):
+                assert c["numel_resident"] == 0 and c["resident_bytes"] == 0, (mode, c)
             if mode == "all":
                 # stage 3 steps groups still gathered after the backward on the training
                 # thread itself (they are re-gathered right after): those count as CPU
                 assert c["numel_cpu"] == 0 or stage == 3, c
                 # up: master and moments (12 bytes) and the host gradient; down: 12 bytes,
                 # plus the 16-bit shard at stage 3
-                grad_bytes = 2 if dtype == "bf16" else 4
                 assert got["moved"]["cpu->gpu"] >= (12 + grad_bytes) * c["numel_gpu"]
                 assert got["moved"]["gpu->cpu"] >= 12 * c["numel_gpu"]
+            if mode == "resident":  # every GPU chunk stays: loaded once, then gradients only
+                assert c["numel_resident"] == c["numel_gpu"], c
+                assert c["resident_bytes"] == 12 * c["numel_gpu"] // STEPS, c
+                assert c["resident_budget_bytes"] >= c["resident_bytes"], c
+                streamed = out["all"]["moved"]
+                assert got["moved"]["cpu->gpu"] < streamed["cpu->gpu"]
+                assert got["moved"]["gpu->cpu"] < streamed["gpu->cpu"]
+                # step 1 loads 12 bytes per element; every step sends the gradient up
+                assert got["moved"]["cpu->gpu"] >= (12 + STEPS * grad_bytes) * (
+                    c["numel_gpu"] // STEPS)
+            if mode == "part":  # capped: only what 12 bytes per element of it allow
+                assert 0 < c["resident_bytes"] <= got["budget"], c
+                assert c["numel_resident"] < c["numel_gpu"] + c["numel_cpu"], c
+            if mode == "shrink":  # the budget went to 0 before the last step
+                assert got["held_before"] > 0 and c["resident_bytes"] == 0, (got, c)
+            if mode in ("all", "resident"):
+                # the checkpoint read the GPU's state, bit for bit, and a run loaded from it
+                # without the assist goes on as the one that saved it
                 assert got["reload_equal"]
+                assert got["after"] == pytest.approx(got["after_reloaded"],
+                                                     rel=1e-5 if tight else 1e-2)
+                if mode == "resident":
+                    a = got["after_counts"]
+                    assert a["numel_resident"] > c["numel_resident"], a
             assert got["losses"] == pytest.approx(ref_losses, rel=1e-4 if tight else 3e-2)
             if got["masters"] is not None:
                 err = (torch.tensor(got["masters"]) - ref_params).abs().max()

@@ -90,7 +90,7 @@ PEER_ROWS: tuple[tuple[str, int, int], ...] = (
     # (contender, step timeout s, training steps); DeepSpeed's JIT ops are built by ds-jit first;
     # the rows of the table's headline comparison first, so a call's budget cuts the extra modes
     ("zeroio-z2-cpu", 75, 6), ("zeroio-z3-cpu", 75, 6), ("ds-z2-cpu", 75, 6),
-    ("ds-z3-cpu", 70, 6),
+    ("ds-z3-cpu", 70, 6), ("zeroio-z2-cpu-streamed", 75, 6), ("zeroio-z3-cpu-streamed", 75, 6),
     # ZenFlow's figure is the mean over whole update windows after its first update
     # (update_interval 4): 12 steps give two whole windows
     ("ds-z2-zenflow", 140, 12), ("fsdp2-cpu", 75, 6), ("plain", 45, 6),

@@ -93,7 +93,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             optimizer_ratio=off.ratio if off.cpu else 1.0,
             cpu_optimizer=off.cpu, nvme_optimizer=off.nvme,
             accumulation_steps=pol.accumulation_steps,
-            step_assist=pol.tiering.step_assist, host_kernel=cpu_adam,
+            step_assist=pol.tiering.step_assist, gpu_budget_bytes=pol.tiering.gpu_budget_bytes,
+            host_kernel=cpu_adam,
             master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states])
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
@@ -132,7 +133,8 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, 
     # gradients]): the optimizer (either) folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
                        grad_divisor=partitioner.host_grad_divisor,
-                       state_dtype=DTYPES[policies.precision.states])
+                       state_dtype=DTYPES[policies.precision.states],
+                       state_gate=partitioner.release_device_state)
 
 
 def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:

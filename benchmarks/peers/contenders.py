@@ -41,6 +41,8 @@ class Contender:
     setup: Setup | None = None
     label: str = ""
     """What the row says about it in the table."""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """Config keys set on top of the setup's (after the run's own ``--set`` pairs)."""
 
 
 CONTENDERS: tuple[Contender, ...] = (
@@ -50,6 +52,14 @@ CONTENDERS: tuple[Contender, ...] = (
               label="zeroio ZeRO-2, optimizer on CPU"),
     Contender(name="zeroio-z3-cpu", engine=Engine.ZEROIO, setup=Setup.Z3_CPU,
               label="zeroio ZeRO-3, params + optimizer on CPU"),
+    Contender(name="zeroio-z2-cpu-streamed", engine=Engine.ZEROIO, setup=Setup.Z2_CPU,
+              label="zeroio ZeRO-2, optimizer on CPU, none of it kept on the GPU "
+                    "(tiering.gpu_budget_bytes 0: DeepSpeed's placement)",
+              overrides=(("zero_optimization.tiering.gpu_budget_bytes", 0),)),
+    Contender(name="zeroio-z3-cpu-streamed", engine=Engine.ZEROIO, setup=Setup.Z3_CPU,
+              label="zeroio ZeRO-3, params + optimizer on CPU, none of it kept on the GPU "
+                    "(tiering.gpu_budget_bytes 0)",
+              overrides=(("zero_optimization.tiering.gpu_budget_bytes", 0),)),
     Contender(name="zeroio-z3-nvme", engine=Engine.ZEROIO, setup=Setup.Z3_NVME,
               label="zeroio ZeRO-3, params + optimizer on NVMe"),
     Contender(name="zeroio-z3-nvme-stream", engine=Engine.ZEROIO, setup=Setup.Z3_NVME_STREAM,
@@ -134,7 +144,7 @@ def config_path(c: Contender, plan: RunPlan) -> Path:
     """Write the contender's DeepSpeed-schema config into the run folder; return its path."""
     cfg = ds_config(c.setup, plan.spec, world_of(c, plan),
                     nvme_folder(c, plan) if c.setup is not None and c.setup.on_nvme else None)
-    for key, value in plan.overrides:
+    for key, value in plan.overrides + c.overrides:
         node = cfg
         *parents, leaf = key.split(".")
         for k in parents:

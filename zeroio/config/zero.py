@@ -131,8 +131,12 @@ class TieringConfig:
     built-in read-ahead (optimizer: 3 pieces with offload_optimizer.pipeline_read, else
     none; parameters: stage3_prefetch_bucket_size only). 0 = demand only."""
     gpu_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
-    """Bytes of GPU memory the tiered stores may hold; None = derived at start. No store
-    places training state on the GPU tier today, so setting it gives a ConfigWarning."""
+    """offload_optimizer cpu with the step assist: GPU bytes of host optimizer state (fp32
+    master and moments, 12 bytes per element) the assist may keep on the GPU between steps
+    ([Note: resident chunks] in shard/assist.py). None ("auto", the default): half of the
+    memory training leaves free at its peak so far, less 2 GiB, decided before each step; 0:
+    none (DeepSpeed's placement: all of it in host memory). Without offload_optimizer cpu it
+    has no effect (a ConfigWarning)."""
     cpu_budget_bytes: int | None = field(None, coerce=optional(_NONNEG))
     """Host bytes for ALL state the engine keeps in host memory when something is on NVMe
     (masters, gradient shards, flat buffers, staging, and the NVMe stores' buffers):
@@ -176,8 +180,8 @@ class TieringConfig:
 def ineffective_tiering_keys(zero: ZeroConfig, raw_tiering: object) -> list[tuple[str, str]]:
     """(key path, why) for each ``zero_optimization.tiering`` key the user set (present, not
     null, not the default) that can have no effect with this ``zero`` section: the policy,
-    read-ahead and budgets act only on state offloaded to NVMe, and no store places state on
-    the GPU tier. ``load_config`` warns once per key (``ConfigWarning``)."""
+    read-ahead and the CPU / NVMe budgets act only on state offloaded to NVMe, the GPU budget
+    only on the optimizer state of offload_optimizer cpu. ``load_config`` warns once per key (``ConfigWarning``)."""
     if not isinstance(raw_tiering, dict):
         return []
     defaults = TieringConfig()
@@ -192,8 +196,10 @@ def ineffective_tiering_keys(zero: ZeroConfig, raw_tiering: object) -> list[tupl
             continue
         key = f"zero_optimization.tiering.{name}"
         if name == "gpu_budget_bytes":
-            out.append((key, "no tiered store places training state on the GPU tier; "
-                             "remove the key"))
+            if zero.offload_optimizer.device is not OffloadDevice.CPU:
+                out.append((key, "it caps the optimizer state kept on the GPU with "
+                                 "offload_optimizer.device cpu, and the optimizer is not "
+                                 "offloaded to cpu here; remove the key"))
         elif not nvme:
             what = "the NVMe budget needs an nvme_path" if name == "nvme_budget_bytes" else \
                 "it acts on state offloaded to NVMe"

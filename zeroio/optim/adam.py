@@ -211,9 +211,14 @@ class ShardedAdam(EngineOptimizer):
     chunked_step = True
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
-                 grad_divisor: float = 1.0, state_dtype: torch.dtype = torch.float32):
+                 grad_divisor: float = 1.0, state_dtype: torch.dtype = torch.float32,
+                 state_gate=None):
         """``state_dtype``: the moments' dtype, fp32 or bf16 ([Note: bf16 optimizer
-        state]); the masters' is the partitioner's (``ShardGroup.master``)."""
+        state]); the masters' is the partitioner's (``ShardGroup.master``). ``state_gate``:
+        called before ``local_tensor`` hands out a tensor (the engine passes the
+        partitioner's ``release_device_state``: state the step keeps on the GPU between steps
+        comes back first, [Note: resident chunks] in shard/assist.py)."""
+        self.state_gate = state_gate
         self.groups = groups
         self.param_groups = param_groups
         self.decoupled = decoupled
@@ -275,7 +280,10 @@ class ShardedAdam(EngineOptimizer):
         return [t for st in self.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
 
     def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
-        """The local 1-D tensor of ``kind`` ("fp32" | "exp_avg" | "exp_avg_sq") of a group."""
+        """The local 1-D tensor of ``kind`` ("fp32" | "exp_avg" | "exp_avg_sq") of a group
+        (current: ``state_gate`` first)."""
+        if self.state_gate is not None:
+            self.state_gate()
         if kind == "fp32":
             return self.groups[group_index].master
         return getattr(self.state[group_index], kind)

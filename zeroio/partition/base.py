@@ -107,6 +107,13 @@ class Partitioner:
         """Finish an overlapped optimizer step (``zero_optimization.tiering.overlap_step``);
         default: steps never overlap, nothing to wait for."""
 
+    def release_device_state(self) -> None:
+        """Make the host optimizer state current before something other than the step reads
+        or writes it (the optimizer's ``local_tensor``): the step finished, and state the step
+        assist keeps on the GPU between steps back in host memory ([Note: resident chunks] in
+        shard/assist.py); default: ``wait_step``."""
+        self.wait_step()
+
     def stats_sources(self) -> dict[str, dict]:
         """Counter sources for ``engine.stats()`` (tiering/stats.py); default: none."""
         return {}

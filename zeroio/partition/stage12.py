@@ -169,6 +169,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         nvme_optimizer: bool = False,
         accumulation_steps: int = 1,
         step_assist: bool = False,
+        gpu_budget_bytes: int | None = 0,
         host_kernel: OnePassKernel | None = None,
         master_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype = torch.float32,
@@ -177,8 +178,8 @@ class Stage12Partitioner(HostStep12, Partitioner):
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
         gradients]. ``nvme_optimizer``: they are stepped by ``SwappedAdam`` on the CPU
         (offload_optimizer nvme), under the same rule. ``step_assist``: the GPU steps a share of the host chunks
-        (shard/assist.py, [Note: step assist]; CUDA with host masters only).
-        ``host_kernel``: the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the
+        (shard/assist.py, [Note: step assist]; CUDA with host masters only), ``gpu_budget_bytes``
+        of them resident (None: "auto"; [Note: resident chunks]). ``host_kernel``: the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the
         host gradients stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``:
         of masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments."""
         self.stage, self.master_dtype, self._state_dtype = stage, master_dtype, state_dtype
@@ -252,7 +253,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self._copy_stream = (DeviceStreams.of(device).copy  # [Note: zeroio's CUDA streams]
                              if home.device.type == "cpu" and device.type == "cuda" else None)
         self._assist = (StepAssist(device, host_numel=sum(c.numel for c in self._chunks),
-                                   transfers=self.transfers)
+                                   transfers=self.transfers, gpu_budget_bytes=gpu_budget_bytes)
                         if step_assist and self._copy_stream is not None and self._cpu_optimizer
                         else None)
         self._assist_step = None  # the ChunkedStep whose chunks the assist may take (run_step)
@@ -535,7 +536,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
     def publish_params(self, staged: bool = False) -> None:
         """Masters -> this rank's slices (unless ``stage_range`` covered every group already)
         -> in-place all-gather of every bucket."""
-        self.wait_step()
+        self.release_device_state()
         with torch.profiler.record_function("zeroio::publish_params"):
             handles = []
             for b in self.layout.buckets:

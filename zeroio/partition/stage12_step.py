@@ -116,6 +116,10 @@ class HostStep12:
         may step instead ([Note: step assist])."""
         self.wait_step()
         self._assist_step = step if self._assist is not None else None
+        if self._assist is not None:  # [Note: resident chunks] in shard/assist.py
+            if step is None:  # the CPU steps every chunk: the host state must be current
+                self._assist.release()
+            self._assist.begin_step()
         if self.optimizer_split is not None:
             self._publish_device()
         if self._copy_stream is not None:  # the backward's last reads of the buffers come first
@@ -231,6 +235,11 @@ class HostStep12:
         self._runner.wait_for(need)
         if self._runner.events is not None:
             torch.cuda.current_stream(self.device).wait_event(self._runner.events[need])
+
+    def release_device_state(self) -> None:
+        self.wait_step()
+        if self._assist is not None:
+            self._assist.release()
 
     def wait_step(self) -> None:
         """Wait for a host step started by ``run_step`` (re-raising its error); afterwards the

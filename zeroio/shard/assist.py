@@ -27,8 +27,30 @@ The math is torch's fused Adam(W) with the step's ``grad_scale``, as on the
 device side of ``offload_optimizer.ratio`` (the one-pass CPU kernel is the same
 formula; results agree to float32 rounding).
 
+[Note: resident chunks]
+Where the GPU has room, chunks stay: their fp32 master and moments are kept in
+GPU buffers from one step to the next, so a resident chunk costs only its
+16-bit gradient up (2 bytes per element) and, at stage 3 with parameter
+offload, its 16-bit result down, instead of 26 bytes of state over PCIe and
+back. The budget is ``zero_optimization.tiering.gpu_budget_bytes``: 0 keeps
+nothing (DeepSpeed's placement), a number is a cap, unset ("auto") is
+``resident_budget``: half of what training leaves free at its peak so far,
+less a reserve, decided before each host step (``begin_step``) from the
+allocator's peak and the device's free memory, so a run whose peak grows (a
+longer batch, a second model) gives chunks back before the next step. Chunks
+are admitted in publication order, the first that fit.
+
+A resident chunk's host copy is stale: its GPU buffers are the state. The host
+copy is made current (``release``: the buffers go back down, and the chunk is
+loaded again on its next step) before anything other than the step reads or
+writes host state: the optimizer's ``local_tensor`` (checkpoint save and
+load, the 16-bit model), a republish from the masters, stage 3's write-back
+of a modified gathered group, and a CPU step of that chunk
+(``release_chunk``). The numbers do not change: the step is the same fused
+Adam(W) either way.
+
 Ordering contract (the caller's): a submitted chunk's host state is the GPU's
-until ``drain()``; ``submit`` returns the event behind the chunk's 16-bit
+until ``drain()`` (a resident one's until ``release``); ``submit`` returns the event behind the chunk's 16-bit
 copy (what readers of the parameters wait on), and every later chunk, GPU or
 CPU, must be published after it (``after`` orders the GPU's copy behind the
 caller's publication stream).
@@ -49,6 +71,45 @@ SLOTS = 4
 BACKLOG_NUMEL = 1 << 27
 """Submitted, unfinished elements above which the next chunk is stepped on the CPU (two of
 the host step's 64M-element chunks)."""
+RESIDENT_ELEMENT_BYTES = 12
+"""GPU bytes per resident element: fp32 master and two fp32 moments."""
+RESIDENT_FRACTION = 0.5
+"""Share of the GPU memory training leaves free at its peak that "auto" lets resident chunks
+use ([Note: resident chunks])."""
+RESIDENT_RESERVE_BYTES = 2 << 30
+"""Bytes "auto" leaves free beyond that share (as the tiered store's ``gpu_reserve_bytes``)."""
+
+
+def resident_budget(*, total: int, free: int, reserved: int, peak_reserved: int,
+                    resident: int, pending: int = 0) -> int:
+    """Bytes "auto" lets resident chunks hold ([Note: resident chunks]). ``total`` / ``free``:
+    the device's memory and what is free of it now (``torch.cuda.mem_get_info``);
+    ``reserved`` / ``peak_reserved``: this process's allocator, now and at its peak;
+    ``resident``: what resident chunks hold now (inside both); ``pending``: bytes the assist
+    is about to allocate that are in neither (its slots before the first step). Other
+    processes' memory (``total - free - reserved``) is left alone."""
+    others = max(0, total - free - reserved)
+    training = max(peak_reserved, reserved) - resident + pending
+    headroom = total - others - training
+    return max(0, int(RESIDENT_FRACTION * headroom) - RESIDENT_RESERVE_BYTES)
+
+
+class _Resident:
+    """One resident chunk: GPU master and moments, and whether they hold its state now."""
+
+    __slots__ = ("p", "m", "v", "host", "valid")
+
+    def __init__(self, numel: int, device: torch.device):
+        self.p, self.m, self.v = (torch.empty(numel, dtype=torch.float32, device=device)
+                                  for _ in range(3))
+        self.host: tuple[torch.Tensor, ...] = ()
+        """The host master and moments it stands for (set at each step)."""
+        self.valid = False
+        """The GPU buffers are the chunk's state (the host copy is stale)."""
+
+    @property
+    def nbytes(self) -> int:
+        return 3 * self.p.numel() * 4
 
 
 def slot_layout(grad_dtype: torch.dtype,
@@ -75,10 +136,12 @@ class StepAssist:
 
     def __init__(self, device: torch.device, *, host_numel: int,
                  slot_numel: int | None = None, slots: int | None = None,
-                 backlog_numel: int | None = None, transfers: TierStats | None = None):
+                 backlog_numel: int | None = None, transfers: TierStats | None = None,
+                 gpu_budget_bytes: int | None = 0):
         """``host_numel``: elements of the host optimizer state (no slot is larger). Sizes
         default to the module's ``SLOT_NUMEL``, ``SLOTS``, ``BACKLOG_NUMEL`` (read now, so a
-        test or benchmark may set them)."""
+        test or benchmark may set them). ``gpu_budget_bytes``: what resident chunks may hold
+        (0: none; None: "auto", ``resident_budget``; [Note: resident chunks])."""
         if device.type != "cuda":
             raise ValueError(f"StepAssist needs a CUDA device, got {device}")
         self.device = device
@@ -101,6 +164,16 @@ class StepAssist:
         """Elements the caller stepped on the CPU beside it (counted by ``cpu``)."""
         self.off_reason: str | None = None
         """Why the assist stopped taking chunks (its slots did not fit the GPU), else None."""
+        self.gpu_budget_bytes = gpu_budget_bytes
+        self.budget_bytes = 0
+        """What resident chunks may hold this step (``begin_step``)."""
+        self._resident: dict[tuple[int, int, int], _Resident] = {}
+        """(group, first element, elements) -> the chunk's GPU state, in admission order."""
+        self.resident_bytes = 0
+        self._admit_off: str | None = None
+        """Why no chunk is admitted any more (an allocation failed), else None."""
+        self.numel_resident = 0
+        """Elements stepped as resident chunks since start (``stats``)."""
         self.last_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         """Timing events around the last submitted chunk's GPU work: after its slot is free,
         and behind its state's copies down ([Note: step breakdown] in tiering/breakdown.py)."""
@@ -109,8 +182,15 @@ class StepAssist:
 
     def take(self, step, group_index: int, lo: int, numel: int, out: torch.Tensor,
              after: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
-        """``submit`` the chunk if the GPU's backlog has room for it now; None, counted as the
-        CPU's, where the caller steps it itself (the backlog is full, or the assist is off)."""
+        """``submit`` the chunk if it is resident (or is admitted now: [Note: resident chunks])
+        or the GPU's backlog has room for it now; None, counted as the CPU's, where the caller
+        steps it itself (the backlog is full, or the assist is off)."""
+        res = self._resident_for(group_index, lo, numel)
+        if res is not None:
+            done = self.submit(step, group_index, lo, numel, out, after, resident=res)
+            if done is not None:
+                return done
+            self.release_chunk(group_index, lo, numel)  # the caller steps it on the CPU
         if self._has_room(numel):
             done = self.submit(step, group_index, lo, numel, out, after)
             if done is not None:
@@ -121,6 +201,72 @@ class StepAssist:
     def cpu(self, numel: int) -> None:
         """The caller stepped ``numel`` elements on the CPU (``stats``)."""
         self.numel_cpu += numel
+
+    # ---- resident chunks ([Note: resident chunks]) -------------------------------------------
+
+    def begin_step(self) -> None:
+        """Before a host step (no GPU chunk in flight): this step's budget, and chunks given
+        back from the last admitted while the resident ones hold more than it."""
+        if self.off_reason is not None:
+            return
+        want = self.gpu_budget_bytes
+        if want is None:
+            free, total = torch.cuda.mem_get_info(self.device)
+            pending = 0 if self._ready else self.n_slots * self.slot_numel * slot_element_bytes(
+                torch.bfloat16, torch.bfloat16)
+            want = resident_budget(total=total, free=free,
+                                   reserved=torch.cuda.memory_reserved(self.device),
+                                   peak_reserved=torch.cuda.max_memory_reserved(self.device),
+                                   resident=self.resident_bytes, pending=pending)
+        self.budget_bytes = int(want)
+        while self.resident_bytes > self.budget_bytes and self._resident:
+            self._evict(next(reversed(self._resident)))
+
+    def _resident_for(self, group_index: int, lo: int, numel: int) -> _Resident | None:
+        key = (group_index, lo, numel)
+        res = self._resident.get(key)
+        if res is not None or self.off_reason is not None or self._admit_off is not None:
+            return res
+        need = RESIDENT_ELEMENT_BYTES * numel
+        if self.resident_bytes + need > self.budget_bytes:
+            return None
+        try:
+            res = _Resident(numel, self.device)
+        except torch.cuda.OutOfMemoryError as e:
+            self._admit_off = f"a resident chunk of {numel} elements did not fit ({e})"
+            warnings.warn(f"zeroio: no more optimizer state is kept on the GPU this run: "
+                          f"{self._admit_off}; set zero_optimization.tiering.gpu_budget_bytes "
+                          "to cap it (0: none)", RuntimeWarning, stacklevel=3)
+            return None
+        self._resident[key] = res
+        self.resident_bytes += res.nbytes
+        return res
+
+    def release(self) -> None:
+        """Every resident chunk's state back into host memory (host wait), to be loaded again
+        on its next step: before the host reads or writes optimizer state outside the step.
+        No chunk may be in flight (after ``drain``)."""
+        self._flush([r for r in self._resident.values() if r.valid])
+
+    def release_chunk(self, group_index: int, lo: int, numel: int) -> None:
+        """Give the chunk's GPU state back (it is about to be stepped on the CPU)."""
+        if (group_index, lo, numel) in self._resident:
+            self._evict((group_index, lo, numel))
+
+    def _evict(self, key: tuple[int, int, int]) -> None:
+        res = self._resident.pop(key)
+        self._flush([res] if res.valid else [])
+        self.resident_bytes -= res.nbytes
+
+    def _flush(self, chunks: list[_Resident]) -> None:
+        if not chunks:
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.down):
+            self.down.wait_stream(self.up)
+            for r in chunks:
+                _copies(self.transfers, (r.p, r.m, r.v), r.host)
+                r.valid = False
+        self.down.synchronize()
 
     def _has_room(self, numel: int) -> bool:
         if self.off_reason is not None:
@@ -165,14 +311,16 @@ class StepAssist:
         return buf.narrow(0, 0, n)
 
     def submit(self, step, group_index: int, lo: int, numel: int, out: torch.Tensor,
-               after: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+               after: torch.cuda.Stream | None = None,
+               resident: _Resident | None = None) -> torch.cuda.Event:
         """Step elements [lo, lo + numel) of ``step``'s (a ``ChunkedStep``) group on the GPU,
         the 16-bit result into ``out`` (``numel`` long, on the GPU or pinned host memory).
         ``after``: the 16-bit copies wait for the work queued on that stream so far (GPU
         ``out``: the stream that ordered itself after the last readers of the parameters). Returns
         the event behind the 16-bit copy; ``drain`` before the host touches the state.
         None, with nothing queued, where the slots do not fit the GPU (the caller steps the
-        chunk itself; the assist stays off from then on, with one warning)."""
+        chunk itself; the assist stays off from then on, with one warning). ``resident``: the
+        chunk's GPU state ([Note: resident chunks]), loaded first if it is not valid."""
         master, grad, exp_avg, exp_avg_sq = step.host_views(group_index, lo, numel)
         if not self._slots_for(grad.dtype, None if out.device.type == "cuda" else out.dtype):
             return None
@@ -184,17 +332,33 @@ class StepAssist:
                 k, self._next = self._next, (self._next + 1) % self.n_slots
                 done = self._piece(
                     k, [t.narrow(0, a, n) for t in (master, grad, exp_avg, exp_avg_sq, out)],
-                    step, group_index, after, start if a == 0 else None)
+                    step, group_index, after, start if a == 0 else None,
+                    None if resident is None else
+                    (resident.valid, *(t.narrow(0, a, n) for t in (resident.p, resident.m,
+                                                                    resident.v))))
         self.last_span = (start, self._free[k]) if numel else None
-        self._pending.append((done, numel))
+        if resident is None:
+            self._pending.append((done, numel))
+        else:  # 2 bytes up per element instead of 14: a seventh of a streamed chunk's backlog
+            resident.host, resident.valid = (master, exp_avg, exp_avg_sq), True
+            self._pending.append((done, numel // 7))
+            self.numel_resident += numel
         self.numel_gpu += numel
         return done
 
     def _piece(self, k, views, step, group_index: int, after,
-               start: torch.cuda.Event | None = None) -> torch.cuda.Event:
+               start: torch.cuda.Event | None = None, resident=None) -> torch.cuda.Event:
+        """One slot's worth of a chunk. ``resident``: (valid, p, m, v) of a resident chunk's
+        GPU state: loaded from the host only where not valid, never copied back here."""
         master, grad, exp_avg, exp_avg_sq, out = views
         n = master.numel()
-        p, m, v, g = (self._buf(k, name, torch.float32, n) for name in ("p", "m", "v", "g"))
+        g = self._buf(k, "g", torch.float32, n)
+        if resident is None:
+            p, m, v = (self._buf(k, name, torch.float32, n) for name in ("p", "m", "v"))
+            load = True
+        else:
+            valid, p, m, v = resident
+            load = not valid
         up, down = self.up, self.down
         with torch.cuda.stream(up):
             if self._free[k] is not None:
@@ -202,7 +366,10 @@ class StepAssist:
             if start is not None:  # the chunk's GPU work begins ([Note: step breakdown])
                 start.record(up)
             low_grad = self._buf(k, "g16", grad.dtype, n) if grad.dtype != torch.float32 else g
-            _copies(self.transfers, (master, exp_avg, exp_avg_sq, grad), (p, m, v, low_grad))
+            if load:
+                _copies(self.transfers, (master, exp_avg, exp_avg_sq, grad), (p, m, v, low_grad))
+            else:
+                _copies(self.transfers, (grad,), (low_grad,))
             if low_grad is not g:
                 g.copy_(low_grad)
             step.adam(group_index, p, g, m, v)
@@ -220,7 +387,8 @@ class StepAssist:
                 out.copy_(low, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(down)
-            _copies(self.transfers, (p, m, v), (master, exp_avg, exp_avg_sq))
+            if resident is None:
+                _copies(self.transfers, (p, m, v), (master, exp_avg, exp_avg_sq))
             free = torch.cuda.Event(enable_timing=True)  # also the chunk's end on the GPU
             free.record(down)
         self._free[k] = free
@@ -237,11 +405,14 @@ class StepAssist:
         self._pending = []
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [t for slot in self._bufs for t in slot.values()]
+        return [t for slot in self._bufs for t in slot.values()] + [
+            t for r in self._resident.values() for t in (r.p, r.m, r.v)]
 
     def stats(self) -> dict[str, int | bool]:
         return {"numel_gpu": self.numel_gpu, "numel_cpu": self.numel_cpu,
-                "off": self.off_reason is not None}
+                "numel_resident": self.numel_resident,
+                "resident_bytes": self.resident_bytes, "resident_budget_bytes": self.budget_bytes,
+                "resident_chunks": len(self._resident), "off": self.off_reason is not None}
 
 
 def _copies(transfers: TierStats | None, srcs, dsts) -> None:

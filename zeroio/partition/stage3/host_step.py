@@ -62,6 +62,10 @@ class Stage3HostStep:
         the note for the threads and when it returns. ``step``: the ``ChunkedStep`` behind
         ``update``, whose chunks the GPU may step instead ([Note: step assist])."""
         self.wait_step()
+        if self._assist is not None:  # [Note: resident chunks] in shard/assist.py
+            if step is None or not (out_in_pass and isinstance(self.store, HostShards)):
+                self._assist.release()  # the CPU steps every chunk below
+            self._assist.begin_step()
         if not isinstance(self.store, (HostShards, DeviceShards, MasterShards)):
             for sg in self._sides[Side.HOST]:
                 if sg.master.numel():
@@ -148,6 +152,7 @@ class Stage3HostStep:
             return False
         if self._runner is None or not self._runner.on_worker():
             # the calling thread's groups (gathered ones, re-gathered right after) stay on it
+            self._assist.release_chunk(opt_group, lo, numel)
             self._assist.cpu(numel)
             return False
         with self._clock.phase("assist"):
@@ -181,6 +186,11 @@ class Stage3HostStep:
         may write them next)."""
         self._settle_master_reads()
         self.join_step()
+
+    def release_device_state(self) -> None:
+        self.wait_step()
+        if self._assist is not None:
+            self._assist.release()
 
     def join_step(self) -> None:
         """``wait_step`` without the wait for fetches reading the masters: for a caller that

@@ -137,7 +137,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             self._publisher = DevicePublish(stream=self.streams.d2h, dtype=compute_dtype,
                                             transfers=self.transfers)
         host_numel = sum(sg.master.numel() for sg in self._sides[Side.HOST])
-        self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers)
+        self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers,
+                                   gpu_budget_bytes=settings.tiering.gpu_budget_bytes)
                         if settings.step_assist and isinstance(self.store, HostShards)
                         else None)  # [Note: step assist] in shard/assist.py
         self._assist_step = None
@@ -374,7 +375,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
 
     def publish_params(self) -> None:
         """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
-        self.wait_step()
+        self.release_device_state()
         self._settle_publish()
         with torch.profiler.record_function("zeroio::stage3::publish_params"):
             for gi, refs in self._pieces.items():
@@ -443,7 +444,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
 
     def write_back(self, gi: int) -> None:
         """After a modifier changed the gathered group: new shard and new fp32 masters."""
-        self.wait_step()
+        self.release_device_state()
         self._settle_publish()
         g = self.pgroups[gi]
         flat = g.full_flat()
