@@ -75,7 +75,7 @@ def test_peers_suite_runs_every_cpu_offload_contender_with_its_setup():
 
     assert set(only) == {"zeroio-z2-cpu", "zeroio-z3-cpu", "ds-z2-cpu", "ds-z3-cpu", "fsdp2-cpu",
                          "ds-z2-zenflow", "ds-z3-zenflow", "ds-z3-twinflow", "ds-z3-superoffload",
-                         "torchao-cpu", "plain"}
+                         "torchao-cpu", "plain", "zeroio-z2-cpu-streamed", "zeroio-z3-cpu-streamed"}
     assert set(only) <= set(contenders.BY_NAME)
     assert "--steps 12" in only["ds-z2-zenflow"].shell  # two whole update windows of 4
     assert suite.peers and ".peers" in suite.carry

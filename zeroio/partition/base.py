@@ -19,6 +19,7 @@ from zeroio.shard.types import ParamEntry, ParamIndex, Segment, ShardGroup  # no
 
 if TYPE_CHECKING:
     from zeroio.partition.stage3.twin import OptimizerSplit
+    from zeroio.shard.assist import StepAssist
 
 
 class Phase(enum.Enum):
@@ -54,6 +55,8 @@ class Partitioner:
     optimizer_split: OptimizerSplit | None = None
     """``offload_optimizer.ratio`` < 1: the device and host sides' physical ShardGroups
     (the engine builds a ``TwinAdam`` over them); None: one optimizer over ``groups``."""
+    _assist: StepAssist | None = None
+    """The step assist (shard/assist.py) of a partitioner whose host step runs on CUDA."""
     host_grad_divisor: float = 1.0
     """What the host optimizer divides gradients by on top of the loss scale (stage 1/2's
     16-bit host gradients are not averaged over ranks yet); 1.0: already averaged."""
@@ -111,8 +114,10 @@ class Partitioner:
         """Make the host optimizer state current before something other than the step reads
         or writes it (the optimizer's ``local_tensor``): the step finished, and state the step
         assist keeps on the GPU between steps back in host memory ([Note: resident chunks] in
-        shard/assist.py); default: ``wait_step``."""
+        shard/assist.py)."""
         self.wait_step()
+        if self._assist is not None:
+            self._assist.release()
 
     def stats_sources(self) -> dict[str, dict]:
         """Counter sources for ``engine.stats()`` (tiering/stats.py); default: none."""

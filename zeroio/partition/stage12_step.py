@@ -236,11 +236,6 @@ class HostStep12:
         if self._runner.events is not None:
             torch.cuda.current_stream(self.device).wait_event(self._runner.events[need])
 
-    def release_device_state(self) -> None:
-        self.wait_step()
-        if self._assist is not None:
-            self._assist.release()
-
     def wait_step(self) -> None:
         """Wait for a host step started by ``run_step`` (re-raising its error); afterwards the
         current stream is ordered after every publication."""

@@ -109,7 +109,7 @@ class _Resident:
 
     @property
     def nbytes(self) -> int:
-        return 3 * self.p.numel() * 4
+        return RESIDENT_ELEMENT_BYTES * self.p.numel()
 
 
 def slot_layout(grad_dtype: torch.dtype,

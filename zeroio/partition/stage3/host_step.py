@@ -187,11 +187,6 @@ class Stage3HostStep:
         self._settle_master_reads()
         self.join_step()
 
-    def release_device_state(self) -> None:
-        self.wait_step()
-        if self._assist is not None:
-            self._assist.release()
-
     def join_step(self) -> None:
         """``wait_step`` without the wait for fetches reading the masters: for a caller that
         writes no master (``begin_micro_step``, whose backward would otherwise start only once
