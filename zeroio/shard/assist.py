@@ -49,6 +49,22 @@ of a modified gathered group, and a CPU step of that chunk
 (``release_chunk``). The numbers do not change: the step is the same fused
 Adam(W) either way.
 
+[Note: resident gradients]
+At stage 3 with 16-bit host gradients (``device_grads``: the partitioner's
+``host_grad_dtype``, gradient accumulation 1), a resident chunk also has a
+16-bit GPU gradient buffer (2 more bytes per element). The gradient landing
+(partition/stage3/grads.py) copies a reduced bucket's slice of every
+resident chunk wholly inside it there, on the comm stream, instead of down
+to the host gradient shard: the same fp32 -> 16-bit cast, so the step reads
+the same bits, and the chunk costs no PCIe bytes on its gradient at all
+(1.364B: 2.7 GB less each way per step). The host slice is then stale; it is
+made current (``grads_to_host``, or with the state on eviction and
+``release``) before the host reads it: the norm's fallback over host
+gradients, a CPU step of the chunk. Which chunks' gradients the step reads
+from the GPU is fixed at ``begin_step`` (``zero_grad`` of an overlapped step
+may run while the worker still submits); the next backward writes the
+buffers only after ``drain`` (the next micro-step's ``join_step``).
+
 Ordering contract (the caller's): a submitted chunk's host state is the GPU's
 until ``drain()`` (a resident one's until ``release``); ``submit`` returns the event behind the chunk's 16-bit
 copy (what readers of the parameters wait on), and every later chunk, GPU or
@@ -95,21 +111,30 @@ def resident_budget(*, total: int, free: int, reserved: int, peak_reserved: int,
 
 
 class _Resident:
-    """One resident chunk: GPU master and moments, and whether they hold its state now."""
+    """One resident chunk: GPU master and moments, and whether they hold its state now; with
+    device gradients, its gradient's GPU buffer ([Note: resident gradients])."""
 
-    __slots__ = ("p", "m", "v", "host", "valid")
+    __slots__ = ("p", "m", "v", "host", "valid", "g16", "host_grad", "grad_here")
 
-    def __init__(self, numel: int, device: torch.device):
+    def __init__(self, numel: int, device: torch.device, grad_dtype: torch.dtype | None = None):
         self.p, self.m, self.v = (torch.empty(numel, dtype=torch.float32, device=device)
                                   for _ in range(3))
         self.host: tuple[torch.Tensor, ...] = ()
         """The host master and moments it stands for (set at each step)."""
         self.valid = False
         """The GPU buffers are the chunk's state (the host copy is stale)."""
+        self.g16 = (None if grad_dtype is None else
+                    torch.empty(numel, dtype=grad_dtype, device=device))
+        """Where the chunk's reduced gradient lands, instead of its host gradient shard."""
+        self.host_grad: torch.Tensor | None = None
+        """The host gradient slice it stands for (set where a gradient lands)."""
+        self.grad_here = False
+        """``g16`` holds this accumulation's gradient (the host slice is stale)."""
 
     @property
     def nbytes(self) -> int:
-        return RESIDENT_ELEMENT_BYTES * self.p.numel()
+        return RESIDENT_ELEMENT_BYTES * self.p.numel() + (
+            0 if self.g16 is None else self.g16.numel() * self.g16.element_size())
 
 
 def slot_layout(grad_dtype: torch.dtype,
@@ -137,11 +162,13 @@ class StepAssist:
     def __init__(self, device: torch.device, *, host_numel: int,
                  slot_numel: int | None = None, slots: int | None = None,
                  backlog_numel: int | None = None, transfers: TierStats | None = None,
-                 gpu_budget_bytes: int | None = 0):
+                 gpu_budget_bytes: int | None = 0, device_grads: torch.dtype | None = None):
         """``host_numel``: elements of the host optimizer state (no slot is larger). Sizes
         default to the module's ``SLOT_NUMEL``, ``SLOTS``, ``BACKLOG_NUMEL`` (read now, so a
         test or benchmark may set them). ``gpu_budget_bytes``: what resident chunks may hold
-        (0: none; None: "auto", ``resident_budget``; [Note: resident chunks])."""
+        (0: none; None: "auto", ``resident_budget``; [Note: resident chunks]).
+        ``device_grads``: the 16-bit dtype of the host gradients whose resident chunks'
+        gradients land on the GPU ([Note: resident gradients]); None: none do."""
         if device.type != "cuda":
             raise ValueError(f"StepAssist needs a CUDA device, got {device}")
         self.device = device
@@ -174,6 +201,13 @@ class StepAssist:
         """Why no chunk is admitted any more (an allocation failed), else None."""
         self.numel_resident = 0
         """Elements stepped as resident chunks since start (``stats``)."""
+        self.device_grads = device_grads
+        self._grads_written: torch.cuda.Event | None = None
+        """Behind the last gradient written into a resident chunk's buffer (comm stream)."""
+        self._step_grads: set[tuple[int, int, int]] = set()
+        """Chunks whose gradient this step reads from the GPU (fixed at ``begin_step``)."""
+        self.numel_grad_gpu = 0
+        """Elements stepped from a gradient that landed on the GPU since start (``stats``)."""
         self.last_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         """Timing events around the last submitted chunk's GPU work: after its slot is free,
         and behind its state's copies down ([Note: step breakdown] in tiering/breakdown.py)."""
@@ -221,17 +255,62 @@ class StepAssist:
         self.budget_bytes = int(want)
         while self.resident_bytes > self.budget_bytes and self._resident:
             self._evict(next(reversed(self._resident)))
+        self._step_grads = {k for k, r in self._resident.items() if r.grad_here}
+        if self._step_grads and self._grads_written is not None:
+            self.up.wait_event(self._grads_written)  # the landing's copies are done first
+
+    # ---- resident gradients ([Note: resident gradients]) -------------------------------------
+
+    def grad_parts(self, group_index: int, lo: int, numel: int) -> list[tuple[int, _Resident]]:
+        """The resident chunks of group ``group_index`` with a gradient buffer lying wholly
+        inside elements [lo, lo + numel), as (offset from ``lo``, chunk), by offset."""
+        if self.device_grads is None:
+            return []
+        return sorted(((k[1] - lo, r) for k, r in list(self._resident.items())
+                       if k[0] == group_index and r.g16 is not None and lo <= k[1]
+                       and k[1] + k[2] <= lo + numel), key=lambda x: x[0])
+
+    def grads_written(self, event: torch.cuda.Event | None) -> None:
+        """The landing wrote gradients into chunk buffers, on the stream ``event`` is in."""
+        if event is not None:
+            self._grads_written = event
+
+    def forget_grads(self) -> None:
+        """A new accumulation (``zero_grad``): no chunk buffer holds its gradient yet."""
+        for r in list(self._resident.values()):
+            r.grad_here = False
+
+    def grads_to_host(self) -> None:
+        """Every gradient held in a chunk buffer copied into its host slice (host wait): before
+        the host reads the gradients itself. The chunks' state stays resident."""
+        chunks = [(k, r) for k, r in list(self._resident.items())
+                  if r.grad_here or k in self._step_grads]
+        if not chunks:
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.down):
+            self._grads_down(chunks)
+        self.down.synchronize()
+
+    def _grads_down(self, chunks) -> None:
+        """On ``down`` (current): each chunk's gradient buffer into its host slice."""
+        if self._grads_written is not None:
+            self.down.wait_event(self._grads_written)
+        for k, r in chunks:
+            _copies(self.transfers, (r.g16,), (r.host_grad,))
+            r.grad_here = False
+            self._step_grads.discard(k)
 
     def _resident_for(self, group_index: int, lo: int, numel: int) -> _Resident | None:
         key = (group_index, lo, numel)
         res = self._resident.get(key)
         if res is not None or self.off_reason is not None or self._admit_off is not None:
             return res
-        need = RESIDENT_ELEMENT_BYTES * numel
+        need = RESIDENT_ELEMENT_BYTES * numel + (
+            0 if self.device_grads is None else self.device_grads.itemsize * numel)
         if self.resident_bytes + need > self.budget_bytes:
             return None
         try:
-            res = _Resident(numel, self.device)
+            res = _Resident(numel, self.device, self.device_grads)
         except torch.cuda.OutOfMemoryError as e:
             self._admit_off = f"a resident chunk of {numel} elements did not fit ({e})"
             warnings.warn(f"zeroio: no more optimizer state is kept on the GPU this run: "
@@ -245,8 +324,8 @@ class StepAssist:
     def release(self) -> None:
         """Every resident chunk's state back into host memory (host wait), to be loaded again
         on its next step: before the host reads or writes optimizer state outside the step.
-        No chunk may be in flight (after ``drain``)."""
-        self._flush([r for r in self._resident.values() if r.valid])
+        No chunk may be in flight (after ``drain``). Gradients held on the GPU go down too."""
+        self._flush(list(self._resident))
 
     def release_chunk(self, group_index: int, lo: int, numel: int) -> None:
         """Give the chunk's GPU state back (it is about to be stepped on the CPU)."""
@@ -254,18 +333,24 @@ class StepAssist:
             self._evict((group_index, lo, numel))
 
     def _evict(self, key: tuple[int, int, int]) -> None:
-        res = self._resident.pop(key)
-        self._flush([res] if res.valid else [])
-        self.resident_bytes -= res.nbytes
+        self._flush([key])
+        self.resident_bytes -= self._resident.pop(key).nbytes
 
-    def _flush(self, chunks: list[_Resident]) -> None:
-        if not chunks:
+    def _flush(self, keys: list[tuple[int, int, int]]) -> None:
+        """The state of the chunks ``keys`` that holds it, and gradients that landed in their
+        buffers, into host memory (host wait)."""
+        state = [self._resident[k] for k in keys if self._resident[k].valid]
+        grads = [(k, self._resident[k]) for k in keys
+                 if self._resident[k].grad_here or k in self._step_grads]
+        if not state and not grads:
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self.down):
             self.down.wait_stream(self.up)
-            for r in chunks:
+            for r in state:
                 _copies(self.transfers, (r.p, r.m, r.v), r.host)
                 r.valid = False
+            if grads:
+                self._grads_down(grads)
         self.down.synchronize()
 
     def _has_room(self, numel: int) -> bool:
@@ -326,6 +411,8 @@ class StepAssist:
             return None
         done, k = None, self._next
         start = torch.cuda.Event(enable_timing=True)
+        key = (group_index, lo, numel)
+        on_gpu = resident is not None and key in self._step_grads  # [Note: resident gradients]
         with torch.cuda.device(self.device):
             for a in range(0, numel, self.slot_numel):
                 n = min(self.slot_numel, numel - a)
@@ -335,7 +422,11 @@ class StepAssist:
                     step, group_index, after, start if a == 0 else None,
                     None if resident is None else
                     (resident.valid, *(t.narrow(0, a, n) for t in (resident.p, resident.m,
-                                                                    resident.v))))
+                                                                    resident.v)),
+                     resident.g16.narrow(0, a, n) if on_gpu else None))
+        if on_gpu:
+            self._step_grads.discard(key)
+            self.numel_grad_gpu += numel
         self.last_span = (start, self._free[k]) if numel else None
         if resident is None:
             self._pending.append((done, numel))
@@ -348,16 +439,17 @@ class StepAssist:
 
     def _piece(self, k, views, step, group_index: int, after,
                start: torch.cuda.Event | None = None, resident=None) -> torch.cuda.Event:
-        """One slot's worth of a chunk. ``resident``: (valid, p, m, v) of a resident chunk's
-        GPU state: loaded from the host only where not valid, never copied back here."""
+        """One slot's worth of a chunk. ``resident``: (valid, p, m, v, g16) of a resident
+        chunk's GPU state: loaded from the host only where not valid, never copied back here;
+        ``g16``: its gradient on the GPU (None: it comes up from the host)."""
         master, grad, exp_avg, exp_avg_sq, out = views
         n = master.numel()
         g = self._buf(k, "g", torch.float32, n)
         if resident is None:
             p, m, v = (self._buf(k, name, torch.float32, n) for name in ("p", "m", "v"))
-            load = True
+            load, g_here = True, None
         else:
-            valid, p, m, v = resident
+            valid, p, m, v, g_here = resident
             load = not valid
         up, down = self.up, self.down
         with torch.cuda.stream(up):
@@ -365,11 +457,18 @@ class StepAssist:
                 up.wait_event(self._free[k])  # the slot's last copies down have read it
             if start is not None:  # the chunk's GPU work begins ([Note: step breakdown])
                 start.record(up)
-            low_grad = self._buf(k, "g16", grad.dtype, n) if grad.dtype != torch.float32 else g
-            if load:
-                _copies(self.transfers, (master, exp_avg, exp_avg_sq, grad), (p, m, v, low_grad))
+            if g_here is not None:  # [Note: resident gradients]: nothing comes up for it
+                low_grad = g_here
+                if load:
+                    _copies(self.transfers, (master, exp_avg, exp_avg_sq), (p, m, v))
             else:
-                _copies(self.transfers, (grad,), (low_grad,))
+                low_grad = (self._buf(k, "g16", grad.dtype, n) if grad.dtype != torch.float32
+                            else g)
+                if load:
+                    _copies(self.transfers, (master, exp_avg, exp_avg_sq, grad),
+                            (p, m, v, low_grad))
+                else:
+                    _copies(self.transfers, (grad,), (low_grad,))
             if low_grad is not g:
                 g.copy_(low_grad)
             step.adam(group_index, p, g, m, v)
@@ -403,14 +502,15 @@ class StepAssist:
             if e is not None:
                 e.synchronize()
         self._pending = []
+        self._step_grads = set()  # every chunk of the step was submitted or released
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [t for slot in self._bufs for t in slot.values()] + [
-            t for r in self._resident.values() for t in (r.p, r.m, r.v)]
+            t for r in self._resident.values() for t in (r.p, r.m, r.v, r.g16) if t is not None]
 
     def stats(self) -> dict[str, int | bool]:
         return {"numel_gpu": self.numel_gpu, "numel_cpu": self.numel_cpu,
-                "numel_resident": self.numel_resident,
+                "numel_resident": self.numel_resident, "numel_grad_gpu": self.numel_grad_gpu,
                 "resident_bytes": self.resident_bytes, "resident_budget_bytes": self.budget_bytes,
                 "resident_chunks": len(self._resident), "off": self.off_reason is not None}
 

@@ -55,7 +55,10 @@ dtype), so the step is bit-equal. With offload_optimizer.ratio < 1 only the
 host side changes: the device side keeps fp32 gradients on the GPU. A second
 write of a group in one accumulation (a group reduced twice in one backward)
 still goes through the fp32 staging buffer and is added on the host, rounded
-to 16 bits once more. offload_optimizer nvme follows the same rule: its swapper steps each
+to 16 bits once more. With resident chunks of the step assist, a chunk's slice of
+the 16-bit gradient lands in its GPU buffer instead, on the comm stream, with the
+same cast ([Note: resident gradients] in shard/assist.py); a second write adds there.
+offload_optimizer nvme follows the same rule: its swapper steps each
 swapped piece with the one-pass kernel, reading the 16-bit gradient (optim/swap.py, [Note: the
 gradient a piece reads]).
 """
@@ -106,6 +109,9 @@ class GradLanding:
         self._host_adds: dict[int, tuple[torch.cuda.Event | None, list[Landing]]] = {}
         self._norm_parts: list[torch.Tensor] = []
         self._norm_valid = True
+        self.router = None
+        """The step assist whose resident chunks' gradients land on the GPU ([Note: resident
+        gradients] in shard/assist.py; set by the partitioner), else None."""
         self.host_allocations = 0
         """Pinned staging buffers allocated so far (tests: must stop growing after warm-up)."""
 
@@ -129,6 +135,8 @@ class GradLanding:
         else:  # accumulated over writes: the final value is only known on the host
             self._norm_valid = False
         lds = self.pieces.get(gi, [])
+        if self.router is not None:
+            lds = self._route(lds, shard, first=writes == 0)
         # with twin placement one group may land on both sides: device pieces on comm, host
         # pieces on d2h
         host = [ld for ld in lds if shard.is_cuda and self._dst(ld).device.type == "cpu"]
@@ -148,6 +156,38 @@ class GradLanding:
         if staged:
             with on(side):
                 self._stage_add(gi, staged, shard)
+
+    def _route(self, lds: list[Landing], shard: torch.Tensor, first: bool) -> list[Landing]:
+        """Write the slices of resident chunks with a GPU gradient buffer there (on the current
+        stream, comm); the rest of ``lds``, as landings, goes on as before."""
+        rest, wrote = [], False
+        for ld in lds:
+            dst = self._dst(ld)
+            parts = ([] if dst.device.type != "cpu" or dst.dtype == torch.float32 else
+                     self.router.grad_parts(ld.target, ld.base, ld.numel))
+            at = 0
+            for off, res in parts:
+                if not first and not res.grad_here:  # its first write went to the host
+                    continue
+                if off > at:
+                    rest.append(Landing(lo=ld.lo + at, numel=off - at, target=ld.target,
+                                        base=ld.base + at))
+                n = res.g16.numel()
+                src = shard.narrow(0, ld.lo + off, n)
+                if first:
+                    res.g16.copy_(src)  # the cast the host path makes, on the device
+                    res.host_grad, res.grad_here = dst.narrow(0, off, n), True
+                else:
+                    res.g16.add_(src)
+                wrote, at = True, off + n
+            if at == 0:
+                rest.append(ld)
+            elif at < ld.numel:
+                rest.append(Landing(lo=ld.lo + at, numel=ld.numel - at, target=ld.target,
+                                    base=ld.base + at))
+        if wrote and shard.is_cuda:
+            self.router.grads_written(record(torch.cuda.current_stream(shard.device)))
+        return rest
 
     def _stage_add(self, gi: int, lds: list[Landing], shard: torch.Tensor) -> None:
         """Copy the slices of ``lds`` into the group's staging buffer; added in ``_apply``."""
@@ -201,3 +241,5 @@ class GradLanding:
         self._written = {}
         self._norm_parts = []
         self._norm_valid = True
+        if self.router is not None:
+            self.router.forget_grads()

@@ -138,9 +138,13 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                                             transfers=self.transfers)
         host_numel = sum(sg.master.numel() for sg in self._sides[Side.HOST])
         self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers,
-                                   gpu_budget_bytes=settings.tiering.gpu_budget_bytes)
+                                   gpu_budget_bytes=settings.tiering.gpu_budget_bytes,
+                                   device_grads=self.host_grad_dtype
+                                   if self.host_grad_dtype.itemsize == 2 else None)
                         if settings.step_assist and isinstance(self.store, HostShards)
                         else None)  # [Note: step assist] in shard/assist.py
+        if self._assist is not None and self._assist.device_grads is not None:
+            self.landing.router = self._assist  # [Note: resident gradients] in shard/assist.py
         self._assist_step = None
         self._assisted: dict[int, list[torch.cuda.Event]] = {}
         """Per group, the events behind the GPU's copies into its host shard (this step)."""
@@ -361,6 +365,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         taken = self.landing.sq_norm()  # [Note: landing reduced gradients]
         if taken is not None:
             return taken
+        self._host_grads_current()
         total = torch.zeros((), dtype=torch.float32)
         for sg in self._physical:
             if sg.grad.numel():  # fp32 norm (as torch's clip_grad_norm_; of a 16-bit host
@@ -370,7 +375,14 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                     2).float().cpu()
         return total
 
+    def _host_grads_current(self) -> None:
+        """Gradients held in resident chunks' GPU buffers into the host shards (the host is
+        about to read them: [Note: resident gradients] in shard/assist.py)."""
+        if self.landing.router is not None:
+            self.landing.router.grads_to_host()
+
     def local_overflow(self) -> bool:
+        self._host_grads_current()
         return any(not bool(torch.isfinite(sg.grad).all()) for sg in self._physical)
 
     def publish_params(self) -> None:
