@@ -138,11 +138,11 @@ def _oom_body():
     real = assist._Resident.__init__
     made = []
 
-    def no_room(self, numel, device):
+    def no_room(self, numel, device, *rest):
         if len(made) == 2:  # the GPU fills up after two resident chunks
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
         made.append(numel)
-        real(self, numel, device)
+        real(self, numel, device, *rest)
 
     out = {}
     for mode, budget in (("auto", None), ("none", 0)):
