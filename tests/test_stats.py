@@ -193,13 +193,17 @@ def test_overwrite_removes_the_publish_read(results):
 
 def _gpu_body(tmpdir):
     res = {}
-    for assist in (False, "auto"):  # off, and the default (on with a CUDA device)
-        tag = "" if assist is False else "_assist"
+    # off; on with every chunk streamed (gpu_budget_bytes 0); on with the default budget,
+    # where at this size every chunk the GPU steps stays resident ([Note: resident chunks])
+    for assist, budget, tag in ((False, 0, ""), ("auto", 0, "_assist"),
+                                ("auto", None, "_resident")):
         for name, stage, off_param in (("z2_cpu", 2, "none"), ("z3_cpu", 3, "cpu")):
             cfg = _config(stage, off_param, "cpu", tmpdir)
             # per-step hand counts: the step done within its step (with the overlap, CUDA's
             # default, a step's publication copies land in the next step's window)
             cfg["zero_optimization"]["tiering"] = {"step_assist": assist, "overlap_step": False}
+            if budget is not None:  # unset: "auto"
+                cfg["zero_optimization"]["tiering"]["gpu_budget_bytes"] = budget
             res[name + tag] = _train(cfg)
     return res
 
@@ -240,6 +244,20 @@ def test_host_device_bytes_on_gpu(tmp_path):
         moved = s["bytes_moved"]
         assert moved["gpu->cpu"] == 4 * NUMEL + 14 * a, (moved, a)
         assert 2 * NUMEL <= moved["cpu->gpu"] - 16 * a <= 2 * 2 * NUMEL, (moved, a)
+    # resident chunks, after the step that loaded them: only the (fp32) gradient of a GPU
+    # chunk goes up, none of its state comes down; at stage 3 its bf16 value still goes down
+    # to the host shard (2 B)
+    for name, down in (("z2_cpu_resident", 0), ("z3_cpu_resident", 2)):
+        r = res[name]
+        assert sum(r["assisted"][1:]) > 0, r["assisted"]
+        for s, a in list(zip(r["steps"], r["assisted"], strict=True))[1:]:
+            moved = s["bytes_moved"]
+            assert moved["gpu->cpu"] == 4 * NUMEL + down * a, (name, moved, a)
+            up = moved["cpu->gpu"] - 4 * a
+            if down:  # the bf16 shards up for forward and backward
+                assert 2 * NUMEL <= up <= 2 * 2 * NUMEL, (name, moved, a)
+            else:  # the CPU chunks' publication
+                assert up in (4 * (NUMEL - a), 2 * (NUMEL - a)), (name, moved, a)
     for r in res.values():
         _assert_totals_are_step_sums(r)
         _assert_breakdown_on_gpu(r)
