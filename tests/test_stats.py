@@ -246,10 +246,11 @@ def test_host_device_bytes_on_gpu(tmp_path):
         assert 2 * NUMEL <= moved["cpu->gpu"] - 16 * a <= 2 * 2 * NUMEL, (moved, a)
     # resident chunks, after the step that loaded them: only the (fp32) gradient of a GPU
     # chunk goes up, none of its state comes down; at stage 3 its bf16 value still goes down
-    # to the host shard (2 B)
+    # to the host shard (2 B). (At this size stage 3 may step every group on the training
+    # thread, as above: a is 0 there.)
+    assert sum(res["z2_cpu_resident"]["assisted"][1:]) > 0, res["z2_cpu_resident"]
     for name, down in (("z2_cpu_resident", 0), ("z3_cpu_resident", 2)):
         r = res[name]
-        assert sum(r["assisted"][1:]) > 0, r["assisted"]
         for s, a in list(zip(r["steps"], r["assisted"], strict=True))[1:]:
             moved = s["bytes_moved"]
             assert moved["gpu->cpu"] == 4 * NUMEL + down * a, (name, moved, a)
