@@ -131,10 +131,14 @@ class _Resident:
         self.grad_here = False
         """``g16`` holds this accumulation's gradient (the host slice is stale)."""
 
+    @staticmethod
+    def element_bytes(grad_dtype: torch.dtype | None) -> int:
+        """GPU bytes per element of a resident chunk (with a gradient buffer of that dtype)."""
+        return RESIDENT_ELEMENT_BYTES + (0 if grad_dtype is None else grad_dtype.itemsize)
+
     @property
     def nbytes(self) -> int:
-        return RESIDENT_ELEMENT_BYTES * self.p.numel() + (
-            0 if self.g16 is None else self.g16.numel() * self.g16.element_size())
+        return self.p.numel() * self.element_bytes(None if self.g16 is None else self.g16.dtype)
 
 
 def slot_layout(grad_dtype: torch.dtype,
@@ -264,8 +268,6 @@ class StepAssist:
     def grad_parts(self, group_index: int, lo: int, numel: int) -> list[tuple[int, _Resident]]:
         """The resident chunks of group ``group_index`` with a gradient buffer lying wholly
         inside elements [lo, lo + numel), as (offset from ``lo``, chunk), by offset."""
-        if self.device_grads is None:
-            return []
         return sorted(((k[1] - lo, r) for k, r in list(self._resident.items())
                        if k[0] == group_index and r.g16 is not None and lo <= k[1]
                        and k[1] + k[2] <= lo + numel), key=lambda x: x[0])
@@ -305,8 +307,7 @@ class StepAssist:
         res = self._resident.get(key)
         if res is not None or self.off_reason is not None or self._admit_off is not None:
             return res
-        need = RESIDENT_ELEMENT_BYTES * numel + (
-            0 if self.device_grads is None else self.device_grads.itemsize * numel)
+        need = numel * _Resident.element_bytes(self.device_grads)
         if self.resident_bytes + need > self.budget_bytes:
             return None
         try:

@@ -166,12 +166,14 @@ class GradLanding:
             parts = ([] if dst.device.type != "cpu" or dst.dtype == torch.float32 else
                      self.router.grad_parts(ld.target, ld.base, ld.numel))
             at = 0
-            for off, res in parts:
-                if not first and not res.grad_here:  # its first write went to the host
-                    continue
+            for off, res in parts + [(ld.numel, None)]:  # the sentinel closes the last gap
+                if res is not None and not first and not res.grad_here:
+                    continue  # its first write went to the host: so does this one
                 if off > at:
-                    rest.append(Landing(lo=ld.lo + at, numel=off - at, target=ld.target,
-                                        base=ld.base + at))
+                    rest.append(ld if (at, off) == (0, ld.numel) else Landing(
+                        lo=ld.lo + at, numel=off - at, target=ld.target, base=ld.base + at))
+                if res is None:
+                    break
                 n = res.g16.numel()
                 src = shard.narrow(0, ld.lo + off, n)
                 if first:
@@ -180,11 +182,6 @@ class GradLanding:
                 else:
                     res.g16.add_(src)
                 wrote, at = True, off + n
-            if at == 0:
-                rest.append(ld)
-            elif at < ld.numel:
-                rest.append(Landing(lo=ld.lo + at, numel=ld.numel - at, target=ld.target,
-                                    base=ld.base + at))
         if wrote and shard.is_cuda:
             self.router.grads_written(record(torch.cuda.current_stream(shard.device)))
         return rest
