@@ -207,6 +207,20 @@ def _accum_steps() -> tuple[Step, ...]:
         "{extra}", tuned + "{extra}"), train.timeout_s, quote=train.quote))
 
 
+def _train_planned(size: str, seq: int, timeout_s: int) -> Step:
+    """`zeroio train` on benchmarks/models/llama-<size>: its plan, 3 steps at micro batch 1 and
+    the bf16 model export, under benchmarks/peaks.py (peaks sampled every second)."""
+    run = "{scratch}/run" + size
+    return Step("train", f"df -B1 {{scratch}}; free -b; nproc; rm -rf {run} && python3 "
+                f"benchmarks/peaks.py --path {{scratch}} --every 1 --json {{res}}/peaks-{size}.json "
+                f"-- python3 -m zeroio.cli train --model-config benchmarks/models/llama-{size} "
+                f"--nproc 1 --steps 3 --seq-len {seq} --micro-batch 1 --no-checkpoint "
+                f"--model-dtype bf16 --output {run} --progress-every 1{{extra}}; rc=$?; cp "
+                f"{run}/zeroio-plan.json {{res}}/ 2>/dev/null; ls -la {run}/model; du -sb "
+                f"{run}/model; rm -rf {run}; exit $rc", timeout_s,
+                quote=r"step \d|plan|predicted|measured|peaks|Error|error|GB")
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-tests", "nvidia-h200", "every -m gpu test file on 1 GPU (2-GPU cases skip)",
           _pytest_steps(150)),
@@ -236,17 +250,13 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "setting (bench_nvme_step.py), then the 15B with 16 micro-batches per optimizer step "
           "at the best setting", _accum_steps(), extra_carry=(".dev",)),
     Suite("train-20b", "nvidia-h200", "`zeroio train` plans and trains the 19.87B Llama of "
-          "benchmarks/models/llama-20b for 3 steps (micro batch 1) and writes the bf16 model; "
-          "peaks of host, disk and GPU (benchmarks/peaks.py)", (
-              Step("train", "df -B1 {scratch}; free -b; nproc; rm -rf {scratch}/run20 && python3 benchmarks/peaks.py --path "
-                   "{scratch} --every 1 --json {res}/peaks-20b.json -- python3 -m zeroio.cli "
-                   "train --model-config benchmarks/models/llama-20b --nproc 1 --steps 3 "
-                   "--seq-len 512 --micro-batch 1 --no-checkpoint --model-dtype bf16 --output "
-                   "{scratch}/run20 --progress-every 1{extra}; rc=$?; cp {scratch}/run20/zeroio-"
-                   "plan.json {res}/ 2>/dev/null; ls -la {scratch}/run20/model; du -sb "
-                   "{scratch}/run20/model; rm -rf {scratch}/run20; exit $rc", 505,
-                   quote=r"step \d|plan|predicted|measured|peaks|Error|error|GB"),
-          )),
+          "benchmarks/models/llama-20b for 3 steps (micro batch 1, seq 512) and writes the bf16 "
+          "model; peaks of host, disk and GPU (benchmarks/peaks.py)",
+          (_train_planned("20b", 512, 505),)),
+    Suite("train-15b", "nvidia-h200", "`zeroio train` plans and trains the 15.24B Llama of "
+          "benchmarks/models/llama-15b (the NVMe rows' shape) for 3 steps (micro batch 1, seq "
+          "1024) and writes the bf16 model; peaks of host, disk and GPU",
+          (_train_planned("15b", 1024, 560),)),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "
