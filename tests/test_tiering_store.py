@@ -257,3 +257,45 @@ def test_register_passes_a_cpu_home_to_nvme_when_acquired_copies_fill_the_cpu_ti
         store.release("n1")
     finally:
         store.close()
+
+
+# -- unwritten NVMe homes ----------------------------------------------------
+
+
+class CountingBackend(MemoryBackend):
+    """Counts the reads that reach the backend, per name."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: dict[str, int] = {}
+
+    def read_into(self, name, out):
+        self.reads[name] = self.reads.get(name, 0) + 1
+        return super().read_into(name, out)
+
+
+def test_first_load_of_an_unwritten_nvme_home_reads_nothing():
+    backend = CountingBackend()
+    with small_store(backend=backend) as s:
+        s.register("m", (PAGE // 4,), torch.float32, home=Tier.NVME)
+        s.register("w", (PAGE // 4,), torch.float32, home=Tier.NVME, init=torch.full((PAGE // 4,), 3.0))
+        t = s.acquire("m", "cpu")
+        assert torch.equal(t, torch.zeros(PAGE // 4))
+        assert backend.reads.get("m", 0) == 0
+        assert s.stats()["bytes_moved"].get("nvme->cpu", 0) == 0  # nothing was read
+        t.add_(2.0)
+        s.mark_dirty("m", "cpu")
+        s.release("m")
+        # A tensor registered with init is on the disk: its load reads it.
+        assert torch.equal(s.acquire("w", "cpu"), torch.full((PAGE // 4,), 3.0))
+        s.release("w")
+        assert backend.reads["w"] == 1
+        # "m" is written back to its home when it leaves the CPU tier; from then on a load
+        # reads the disk and sees the written values, not zeros.
+        s.evict("m", "cpu")
+        s.drain()
+        assert torch.equal(s.acquire("m", "cpu"), torch.full((PAGE // 4,), 2.0))
+        s.release("m")
+        assert backend.reads["m"] == 1
+        # bytes counted: the two reads that reached the disk ("w" once, "m" once)
+        assert s.stats()["bytes_moved"]["nvme->cpu"] == 2 * PAGE

@@ -19,6 +19,14 @@ threads, waits on the store's condition for one of them to release, up to
 holders) only when waiting cannot help: the tensor is larger than what homes
 leave of the budget, or the copies in the way are held by the calling thread
 itself (it cannot release while it waits), or the bounded wait ran out.
+
+[Note: unwritten homes] A tensor registered with an NVMe home and no ``init`` is zeros, and
+its preallocated array reads back as zeros (backend.py's contract), so its first load fills
+the cache copy with zeros instead of reading the disk: the first step of an optimizer whose
+moments are homed on NVMe does not read tens of GB of zeros. The home stops counting as
+unwritten when the first write-back into it starts; from then on loads read the disk (while
+that write is in flight, loads come from the copy being written: [Note: sources]). Such a
+load moves no bytes, so it is not counted in ``bytes_moved``.
 """
 
 from __future__ import annotations
@@ -79,7 +87,8 @@ class Mover:
             dst.move = None
             if exc is None:
                 dst.fire(Event.LOAD_DONE)
-                self.stats.moved(pair(src.tier, dst.tier), entry.nbytes)
+                if not move.read_nothing:
+                    self.stats.moved(pair(src.tier, dst.tier), entry.nbytes)
             else:
                 move.error = entry.error = SwapIOError(
                     f"tiered store: loading {entry.name!r} {pair(src.tier, dst.tier)} failed: {exc}"
@@ -227,6 +236,9 @@ class Mover:
     # -- transfers -----------------------------------------------------------
 
     def _transfer(self, entry: Entry, src: Copy, dst: Copy) -> Transfer:
+        if src.tier is Tier.NVME and src.zeros:
+            dst.tensor.zero_()  # [Note: unwritten homes]
+            return Transfer()
         if src.tier is Tier.NVME or dst.tier is Tier.NVME:
             # disk I/O: its future says when it ends, so its busy time is known
             # ([Note: stall and hidden time] in stats.py)
@@ -263,7 +275,8 @@ class Mover:
                     return fut_err
 
             transfer = _Failed()
-        move = Move(kind, entry, src, dst, transfer)
+        move = Move(kind, entry, src, dst, transfer,
+                    read_nothing=src.tier is Tier.NVME and src.zeros)
         self.inflight.add(move)
         if kind is MoveKind.LOAD:
             dst.move = move
@@ -329,6 +342,7 @@ class Mover:
             return self._hand_down(entry, copy, evict_after)
         copy.fire(Event.START_WRITEBACK)
         copy.evict_after = evict_after
+        entry.home_copy.zeros = False  # from now on the disk holds written bytes
         return self._start(MoveKind.WRITEBACK, entry, copy, entry.home_copy)
 
     def _hand_down(self, entry: Entry, copy: Copy, evict_after: bool) -> Move | None:
@@ -374,9 +388,18 @@ class Mover:
                 f"raise zero_optimization.tiering.{space.tier.value}_budget_bytes"
             )
         deadline = None
+        started: list[Move] = []  # write-backs of victims this call started
         while space.used + cost > space.budget:
             self.settle_done()
             self.reap()
+            failed = next((m for m in started if m.settled and m.error is not None), None)
+            if failed is not None:
+                # settled by the poll above, not by _wait_eviction: report it the same way
+                started.remove(failed)
+                if not prefetch:
+                    failed.entry.error = None
+                    raise SwapIOError(f"{failed.error} (while making room in the "
+                                      f"{space.tier.value} tier)") from failed.error
             if space.used + cost <= space.budget or for_name in space.cache:
                 break  # room now, or another thread brought the tensor in meanwhile
             leaving = [c for c in space.cache.values() if c.evict_after and c.move is not None]
@@ -395,7 +418,9 @@ class Mover:
                 if copy.state is Residency.CLEAN:
                     self.drop(entry, copy)
                 else:
-                    self.writeback(entry, copy, evict_after=True)
+                    move = self.writeback(entry, copy, evict_after=True)
+                    if move is not None:
+                        started.append(move)
                 continue
             if leaving:
                 self._wait_eviction(leaving[0], prefetch=prefetch)

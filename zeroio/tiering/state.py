@@ -32,6 +32,9 @@ class Copy:
     readers: int = 0  # in-flight moves reading it
     move: Move | None = None  # in-flight move that will change this copy's state
     evict_after: bool = False  # drop once its write-back lands
+    zeros: bool = False
+    """An NVMe home never written since ``register`` created it: it reads as zeros, so a load
+    fills zeros without reading the disk ([Note: unwritten homes] in mover.py)."""
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -63,6 +66,7 @@ class Move:
     transfer: Transfer
     settled: bool = False
     error: BaseException | None = None
+    read_nothing: bool = False  # a load from an unwritten NVMe home: zeros, no bytes moved
 
 
 @dataclass(eq=False)

@@ -128,6 +128,7 @@ class TieredStore:
                 copy.tensor.copy_(init.detach().reshape(entry.shape))
             return
         self._backend.create(entry.name, _numel(entry.shape), entry.dtype)  # type: ignore[union-attr]
+        copy.zeros = init is None  # [Note: unwritten homes] in mover.py
         if init is not None:
             flat = init.detach().to("cpu", entry.dtype).contiguous().reshape(-1)
             try:
