@@ -37,8 +37,11 @@ def peers_run(tmp_path_factory):
     import train_peers
 
     out = tmp_path_factory.mktemp("results")
+    # a host budget that holds a third of the NVMe row's moments, so that they stream (a
+    # budget that holds them moves nothing: their first loads read zeros from no disk)
     doc = train_peers.main([*TINY, "--only", ONLY, "--steps", str(STEPS), "--warmup",
                             str(WARMUP), "--disk-bench-size", "0", "--out", str(out),
+                            "--set", "zero_optimization.tiering.cpu_budget_bytes=1500000",
                             "--nvme-dir", str(out / "nvme"), "--timeout", "240", "--json"])
     return doc, out
 
@@ -90,9 +93,8 @@ def test_s_per_step_is_median_of_contender_step_times(peers_run):
     assert set(moved) == set(stats["bytes_moved"]) and moved
     for pair, n in stats["bytes_moved"].items():
         assert moved[pair] == pytest.approx(n / stats["global_steps"] / 1e9)
-    # the moments' home is the disk (read from it in step 1); all of them fit the derived host
-    # budget, so none is written back during training (no write of cached state)
-    assert moved["nvme->cpu"] > 0 and "cpu->nvme" not in moved
+    # the host budget holds a part of the moments: the rest stream, read and written back
+    assert moved["nvme->cpu"] > 0 and moved["cpu->nvme"] > 0
     assert rows["zeroio-z2-cpu"]["gb_moved_per_step"] == {}
 
 
