@@ -76,7 +76,8 @@ def test_h200_places_a_20b_llama_with_all_three_tiers_holding_optimizer_state():
     assert plan.times == pytest.approx({
         "cpu_adam_s": host / m.cpu_adam_elems_per_s, "pcie_s": 8 * host / m.pcie_bps,
         "disk_s": streamed / m.disk_read_bps + streamed / m.disk_write_bps})
-    assert plan.bound == "disk_s"
+    assert plan.bound == "pcie_s + disk_s"
+    assert plan.step_s == pytest.approx(plan.times["pcie_s"] + plan.times["disk_s"])
 
 
 def test_a_machine_ten_percent_smaller_is_refused_naming_each_tier_overflow():

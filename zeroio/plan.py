@@ -62,15 +62,21 @@ element of the host gradient as ``estimate.host_grad_bytes`` decides):
   parameter shards, read twice (forward, backward) and written once (an upper bound: no
   shard counted resident).
 
-Predicted step time = the largest of: CPU Adam time (host elements per node /
+Predicted step time, from three terms: CPU Adam time (host elements per node /
 ``cpu_adam_elems_per_s``), PCIe time (the larger direction per GPU / ``pcie_bps``, a
 full-duplex link per GPU) and disk time (read / ``disk_read_bps`` + write /
 ``disk_write_bps``, one device doing both; where the machine says how fast the disk reads
 and writes at once, ``disk_mixed_bps``, the larger of (read + write) / ``disk_mixed_bps``
 and each direction alone instead, since the step reads and writes at the same time and a
-disk may serve the two together much slower than either alone: `disk_seconds`). GPU
-compute is not modelled: the figure is the
-floor the offload puts under a step, 0 with everything on the GPU.
+disk may serve the two together much slower than either alone: `disk_seconds`). With the
+optimizer on the CPU the step is the largest of them: the host step overlaps the next
+forward and its parameter traffic. With the optimizer on NVMe it is the PCIe time plus the
+larger of CPU Adam and disk: that optimizer steps after backward on the training thread
+(it has no chunked step to overlap the next forward), its reads and writes pipelined with
+its CPU Adam, so the parameter traffic of forward and backward comes before it (the
+15.24B Llama of benchmarks/results/train-15b-h200/: 3.7-4.0 s measured against 2.0-2.2
+predicted as the largest term alone). GPU compute is not modelled: the figure is the floor
+the offload puts under a step, 0 with everything on the GPU.
 
 The machine's figures are the caller's (measured with ``zeroio bench io`` and the like);
 nothing here probes the machine. No torch at import time.
@@ -265,13 +271,24 @@ class Plan:
     """What the plan assumes beyond its config block."""
 
     @property
+    def _serial_step(self) -> bool:
+        """The optimizer is on NVMe: its step follows the parameter traffic (module doc)."""
+        off = self.config.get("zero_optimization", {}).get("offload_optimizer") or {}
+        return off.get("device") == "nvme"
+
+    @property
     def step_s(self) -> float:
+        if self._serial_step:
+            return self.times["pcie_s"] + max(self.times["cpu_adam_s"], self.times["disk_s"])
         return max(self.times.values())
 
     @property
     def bound(self) -> str:
         if self.step_s == 0:
             return "gpu compute (not modelled)"
+        if self._serial_step:
+            step = max(("cpu_adam_s", "disk_s"), key=self.times.get)
+            return f"pcie_s + {step}" if self.times["pcie_s"] else step
         return max(self.times, key=self.times.get)
 
     @property
