@@ -69,14 +69,12 @@ full-duplex link per GPU) and disk time (read / ``disk_read_bps`` + write /
 and writes at once, ``disk_mixed_bps``, the larger of (read + write) / ``disk_mixed_bps``
 and each direction alone instead, since the step reads and writes at the same time and a
 disk may serve the two together much slower than either alone: `disk_seconds`). With the
-optimizer on the CPU the step is the largest of them: the host step overlaps the next
-forward and its parameter traffic. With the optimizer on NVMe it is the PCIe time plus the
-larger of CPU Adam and disk: that optimizer steps after backward on the training thread
-(it has no chunked step to overlap the next forward), its reads and writes pipelined with
-its CPU Adam, so the parameter traffic of forward and backward comes before it (the
-15.24B Llama of benchmarks/results/train-15b-h200/: 3.7-4.0 s measured against 2.0-2.2
-predicted as the largest term alone). GPU compute is not modelled: the figure is the floor
-the offload puts under a step, 0 with everything on the GPU.
+optimizer on the CPU the step is the largest term (the host step overlaps the next forward).
+On NVMe it is PCIe + max(CPU Adam, disk): that optimizer steps after backward on the
+training thread (no chunked step), its I/O pipelined with its CPU Adam (the 15.24B of
+benchmarks/results/train-15b-h200/: 3.7-4.0 s measured, 2.0-2.2 as the largest term
+alone). GPU compute is not modelled: the figure is the floor the offload puts under a
+step, 0 with everything on the GPU.
 
 The machine's figures are the caller's (measured with ``zeroio bench io`` and the like);
 nothing here probes the machine. No torch at import time.
