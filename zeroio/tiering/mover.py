@@ -236,9 +236,6 @@ class Mover:
     # -- transfers -----------------------------------------------------------
 
     def _transfer(self, entry: Entry, src: Copy, dst: Copy) -> Transfer:
-        if src.tier is Tier.NVME and src.zeros:
-            dst.tensor.zero_()  # [Note: unwritten homes]
-            return Transfer()
         if src.tier is Tier.NVME or dst.tier is Tier.NVME:
             # disk I/O: its future says when it ends, so its busy time is known
             # ([Note: stall and hidden time] in stats.py)
@@ -261,8 +258,13 @@ class Mover:
 
     def _start(self, kind: MoveKind, entry: Entry, src: Copy, dst: Copy) -> Move:
         src.readers += 1
+        read_nothing = src.tier is Tier.NVME and src.zeros  # [Note: unwritten homes]
         try:
-            transfer = self._transfer(entry, src, dst)
+            if read_nothing:
+                dst.tensor.zero_()
+                transfer = Transfer()
+            else:
+                transfer = self._transfer(entry, src, dst)
         except BaseException as exc:
             # A transfer that cannot even start is a failed transfer.
             fut_err = exc
@@ -275,8 +277,7 @@ class Mover:
                     return fut_err
 
             transfer = _Failed()
-        move = Move(kind, entry, src, dst, transfer,
-                    read_nothing=src.tier is Tier.NVME and src.zeros)
+        move = Move(kind, entry, src, dst, transfer, read_nothing=read_nothing)
         self.inflight.add(move)
         if kind is MoveKind.LOAD:
             dst.move = move
