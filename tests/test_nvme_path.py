@@ -1,7 +1,8 @@
 """The NVMe optimizer path moves what the host budget forces, once, overlapped with Adam.
 
-A ``DiskModel`` backend stands in for the disk: one transfer at a time at a fixed
-bandwidth (sleeps), logging every read and write as it is issued. Against it:
+A ``DiskModel`` backend (zeroio/testing/disk_model.py) stands in for the disk: one transfer
+at a time at a fixed bandwidth (sleeps), logging every read and write as it is issued.
+Against it:
 
 - the bytes each step reads and writes equal the hand count of [Note: resident head,
   streamed tail] in zeroio/optim/swap.py, no piece is read twice without having been
@@ -26,44 +27,13 @@ from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.swap import SwappedAdam
 from zeroio.partition.base import Segment, ShardGroup
 from zeroio.testing import run_ranks
+from zeroio.testing.disk_model import DiskModel
 from zeroio.tiering import MemoryBackend
 
 PAGE = 4096
 PIECE = PAGE // 4  # one page per moment: host costs are exact
 HYPER = [{"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1},
          {"lr": 3e-3, "betas": (0.8, 0.999), "eps": 1e-6, "weight_decay": 0.0}]
-
-
-class DiskModel(MemoryBackend):
-    """One transfer at a time at ``bandwidth`` bytes/s; ``log`` holds (op, name, bytes) in
-    issue order."""
-
-    def __init__(self, bandwidth: float = float("inf")):
-        super().__init__(threads=4)
-        self.bandwidth = bandwidth
-        self.log: list[tuple[str, str, int]] = []
-        self._disk = threading.Lock()
-        self._log_lock = threading.Lock()
-
-    def _record(self, op: str, name: str, t: torch.Tensor) -> None:
-        with self._log_lock:
-            self.log.append((op, name, t.numel() * t.element_size()))
-
-    def _busy(self, nbytes: int) -> None:
-        if self.bandwidth != float("inf"):
-            with self._disk:
-                time.sleep(nbytes / self.bandwidth)
-
-    def write(self, name, tensor):
-        self._record("write", name, tensor)
-        return self._pool.submit(lambda: (self._busy(tensor.numel() * 4), self._write(name, tensor))[1])
-
-    def read_into(self, name, out):
-        self._record("read", name, out)
-        return self._pool.submit(lambda: (self._busy(out.numel() * 4), self._read(name, out))[1])
-
-    def count(self, op: str, name: str | None = None) -> int:
-        return sum(b for o, n, b in self.log if o == op and (name is None or n == name))
 
 
 def _groups(sizes, seed=0):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from zeroio.errors import CapacityError, ConfigError, ResidencyError, SwapIOError
+from zeroio.testing.disk_model import DiskModel
 from zeroio.testing.store import PAGE
 from zeroio.tiering import MemoryBackend, Tier, TieredStore, TieringPolicyConfig
 
@@ -262,26 +263,14 @@ def test_register_passes_a_cpu_home_to_nvme_when_acquired_copies_fill_the_cpu_ti
 # -- unwritten NVMe homes ----------------------------------------------------
 
 
-class CountingBackend(MemoryBackend):
-    """Counts the reads that reach the backend, per name."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: dict[str, int] = {}
-
-    def read_into(self, name, out):
-        self.reads[name] = self.reads.get(name, 0) + 1
-        return super().read_into(name, out)
-
-
 def test_first_load_of_an_unwritten_nvme_home_reads_nothing():
-    backend = CountingBackend()
+    backend = DiskModel()
     with small_store(backend=backend) as s:
         s.register("m", (PAGE // 4,), torch.float32, home=Tier.NVME)
         s.register("w", (PAGE // 4,), torch.float32, home=Tier.NVME, init=torch.full((PAGE // 4,), 3.0))
         t = s.acquire("m", "cpu")
         assert torch.equal(t, torch.zeros(PAGE // 4))
-        assert backend.reads.get("m", 0) == 0
+        assert backend.count("read", "m") == 0
         assert s.stats()["bytes_moved"].get("nvme->cpu", 0) == 0  # nothing was read
         t.add_(2.0)
         s.mark_dirty("m", "cpu")
@@ -289,13 +278,13 @@ def test_first_load_of_an_unwritten_nvme_home_reads_nothing():
         # A tensor registered with init is on the disk: its load reads it.
         assert torch.equal(s.acquire("w", "cpu"), torch.full((PAGE // 4,), 3.0))
         s.release("w")
-        assert backend.reads["w"] == 1
+        assert backend.count("read", "w") == PAGE
         # "m" is written back to its home when it leaves the CPU tier; from then on a load
         # reads the disk and sees the written values, not zeros.
         s.evict("m", "cpu")
         s.drain()
         assert torch.equal(s.acquire("m", "cpu"), torch.full((PAGE // 4,), 2.0))
         s.release("m")
-        assert backend.reads["m"] == 1
+        assert backend.count("read", "m") == PAGE
         # bytes counted: the two reads that reached the disk ("w" once, "m" once)
         assert s.stats()["bytes_moved"]["nvme->cpu"] == 2 * PAGE
