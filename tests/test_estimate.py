@@ -214,7 +214,9 @@ def test_stage3_ratio_buffers_by_hand():
            + 2 * (1 << 26)              # publish staging of the device side's bf16 values
            + 4 * (1 << 24) * (16 + 2)   # step assist: 4 slots of fp32 master, moments and
            + act)                       # gradient (fp32 host gradients), the bf16 shard copy
-    host = 2 * psi + 16 * (psi - dev) + 4 * (psi - dev)  # bf16 shards, state, GA staging
+    # bf16 shards, state, and the accumulation's staging: 3 pinned fp32 slots of one group
+    # ([Note: bounded staging] in partition/landing.py)
+    host = 2 * psi + 16 * (psi - dev) + 4 * 3 * group
     assert r.gpu_bytes_per_gpu == gpu
     assert r.cpu_bytes_per_node == host
     assert r.to_dict()["activations"] == act

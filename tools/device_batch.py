@@ -207,14 +207,16 @@ def _accum_steps() -> tuple[Step, ...]:
         "{extra}", tuned + "{extra}"), train.timeout_s, quote=train.quote))
 
 
-def _train_planned(size: str, seq: int, timeout_s: int) -> Step:
-    """`zeroio train` on benchmarks/models/llama-<size>: its plan, 3 steps at micro batch 1 and
-    the bf16 model export, under benchmarks/peaks.py (peaks sampled every second)."""
+def _train_planned(size: str, seq: int, timeout_s: int, accumulation: int = 1) -> Step:
+    """`zeroio train` on benchmarks/models/llama-<size>: its plan, 3 steps at micro batch 1
+    (``accumulation`` micro-steps each) and the bf16 model export, under benchmarks/peaks.py
+    (peaks sampled every second)."""
     run = "{scratch}/run" + size
+    accum = f" --grad-accum {accumulation}" if accumulation > 1 else ""
     return Step("train", f"df -B1 {{scratch}}; free -b; nproc; rm -rf {run} && python3 "
                 f"benchmarks/peaks.py --path {{scratch}} --every 1 --json {{res}}/peaks-{size}.json "
                 f"-- python3 -m zeroio.cli train --model-config benchmarks/models/llama-{size} "
-                f"--nproc 1 --steps 3 --seq-len {seq} --micro-batch 1 --no-checkpoint "
+                f"--nproc 1 --steps 3 --seq-len {seq} --micro-batch 1{accum} --no-checkpoint "
                 f"--model-dtype bf16 --output {run} --progress-every 1{{extra}}; rc=$?; cp "
                 f"{run}/zeroio-plan.json {{res}}/ 2>/dev/null; ls -la {run}/model; du -sb "
                 f"{run}/model; rm -rf {run}; exit $rc", timeout_s,
@@ -257,6 +259,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "benchmarks/models/llama-15b (the NVMe rows' shape) for 3 steps (micro batch 1, seq "
           "1024) and writes the bf16 model; peaks of host, disk and GPU",
           (_train_planned("15b", 1024, 505),)),
+    Suite("train-15b-accum", "nvidia-h200", "the train-15b run with 16 micro-batches per "
+          "optimizer step (`--grad-accum 16`): the plan for it, 3 steps, the export, peaks",
+          (_train_planned("15b", 1024, 540, accumulation=16),)),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "

@@ -48,8 +48,9 @@ Two layers, reported separately in the breakdown:
      values go to the host shards through one GPU staging buffer of
      PUBLISH_CHUNK_NUMEL elements (b bytes each).
    - gradient accumulation (gradient_accumulation_steps > 1 in the config)
-     with gradients on the host: pinned fp32 staging of the offloaded elements
-     (the second write of a group is added on the host).
+     with gradients on the host: STAGING_SLOTS pinned fp32 buffers of one group's
+     slice (4 x 3 x G / N, at most the offloaded elements) that later writes cross
+     PCIe in before the host adds them (partition/landing.py, [Note: bounded staging]).
    - offload_optimizer nvme: the fp32 masters (4 of the K bytes) stay in host
      memory, only the moments (8) go to the disk (zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU): buffer_count x
@@ -460,8 +461,12 @@ def estimate_memory(
                 assist.SLOTS * min(assist.SLOT_NUMEL, shard - dev) * per, buf,
                 f"{assist.SLOTS} * min({assist.SLOT_NUMEL}, offloaded elements per GPU) * {per}")
         if gas > 1 and grad_tier == "cpu" and stage == 3 and dtype != "fp32":
-            add("gradient accumulation staging (pinned fp32)", "cpu", FP32 * (shard - dev), buf,
-                "4 * offloaded elements per GPU")
+            # [Note: bounded staging] in partition/landing.py: a few slots of one group's slice
+            from zeroio.shard.host_rule import STAGING_SLOTS
+
+            slot = min(math.ceil(grp / n), shard - dev)
+            add("gradient accumulation staging (pinned fp32)", "cpu", FP32 * STAGING_SLOTS * slot,
+                buf, f"4 * {STAGING_SLOTS} * min({gname}, Psi) / N")
         if opt_dev == "nvme":
             oo = zero.offload_optimizer
             add("optimizer swap buffers (pinned)", "cpu",
@@ -573,4 +578,21 @@ def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab
     return tokens * (layers * (a * hidden + c * intermediate) + 10 * vocab)
 
 
-__all__ = ["estimate_memory", "llama_num_params", "model_shape", "ModelShape", "host_grad_bytes", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count"]
+def planned_activation_bytes(*, layers, hidden, vocab, intermediate, seq, micro_batch) -> int:
+    """``llama_activation_bytes`` with its inputs checked (ConfigError naming the bad one), 0
+    when the shape is not given at all (the planner's caller did not say)."""
+    given = {"layers": layers, "hidden": hidden, "vocab": vocab}
+    if all(v is None for v in given.values()):
+        return 0
+    for k, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{k} = {v!r}: activations need layers, hidden and vocab as "
+                              "positive integers (or none of them)", key=k)
+    for k, v in {"seq": seq, "micro_batch": micro_batch}.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{k} = {v!r}: expected a positive integer", key=k)
+    return llama_activation_bytes(hidden=hidden, intermediate=intermediate or 4 * hidden,
+                                  layers=layers, vocab=vocab, seq=seq, micro_batch=micro_batch)
+
+
+__all__ = ["estimate_memory", "llama_num_params", "model_shape", "ModelShape", "host_grad_bytes", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count", "planned_activation_bytes"]

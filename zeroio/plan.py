@@ -57,6 +57,9 @@ element of the host gradient as ``estimate.host_grad_bytes`` decides):
   elements, ``b x H``; with it the shard copied in before each all-gather, forward and
   backward, ``2 x b x S``; with ``params_from_master`` the host fp32 masters, forward and
   backward, ``2 x 4 x H``.
+- With ``accumulation`` A micro-steps per step (``gradient_accumulation_steps``), the
+  gradients cross A times at stages 2 and 3 (they land every micro-step) and the parameter
+  copies of forward and backward A times; the updated values and the disk's bytes once.
 - NVMe -> CPU and CPU -> NVMe, per node: the Adam moments (8 bytes per element) that do not
   fit the host budget, read once and written once; with ``offload_param`` nvme also the
   parameter shards, read twice (forward, backward) and written once (an upper bound: no
@@ -97,9 +100,9 @@ from zeroio.estimate import (
     MemoryEstimate,
     estimate_memory,
     host_grad_bytes,
-    llama_activation_bytes,
     llama_num_params,
     parse_count,
+    planned_activation_bytes,
 )
 
 MARGIN = 0.10
@@ -318,6 +321,8 @@ class _Model:
     """Both ``bf16`` optimizer-state switches on (6 bytes of optimizer state per element)."""
     params_from_master: bool = False
     """Plan the NVMe placements with ``tiering.params_from_master`` (as its "auto" does)."""
+    accumulation: int = 1
+    """``gradient_accumulation_steps``: micro-steps per optimizer step."""
 
 
 def config_knows_params_from_master() -> bool:
@@ -364,6 +369,9 @@ def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,
     cfg: dict[str, Any] = {"zero_optimization": zero_block(
         p, ratio=ratio, cpu_budget=cpu_budget, nvme_budget=nvme_budget,
         params_from_master=_pfm(p, model))}
+    if model.accumulation > 1:  # the estimate's host gradients and staging depend on it
+        cfg.update(gradient_accumulation_steps=model.accumulation,
+                   train_micro_batch_size_per_gpu=1)  # alone, the key reads as 1
     if model.dtype in ("bf16", "fp16"):
         cfg[model.dtype] = {"enabled": True}
     if model.bf16_state:  # docs/engine.md, "bf16 optimizer state"
@@ -476,20 +484,22 @@ def _notes(est: MemoryEstimate) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: int | None):
+def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: int | None,
+             gas: int = 1):
     """(bytes per step each way, resident moment bytes per node): module doc, "The step
-    time"."""
+    time"; ``gas`` micro-steps per step."""
     b = DTYPE_BYTES[est.dtype]
     shard = math.ceil(est.num_params / est.world_size)
     host = est.placement()["offloaded_elements_per_gpu"]
     dev = shard - host if p.optimizer != "none" else 0
-    g = host_grad_bytes(est.dtype, p.optimizer, 1, host, stage=p.stage) if host else 0
+    g = host_grad_bytes(est.dtype, p.optimizer, gas, host, stage=p.stage) if host else 0
     pfm = est.params_from_master
-    down = g * host + (b * dev if p.param != "none" and not pfm else 0)
+    lands = gas if p.stage in (2, 3) else 1  # stage 1 reduces at the boundary only
+    down = g * host * lands + (b * dev if p.param != "none" and not pfm else 0)
     if pfm:  # forward and backward copy the host-side fp32 masters in, then cast
-        up = 2 * 4 * host
+        up = 2 * 4 * host * gas
     else:
-        up = 2 * b * shard if p.param != "none" else b * host
+        up = 2 * b * shard * gas if p.param != "none" else b * host
     read = write = resident = 0
     if p.optimizer == "nvme":
         moments = MOMENT_BYTES * DTYPE_BYTES[est.state_dtype] // 4 * host
@@ -524,27 +534,12 @@ def _times(traffic: dict[str, int], host_elems_per_node: int, machine: Machine):
             "disk_s": disk_seconds(traffic["nvme->cpu"], traffic["cpu->nvme"], machine)}
 
 
-def _activations(*, layers, hidden, vocab, intermediate, seq, micro_batch) -> int:
-    given = {"layers": layers, "hidden": hidden, "vocab": vocab}
-    if all(v is None for v in given.values()):
-        return 0
-    for k, v in given.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{k} = {v!r}: activations need layers, hidden and vocab as "
-                              "positive integers (or none of them)", key=k)
-    for k, v in {"seq": seq, "micro_batch": micro_batch}.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{k} = {v!r}: expected a positive integer", key=k)
-    return llama_activation_bytes(hidden=hidden, intermediate=intermediate or 4 * hidden,
-                                  layers=layers, vocab=vocab, seq=seq, micro_batch=micro_batch)
-
-
 def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: str = "bf16",
                    micro_batch: int, seq: int, layers: int | None = None,
                    hidden: int | None = None, vocab: int | None = None,
                    intermediate: int | None = None, largest_group: int | None = None,
                    nodes: int = 1, bf16_optimizer_states: bool = False,
-                   params_from_master: bool | None = None) -> Plan:
+                   params_from_master: bool | None = None, accumulation: int = 1) -> Plan:
     """The first placement of the rule (module doc) that fits ``machine`` for a model of
     ``num_params`` parameters trained on ``nodes`` such nodes.
 
@@ -556,23 +551,27 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
     optimizer-state switches on (bf16 masters, gradient shards and moments; needs ``dtype``
     bf16; no partial offload ratio). ``params_from_master``: plan the NVMe placements with
     ``tiering.params_from_master`` on, as its "auto" does (None: where this build's config
-    knows the key). Raises ``CapacityError`` when nothing fits.
+    knows the key). ``accumulation``: micro-steps per optimizer step (host gradients, staging
+    and traffic follow it). Raises ``CapacityError`` when nothing fits.
     """
     if not isinstance(machine, Machine):
         raise ConfigError(f"machine = {machine!r}: expected a zeroio.plan.Machine", key="machine")
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype = {dtype!r}: expected bf16, fp16 or fp32", key="dtype")
-    act = _activations(layers=layers, hidden=hidden, vocab=vocab, intermediate=intermediate,
+    act = planned_activation_bytes(layers=layers, hidden=hidden, vocab=vocab, intermediate=intermediate,
                        seq=seq, micro_batch=micro_batch)
     if largest_group is None and hidden is not None:
         largest_group = llama_num_params(hidden=hidden, intermediate=intermediate or 4 * hidden,
                                          layers=1, vocab=0, heads=1)[1]
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ConfigError(f"accumulation = {accumulation!r}: expected a positive integer "
+                          "(gradient_accumulation_steps)", key="gradient_accumulation_steps")
     if bf16_optimizer_states and dtype != "bf16":
         raise ConfigError(f"bf16_optimizer_states needs dtype bf16 (got {dtype})",
                           key="bf16_optimizer_states")
     model = _Model(num_params=parse_count(num_params), dtype=dtype, nodes=nodes,
                    largest_group=largest_group, activation_bytes=act,
-                   bf16_state=bf16_optimizer_states,
+                   bf16_state=bf16_optimizer_states, accumulation=accumulation,
                    params_from_master=config_knows_params_from_master()
                    if params_from_master is None else bool(params_from_master))
     cpu_budget = int(machine.host_bytes * (1 - MARGIN)) // machine.gpus
@@ -583,7 +582,7 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
         est, tiers, ratio = _try(p, model, machine, budget, reasons)
         if any(t.over_bytes for t in tiers):
             continue
-        traffic, resident = _traffic(p, est, machine, budget)
+        traffic, resident = _traffic(p, est, machine, budget, model.accumulation)
         host_elems = est.placement()["offloaded_elements_per_gpu"] * machine.gpus
         nvme_budget = _disk_per_rank(machine) if _split(est) else None
         return Plan(placement=p.name, config=_config(p, model, ratio, budget, nvme_budget),

@@ -50,6 +50,9 @@ def add_arguments(p) -> None:
                    help="CPU Adam speed, 1e9 elements per second per node")
     g.add_argument("--micro-batch", type=int, default=1,
                    help="micro batch per GPU for the activations (with --model-config)")
+    g.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-steps per optimizer step (gradient_accumulation_steps): host "
+                   "gradients, their staging and the per-step traffic follow it")
     g.add_argument("--params-from-master", choices=("true", "false", "auto"), default="auto",
                    help="plan the NVMe placements with tiering.params_from_master (auto: where "
                    "this build's config takes the key)")
@@ -107,7 +110,7 @@ def run(args, shape) -> int:
                   intermediate=shape.intermediate, largest_group=shape.layer_params)
     plan = plan_placement(shape.num_params if shape else args.params, machine,
                           dtype=args.dtype or "bf16", micro_batch=args.micro_batch,
-                          seq=args.seq, nodes=args.nodes,
+                          seq=args.seq, nodes=args.nodes, accumulation=getattr(args, "grad_accum", 1),
                           params_from_master={"true": True, "false": False}.get(
                               getattr(args, "params_from_master", "auto")), **kw)
     if args.json:

@@ -35,6 +35,10 @@ _OPTIONS: dict[str, dict] = {
     "--seq-len": dict(type=int, default=128, help="tokens per sequence (default 128)"),
     "--micro-batch": dict(type=int, default=None,
                           help="sequences per rank per micro-step (default: config, or 4)"),
+    "--grad-accum": dict(type=int, default=None, metavar="N",
+                         help="micro-steps per optimizer step, gradient_accumulation_steps "
+                              "(default: config, or 1); a step trains on micro batch x N x "
+                              "ranks sequences"),
     "--lr": dict(type=float, default=None,
                  help="peak learning rate (default: config, or 3e-3 tiny/small, 3e-4 larger)"),
     "--warmup": dict(type=int, default=None, help="warmup steps (default 10%% of --steps)"),

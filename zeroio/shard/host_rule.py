@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+STAGING_SLOTS = 3
+"""Pinned fp32 staging buffers of one group's slice each that a later write of a host gradient
+goes through ([Note: bounded staging] in partition/landing.py)."""
+
 
 def host_grad_may_be_16bit(*, stage: int, half: bool, cpu_optimizer: bool,
                            accumulation_steps: int, host_numel: int) -> bool:
@@ -15,4 +19,4 @@ def host_grad_may_be_16bit(*, stage: int, half: bool, cpu_optimizer: bool,
     return cpu_optimizer and host_numel > 0 and half and not host_accumulates
 
 
-__all__ = ["host_grad_may_be_16bit"]
+__all__ = ["STAGING_SLOTS", "host_grad_may_be_16bit"]

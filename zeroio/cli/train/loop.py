@@ -59,6 +59,8 @@ class TrainOptions:
     seq_len: int = 128
     micro_batch: int | None = None
     """Sequences per rank per micro-step; None = the config's value, or 4."""
+    grad_accum: int | None = None
+    """Micro-steps per optimizer step (gradient_accumulation_steps); None = the config's, or 1."""
     lr: float | None = None
     """Peak learning rate; None = the config's value, or 3e-3 (tiny/small) / 3e-4."""
     warmup: int | None = None
@@ -147,13 +149,15 @@ def resolve_config(opts: TrainOptions, mcfg, *, world_size: int, cuda: bool, out
     lr = opts.lr if opts.lr is not None else (3e-3 if (opts.preset or "tiny") in SMALL_PRESETS
                                               and opts.model_config is None else 3e-4)
     values = dict(
-        per_device_train_batch_size=opts.micro_batch or 4, gradient_accumulation_steps=1,
+        per_device_train_batch_size=opts.micro_batch or 4,
+        gradient_accumulation_steps=opts.grad_accum or 1,
         learning_rate=lr, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0,
         max_grad_norm=1.0, bf16=cuda, fp16=False, num_training_steps=opts.steps,
         warmup_steps=opts.warmup if opts.warmup is not None else max(1, opts.steps // 10),
     )
     # only what the user typed can contradict the config; our defaults yield to it
     typed = {"micro_batch": "per_device_train_batch_size", "lr": "learning_rate",
+             "grad_accum": "gradient_accumulation_steps",
              "steps": "num_training_steps", "warmup": "warmup_steps"}
     check_no_contradictions(raw, "the command line",
                             **{v: values[v] for k, v in typed.items() if k in opts.given})
@@ -402,6 +406,8 @@ def check_options(opts: TrainOptions):
         raise ConfigError(f"--stop-after must be >= 1, got {opts.stop_after}", key="stop_after")
     if opts.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {opts.steps}", key="steps")
+    if opts.grad_accum is not None and opts.grad_accum < 1:
+        raise ConfigError(f"--grad-accum must be >= 1, got {opts.grad_accum}", key="grad_accum")
     if opts.timeout is not None and not opts.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {opts.timeout:g}", key="timeout")
     if opts.model_dtype not in MODEL_DTYPES:

@@ -138,6 +138,14 @@ def _micro_batch(opts, raw: dict[str, Any]) -> int:
     return mb if isinstance(mb, int) and not isinstance(mb, bool) and mb > 0 else 4
 
 
+def _accumulation(opts, raw: dict[str, Any]) -> int:
+    """--grad-accum, else the config's gradient_accumulation_steps where it is a number."""
+    if opts.grad_accum is not None:
+        return opts.grad_accum
+    gas = raw.get("gradient_accumulation_steps")
+    return gas if isinstance(gas, int) and not isinstance(gas, bool) and gas > 0 else 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunPlan:
     """The plan of one job as every rank applies it and the summary records it."""
@@ -202,7 +210,8 @@ def make(opts, mcfg, *, gpus: int, nodes: int, cuda: bool,
         plan = plan_placement(n, machine, dtype=_dtype(raw, cuda), micro_batch=_micro_batch(opts, raw),
                               seq=opts.seq_len, layers=layers, hidden=mcfg.hidden_size,
                               vocab=mcfg.vocab_size, intermediate=mcfg.intermediate_size,
-                              largest_group=(n - emb - mcfg.hidden_size) // layers, nodes=nodes)
+                              largest_group=(n - emb - mcfg.hidden_size) // layers, nodes=nodes,
+                              accumulation=_accumulation(opts, raw))
     except CapacityError as e:
         raise CapacityError(f"--plan: the model ({n:,} parameters) does not fit the machine "
                             f"({source}): {e}. Nothing was trained") from None

@@ -14,9 +14,11 @@ reduce-scatter, while backward goes on (the stage-2 design, stage12.py
   new 200+ MB buffer per layer per step);
 - a later write in the same accumulation (gradient accumulation, or a group
   reduced twice by reentrant checkpointing) must *add*: on the same device it
-  adds in place; to a host home it copies into a pinned fp32 staging buffer
-  of the group (allocated once, reused every step) and the add runs on the
-  host in ``settle`` after the single host wait of the backward;
+  adds in place; to a host home it copies into one of a few pinned fp32
+  staging buffers (allocated once, reused every step) and a worker thread adds
+  it on the host while the backward goes on; ``settle``, after the single host
+  wait of the backward, waits for the last adds ([Note: bounded staging] in
+  partition/landing.py);
 - ``zero_grad`` only forgets which groups were written; ``settle`` at the
   boundary zeroes the pieces of groups that got no gradient at all, so the
   5+ GB memset of the whole gradient per step is gone (``ShardGroup.grad`` is
@@ -69,11 +71,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroio.io.hostmem import host_empty
 from zeroio.partition.base import ShardGroup
-from zeroio.partition.landing import land
+from zeroio.partition.landing import StagedAdds, land
 from zeroio.partition.stage3.streams import keep_for, on, record, wait_stream
-from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.stats import StallTimer, TierStats
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,20 +105,34 @@ class GradLanding:
         self.device = device
         self.pin = pin and torch.cuda.is_available()
         self._written: dict[int, int] = {}          # group -> writes this accumulation
-        self._staging: dict[int, torch.Tensor] = {}  # group -> pinned fp32, allocated once
-        # staged adds not yet applied: group -> (copy event, the landings staged)
-        self._host_adds: dict[int, tuple[torch.cuda.Event | None, list[Landing]]] = {}
+        slot = max((sum(ld.numel for ld in lds) for lds in pieces.values()), default=0)
+        self._adds = (StagedAdds(slot, pin=self.pin, transfers=transfers) if slot else None)
+        """Later writes into host memory ([Note: bounded staging] in partition/landing.py)."""
         self._norm_parts: list[torch.Tensor] = []
         self._norm_valid = True
         self.router = None
         """The step assist whose resident chunks' gradients land on the GPU ([Note: resident
         gradients] in shard/assist.py; set by the partitioner), else None."""
-        self.host_allocations = 0
-        """Pinned staging buffers allocated so far (tests: must stop growing after warm-up)."""
+
+    @property
+    def host_allocations(self) -> int:
+        """Pinned staging buffers allocated so far (at most ``STAGING_SLOTS``)."""
+        return len(self.held_tensors())
+
+    def reserve_staging(self) -> None:
+        """Allocate the staging buffers now (gradient accumulation will use them), so that the
+        engine's host budget counts them ([Note: budgets in training] in tiering/budget.py)."""
+        if self._adds is not None:
+            self._adds.reserve()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The staging buffers allocated so far (``engine.stats()["tiers"]``)."""
-        return list(self._staging.values())
+        return self._adds.held_tensors() if self._adds is not None else []
+
+    def close(self) -> None:
+        """Apply the staged adds and stop their worker thread."""
+        if self._adds is not None:
+            self._adds.close()
 
     def _dst(self, ld: Landing) -> torch.Tensor:
         return self.groups[ld.target].grad.narrow(0, ld.base, ld.numel)
@@ -155,7 +170,10 @@ class GradLanding:
                     staged.append(ld)  # [Note: one landing rule] in partition/landing.py
         if staged:
             with on(side):
-                self._stage_add(gi, staged, shard)
+                self._adds.stage([(shard.narrow(0, ld.lo, ld.numel), self._dst(ld))
+                                  for ld in staged],
+                                 torch.cuda.current_stream(shard.device) if shard.is_cuda
+                                 else None)
 
     def _route(self, lds: list[Landing], shard: torch.Tensor, first: bool) -> list[Landing]:
         """Write the slices of resident chunks with a GPU gradient buffer there (on the current
@@ -186,40 +204,15 @@ class GradLanding:
             self.router.grads_written(record(torch.cuda.current_stream(shard.device)))
         return rest
 
-    def _stage_add(self, gi: int, lds: list[Landing], shard: torch.Tensor) -> None:
-        """Copy the slices of ``lds`` into the group's staging buffer; added in ``_apply``."""
-        if gi in self._host_adds:  # the staging still holds an earlier, unapplied write
-            self._apply(gi)
-        stage = self._staging.get(gi)
-        if stage is None:
-            n = max(p.lo + p.numel for p in self.pieces[gi])
-            stage = self._staging[gi] = host_empty(n, torch.float32, pin=self.pin)
-            self.host_allocations += 1
-        for ld in lds:
-            src = shard.narrow(0, ld.lo, ld.numel)
-            count_copy(self.transfers, src, stage)
-            stage.narrow(0, ld.lo, ld.numel).copy_(src, non_blocking=True)
-        event = record(torch.cuda.current_stream(shard.device)) if shard.is_cuda else None
-        self._host_adds[gi] = (event, lds)
-
-    def _apply(self, gi: int) -> None:
-        event, lds = self._host_adds.pop(gi)
-        if event is not None:
-            with StallTimer(self.transfers):
-                event.synchronize()
-        stage = self._staging[gi]
-        for ld in lds:
-            self._dst(ld).add_(stage.narrow(0, ld.lo, ld.numel))
-
     def settle(self, boundary: bool, stream: torch.cuda.Stream | None) -> None:
         """After every reduction was consumed (on ``stream``; the copies to host on ``d2h``,
         which waited on ``stream`` each time): one host wait when gradients land in host
-        memory, the staged adds, and at the boundary zeros for unwritten groups."""
+        memory, the last staged adds, and at the boundary zeros for unwritten groups."""
         if stream is not None and any(g.grad.device.type == "cpu" for g in self.groups):
             with StallTimer(self.transfers):  # the CPU optimizer reads these bytes next
                 record(self.d2h if self.d2h is not None else stream).synchronize()
-        for gi in list(self._host_adds):
-            self._apply(gi)
+        if self._adds is not None:
+            self._adds.drain()
         if boundary:
             for gi, lds in self.pieces.items():
                 if gi not in self._written:

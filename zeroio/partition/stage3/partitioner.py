@@ -115,6 +115,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
              for gi, refs in self._pieces.items()},
             device, pin=getattr(home, "pin_memory", False), transfers=self.transfers,
             d2h=self.streams.d2h)
+        if settings.accumulation_steps > 1:  # counted in the host budget's split (engine.py)
+            self.landing.reserve_staging()
         self._whole = {gi: _covers_shard(self.pgroups[gi].plan, self.rank, refs)
                        for gi, refs in self._pieces.items()}
         for p in by_id.values():
@@ -410,6 +412,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.wait_step()
         self._settle_publish()
         self.hooks.remove()
+        self.landing.close()
         self.store.close()
 
     def host_step_timings(self) -> dict[str, float]:

@@ -1,0 +1,120 @@
+"""`zeroio train --grad-accum N`: N micro-steps per optimizer step.
+
+On one rank the data order deals the same sequences to a step of ``--micro-batch 2`` and to the
+two micro-steps of ``--micro-batch 1 --grad-accum 2`` (data.py, [Note: resumable order]); every
+sequence has the same number of tokens, so the mean of the two micro-steps' mean losses is the
+big batch's mean loss, and the two runs must train the same model. The planner counts the
+accumulation's host gradients, staging and traffic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroio.errors import ConfigError
+
+ARGS = ["--steps", "3", "--seq-len", "32", "--nproc", "1", "--json", "--no-checkpoint"]
+
+
+def _train(out: Path, *extra: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "zeroio.cli.main", "train", *ARGS, "--output", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_two_micro_steps_train_the_model_of_one_twice_as_large(tmp_path):
+    from safetensors.torch import load_file
+
+    big = _train(tmp_path / "big", "--micro-batch", "2")
+    acc = _train(tmp_path / "acc", "--micro-batch", "1", "--grad-accum", "2")
+    assert len(acc["losses"]) == 3
+    assert acc["losses"] == pytest.approx(big["losses"], rel=1e-5)
+    # tokens per step: micro batch x accumulation x ranks x seq, 2 x 32 in both
+    for run in (big, acc):
+        assert run["tokens_per_s"] * run["wall_s"] == pytest.approx(3 * 2 * 32)
+    _train(tmp_path / "still", "--micro-batch", "2", "--lr", "0")  # the initial weights
+
+    def weights(name):
+        return {k: v for f in sorted((tmp_path / name / "model").glob("*.safetensors"))
+                for k, v in load_file(f).items()}
+
+    got, want, start = weights("acc"), weights("big"), weights("still")
+    assert got.keys() == want.keys() == start.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
+    # and the steps did move them (Adam's first steps move each weight by about the lr)
+    moved = max(float((got[k] - start[k]).abs().max()) for k in start)
+    assert moved > 1e-3, moved
+
+
+def test_grad_accum_checked_and_config_contradiction_named(tmp_path):
+    from zeroio.cli.train.loop import TrainOptions, check_options, resolve_config
+    from zeroio.cli.train.presets import llama_config
+
+    with pytest.raises(ConfigError, match="--grad-accum must be >= 1, got 0"):
+        check_options(TrainOptions(grad_accum=0))
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2,
+                               "zero_optimization": {"stage": 2}}))
+    mcfg = llama_config("tiny", None)
+    typed = TrainOptions(config=str(cfg), grad_accum=2, given=frozenset({"grad_accum"}))
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        resolve_config(typed, mcfg, world_size=1, cuda=False, out=tmp_path)
+    # not typed: the config's value stands; typed and equal: no contradiction
+    assert resolve_config(TrainOptions(config=str(cfg)), mcfg, world_size=1, cuda=False,
+                          out=tmp_path).gradient_accumulation_steps == 4
+    same = TrainOptions(config=str(cfg), grad_accum=4, given=frozenset({"grad_accum"}))
+    assert resolve_config(same, mcfg, world_size=1, cuda=False,
+                          out=tmp_path).gradient_accumulation_steps == 4
+    # with the built-in config the flag sets it
+    assert resolve_config(TrainOptions(grad_accum=3), mcfg, world_size=2, cuda=False,
+                          out=tmp_path).train_batch_size == 4 * 3 * 2
+
+
+def test_plan_counts_the_accumulation():
+    """15.24B on an H200 machine's figures: with 16 micro-steps the host gradient is fp32 (no
+    16-bit shard while it accumulates), so 4 - 2 more bytes per host element push that many
+    moments out of the host budget to the disk; the staging is 3 slots of one layer's slice;
+    gradients and parameter copies cross PCIe once per micro-step."""
+    from zeroio.plan import Machine, plan_placement
+
+    m = Machine(gpus=1, gpu_bytes=149_560_000_000, host_bytes=133_690_000_000,
+                disk_bytes=68_640_000_000, pcie_bps=52.55e9, disk_read_bps=1.83e9,
+                disk_write_bps=2.18e9, cpu_adam_elems_per_s=3.9e9, disk_mixed_bps=1.3e9)
+    shape = dict(micro_batch=1, seq=1024, layers=47, hidden=5120, vocab=32000, intermediate=13824)
+    one = plan_placement(15.24e9, m, **shape)
+    acc = plan_placement(15.24e9, m, **shape, accumulation=16)
+    assert one.placement == acc.placement == "stage 3, optimizer on NVMe"
+    assert one.ratio == acc.ratio
+    host = one.estimate.placement()["offloaded_elements_per_gpu"]
+    items = {i.name: i.bytes_per_gpu for i in acc.estimate.items if i.tier == "cpu"}
+    layer = 4 * 5120 ** 2 + 3 * 5120 * 13824 + 2 * 5120  # one decoder layer's parameters
+    assert items["gradient accumulation staging (pinned fp32)"] == 4 * 3 * layer
+    assert items["fp32 gradient shard beyond the model states'"] == 2 * host
+    extra = 2 * host + 4 * 3 * layer
+    assert acc.tiers[1].need_bytes - one.tiers[1].need_bytes == extra
+    # one micro-step: every host-side moment (8 bytes per element) stays resident in the host
+    # budget; with 16 the budget left after the larger state holds fewer, and the rest go to
+    # the disk and back, once each per step
+    budget = acc.config["zero_optimization"]["tiering"]["cpu_budget_bytes"]
+    assert one.resident_moment_bytes == 8 * host and one.traffic["nvme->cpu"] == 0
+    assert acc.resident_moment_bytes == budget - acc.tiers[1].need_bytes
+    assert acc.traffic["nvme->cpu"] == acc.traffic["cpu->nvme"] == 8 * host - \
+        acc.resident_moment_bytes
+    # params_from_master: the fp32 masters cross twice per micro-step; the fp32 gradients once
+    assert acc.traffic["cpu->gpu"] == 16 * one.traffic["cpu->gpu"] == 16 * 2 * 4 * host
+    assert acc.traffic["gpu->cpu"] == 16 * 4 * host and one.traffic["gpu->cpu"] == 2 * host
+    with pytest.raises(ConfigError, match="accumulation = 0"):
+        plan_placement(15.24e9, m, **shape, accumulation=0)
