@@ -261,7 +261,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           (_train_planned("15b", 1024, 505),)),
     Suite("train-15b-accum", "nvidia-h200", "the train-15b run with 16 micro-batches per "
           "optimizer step (`--grad-accum 16`): the plan for it, 3 steps, the export, peaks",
-          (_train_planned("15b", 1024, 540, accumulation=16),)),
+          (_train_planned("15b", 1024, 505, accumulation=16),)),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "
