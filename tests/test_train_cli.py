@@ -7,31 +7,21 @@ checkpoint and a folder that plain transformers loads.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, builtin_corpus
+from zeroio.testing.train_cli import run_train
 
 pytestmark = pytest.mark.slow
 ARGS = ["--steps", "8", "--seq-len", "64", "--micro-batch", "2", "--json"]
 
 
 def _train(out: Path, *extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "zeroio.cli.main", "train", *ARGS, "--output", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=out.parent)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stderr[-4000:]}"
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, f"--json must print exactly one line, got:\n{proc.stdout}"
-    return json.loads(lines[0])
+    return run_train(out, [*ARGS, *extra], os.environ, timeout=240)
 
 
 @pytest.fixture(scope="module")

@@ -11,26 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from zeroio.errors import ConfigError
+from zeroio.testing.train_cli import run_train
 
 ARGS = ["--steps", "3", "--seq-len", "32", "--nproc", "1", "--json", "--no-checkpoint"]
 
 
 def _train(out: Path, *extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "zeroio.cli.main", "train", *ARGS, "--output", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_train(out, [*ARGS, *extra], os.environ)
 
 
 @pytest.mark.slow
