@@ -94,8 +94,6 @@ def plan_pieces(buckets, *, rank: int, world: int, piece_numel: int, early: bool
     return pieces, of_param
 
 
-__all__ = ["GradPiece", "land", "plan_pieces"]
-
 
 class StagedAdds:
     """Later writes of a gradient into host memory, added on the host through a bounded pool of
@@ -180,3 +178,6 @@ def _add(event: torch.cuda.Event | None, adds, buf: torch.Tensor) -> torch.Tenso
     for view, dst in adds:
         dst.add_(view)
     return buf
+
+
+__all__ = ["GradPiece", "StagedAdds", "land", "plan_pieces"]
