@@ -121,8 +121,11 @@ class GradLanding:
 
     def reserve_staging(self) -> None:
         """Allocate the staging buffers now (gradient accumulation will use them), so that the
-        engine's host budget counts them ([Note: budgets in training] in tiering/budget.py)."""
-        if self._adds is not None:
+        engine's host budget counts them ([Note: budgets in training] in tiering/budget.py).
+        Nothing is staged, so nothing is reserved, unless a device's gradient lands in host
+        memory."""
+        if self._adds is not None and self.device.type == "cuda" and any(
+                g.grad.device.type == "cpu" for g in self.groups):
             self._adds.reserve()
 
     def held_tensors(self) -> list[torch.Tensor]:
