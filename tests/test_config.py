@@ -297,6 +297,7 @@ def test_alias_and_current_name_agreeing_is_fine_disagreeing_is_an_error():
 @pytest.mark.parametrize("given,ws,expected", [
     ({"train_batch_size": 32}, 4, (32, 8, 1)),
     ({"train_micro_batch_size_per_gpu": 3}, 2, (6, 3, 1)),
+    ({"gradient_accumulation_steps": 4}, 2, (8, 1, 4)),  # not read as 1
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 4, (64, 4, 4)),
     ({"train_batch_size": 64, "gradient_accumulation_steps": 2}, 4, (64, 8, 2)),
     ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 5}, 3, (30, 2, 5)),

@@ -370,8 +370,7 @@ def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,
         p, ratio=ratio, cpu_budget=cpu_budget, nvme_budget=nvme_budget,
         params_from_master=_pfm(p, model))}
     if model.accumulation > 1:  # the estimate's host gradients and staging depend on it
-        cfg.update(gradient_accumulation_steps=model.accumulation,
-                   train_micro_batch_size_per_gpu=1)  # alone, the key reads as 1
+        cfg["gradient_accumulation_steps"] = model.accumulation
     if model.dtype in ("bf16", "fp16"):
         cfg[model.dtype] = {"enabled": True}
     if model.bf16_state:  # docs/engine.md, "bf16 optimizer state"

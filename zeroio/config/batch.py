@@ -65,6 +65,9 @@ def complete(raw: dict, world_size: int, unfilled_auto: set[str]) -> BatchSizes:
     elif micro is not None:
         gas = 1
         train = micro * world_size
+    elif gas is not None:  # micro-steps of one sequence each, as with no key at all
+        micro = 1
+        train = gas * world_size
     else:
         micro, gas = 1, 1
         train = world_size

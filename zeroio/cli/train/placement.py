@@ -131,19 +131,13 @@ def _dtype(raw: dict[str, Any], cuda: bool) -> str:
     return "fp32"
 
 
-def _micro_batch(opts, raw: dict[str, Any]) -> int:
-    if opts.micro_batch is not None:
-        return opts.micro_batch
-    mb = raw.get("train_micro_batch_size_per_gpu")
-    return mb if isinstance(mb, int) and not isinstance(mb, bool) and mb > 0 else 4
-
-
-def _accumulation(opts, raw: dict[str, Any]) -> int:
-    """--grad-accum, else the config's gradient_accumulation_steps where it is a number."""
-    if opts.grad_accum is not None:
-        return opts.grad_accum
-    gas = raw.get("gradient_accumulation_steps")
-    return gas if isinstance(gas, int) and not isinstance(gas, bool) and gas > 0 else 1
+def _typed_or_config(typed: int | None, raw: dict[str, Any], key: str, default: int) -> int:
+    """The option as typed, else the config's ``key`` where it is a positive number, else
+    ``default`` (an "auto" is filled from the option's default)."""
+    if typed is not None:
+        return typed
+    v = raw.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,11 +201,13 @@ def make(opts, mcfg, *, gpus: int, nodes: int, cuda: bool,
     layers = mcfg.num_hidden_layers
     emb = mcfg.vocab_size * mcfg.hidden_size * (1 if mcfg.tie_word_embeddings else 2)
     try:
-        plan = plan_placement(n, machine, dtype=_dtype(raw, cuda), micro_batch=_micro_batch(opts, raw),
+        plan = plan_placement(n, machine, dtype=_dtype(raw, cuda), micro_batch=_typed_or_config(
+                                  opts.micro_batch, raw, "train_micro_batch_size_per_gpu", 4),
                               seq=opts.seq_len, layers=layers, hidden=mcfg.hidden_size,
                               vocab=mcfg.vocab_size, intermediate=mcfg.intermediate_size,
                               largest_group=(n - emb - mcfg.hidden_size) // layers, nodes=nodes,
-                              accumulation=_accumulation(opts, raw))
+                              accumulation=_typed_or_config(
+                                  opts.grad_accum, raw, "gradient_accumulation_steps", 1))
     except CapacityError as e:
         raise CapacityError(f"--plan: the model ({n:,} parameters) does not fit the machine "
                             f"({source}): {e}. Nothing was trained") from None
