@@ -41,6 +41,7 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.tiering import stats as tstats
 from zeroio.tiering.breakdown import StepTimeline, format_breakdown
+from zeroio.tiering.gpu_tier import batch_size
 
 
 def init_distributed(timeout_s: float = 600.0) -> None:
@@ -209,6 +210,7 @@ class Engine:
         self._precision = policies.precision  # bf16 optimizer state: engine.stats() sources
         self.partitioner = build_partitioner(self.config, self.module, spec, self.device,
                                              policies)
+        self.gpu_tier = self.partitioner.gpu_tier()  # [Note: resident state yields]
         self._budgets = explicit_budgets(self.config)  # [Note: budgets in training]
         self.optimizer = None
         nvme_opt = self.config.zero_optimization.offload_optimizer.device == "nvme"
@@ -258,7 +260,8 @@ class Engine:
             self._tokens += ids.numel()  # token ids: tokens/s in the steps_per_print line
         t = time.perf_counter()
         with self._timeline.span("forward"), torch.profiler.record_function("zeroio::forward"):
-            out = self.module(*args, **kwargs)
+            out = self.gpu_tier.forward(lambda: self.module(*args, **kwargs), batch_size(
+                args, kwargs), rerunnable=self.partitioner.forward_rerunnable)
         self._timings["forward_s"] += time.perf_counter() - t
         return out
 
@@ -306,10 +309,12 @@ class Engine:
         t = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         with self._timeline.span("backward"), torch.profiler.record_function("zeroio::backward"):
+            self.gpu_tier.before_backward()  # [Note: resident state yields]
             self.partitioner.begin_micro_step(boundary)
             scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
             (loss.float() * scale).backward()
             self.partitioner.finalize_gradients(boundary)
+            self.gpu_tier.after_backward()
         self._timings["backward_s"] += time.perf_counter() - t
         return loss
 
@@ -393,6 +398,7 @@ class Engine:
         if store is not None:
             sources["optimizer"] = store.stats()
         sources.update(self.partitioner.stats_sources())
+        sources["gpu_tier"] = self.gpu_tier.stats()
         sources["held"] = tstats.held_source(self._held_tensors())
         if self._precision.low:  # docs/engine.md, "bf16 optimizer state"
             sources["precision"] = {"master_dtype": self._precision.master,

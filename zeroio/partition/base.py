@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroio.shard.types import ParamEntry, ParamIndex, Segment, ShardGroup  # noqa: F401 (re-exported)
+from zeroio.tiering.gpu_tier import GpuTier
 
 if TYPE_CHECKING:
     from zeroio.partition.stage3.twin import OptimizerSplit
@@ -68,6 +69,9 @@ class Partitioner:
     """Whether ``run_step`` can run the host optimizer step chunk by chunk."""
     stages_ranges: bool = False
     """Whether ``stage_range`` publishes updated ranges while the optimizer steps."""
+    forward_rerunnable: bool = False
+    """Whether a forward that failed (out of GPU memory) may simply be run again: no hook
+    state of its own is left half done ([Note: resident state yields] in tiering/gpu_tier.py)."""
 
     def begin_micro_step(self, boundary: bool) -> None:
         """Arm hooks for one backward; ``boundary`` says whether it ends the accumulation."""
@@ -118,6 +122,14 @@ class Partitioner:
         self.wait_step()
         if self._assist is not None:
             self._assist.release()
+
+    def gpu_tier(self) -> GpuTier:
+        """The GPU tier of the state kept on the GPU between steps (the step assist's resident
+        chunks; an empty one without an assist), its evictions behind ``wait_step``
+        ([Note: resident state yields] in tiering/gpu_tier.py)."""
+        tier = self._assist.tier if self._assist is not None else GpuTier()
+        tier.quiesce = self.wait_step
+        return tier
 
     def stats_sources(self) -> dict[str, dict]:
         """Counter sources for ``engine.stats()`` (tiering/stats.py); default: none."""

@@ -58,6 +58,8 @@ class StepChunk:
 class HostStep12:
     """The host step of ``Stage12Partitioner`` (module doc); mixed into it, not used alone."""
 
+    forward_rerunnable = True  # its forward hooks only wait for published chunks
+
     def _plan_step(self, chunk_numel: int) -> tuple[list[StepChunk], dict[int, int]]:
         """Chunks in the order a forward reads parameters (buckets by their first global
         offset), and per parameter the last chunk its published value depends on."""

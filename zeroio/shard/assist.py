@@ -78,6 +78,7 @@ import warnings
 
 import torch
 
+from zeroio.tiering.gpu_tier import DeviceMemory, GpuTier, cuda_memory
 from zeroio.tiering.stats import TierStats, count_copy
 from zeroio.tiering.streams import DeviceStreams
 
@@ -108,6 +109,13 @@ def resident_budget(*, total: int, free: int, reserved: int, peak_reserved: int,
     training = max(peak_reserved, reserved) - resident + pending
     headroom = total - others - training
     return max(0, int(RESIDENT_FRACTION * headroom) - RESIDENT_RESERVE_BYTES)
+
+
+def auto_budget(*, memory: DeviceMemory, resident: int, pending: int = 0) -> int:
+    """``resident_budget`` of one device reading (the GPU tier's "auto")."""
+    return resident_budget(total=memory.total, free=memory.free, reserved=memory.reserved,
+                           peak_reserved=memory.peak_reserved, resident=resident,
+                           pending=pending)
 
 
 class _Resident:
@@ -166,13 +174,17 @@ class StepAssist:
     def __init__(self, device: torch.device, *, host_numel: int,
                  slot_numel: int | None = None, slots: int | None = None,
                  backlog_numel: int | None = None, transfers: TierStats | None = None,
-                 gpu_budget_bytes: int | None = 0, device_grads: torch.dtype | None = None):
+                 gpu_budget_bytes: int | None = 0, device_grads: torch.dtype | None = None,
+                 tier: GpuTier | None = None):
         """``host_numel``: elements of the host optimizer state (no slot is larger). Sizes
         default to the module's ``SLOT_NUMEL``, ``SLOTS``, ``BACKLOG_NUMEL`` (read now, so a
         test or benchmark may set them). ``gpu_budget_bytes``: what resident chunks may hold
         (0: none; None: "auto", ``resident_budget``; [Note: resident chunks]).
         ``device_grads``: the 16-bit dtype of the host gradients whose resident chunks'
-        gradients land on the GPU ([Note: resident gradients]); None: none do."""
+        gradients land on the GPU ([Note: resident gradients]); None: none do. ``tier``: the
+        GPU tier its resident chunks register with ([Note: resident state yields] in
+        tiering/gpu_tier.py; default: one of its own over this device, capped by
+        ``gpu_budget_bytes``)."""
         if device.type != "cuda":
             raise ValueError(f"StepAssist needs a CUDA device, got {device}")
         self.device = device
@@ -195,9 +207,14 @@ class StepAssist:
         """Elements the caller stepped on the CPU beside it (counted by ``cpu``)."""
         self.off_reason: str | None = None
         """Why the assist stopped taking chunks (its slots did not fit the GPU), else None."""
-        self.gpu_budget_bytes = gpu_budget_bytes
+        self.tier = tier if tier is not None else GpuTier(
+            cap_bytes=gpu_budget_bytes, memory=cuda_memory(device), auto_budget=auto_budget,
+            empty_cache=torch.cuda.empty_cache)
+        self.tier.register(self)
         self.budget_bytes = 0
-        """What resident chunks may hold this step (``begin_step``)."""
+        """What resident chunks may hold this step (``begin_step``; lowered by an eviction)."""
+        self._admitting = False
+        """Between ``begin_step`` and ``drain``: the step may still admit chunks."""
         self._resident: dict[tuple[int, int, int], _Resident] = {}
         """(group, first element, elements) -> the chunk's GPU state, in admission order."""
         self.resident_bytes = 0
@@ -243,25 +260,50 @@ class StepAssist:
     # ---- resident chunks ([Note: resident chunks]) -------------------------------------------
 
     def begin_step(self) -> None:
-        """Before a host step (no GPU chunk in flight): this step's budget, and chunks given
-        back from the last admitted while the resident ones hold more than it."""
+        """Before a host step (no GPU chunk in flight): this step's budget (the GPU tier's
+        ``step_budget``), and chunks given back from the last admitted while the resident
+        ones hold more than it."""
         if self.off_reason is not None:
             return
-        want = self.gpu_budget_bytes
-        if want is None:
-            free, total = torch.cuda.mem_get_info(self.device)
-            pending = 0 if self._ready else self.n_slots * self.slot_numel * slot_element_bytes(
-                torch.bfloat16, torch.bfloat16)
-            want = resident_budget(total=total, free=free,
-                                   reserved=torch.cuda.memory_reserved(self.device),
-                                   peak_reserved=torch.cuda.max_memory_reserved(self.device),
-                                   resident=self.resident_bytes, pending=pending)
-        self.budget_bytes = int(want)
-        while self.resident_bytes > self.budget_bytes and self._resident:
-            self._evict(next(reversed(self._resident)))
+        pending = 0 if self._ready else self.n_slots * self.slot_numel * slot_element_bytes(
+            torch.bfloat16, torch.bfloat16)
+        self.tier.step_budget(pending)  # sets budget_bytes (set_budget)
+        self.evict(self.resident_bytes - self.budget_bytes)
+        self._admitting = True
         self._step_grads = {k for k, r in self._resident.items() if r.grad_here}
         if self._step_grads and self._grads_written is not None:
             self.up.wait_event(self._grads_written)  # the landing's copies are done first
+
+    @property
+    def gpu_budget_bytes(self) -> int | None:
+        """``zero_optimization.tiering.gpu_budget_bytes`` (the tier's cap; None: "auto")."""
+        return self.tier.cap_bytes
+
+    @gpu_budget_bytes.setter
+    def gpu_budget_bytes(self, value: int | None) -> None:
+        self.tier.cap_bytes = value
+
+    # ---- the GPU tier's holder protocol ([Note: resident state yields]) ----------------------
+
+    def gpu_bytes(self) -> int:
+        return self.resident_bytes
+
+    def claim_bytes(self) -> int:
+        return max(self.resident_bytes, self.budget_bytes if self._admitting else 0)
+
+    def set_budget(self, nbytes: int) -> None:
+        self.budget_bytes = int(nbytes)
+
+    def evict(self, nbytes: int) -> int:
+        """Chunks given back to host memory, last admitted first, until ``nbytes`` are freed
+        (their state and gradients brought down first: ``_flush``); the bytes freed. No chunk
+        may be in flight (after ``drain``)."""
+        freed = 0
+        while freed < nbytes and self._resident:
+            key = next(reversed(self._resident))
+            freed += self._resident[key].nbytes
+            self._evict(key)
+        return freed
 
     # ---- resident gradients ([Note: resident gradients]) -------------------------------------
 
@@ -504,10 +546,12 @@ class StepAssist:
                 e.synchronize()
         self._pending = []
         self._step_grads = set()  # every chunk of the step was submitted or released
+        self._admitting = False
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [t for slot in self._bufs for t in slot.values()] + [
-            t for r in self._resident.values() for t in (r.p, r.m, r.v, r.g16) if t is not None]
+        """The slots (resident chunks are the GPU tier's: ``engine.stats()["tiers"]["gpu"]``
+        counts them through it)."""
+        return [t for slot in self._bufs for t in slot.values()]
 
     def stats(self) -> dict[str, int | bool]:
         return {"numel_gpu": self.numel_gpu, "numel_cpu": self.numel_cpu,
