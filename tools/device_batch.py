@@ -223,6 +223,21 @@ def _train_planned(size: str, seq: int, timeout_s: int, accumulation: int = 1) -
                 quote=r"step \d|plan|predicted|measured|peaks|Error|error|GB")
 
 
+def _growing_steps() -> tuple[Step, ...]:
+    """benchmarks/growing_batch.py at SHAPE_4B, micro batch 8: 3 steps at seq 1024 then 2 at
+    4096, stages 2 and 3 with the defaults ("auto" resident chunks) beside gpu_budget_bytes 0,
+    then the GPU test of the yield ([Note: resident state yields] in zeroio/tiering/gpu_tier.py)."""
+    run = (f"python3 benchmarks/growing_batch.py {SHAPE_4B} --micro-batch 8 "
+           "--seqs 1024,1024,1024,4096,4096 --out {res}")
+    rows = tuple(Step(f"z{stage}-{budget}", f"{run} --config configs/zero{stage}-cpu.json "
+                      f"--budget {budget}{{extra}}", 110, quote=r"^step \d|OOM|Error")
+                 for budget in ("auto", "0") for stage in (2, 3))
+    test = Step("gpu_tier", "python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml "
+                "{res}/junit-gpu_tier.xml tests/test_gpu_tier.py tests/test_resident_chunks.py",
+                100, quote=r"passed|failed|Error")
+    return (test,) + rows
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-tests", "nvidia-h200", "every -m gpu test file on 1 GPU (2-GPU cases skip)",
           _pytest_steps(150)),
@@ -262,6 +277,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("train-15b-accum", "nvidia-h200", "the train-15b run with 16 micro-batches per "
           "optimizer step (`--grad-accum 16`): the plan for it, 3 steps, the export, peaks",
           (_train_planned("15b", 1024, 505, accumulation=16),)),
+    Suite("growing-batch", "nvidia-h200", "the 4.31B shape at micro batch 8, 3 steps at seq 1024 "
+          "then 2 at 4096 (resident chunks must yield), stages 2 and 3, defaults beside "
+          "gpu_budget_bytes 0: s/step and peak GPU per step", _growing_steps()),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "

@@ -146,7 +146,7 @@ class GpuTier:
         self.budget_bytes = 0
         """What resident state may hold this step (``step_budget``)."""
         self._tokens = 1
-        self._resident_low = 0
+        self._resident_seen = 0
         self._peak_seen = 0
         self.evictions = 0
         """Times state was given back for training (a fit or an OOM retry that freed bytes)."""
@@ -187,24 +187,28 @@ class GpuTier:
     def before_forward(self, tokens: int) -> int:
         """A micro step of ``tokens`` begins: make room for its predicted peak; bytes freed."""
         self._tokens = max(1, int(tokens))
-        self._resident_low = self.used_bytes
-        return self.fit(self._tokens)
+        freed = self.fit(self._tokens)
+        self._resident_seen = self.used_bytes
+        return freed
 
     def before_backward(self) -> int:
         """The backward of the micro step ``before_forward`` announced: check again (other
         allocations may have come since); bytes freed."""
-        self._resident_low = min(self._resident_low, self.used_bytes)
         return self.fit(self._tokens)
 
     def after_backward(self) -> None:
-        """Measure the micro step where it raised the allocator's peak (``PeakModel``)."""
+        """Measure the micro step where it raised the allocator's peak (``PeakModel``): the
+        peak less the most that was resident at the forward's start or now. A step in flight
+        admits chunks during the micro step (never frees them), so the resident bytes at the
+        peak are at most that; a micro step measured with nothing resident is exact, and the
+        model keeps the largest measurement."""
         if self.memory is None:
             return
         mem = self.memory()
         if mem.peak_reserved > self._peak_seen:
             self._peak_seen = mem.peak_reserved
-            low = min(self._resident_low, self.used_bytes)  # fewer resident: a larger estimate
-            self.model.add(self._tokens, mem.peak_reserved - low)
+            resident = max(self._resident_seen, self.used_bytes)
+            self.model.add(self._tokens, mem.peak_reserved - resident)
 
     def forward(self, run: Callable[[], object], tokens: int, *, rerunnable: bool):
         """``run()`` (a forward of ``tokens``) after ``before_forward``; where it runs out of
@@ -227,7 +231,12 @@ class GpuTier:
         if room is None:
             return 0
         over = self._claimed() - max(0, room)
-        return self.evict(over) if over > 0 else 0
+        if over <= 0:
+            return 0
+        freed = self.evict(over)
+        if freed:  # the chunks' blocks back to the device, not kept in the cache in their
+            self.empty_cache()  # sizes (training's own allocations are not cut from them)
+        return freed
 
     def room_for(self, tokens: int) -> int | None:
         """GPU bytes resident state may hold beside a micro step of ``tokens`` (None: nothing
