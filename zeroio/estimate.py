@@ -48,9 +48,9 @@ Two layers, reported separately in the breakdown:
      values go to the host shards through one GPU staging buffer of
      PUBLISH_CHUNK_NUMEL elements (b bytes each).
    - gradient accumulation (gradient_accumulation_steps > 1 in the config)
-     with gradients on the host: STAGING_SLOTS pinned fp32 buffers of one group's
-     slice (4 x 3 x G / N, at most the offloaded elements) that later writes cross
-     PCIe in before the host adds them (partition/landing.py, [Note: bounded staging]).
+     with gradients on the host: STAGING_SLOTS pinned fp32 buffers of one group's slice (4 x 3 x
+     G / N; stage 2: of one gradient piece), at most the offloaded elements, that later writes
+     cross PCIe in before the host adds them (partition/landing.py, [Note: bounded staging]).
    - offload_optimizer nvme: the fp32 masters (4 of the K bytes) stay in host
      memory, only the moments (8) go to the disk (zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU): buffer_count x
@@ -460,13 +460,15 @@ def estimate_memory(
             add("step assist slots (during the step)", "gpu",
                 assist.SLOTS * min(assist.SLOT_NUMEL, shard - dev) * per, buf,
                 f"{assist.SLOTS} * min({assist.SLOT_NUMEL}, offloaded elements per GPU) * {per}")
-        if gas > 1 and grad_tier == "cpu" and stage == 3 and dtype != "fp32":
-            # [Note: bounded staging] in partition/landing.py: a few slots of one group's slice
-            from zeroio.shard.host_rule import STAGING_SLOTS
+        if gas > 1 and grad_tier == "cpu" and (stage == 2 or stage == 3 and dtype != "fp32"):
+            # [Note: bounded staging] in partition/landing.py: slots of a group's slice or piece
+            from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
 
-            slot = min(math.ceil(grp / n), shard - dev)
+            slot, of = ((min(math.ceil(grp / n), shard - dev), f"min({gname}, Psi) / N")
+                        if stage == 3 else (min(GRAD_PIECE_NUMEL, shard - dev),
+                                            f"min({GRAD_PIECE_NUMEL}, Psi / N)"))
             add("gradient accumulation staging (pinned fp32)", "cpu", FP32 * STAGING_SLOTS * slot,
-                buf, f"4 * {STAGING_SLOTS} * min({gname}, Psi) / N")
+                buf, f"4 * {STAGING_SLOTS} * {of}")
         if opt_dev == "nvme":
             oo = zero.offload_optimizer
             add("optimizer swap buffers (pinned)", "cpu",

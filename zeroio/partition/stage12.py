@@ -92,13 +92,14 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Partitioner, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.flat import shard_group as _shard_group
-from zeroio.partition.landing import GradPiece, land, plan_pieces
+from zeroio.partition.landing import GradPiece, StagedAdds, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
 from zeroio.partition.stage3.twin import OptimizerSplit
 from zeroio.partition.stage12_step import HostStep12
 from zeroio.partition.step_overlap import StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
+from zeroio.shard.host_rule import GRAD_PIECE_NUMEL
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 from zeroio.tiering.streams import DeviceStreams
 
@@ -129,9 +130,8 @@ elements): fused CPU AdamW takes 0.237 s over registered memory in one call, 0.2
 Llama layer (51M) or the embedding (65M), so the overlapped step's first forward layers
 still wait for one chunk only, and the fp32 GPU landing zones (two chunks) stay 512 MB."""
 
-GRAD_PIECE_NUMEL = 1 << 25
-"""Elements of a bucket's slice consumed at once: [Note: gradient pieces]. 32M elements: a 128 MB
-fp32 GPU temporary, a 2.3 ms copy at 55 GB/s (a whole 5e8 bucket's: 2 GB, 36 ms)."""
+# GRAD_PIECE_NUMEL (shard/host_rule.py), [Note: gradient pieces]: 32M elements, a 128 MB fp32
+# GPU temporary, a 2.3 ms copy at 55 GB/s (a whole 5e8 bucket's: 2 GB, 36 ms); a staging slot.
 
 
 class Stage12Partitioner(HostStep12, Partitioner):
@@ -214,14 +214,12 @@ class Stage12Partitioner(HostStep12, Partitioner):
             if id(p) not in in_layout and p.is_floating_point():
                 p.data = p.data.to(device=device, dtype=compute_dtype)
         self._staging16: dict[int, torch.Tensor] = {}
-        self._accum_staging: dict[int, torch.Tensor] = {}
         self._side = DeviceStreams.of(device).side  # None on CPU; tiering/streams.py
         self.phase = Phase.IDLE
         self._boundary = True
         self._first_micro = True
         self._ready = [0] * len(self.layout.buckets)
         self._inflight: dict[int, comm.CommHandle] = {}
-        self._pending_host_add: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._norm_parts: list[torch.Tensor] = []  # see [Note: norm while consuming]
         # [Note: gradient pieces]: with nobody to reduce with, pieces go as their params are ready
         self._early = self.comm_world == 1
@@ -229,6 +227,11 @@ class Stage12Partitioner(HostStep12, Partitioner):
             self.layout.buckets, rank=self.rank, world=self.world,
             piece_numel=max(1, grad_piece_numel or GRAD_PIECE_NUMEL), early=self._early)
         self._n_pieces = sum(len(ps) for ps in self._pieces)
+        # later writes of a host gradient: [Note: bounded staging] in partition/landing.py
+        self._staged = StagedAdds(max((p.numel for ps in self._pieces for p in ps), default=1),
+                                  pin=home.pin_memory, transfers=self.transfers)
+        if stage == 2 and accumulation_steps > 1 and home.device != device:
+            self._staged.reserve()  # before the engine splits its host budget
         self._left = [0] * self._n_pieces
         self._consumed = [False] * self._n_pieces
         self._publish_done: torch.cuda.Event | None = None
@@ -356,7 +359,6 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self._ready = [0] * len(self.layout.buckets)
         self._left = [p.params for ps in self._pieces for p in ps]
         self._consumed = [False] * self._n_pieces
-        self._pending_host_add = []
         for b in self.layout.buckets:
             for s in b.slots:
                 view = grad_view(self.grads, s)
@@ -437,6 +439,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
             self._norm_parts.append(torch.linalg.vector_norm(scaled).double().pow(2))
         first = self._first_micro or self.stage != 2
         lo = self._local_base[b.index] + piece.slice_lo
+        staged = []
         for off, dst in self._parts(b.group_index, "grad", lo, k):  # device part stays there
             raw = self._unaveraged and dst.dtype != torch.float32  # [Note: 16-bit host gradients]
             part = (src if raw else scaled).narrow(0, off, dst.numel())
@@ -445,14 +448,11 @@ class Stage12Partitioner(HostStep12, Partitioner):
                     "a second backward before engine.step with 16-bit host gradients (stage 2, "
                     "gradient_accumulation_steps 1): call engine.step after each backward, or "
                     "set gradient_accumulation_steps to the number of backwards per step")
-            if not land(part, dst, first=first, transfers=self.transfers):  # a staged add
-                stage = self._accum_staging.get(b.index)
-                if stage is None:
-                    stage = self._accum_staging[b.index] = self.home.empty(size)
-                stage = stage.narrow(0, piece.slice_lo + off, dst.numel())
-                count_copy(self.transfers, part, stage)
-                stage.copy_(part, non_blocking=True)
-                self._pending_host_add.append((dst, stage))
+            if not land(part, dst, first=first, transfers=self.transfers):
+                staged.append((part, dst))
+        if staged:  # one slot for the piece's host parts, added by the worker
+            self._staged.stage(staged, torch.cuda.current_stream(self.device)
+                               if self.device.type == "cuda" else None)
         if self._early:  # stream order: the copy above has read src (or scaled aliasing it)
             src.zero_()
 
@@ -470,8 +470,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
                     if self.home.device.type == "cpu":
                         with StallTimer(self.transfers):  # gradients landing in host memory
                             torch.cuda.current_stream(self.device).synchronize()
-                for dst, stage in self._pending_host_add:
-                    dst.add_(stage)
+                self._staged.drain()  # every later write added into host memory
                 self._inflight.clear()
                 self._first_micro = False
             self.phase = Phase.REDUCED if boundary else Phase.ACCUMULATING
@@ -576,12 +575,13 @@ class Stage12Partitioner(HostStep12, Partitioner):
         """Memory held for ``engine.stats()["tiers"]``: fp32 masters and gradient shards, the
         flat 16-bit parameter and gradient buffers, staging and landing buffers."""
         return ([t for sg in self._physical for t in (sg.master, sg.grad)] + [self.params, self.grads]
-                + list(self._staging16.values()) + list(self._accum_staging.values())
+                + list(self._staging16.values()) + self._staged.held_tensors()
                 + list(self._scratch) + list(self._stage_slots)
                 + (self._assist.held_tensors() if self._assist is not None else []))
 
     def close(self) -> None:
         self.wait_step()
+        self._staged.close()
         _OVERLAPPED.discard(self)
         for h in self._hooks:
             h.remove()

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+GRAD_PIECE_NUMEL = 1 << 25
+"""Elements of a stage 1/2 gradient piece at most: what a bucket's slice is consumed in
+([Note: gradient pieces] in partition/stage12.py), and so the size of its staging slots."""
 STAGING_SLOTS = 3
 """Pinned fp32 staging buffers of one group's slice each that a later write of a host gradient
 goes through ([Note: bounded staging] in partition/landing.py)."""
@@ -19,4 +22,4 @@ def host_grad_may_be_16bit(*, stage: int, half: bool, cpu_optimizer: bool,
     return cpu_optimizer and host_numel > 0 and half and not host_accumulates
 
 
-__all__ = ["STAGING_SLOTS", "host_grad_may_be_16bit"]
+__all__ = ["GRAD_PIECE_NUMEL", "STAGING_SLOTS", "host_grad_may_be_16bit"]
