@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
@@ -42,3 +44,59 @@ def test_each_rule_reports_its_violation():
     assert any("lines" in v for v in _found("zeroio/x.py", "x = 1\n" * 601))
     # docstrings and comments naming the things do not count
     assert _found("zeroio/engine.py", '"""torch.distributed, open(), os.environ"""\n# open(x)\n') == []
+
+
+# ---- names the checker follows: each tree below passed the text-level check before -----------
+
+MISSES = {
+    "from torch import distributed": (
+        {"zeroio/checkpoint/comm2.py": "from torch import distributed as dist\n"
+                                       "dist.all_reduce(t)\n"},
+        ["imports torch.distributed", "calls torch.distributed.all_reduce"]),
+    "Path.open": (
+        {"zeroio/checkpoint/w.py": "from pathlib import Path\n"
+                                   "with Path('a').open('wb') as f:\n    f.write(b'')\n"},
+        ["file access open()"]),
+    "os.rename": (
+        {"zeroio/checkpoint/t.py": "import os\nos.rename('a', 'b')\n",
+         "zeroio/cli/t.py": "from os import replace as mv\nmv('a', 'b')\n"},
+        ["t.py:2: file access os.rename()", "t.py:2: file access os.replace()"]),
+    "from os import environ": (
+        {"zeroio/partition/e.py": "from os import environ\nx = environ.get('A')\n",
+         "zeroio/optim/e.py": "import os as o\nenv = o.environ\n"},
+        ["partition/e.py:2: reads os.environ", "optim/e.py:2: reads os.environ"]),
+    "importlib": (
+        {"zeroio/partition/d.py": "import importlib\nm = importlib.import_module('zeroio.optim.adam')\n",
+         "zeroio/shard/d.py": "__import__('torch.distributed')\n",
+         "zeroio/tiering/d.py": "from importlib import import_module as load\nm = load(name)\n",
+         "zeroio/io/d.py": "import importlib\nm = importlib.import_module(f'zeroio.cli.{n}_cmd')\n"},
+        ["partition/d.py:2: layer partition imports the higher layer optim",
+         "partition/d.py:2: partition imports optim", "shard/d.py:1: imports torch.distributed",
+         "tiering/d.py:2: imports a computed module name",
+         "io/d.py:2: layer io imports the higher layer cli"]),
+}
+
+
+@pytest.mark.parametrize("miss", sorted(MISSES))
+def test_aliases_and_dynamic_imports_are_followed(tmp_path, miss):
+    files, expected = MISSES[miss]
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    found = check_layers.check_tree(tmp_path)
+    for want in expected:
+        assert any(want in v for v in found), (want, found)
+    assert len(found) == len(expected), found
+
+
+def test_what_the_rules_allow_stays_allowed(tmp_path):
+    files = {"zeroio/__init__.py": "import importlib\nm = importlib.import_module(name)\n",
+             "zeroio/cli/main.py": "import importlib\nm = importlib.import_module(f'zeroio.cli.{n}')\n",
+             "zeroio/cli/launch_cmd.py": "from torch.distributed.run import run as go\ngo(a)\n",
+             "zeroio/config/env.py": "from os import environ\nx = environ.get('A')\n",
+             "zeroio/io/f.py": "import os\nos.rename('a', 'b')\nopen('a')\n",
+             "zeroio/engine.py": "import os\nx = os.path.join('a', 'b')\ns = 'a'.replace('a', 'b')\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert check_layers.check_tree(tmp_path) == []

@@ -3,8 +3,12 @@
     python tools/check_layers.py [--json]
 
 Each rule is an AST walk, not a text grep, so docstrings and comments that name
-``torch.distributed`` or ``open`` do not count. Exit 0 when every rule holds,
-1 with one line per violation otherwise. ``tests/test_layers.py`` runs it.
+``torch.distributed`` or ``open`` do not count. Names are resolved through the file's
+imports and plain assignments (``from torch import distributed as dist``, ``from os import
+environ``, ``env = os.environ``), and ``importlib.import_module`` / ``__import__`` of a
+constant name (or an f-string's constant prefix) count as imports; a computed name below the
+package root is reported, since no rule could follow it. Exit 0 when every rule holds, 1 with
+one line per violation otherwise. ``tests/test_layers.py`` runs it.
 """
 from __future__ import annotations
 
@@ -32,8 +36,13 @@ ENV_READERS = {"zeroio/cli/launch_cmd.py", "zeroio/cli/train_cmd.py",
 #: testing/ holds conformance suites that read raw file bytes as their independent reference.
 FILE_IO_PREFIX = ("zeroio/io/", "zeroio/testing/")
 FILE_CALLS = {("os", "open"), ("os", "pwrite"), ("os", "pread"), ("os", "preadv"),
-              ("os", "pwritev"), ("os", "fdopen"), ("io", "open")}
-WRITE_METHODS = {"write_text", "write_bytes"}
+              ("os", "pwritev"), ("os", "fdopen"), ("io", "open"), ("os", "rename"),
+              ("os", "replace"), ("os", "remove"), ("os", "unlink"), ("os", "fsync"),
+              ("os", "truncate"), ("os", "ftruncate"), ("builtins", "open")}
+#: Methods that open, write or move a file whatever the receiver (``Path.open`` included).
+WRITE_METHODS = {"write_text", "write_bytes", "open"}
+ENV_NAMES = {"os.environ", "os.getenv", "os.putenv", "os.environb"}
+DYNAMIC_IMPORTS = {"importlib.import_module", "__import__", "importlib.__import__"}
 MAX_LINES = 600
 
 
@@ -47,18 +56,13 @@ def _layer(mod: str | None) -> str | None:
     return parts[1] if parts[0] == "zeroio" and len(parts) > 1 else None
 
 
-def _imports(tree: ast.AST, mod: str, is_pkg: bool):
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Import):
-            for a in n.names:
-                yield n.lineno, a.name
-        elif isinstance(n, ast.ImportFrom):
-            if n.level:
-                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = base[: len(base) - (n.level - 1)]
-                yield n.lineno, ".".join(base + ([n.module] if n.module else []))
-            else:
-                yield n.lineno, n.module or ""
+def _base(node: ast.ImportFrom, mod: str, is_pkg: bool) -> str:
+    """The absolute module of ``from <base> import ...``."""
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _dotted(node: ast.AST) -> str:
@@ -70,6 +74,115 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
+class Names:
+    """The file's bindings of imported names (and plain aliases of them): local name ->
+    the dotted name it stands for."""
+
+    def __init__(self, tree: ast.AST, mod: str, is_pkg: bool):
+        self.map: dict[str, str] = {}
+        assigns = []
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                for a in n.names:
+                    local = a.asname or a.name.split(".")[0]
+                    self.map[local] = a.name if a.asname else local
+            elif isinstance(n, ast.ImportFrom):
+                base = _base(n, mod, is_pkg)
+                for a in n.names:
+                    if a.name != "*":
+                        self.map[a.asname or a.name] = f"{base}.{a.name}"
+            elif isinstance(n, ast.Assign) and len(n.targets) == 1 and \
+                    isinstance(n.targets[0], ast.Name) and _dotted(n.value):
+                assigns.append((n.targets[0].id, _dotted(n.value)))
+        for _ in range(2):  # an alias of an alias
+            for local, value in assigns:
+                full = self.resolve(value)
+                if full != value or value.split(".")[0] in self.map:
+                    self.map[local] = full
+
+    def resolve(self, dotted: str) -> str:
+        head, _, rest = dotted.partition(".")
+        full = self.map.get(head)
+        if full is None:
+            return dotted
+        return f"{full}.{rest}" if rest else full
+
+
+def _dynamic_name(call: ast.Call, mod: str, is_pkg: bool) -> str | None:
+    """The module a dynamic import names: a constant, or an f-string's constant prefix up to
+    its last dot; None when the name is computed."""
+    if not call.args:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        name = arg.value
+    elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        name = str(arg.values[0].value).rpartition(".")[0]
+        if not name:
+            return None
+    else:
+        return None
+    if name.startswith("."):  # relative to the package= argument: this file's package
+        level = len(name) - len(name.lstrip("."))
+        base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+        name = ".".join(base[: len(base) - (level - 1)] + [name.lstrip(".")]).rstrip(".")
+    return name
+
+
+def _imports(tree: ast.AST, mod: str, is_pkg: bool, names: Names):
+    """(line, module) for every import, ``from`` imports also as each imported name's
+    module path, and dynamic imports of a known name; (line, None) for a computed one."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            for a in n.names:
+                yield n.lineno, a.name
+        elif isinstance(n, ast.ImportFrom):
+            base = _base(n, mod, is_pkg)
+            yield n.lineno, base
+            for a in n.names:
+                if a.name != "*":
+                    yield n.lineno, f"{base}.{a.name}"
+        elif isinstance(n, ast.Call) and names.resolve(_dotted(n.func)) in DYNAMIC_IMPORTS:
+            yield n.lineno, _dynamic_name(n, mod, is_pkg)
+
+
+def _import_rules(rel: str, me: str | None, line: int, name: str | None) -> list[str]:
+    if name is None:
+        if me is None:  # the package root (zeroio/__init__.py) may load any layer lazily
+            return []
+        return [f"{rel}:{line}: imports a computed module name (no layer rule can follow it; "
+                "name the module)"]
+    out = []
+    other = _layer(name)
+    if me in LAYERS and other in LAYERS and LAYERS.index(other) > LAYERS.index(me):
+        out.append(f"{rel}:{line}: layer {me} imports the higher layer {other} ({name})")
+    for a, b in APART:
+        if {me, other} == {a, b}:
+            out.append(f"{rel}:{line}: {me} imports {other} ({name}); they share only lower layers")
+    if name == "torch.distributed" or name.startswith("torch.distributed."):
+        if rel in COLLECTIVES or rel in LAUNCHER_TORCH_RUN and name.startswith(
+                ("torch.distributed.run", "torch.distributed.elastic")):
+            return out
+        out.append(f"{rel}:{line}: imports {name} (only the collectives module may)")
+    return out
+
+
+def _call_rules(rel: str, n: ast.Call, f: str) -> list[str]:
+    out = []
+    if f.startswith("torch.distributed.") and rel not in COLLECTIVES and not (
+            rel in LAUNCHER_TORCH_RUN and f.startswith(("torch.distributed.run.",
+                                                        "torch.distributed.elastic."))):
+        out.append(f"{rel}:{n.lineno}: calls {f} (only the collectives module may)")
+    if f.endswith("cuda.Stream") and rel not in STREAM_OWNER:
+        out.append(f"{rel}:{n.lineno}: creates a CUDA stream (only {sorted(STREAM_OWNER)[0]})")
+    if not rel.startswith(FILE_IO_PREFIX):  # io/ owns files
+        parts = tuple(f.split("."))
+        if f == "open" or parts[-2:] in FILE_CALLS or (
+                isinstance(n.func, ast.Attribute) and n.func.attr in WRITE_METHODS):
+            out.append(f"{rel}:{n.lineno}: file access {f or n.func.attr}() outside zeroio/io/")
+    return out
+
+
 def check_file(rel: str, text: str) -> list[str]:
     out: list[str] = []
     n_lines = text.count("\n") + (0 if text.endswith("\n") else 1)
@@ -79,35 +192,16 @@ def check_file(rel: str, text: str) -> list[str]:
     mod = _module(rel)
     me = _layer(mod)
     is_pkg = rel.endswith("__init__.py")
-    for line, name in _imports(tree, mod, is_pkg):
-        other = _layer(name)
-        if me in LAYERS and other in LAYERS and LAYERS.index(other) > LAYERS.index(me):
-            out.append(f"{rel}:{line}: layer {me} imports the higher layer {other} ({name})")
-        for a, b in APART:
-            if {me, other} == {a, b}:
-                out.append(f"{rel}:{line}: {me} imports {other} ({name}); they share only lower layers")
-        if name == "torch.distributed" or name.startswith("torch.distributed."):
-            if rel in COLLECTIVES:
-                continue
-            if rel in LAUNCHER_TORCH_RUN and name.startswith(("torch.distributed.run",
-                                                               "torch.distributed.elastic")):
-                continue
-            out.append(f"{rel}:{line}: imports {name} (only the collectives module may)")
+    names = Names(tree, mod, is_pkg)
+    for line, name in _imports(tree, mod, is_pkg, names):
+        out.extend(v for v in _import_rules(rel, me, line, name) if v not in out)
     for n in ast.walk(tree):
         if isinstance(n, ast.Call):
-            f = _dotted(n.func)
-            if f.startswith("torch.distributed.") and rel not in COLLECTIVES:
-                out.append(f"{rel}:{n.lineno}: calls {f} (only the collectives module may)")
-            if f.endswith("cuda.Stream") and rel not in STREAM_OWNER:
-                out.append(f"{rel}:{n.lineno}: creates a CUDA stream (only {sorted(STREAM_OWNER)[0]})")
-            if not rel.startswith(FILE_IO_PREFIX):  # io/ owns files
-                parts = tuple(f.split("."))
-                if f == "open" or parts[-2:] in FILE_CALLS or (
-                        isinstance(n.func, ast.Attribute) and n.func.attr in WRITE_METHODS):
-                    out.append(f"{rel}:{n.lineno}: file access {f or n.func.attr}() outside zeroio/io/")
-        if isinstance(n, ast.Attribute) and _dotted(n) in ("os.environ", "os.getenv", "os.putenv"):
-            if not (rel.startswith(ENV_READERS_PREFIX) or rel in ENV_READERS):
-                out.append(f"{rel}:{n.lineno}: reads {_dotted(n)} (only the config layer and the launcher)")
+            out.extend(_call_rules(rel, n, names.resolve(_dotted(n.func))))
+        if isinstance(n, (ast.Attribute, ast.Name)) and isinstance(n.ctx, ast.Load):
+            full = names.resolve(_dotted(n))
+            if full in ENV_NAMES and not (rel.startswith(ENV_READERS_PREFIX) or rel in ENV_READERS):
+                out.append(f"{rel}:{n.lineno}: reads {full} (only the config layer and the launcher)")
     return out
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from zeroio.checkpoint import layout
 from zeroio.errors import CheckpointError
-from zeroio.io.files import exchange, fsync_dir
+from zeroio.io.files import exchange, fsync_dir, rename
 
 STAGING_PREFIX = ".zeroio-new."
 RETIRED_PREFIX = ".zeroio-old."
@@ -187,7 +187,7 @@ def recover(root: Path, tags: list[str] | None = None) -> None:
             continue
         keep = pending_copy(root, tag)
         if keep is not None:
-            os.rename(keep, root / tag)
+            rename(keep, root / tag)
             fsync_dir(root)
         for d in folders:
             if d != keep:
@@ -219,16 +219,16 @@ def commit(staging: Path, final: Path) -> Path | None:
     holds the previous copy (to remove once `latest` is written), or None for a new tag."""
     root = final.parent
     if not os.path.lexists(final):
-        os.rename(staging, final)
+        rename(staging, final)
         fsync_dir(root)
         return None
     if exchange(staging, final):
         fsync_dir(root)
         return staging
     old = retired_dir(root, final.name)
-    os.rename(final, old)
+    rename(final, old)
     fsync_dir(root)
-    os.rename(staging, final)
+    rename(staging, final)
     fsync_dir(root)
     return old
 

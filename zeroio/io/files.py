@@ -211,6 +211,12 @@ def fsync_file(path: str | os.PathLike) -> None:
         _OPS.close(fd)
 
 
+def rename(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Move ``src`` to ``dst`` within one file system, atomically (a reader sees one or the
+    other); ``fsync_dir`` the parent to make it durable."""
+    os.rename(src, dst)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or file creation in ``path`` durable (no-op where unsupported)."""
     try:
