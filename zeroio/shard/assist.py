@@ -35,10 +35,11 @@ offload, its 16-bit result down, instead of 26 bytes of state over PCIe and
 back. The budget is ``zero_optimization.tiering.gpu_budget_bytes``: 0 keeps
 nothing (DeepSpeed's placement), a number is a cap, unset ("auto") is
 ``resident_budget``: half of what training leaves free at its peak so far,
-less a reserve, decided before each host step (``begin_step``) from the
-allocator's peak and the device's free memory, so a run whose peak grows (a
-longer batch, a second model) gives chunks back before the next step. Chunks
-are admitted in publication order, the first that fit.
+less a reserve, decided before each host step (``begin_step``) by the GPU tier
+the chunks register with (``StepAssist`` is its ``Resident`` holder: ``evict``,
+``claim_bytes``, ``set_budget``), which also evicts them inside a step, before
+a forward or backward that needs their room ([Note: resident state yields] in
+tiering/gpu_tier.py). Chunks are admitted in publication order, the first that fit.
 
 A resident chunk's host copy is stale: its GPU buffers are the state. The host
 copy is made current (``release``: the buffers go back down, and the chunk is
