@@ -238,29 +238,37 @@ def test_eviction_inside_a_step_with_accumulation_keeps_the_run_exact():
 
 # ---- GPU -------------------------------------------------------------------------------------
 
-def _growing_body():
+def _growing_body(stage):
     import os
 
+    import test_step_assist as sa
+
     import zeroio
+    from zeroio.partition import stage12
+    from zeroio.shard import assist
 
     os.environ["ZEROIO_STEP_ASSIST"] = "1"
+    os.environ["ZEROIO_CPU_ADAM"] = "compiled"
+    os.environ["ZEROIO_STEP_CHUNK_NUMEL"] = "64"
+    stage12.STEP_CHUNK_NUMEL = 64
+    assist.SLOT_NUMEL = 32
+    assist.BACKLOG_NUMEL = 1 << 40  # every chunk on the GPU: the same math in both runs
     out = {}
     for mode, budget in (("auto", None), ("none", 0)):
-        cfg = r12._config(2, 1.0, overlap=True, dtype="bf16")
-        cfg["zero_optimization"]["tiering"]["gpu_budget_bytes"] = budget
+        cfg = sa._config(stage, "bf16", budget)
         torch.manual_seed(0)
         engine, *_ = zeroio.initialize(model=tiny_mlp(), config=cfg)
         tier = engine.gpu_tier
         losses = r12._train(engine, 2, 1, engine.device)
         resident_before = tier.used_bytes
         if mode == "auto":  # the device now has room for training and half the state only
-            real = tier.memory
-            held = tier.used_bytes
+            real, held = tier.memory, tier.used_bytes
             tier.memory = lambda real=real, held=held: _shrunk(real(), held // 2)
         losses += r12._train(engine, 2, 1, engine.device, first_step=2)
         stats = engine.stats()
         out[mode] = {"losses": losses, "masters": r12._masters(engine).tolist(),
-                     "resident_before": resident_before, "tier": stats["sources"]["gpu_tier"]}
+                     "resident_before": resident_before, "tier": stats["sources"]["gpu_tier"],
+                     "tiers_gpu": stats["tiers"].get("gpu")}
         engine.close()
     return out
 
@@ -274,12 +282,15 @@ def _shrunk(mem, left):
 
 
 @pytest.mark.gpu
-def test_resident_chunks_yield_on_the_gpu():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resident_chunks_yield_on_the_gpu(stage):
     need_cuda(1)
-    out, = run_ranks(_growing_body, 1, timeout=300)
+    out, = run_ranks(_growing_body, 1, stage, timeout=300)
     auto, none = out["auto"], out["none"]
     assert auto["resident_before"] > 0 and none["resident_before"] == 0
     assert auto["tier"]["evictions"] >= 1 and auto["tier"]["evicted_bytes"] > 0, auto["tier"]
+    assert auto["tier"]["tiers"]["gpu"] == {"budget_bytes": 0, "used_bytes": 0}, auto["tier"]
+    assert auto["tiers_gpu"]["used_bytes"] >= 0  # engine.stats() has the GPU tier
     # resident or streamed, evicted or not: the same fused Adam, bit for bit
     assert auto["losses"] == none["losses"]
     assert auto["masters"] == none["masters"]
