@@ -68,10 +68,12 @@ def test_peak_model_by_hand():
     m = PeakModel()
     assert m.predict(100) is None
     m.add(1000, 30)
-    assert m.predict(1000) == 30 and m.predict(10) == 30  # never below a measured peak
+    assert m.predict(1000) == 30 and m.predict(10) == 30  # smaller: at most the measured
     assert m.predict(4000) == 120  # in proportion above it
     m.add(4000, 150)  # a longer batch needed more per token than scaled
-    assert m.predict(1000) == 150 and m.predict(8000) == 300
+    assert m.predict(8000) == 300 and m.predict(5000) == 187  # from the largest ratio below
+    assert m.predict(1000) == 30 and m.predict(2000) == 60  # a shorter batch: its own size
+    assert m.predict(500) == 30
     assert batch_size((torch.zeros(3, 4),), {}) == 12
     assert batch_size((), {"input_ids": torch.zeros(2, 5, dtype=torch.long),
                            "mask": torch.zeros(9)}) == 10
@@ -106,6 +108,13 @@ def test_shrinking_capacity_evicts_last_first_behind_the_step():
     assert tier.step_budget() == 0 and chunks.budget == 0
     tier.memory.total = 1500
     assert tier.step_budget() == 1500 - 600 and chunks.budget == 900
+    # the long batch measured (peak 800, nothing resident): a short one again has room for
+    # more than the long one leaves
+    tier.memory.peak = 800
+    tier.after_backward()
+    assert tier.model.predict(100) == 800 and tier.step_budget() == 1500 - 800
+    tier.before_forward(50)
+    assert tier.step_budget() == 1500 - 300
 
 
 def test_a_cap_and_zero():
@@ -290,7 +299,7 @@ def test_resident_chunks_yield_on_the_gpu(stage):
     assert auto["resident_before"] > 0 and none["resident_before"] == 0
     assert auto["tier"]["evictions"] >= 1 and auto["tier"]["evicted_bytes"] > 0, auto["tier"]
     assert auto["tier"]["tiers"]["gpu"] == {"budget_bytes": 0, "used_bytes": 0}, auto["tier"]
-    assert auto["tiers_gpu"]["used_bytes"] >= 0  # engine.stats() has the GPU tier
+    assert auto["tiers_gpu"] is not None  # engine.stats()["tiers"] has the GPU tier
     # resident or streamed, evicted or not: the same fused Adam, bit for bit
     assert auto["losses"] == none["losses"]
     assert auto["masters"] == none["masters"]

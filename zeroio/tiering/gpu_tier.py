@@ -9,7 +9,7 @@ gives it back before training's allocations fail:
 - before each forward and each backward (``before_forward`` / ``before_backward``, from the
   engine, so also between micro-batches of one accumulation), the micro step's peak is
   predicted from its size (``PeakModel``: the peaks measured at earlier micro steps less the
-  resident bytes then, per token, never below the largest seen) plus ``margin`` and
+  resident bytes then, scaled in proportion from the sizes up to it) plus ``margin`` and
   ``reserve_bytes``; where the prediction does not fit beside what is resident (and what
   the step in flight may still admit: ``Resident.claim_bytes``), the step in flight is
   finished (``quiesce``: the partitioner's ``wait_step``) and holders evict, last admitted
@@ -99,10 +99,13 @@ class Resident(Protocol):
 
 class PeakModel:
     """Training's peak GPU bytes (without resident state) as a function of a micro step's
-    size in tokens: ``predict(t)`` = the largest of ``peak_i * max(1, t / t_i)`` over the
-    measured micro steps ``(t_i, peak_i)``: at least every peak seen (a shorter batch is not
-    assumed to need less than the measured peak), scaled up in proportion for a longer one.
-    The allocator's peak only grows, so a micro step is measured where it raised it."""
+    size in tokens, from the measured micro steps ``(t_i, peak_i)``: ``predict(t)`` is the
+    largest ``peak_i * t / t_i`` over the sizes ``t_i <= t`` (in proportion from a smaller
+    batch: an overestimate wherever part of the peak does not grow with tokens), and for a
+    batch smaller than every one measured, the smallest one's peak (fewer tokens never need
+    more). So a shorter batch after a longer one is predicted from its own size again, and
+    chunks may come back. The allocator's peak only grows, so a micro step is measured where
+    it raised it."""
 
     def __init__(self) -> None:
         self.samples: dict[int, int] = {}
@@ -117,7 +120,8 @@ class PeakModel:
         if not self.samples:
             return None
         tokens = max(1, int(tokens))
-        return max(int(p * max(1.0, tokens / t)) for t, p in self.samples.items())
+        below = [int(p * tokens / t) for t, p in self.samples.items() if t <= tokens]
+        return max(below) if below else self.samples[min(self.samples)]
 
 
 class GpuTier:
