@@ -187,55 +187,65 @@ class PoisonedMasters:
         pass
 
 
-def _engine_body(mode):
+def _engine_body(mode, stage):
     import zeroio
 
-    cfg = r12._config(2, 1.0, gas=2)
+    cfg = r12._config(stage, 1.0, gas=2)
     engine, *_ = zeroio.initialize(model=tiny_mlp(), config=cfg)
-    tier, log, seen = engine.gpu_tier, [], []
-    if mode == "pressure":
+    tier, log, seen, waits = engine.gpu_tier, [], [], []
+    if mode != "none":
         holder = PoisonedMasters(engine.partitioner.groups[0].master, 4, log)
         tier.margin, tier.reserve_bytes = 0.0, 0
         size = holder.size
         device = Device(tier, total=10_000 * size, base=0, peak=4 * size + 3 * size)
         tier.memory = device
         tier.register(holder)
-        waits = []
         real_wait = engine.partitioner.wait_step
         tier.quiesce = lambda: (waits.append(len(log)), real_wait())
-    losses = []
-    for step in range(2):
-        total = 0.0
-        for m in range(2):
-            x, y = mlp_batch(step * 2 + m, 0)
-            if mode == "pressure" and (step, m) == (0, 1):
-                device.total = 5 * size  # micro-batch 2: room for 2 chunks beside training
-            loss = torch.nn.functional.mse_loss(engine(x), y)
-            if mode == "pressure":
+    if mode == "oom":  # the second forward runs out of memory once
+        calls = []
+
+        def oom(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        engine.module.register_forward_pre_hook(oom)
+    losses, error = [], None
+    try:
+        for step in range(2):
+            total = 0.0
+            for m in range(2):
+                x, y = mlp_batch(step * 2 + m, 0)
+                if mode == "pressure" and (step, m) == (0, 1):
+                    device.total = 5 * size  # micro-batch 2: room for 2 chunks beside training
+                loss = torch.nn.functional.mse_loss(engine(x), y)
                 seen.append(("forward", step, m, len(log)))
-                if (step, m) == (0, 1):
+                if mode == "pressure" and (step, m) == (0, 1):
                     device.total = 3 * size  # before its backward: room for none
-            engine.backward(loss)
-            if mode == "pressure":
+                engine.backward(loss)
                 seen.append(("backward", step, m, len(log)))
-            engine.step()
-            total += loss.item()
-        losses.append(total)
+                engine.step()
+                total += loss.item()
+            losses.append(total)
+    except torch.cuda.OutOfMemoryError as e:
+        error = str(e)
     stats = engine.stats()
-    out = {"losses": losses, "masters": r12._masters(engine).tolist(),
-           "tier": stats["sources"]["gpu_tier"], "tiers_gpu": stats["tiers"].get("gpu"),
-           "log": log, "seen": seen, "waits": waits if mode == "pressure" else None}
+    out = {"losses": losses, "error": error, "tier": stats["sources"]["gpu_tier"],
+           "tiers_gpu": stats["tiers"].get("gpu"), "log": log, "seen": seen, "waits": waits}
+    if error is None:
+        out["masters"] = r12._masters(engine).tolist()
     engine.close()
     return out
 
 
-def test_eviction_inside_a_step_with_accumulation_keeps_the_run_exact():
-    (ref,) = run_ranks(_engine_body, 1, "none", timeout=180)
-    (got,) = run_ranks(_engine_body, 1, "pressure", timeout=180)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_eviction_inside_a_step_with_accumulation_keeps_the_run_exact(stage):
+    (ref,) = run_ranks(_engine_body, 1, "none", stage, timeout=180)
+    (got,) = run_ranks(_engine_body, 1, "pressure", stage, timeout=180)
     # micro-batch 2's forward: 2 chunks evicted, the last two first; its backward: the rest
-    assert got["seen"][:3] == [("forward", 0, 0, 0), ("backward", 0, 0, 0),
-                               ("forward", 0, 1, 2)], got["seen"]
-    assert got["seen"][3] == ("backward", 0, 1, 4) and got["log"] == [3, 2, 1, 0]
+    assert got["seen"][:4] == [("forward", 0, 0, 0), ("backward", 0, 0, 0),
+                               ("forward", 0, 1, 2), ("backward", 0, 1, 4)], got["seen"]
+    assert got["log"] == [3, 2, 1, 0]
     assert got["waits"] == [0, 2]  # each eviction behind the partitioner's wait_step
     tier = got["tier"]
     assert tier["evictions"] == 2 and tier["evicted_bytes"] > 0 and tier["oom_retries"] == 0
@@ -243,6 +253,19 @@ def test_eviction_inside_a_step_with_accumulation_keeps_the_run_exact():
     # host copies made current before the step read them: the same run, bit for bit
     assert got["losses"] == ref["losses"]
     assert got["masters"] == ref["masters"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_forward_out_of_memory_runs_again_with_nothing_resident(stage):
+    (got,) = run_ranks(_engine_body, 1, "oom", stage, timeout=180)
+    if stage == 3:  # its hooks' state is not re-runnable: the error reaches the caller
+        assert got["error"] and got["tier"]["oom_retries"] == 0 and got["log"] == []
+        return
+    (ref,) = run_ranks(_engine_body, 1, "none", stage, timeout=180)
+    assert got["error"] is None and got["tier"]["oom_retries"] == 1
+    assert got["log"] == [3, 2, 1, 0] and got["seen"][1:3] == [("backward", 0, 0, 0),
+                                                             ("forward", 0, 1, 4)]
+    assert got["losses"] == ref["losses"] and got["masters"] == ref["masters"]
 
 
 # ---- GPU -------------------------------------------------------------------------------------
