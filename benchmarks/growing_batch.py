@@ -66,23 +66,27 @@ def main() -> None:
     model = build_model(a, cfg if stage == 3 else None)
     engine, *_ = zeroio.initialize(model=model, config=cfg)
     gen = torch.Generator().manual_seed(0)
+    cuda = engine.device.type == "cuda"  # a CPU run is a smoke test: no memory figures
     rows = []
     mark = time.perf_counter()
     for i, seq in enumerate(a.seq_list):
         ids = torch.randint(0, a.vocab, (a.micro_batch, seq), generator=gen).to(engine.device)
-        torch.cuda.reset_peak_memory_stats(engine.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(engine.device)
         row = {"step": i + 1, "seq": seq}
         try:
             row["loss"] = _step(engine, ids)
             if i == len(a.seq_list) - 1:
                 engine.synchronize()  # the last step's host step belongs to it
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
         except torch.cuda.OutOfMemoryError as e:
             row["oom"] = str(e).splitlines()[0]
         now = time.perf_counter()
         tier = engine.gpu_tier.stats()
-        row.update(s=now - mark, peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30,
-                   peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+        gib = (lambda f: f(engine.device) / 2**30) if cuda else (lambda f: 0.0)
+        row.update(s=now - mark, peak_gpu_gib=gib(torch.cuda.max_memory_allocated),
+                   peak_reserved_gib=gib(torch.cuda.max_memory_reserved),
                    resident_gib=engine.gpu_tier.used_bytes / 2**30,
                    evictions=tier["evictions"], evicted_gib=tier["evicted_bytes"] / 2**30,
                    oom_retries=tier["oom_retries"])
@@ -99,7 +103,7 @@ def main() -> None:
               "model": {k: getattr(a, k) for k in ("hidden", "layers", "intermediate", "heads",
                                                    "vocab")},
               "params": sum(p.numel() for p in model.parameters()) if stage != 3 else None,
-              "gpu": torch.cuda.get_device_name(), "steps": rows,
+              "gpu": torch.cuda.get_device_name() if cuda else None, "steps": rows,
               "oom": any("oom" in r for r in rows), "gpu_tier": engine.gpu_tier.stats()}
     path = provenance.write_result(a.out, f"growing-batch-z{stage}-{a.budget}", result)
     print(f"wrote {path}", file=sys.stderr)
