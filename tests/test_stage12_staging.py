@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import test_stage12_ratio as r12  # noqa: I001 (tests/ is on sys.path under pytest)
-import torch
 
 from zeroio.testing import run_ranks
 from zeroio.testing.models import tiny_mlp

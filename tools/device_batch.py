@@ -230,11 +230,11 @@ def _growing_steps() -> tuple[Step, ...]:
     run = (f"python3 benchmarks/growing_batch.py {SHAPE_4B} --micro-batch 8 "
            "--seqs 1024,1024,1024,4096,4096 --out {res}")
     rows = tuple(Step(f"z{stage}-{budget}", f"{run} --config configs/zero{stage}-cpu.json "
-                      f"--budget {budget}{{extra}}", 110, quote=r"^step \d|OOM|Error")
+                      f"--budget {budget}{{extra}}", 105, quote=r"^step \d|OOM|Error")
                  for budget in ("auto", "0") for stage in (2, 3))
     test = Step("gpu_tier", "python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml "
                 "{res}/junit-gpu_tier.xml tests/test_gpu_tier.py tests/test_resident_chunks.py",
-                100, quote=r"passed|failed|Error")
+                90, quote=r"passed|failed|Error")
     return (test,) + rows
 
 
