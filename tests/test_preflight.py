@@ -148,3 +148,29 @@ def test_one_short_rank_stops_every_rank():
     got = run_ranks(_two_ranks_one_short, 2)
     assert "has 1000 bytes" in got[1]
     assert got[0] is not None and "another rank" in got[0]
+
+
+def test_memory_that_grows_on_use_warns_instead(tmp_path, monkeypatch):
+    import zeroio.preflight as preflight
+    from zeroio.errors import CapacityWarning
+
+    sysfs = tmp_path / "sys"
+    assert preflight.memory_may_grow(sysfs) is None
+    for i, dev in enumerate(("0x0002", "0x0001")):  # block, net: memory stays as it is
+        (sysfs / "bus/virtio/devices" / f"virtio{i}").mkdir(parents=True)
+        (sysfs / "bus/virtio/devices" / f"virtio{i}" / "device").write_text(dev + "\n")
+    assert preflight.memory_may_grow(sysfs) is None
+    (sysfs / "bus/virtio/devices/virtio5").mkdir()
+    (sysfs / "bus/virtio/devices/virtio5/device").write_text("0x0018\n")
+    assert "virtio-mem" in preflight.memory_may_grow(sysfs)
+    acpi = tmp_path / "acpi"
+    (acpi / "bus/acpi/devices/PNP0C80:00").mkdir(parents=True)
+    assert "ACPI" in preflight.memory_may_grow(acpi)
+    # such a host shows only what is plugged in so far: a shortfall warns and the run goes on
+    monkeypatch.delenv("ZEROIO_HOST_MEMORY", raising=False)
+    monkeypatch.setattr(preflight, "memory_may_grow", lambda: "virtio-mem device virtio5")
+    monkeypatch.setattr("psutil.virtual_memory", lambda: types.SimpleNamespace(available=1000))
+    monkeypatch.setattr(preflight, "cgroup_free", lambda: None)
+    with pytest.warns(CapacityWarning, match="has 1000 bytes .* may grow"):
+        engine, *_ = zeroio.initialize(model=_model(), config=CPU_OFFLOAD)
+    engine.close()

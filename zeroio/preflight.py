@@ -17,7 +17,10 @@ all-reduced, so no rank waits in a collective for one that raised).
 
 The estimate is the planner's, not a measurement: it leaves out the process's own
 libraries, the dataloader and allocator slack, so a placement that passes can still be
-tight; one that fails is short by at least the figure shown. ``ZEROIO_HOST_MEMORY``
+tight; one that fails is short by at least the figure shown. A virtual machine whose
+memory is plugged in as it is used (a virtio-mem or balloon device, ACPI memory hotplug:
+``memory_may_grow``) shows only what is plugged in so far, so there a shortfall is a
+``CapacityWarning``, not an error. ``ZEROIO_HOST_MEMORY``
 (config/overrides.py) replaces the measured bytes (a test's small machine, a node shared
 with other jobs) or, set to ``off``, skips the check.
 """
@@ -25,6 +28,7 @@ with other jobs) or, set to ``off``, skips the check.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +36,7 @@ import torch
 
 from zeroio.config import Config, overrides
 from zeroio.config.launch_env import launch_env
-from zeroio.errors import CapacityError
+from zeroio.errors import CapacityError, CapacityWarning
 from zeroio.estimate import MemoryItem, estimate_memory
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3.registry import true_shape
@@ -53,13 +57,13 @@ class HostMemory:
     """Bytes: the smallest of the measurements (or ``ZEROIO_HOST_MEMORY``)."""
     source: str
     """Where the figure comes from, for the error message."""
+    grows: str | None = None
+    """Why the figure may be low (a virtual machine whose memory is plugged in as it is
+    used); a shortfall is then a warning, not an error."""
 
 
 def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
+    text = _read_text(path)
     return int(text) if text.isdigit() else None
 
 
@@ -93,6 +97,30 @@ def cgroup_free(root: Path = CGROUP) -> tuple[int, str] | None:
     return None
 
 
+VIRTIO_MEM, VIRTIO_BALLOON = "0x0018", "0x0005"  # virtio device ids
+
+
+def memory_may_grow(sys_root: Path = Path("/sys")) -> str | None:
+    """Why this host's available memory may grow on demand (None: it will not): a virtio-mem
+    or balloon device, or an ACPI memory-hotplug slot. Such virtual machines start with a
+    fraction of their memory plugged in (MemTotal 31 GiB of 256 on a 2-GPU H200 VM)."""
+    for dev in sorted((sys_root / "bus/virtio/devices").glob("*")):
+        kind = _read_text(dev / "device")
+        if kind in (VIRTIO_MEM, VIRTIO_BALLOON):
+            name = "virtio-mem" if kind == VIRTIO_MEM else "virtio-balloon"
+            return f"{name} device {dev.name}: memory is added as it is used"
+    if any((sys_root / "bus/acpi/devices").glob("PNP0C80:*")):
+        return "ACPI memory-hotplug slots: memory can be added"
+    return None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
 def measure_host_memory() -> HostMemory | None:
     """This host's memory for training state (None: ``ZEROIO_HOST_MEMORY=off``)."""
     forced = overrides.host_memory()
@@ -106,8 +134,8 @@ def measure_host_memory() -> HostMemory | None:
     source = f"MemAvailable {avail / GB:.1f} GB"
     cg = cgroup_free()
     if cg is not None and cg[0] < avail:
-        avail, source = cg[0], f"{cg[1]} (MemAvailable {avail / GB:.1f} GB)"
-    return HostMemory(available=avail, source=source)
+        return HostMemory(available=cg[0], source=f"{cg[1]} (MemAvailable {avail / GB:.1f} GB)")
+    return HostMemory(available=avail, source=source, grows=memory_may_grow())
 
 
 def _params(spec) -> list[torch.nn.Parameter]:
@@ -187,6 +215,11 @@ def check_host_memory(cfg: Config, module: torch.nn.Module, spec, device: torch.
     if have is not None:
         items = host_items(cfg, module, spec, device, world_size=world, local_ranks=local)
         message = shortfall_message(items, local, have, cfg)
+    if message is not None and have.grows:  # the figure may be low: say so, do not refuse
+        warnings.warn(f"{message} This host's memory may grow as it is used ({have.grows}), "
+                      "so this was not refused; set ZEROIO_HOST_MEMORY to its full size to make "
+                      "it a check", CapacityWarning, stacklevel=3)
+        message = None
     flag = torch.tensor([0.0 if message is None else 1.0],
                         device=device if device.type == "cuda" else "cpu")
     if world > 1:
