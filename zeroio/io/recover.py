@@ -3,15 +3,13 @@
     python recover.py CKPT OUT [--tag TAG] [--dtype fp32|bf16|fp16] [--max-shard-size BYTES] [--verify]
     python -m zeroio.io.recover CKPT OUT ...
 
-The standalone way out, for a machine without zeroio or torch (the role
-DeepSpeed's ``zero_to_fp32.py`` plays): this file imports only the standard
-library and numpy (``google_crc32c`` when installed, for speed), so it can be
-copied anywhere and run. CKPT is a checkpoint directory (the tag ``latest``
-names, or ``--tag``) or one tag folder. OUT receives what ``zeroio consolidate
-CKPT OUT`` writes, byte for byte: one ``model.safetensors`` (or
-``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``
-above ``--max-shard-size``, 5e9 bytes by default) and, for a Hugging Face model,
-its ``config.json``.
+The standalone way out, for a machine without zeroio or torch (the role of DeepSpeed's
+``zero_to_fp32.py``): only the standard library and numpy (``google_crc32c`` when
+installed, for speed), so it can be copied anywhere. CKPT is a checkpoint directory (the
+tag ``latest`` names, or ``--tag``) or one tag folder. OUT receives what ``zeroio
+consolidate CKPT OUT`` writes, byte for byte: ``model.safetensors`` (or shards and
+``model.safetensors.index.json`` above ``--max-shard-size``, 5e9 bytes by default) and,
+for a Hugging Face model, its ``config.json``.
 
 [Note: the manifest is the truth] The format, as this script reads it
 (docs/checkpoint.md; format versions 1, 2 and 3): ``<tag>/manifest.json`` is the
@@ -306,8 +304,11 @@ def read_checked(path: Path, nbytes: int, crc: int, exact: bool = True) -> np.nd
         what = "truncated" if size < nbytes else "larger than the manifest says"
         raise RecoverError(f"{path} is {what}: {size} bytes, the manifest says {nbytes}; "
                            "restore it or pick another tag with --tag")
-    with open(path, "rb") as f:
-        data = np.fromfile(f, dtype=np.uint8, count=nbytes)
+    try:
+        with open(path, "rb") as f:
+            data = np.fromfile(f, dtype=np.uint8, count=nbytes)
+    except OSError as e:
+        raise RecoverError(f"{path}: reading it failed: {e.strerror or e}") from None
     if data.size != nbytes:
         raise RecoverError(f"{path}: read {data.size} of {nbytes} bytes")
     got = crc32c(data)
@@ -558,6 +559,9 @@ def recover(ckpt: str | os.PathLike, out: str | os.PathLike, *, tag: str | None 
     try:
         names = write_export(tdir, info, index, target, max_shard_bytes, staging, meta.get("hf_config"))
         publish(staging, outdir, names)
+    except OSError as e:  # a write, not a read (reads are RecoverErrors naming the chunk)
+        where = e.filename or staging
+        raise RecoverError(f"{where}: writing the export failed: {e.strerror or e}") from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
