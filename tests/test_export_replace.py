@@ -130,3 +130,30 @@ def test_a_file_named_like_the_folder_is_refused(ckpts, tmp_path):
     with pytest.raises(CheckpointError, match="not a folder"):
         _consolidate(ckpts[0], out, SINGLE)
     assert out.read_text() == "a file"
+
+
+def test_save_16bit_model_replaces_an_earlier_export(tmp_path, monkeypatch):
+    """engine.save_16bit_model (one process): a sharded export over a single-file one, then
+    a single file over shards; from_pretrained loads the engine's weights each time."""
+    import zeroio
+    from zeroio.checkpoint import engine_io
+
+    monkeypatch.setenv("ZEROIO_HOST_MEMORY", "off")
+    engine, *_ = zeroio.initialize(model=_model(0), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2}})
+    out = tmp_path / "export"
+    try:
+        for i, shard in enumerate((SINGLE, SHARDED, SINGLE)):
+            ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(i))
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()  # new weights for each export
+            engine_io.save_16bit_model(engine, out, max_shard_bytes=shard)
+            loaded = dict(LlamaForCausalLM.from_pretrained(out).named_parameters())
+            for name, p in engine.module.named_parameters():
+                assert torch.equal(loaded[name].detach(), p.detach().float()), (i, name)
+            names = {p.name for p in out.iterdir()}
+            assert ("model.safetensors" in names) == (shard == SINGLE)
+            assert ("model.safetensors.index.json" in names) == (shard == SHARDED)
+    finally:
+        engine.close()
