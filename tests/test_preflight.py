@@ -174,3 +174,21 @@ def test_memory_that_grows_on_use_warns_instead(tmp_path, monkeypatch):
     with pytest.warns(CapacityWarning, match="has 1000 bytes .* may grow"):
         engine, *_ = zeroio.initialize(model=_model(), config=CPU_OFFLOAD)
     engine.close()
+
+
+def test_a_host_budget_larger_than_the_host_is_refused(monkeypatch, tmp_path):
+    """With NVMe offload, tiering.cpu_budget_bytes is what the stores fill with resident state:
+    the preflight counts it (up to the NVMe-homed bytes), so a budget above the host fails."""
+    model = _model()
+    psi = sum(p.numel() for p in model.parameters())
+    cfg = {**CPU_OFFLOAD, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "tiering": {"cpu_budget_bytes": 10**12}}}
+    spec = types.SimpleNamespace(param_groups=[list(model.parameters())])
+    items = host_items(load_config(cfg), model, spec, torch.device("cpu"), world_size=1, local_ranks=1)
+    resident = [i for i in items if "kept resident" in i.name]
+    assert resident and resident[0].bytes_per_gpu == 8 * psi  # at most every fp32 moment
+    without = sum(i.bytes_per_gpu for i in items) - 8 * psi
+    monkeypatch.setenv("ZEROIO_HOST_MEMORY", str(without + 4 * psi))  # the rest fits, not the cache
+    with pytest.raises(CapacityError, match="lower zero_optimization.tiering.cpu_budget_bytes"):
+        zeroio.initialize(model=model, config=cfg)

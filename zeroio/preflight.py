@@ -167,8 +167,19 @@ def host_items(cfg: Config, module: torch.nn.Module, spec, device: torch.device,
     est = estimate_memory(psi, gpus_per_node=world_size // nodes, nodes=nodes, config=cfg,
                           largest_group=_largest_group(module) or None)
     host_tiers = ("cpu",) if device.type != "cpu" else ("cpu", "gpu")
-    return [i for i in est.items if i.tier in host_tiers and i.kind != "activations"
-            and not (i.tier == "gpu" and i.name.startswith(_HELD_OR_TRANSIENT))]
+    items = [i for i in est.items if i.tier in host_tiers and i.kind != "activations"
+             and not (i.tier == "gpu" and i.name.startswith(_HELD_OR_TRANSIENT))]
+    budget, on_disk = cfg.zero_optimization.tiering.cpu_budget_bytes, est.per_gpu("nvme")
+    if budget is not None and on_disk:
+        # the NVMe stores keep what the rest leaves of the budget resident in host memory
+        rest = sum(i.bytes_per_gpu for i in items if i.tier == "cpu")
+        cached = min(max(0, budget - rest), on_disk)
+        if cached:
+            items.append(MemoryItem(
+                name="NVMe-homed state kept resident (tiering.cpu_budget_bytes)", tier="cpu",
+                bytes_per_gpu=cached, kind="zeroio_buffer",
+                formula="min(cpu_budget_bytes - the host state above, NVMe-homed bytes)"))
+    return items
 
 
 def _remedies(cfg: Config) -> list[str]:
@@ -176,9 +187,11 @@ def _remedies(cfg: Config) -> list[str]:
     out = []
     if zero.offload_optimizer.device == "cpu":
         out.append("zero_optimization.offload_optimizer.device nvme (the moments go to disk)")
-    if zero.offload_optimizer.device == "nvme" and zero.tiering.cpu_budget_bytes is None:
-        out.append("zero_optimization.tiering.cpu_budget_bytes (a host cap; moments past it "
-                   "stream from NVMe)")
+    nvme = zero.offload_optimizer.device == "nvme" or (
+        zero.stage == 3 and zero.offload_param.device == "nvme")
+    if nvme:
+        out.append("a lower zero_optimization.tiering.cpu_budget_bytes (a host cap; NVMe state "
+                   "past it streams from the disk)")
     if zero.stage == 3 and zero.offload_param.device == "cpu":
         out.append("zero_optimization.offload_param.device nvme")
     if cfg.gradient_accumulation_steps > 1:
