@@ -190,7 +190,8 @@ def _remedies(cfg: Config) -> list[str]:
     nvme = zero.offload_optimizer.device == "nvme" or (
         zero.stage == 3 and zero.offload_param.device == "nvme")
     if nvme:
-        out.append("a lower zero_optimization.tiering.cpu_budget_bytes (a host cap; NVMe state "
+        verb = "lower" if zero.tiering.cpu_budget_bytes is not None else "set"
+        out.append(f"{verb} zero_optimization.tiering.cpu_budget_bytes (a host cap; NVMe state "
                    "past it streams from the disk)")
     if zero.stage == 3 and zero.offload_param.device == "cpu":
         out.append("zero_optimization.offload_param.device nvme")
