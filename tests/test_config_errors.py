@@ -32,7 +32,7 @@ MALFORMED = [
     ("stage-bool", {Z: {"stage": True}}, {}, f"{Z}.stage", "expected"),
     ("stage-auto", {Z: {"stage": "auto"}}, {}, f"{Z}.stage", '"auto"'),
     ("bucket-fraction", {Z: {"reduce_bucket_size": 2.5}}, {}, f"{Z}.reduce_bucket_size", "integer"),
-    ("bucket-negative", {Z: {"allgather_bucket_size": -1}}, {}, f"{Z}.allgather_bucket_size", ">= 0"),
+    ("bucket-negative", {Z: {"allgather_bucket_size": -1}}, {}, f"{Z}.allgather_bucket_size", ">= 1"),
     ("overlap-string", {Z: {"overlap_comm": "yes"}}, {}, f"{Z}.overlap_comm", "true or false"),
     ("offload-device", {Z: {"stage": 3, "offload_param": {"device": "gpu"}}}, {},
      f"{Z}.offload_param.device", '"none", "cpu", "nvme"'),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from zeroio.checkpoint.layout import seal
 from zeroio.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ def test_manifest_read_tolerantly_and_clear_errors(ckpt, tmp_path):
     doc = json.loads(man.read_text())
     doc["checksum"] = {"sha256": "0" * 64}
     doc["some_future_field"] = [1, 2]
-    man.write_text(json.dumps(doc))
+    man.write_text(json.dumps(seal(doc)))  # a newer writer's keys, under its own crc
     ok = _recover(str(copy), str(tmp_path / "a"))
     assert ok.returncode == 0, ok.stderr[-2000:]
     base = tmp_path / "b"
@@ -133,3 +134,7 @@ def test_manifest_read_tolerantly_and_clear_errors(ckpt, tmp_path):
     chunk.write_bytes(bytes(data))
     bad = _recover(str(copy), str(tmp_path / "d"), "--tag", "t1", "--verify")
     assert bad.returncode == 1 and "crc32c mismatch" in bad.stderr and "c/0" in bad.stderr
+    edited = copy / "t1" / "manifest.json"
+    edited.write_text(edited.read_text().replace('"stage": 2', '"stage": 3'))
+    bad = _recover(str(copy), str(tmp_path / "e"), "--tag", "t1")
+    assert bad.returncode == 1 and "manifest_crc32c" in bad.stderr and str(edited) in bad.stderr

@@ -39,6 +39,7 @@ from zeroio.optim.loss_scaler import build_loss_scaler
 from zeroio.optim.lr_schedules import build_scheduler
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
+from zeroio.preflight import check_host_memory
 from zeroio.tiering import stats as tstats
 from zeroio.tiering.breakdown import StepTimeline, format_breakdown
 from zeroio.tiering.gpu_tier import batch_size
@@ -206,6 +207,7 @@ class Engine:
         spec = from_client(optimizer) if optimizer is not None else from_config(
             self.config.optimizer, model, model_parameters)
         self.client_optimizer = optimizer
+        check_host_memory(self.config, self.module, spec, self.device)  # before any allocation
         policies = resolve_engine_policies(self.config, self.device)
         self._precision = policies.precision  # bf16 optimizer state: engine.stats() sources
         self.partitioner = build_partitioner(self.config, self.module, spec, self.device,

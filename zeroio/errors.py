@@ -53,6 +53,11 @@ class ConfigWarning(UserWarning):
     ``load_config``."""
 
 
+class CapacityWarning(UserWarning):
+    """Training state may not fit a tier, but the measurement is not sure enough to refuse
+    (a host whose memory is plugged in as it is used); the message gives the numbers."""
+
+
 class DistributedError(ZeroIOError, RuntimeError):
     """A collective or the process group is not in the state an operation needs."""
 
@@ -74,6 +79,7 @@ __all__ = [
     "CapacityError",
     "ResidencyError",
     "ConfigWarning",
+    "CapacityWarning",
     "CheckpointError",
     "DistributedError",
     "RankFailedError",

@@ -26,6 +26,7 @@ from zeroio.checkpoint.layout import Manifest
 from zeroio.checkpoint.reader import ArrayReader, ChunkCursor, _Request, resolve_tag
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError
+from zeroio.io.export_dir import ExportFolder
 from zeroio.io.files import PartialFile, atomic_write_text
 
 WEIGHT_KINDS = ("fp32", "param16")  # preferred source of weights, in order
@@ -252,16 +253,18 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
 
 def write_folder(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, *, hf_config: dict | None = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> list[Path]:
-    """Write in-memory full tensors as a safetensors folder (sharded + index when large)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Write in-memory full tensors as a safetensors folder (sharded + index when large),
+    replacing an earlier export in it ([Note: replacing an export] in zeroio/io/export_dir.py)."""
     specs = [TensorSpec(name=n, shape=tuple(t.shape), dtype=t.dtype) for n, t in tensors.items()]
     flat = {n: t.detach().reshape(-1) for n, t in tensors.items()}
-    written = stream_shards(out, plan_shards(specs, max_shard_bytes),
-                            lambda spec, lo, n: flat[spec.name].narrow(0, lo, n),
-                            progress=progress, desc="save 16-bit model")
-    dtype = specs[0].dtype if specs else None
-    return written + _write_config(out, hf_config, dtype)
+    with ExportFolder(out_dir) as stage:
+        written = stream_shards(stage.path, plan_shards(specs, max_shard_bytes),
+                                lambda spec, lo, n: flat[spec.name].narrow(0, lo, n),
+                                progress=progress, desc="save 16-bit model")
+        dtype = specs[0].dtype if specs else None
+        written += _write_config(stage.path, hf_config, dtype)
+        stage.publish()
+    return [stage.out / p.name for p in written]
 
 
 def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None, *,
@@ -278,7 +281,9 @@ def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     part of it is cast and written at its place in its file (``SafetensorsStream.seek``) in
     pieces of at most ``STREAM_WINDOW`` elements. Host memory: ``read_ahead + 1`` chunks +
     one window and its cast. Every file is renamed into place only when complete, and
-    nothing is renamed when a chunk is corrupt or missing: the CheckpointError names it."""
+    nothing is renamed when a chunk is corrupt or missing: the CheckpointError names it. The
+    folder is written beside ``out_dir`` and replaces an earlier export there whole
+    ([Note: replacing an export] in zeroio/io/export_dir.py)."""
     manifest = resolve_tag(checkpoint_dir, tag)
     kind = weight_kind(manifest)
     info = manifest.arrays[kind]
@@ -286,8 +291,17 @@ def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise CheckpointError(f"checkpoint {manifest.path}: weights array {kind!r} is stored as "
                               "extents, which the streamed export does not walk; use consolidate()")
     dt = parse_dtype(dtype) or info.dtype
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with ExportFolder(out_dir) as stage:
+        written = _stream_checkpoint(manifest, kind, stage.path, dt, max_shard_bytes, progress, read_ahead)
+        written += _write_config(stage.path, manifest.meta.get("hf_config"), dt)
+        stage.publish()
+    return [stage.out / p.name for p in written]
+
+
+def _stream_checkpoint(manifest: Manifest, kind: str, out: Path, dt: torch.dtype, max_shard_bytes: int,
+                       progress: bool, read_ahead: int | None) -> list[Path]:
+    """The safetensors files (and index) of ``write_safetensors``, written into ``out``."""
+    info = manifest.arrays[kind]
     idx = manifest.index
     specs = [TensorSpec(name=n, shape=tuple(e.shape), dtype=dt) for n, e in idx.items()]
     shards = plan_shards(specs, max_shard_bytes)
@@ -335,4 +349,4 @@ def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
         written.append(out / "model.safetensors.index.json")
-    return written + _write_config(out, manifest.meta.get("hf_config"), dt)
+    return written

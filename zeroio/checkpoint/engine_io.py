@@ -65,6 +65,7 @@ from zeroio.checkpoint.tags import check_tag
 from zeroio.checkpoint.writer import SaveOptions, existing_parent, save_sharded_report
 from zeroio.dtypes import DTYPES
 from zeroio.errors import CheckpointError
+from zeroio.io.export_dir import ExportFolder
 from zeroio.io.links import same_device
 from zeroio.partition import collectives
 
@@ -563,17 +564,22 @@ def save_16bit_model(engine, save_dir, *, max_shard_bytes: int | None = None,
     shards = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
     rank0 = comm.rank == 0
     out = Path(save_dir)
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
+    # rank 0 writes beside out and replaces an earlier export whole ([Note: replacing an export])
+    stage = ExportFolder(out) if rank0 else None
 
     def fill(spec: TensorSpec, lo: int, n: int) -> torch.Tensor | None:
         at = index[spec.name].offset + lo
         buf = _gather_window(segs, at, at + n, comm)
         return None if buf is None else buf.to(dtype)
 
-    stream_shards(out, shards, fill, write=rank0, desc="save 16-bit model",
-                  progress=rank0 and engine.show_progress)
-    if rank0:
-        _write_config(out, _hf_config(engine.module), dtype)
+    try:
+        stream_shards(stage.path if rank0 else out, shards, fill, write=rank0, desc="save 16-bit model",
+                      progress=rank0 and engine.show_progress)
+        if rank0:
+            _write_config(stage.path, _hf_config(engine.module), dtype)
+            stage.publish()
+    finally:
+        if stage is not None:
+            stage.discard()  # after a publish, nothing is left to remove
     comm.all_ok(True)
     return out if rank0 else None

@@ -73,15 +73,23 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def int_coercer(*, ge: int | None = None, gt: int | None = None) -> Coerce:
-    bound = f" >= {ge}" if ge is not None else f" > {gt}" if gt is not None else ""
+def int_coercer(*, ge: int | None = None, gt: int | None = None, le: int | None = None,
+                multiple_of: int | None = None, why: str = "") -> Coerce:
+    """An integer within the bounds given; ``why`` (appended to the error) says what the
+    bounds protect."""
+    parts = [f">= {ge}" if ge is not None else f"> {gt}" if gt is not None else "",
+             f"<= {le}" if le is not None else ""]
+    bound = " " + " and ".join(p for p in parts if p) if any(parts) else ""
+    if multiple_of is not None:
+        bound += f", a multiple of {multiple_of}"
 
     def coerce(value: Any, path: str) -> int:
         if _number(value) and math.isfinite(value) and float(value).is_integer():
             out = int(value)
-            if (ge is None or out >= ge) and (gt is None or out > gt):
+            if ((ge is None or out >= ge) and (gt is None or out > gt) and (le is None or out <= le)
+                    and (multiple_of is None or out % multiple_of == 0)):
                 return out
-        raise fail(path, value, f"an integer{bound}")
+        raise fail(path, value, f"an integer{bound}{why}")
 
     return coerce
 

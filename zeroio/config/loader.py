@@ -41,6 +41,7 @@ from zeroio.config.sections import (
     CheckpointConfig,
     DistributedConfig,
     FP16Config,
+    check_aio,
 )
 from zeroio.config.zero import (
     OffloadDevice,
@@ -253,6 +254,7 @@ def _check_offload(cfg: Config) -> None:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one",
                           key="bf16.enabled")
     _check_bf16_state(cfg)
+    check_aio(cfg.aio)
     params_from_master_enabled(zero)  # a ConfigError where it cannot apply
 
 

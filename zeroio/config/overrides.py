@@ -9,8 +9,9 @@ Each override is documented in docs/config.md ("Environment overrides"). Two kin
 - a *process override* selects something that belongs to the process, not to a
   model's config (the CPU Adam kernel, shared by every engine of the process and
   by ``zeroio estimate``; the host step's CPU threads, a property of how the
-  launcher bound the ranks to cores). Its reader here is what the code below
-  calls.
+  launcher bound the ranks to cores; the host memory the ranks may use, a property
+  of the machine that initialize's preflight measures). Its reader here is what the
+  code below calls.
 
 Every override that is set when a config is loaded is listed in
 ``Config.to_dict()["env_overrides"]`` (variable -> ``{"value", "key"}``; key
@@ -69,6 +70,20 @@ def _cpu_adam(raw: str, name: str) -> str:
     return low
 
 
+def _host_memory(raw: str, name: str) -> int | str:
+    if raw.lower() == "off":
+        return "off"
+    try:
+        n = float(raw)
+    except ValueError:
+        n = -1.0
+    if not (n >= 0 and n < float("inf") and n.is_integer()):
+        raise ConfigError(f"{name}={raw!r}: expected the host memory this node's ranks may use, "
+                          "in bytes (e.g. 68719476736 or 64e9), or off to skip the check; unset "
+                          "it to measure", key=name)
+    return int(n)
+
+
 @dataclass(frozen=True)
 class Override:
     env: str
@@ -87,7 +102,8 @@ STEP_CHUNK_NUMEL = Override("ZEROIO_STEP_CHUNK_NUMEL", "zero_optimization.tierin
 CPU_ADAM = Override("ZEROIO_CPU_ADAM", None, _cpu_adam)
 STEP_THREADS = Override("ZEROIO_STEP_THREADS", None,
                         _positive("CPU threads for the host optimizer step", "8"))
-OVERRIDES = (OVERLAP_STEP, STEP_ASSIST, STEP_CHUNK_NUMEL, CPU_ADAM, STEP_THREADS)
+HOST_MEMORY = Override("ZEROIO_HOST_MEMORY", None, _host_memory)
+OVERRIDES = (OVERLAP_STEP, STEP_ASSIST, STEP_CHUNK_NUMEL, CPU_ADAM, STEP_THREADS, HOST_MEMORY)
 
 
 def _raw(o: Override, environ: Mapping[str, str] | None) -> str:
@@ -108,6 +124,13 @@ def cpu_adam_mode(environ: Mapping[str, str] | None = None) -> str:
 def host_step_threads(environ: Mapping[str, str] | None = None) -> int | None:
     """``ZEROIO_STEP_THREADS``: CPU threads of the host step; None = this rank's share."""
     return value(STEP_THREADS, environ)
+
+
+def host_memory(environ: Mapping[str, str] | None = None) -> int | str | None:
+    """``ZEROIO_HOST_MEMORY``: bytes of host memory this node's ranks may use, replacing the
+    measurement of initialize's host-memory check (zeroio/preflight.py); "off" skips the
+    check; None = measure."""
+    return value(HOST_MEMORY, environ)
 
 
 def apply(raw: dict, environ: Mapping[str, str] | None = None) -> tuple[dict, dict[str, dict]]:
@@ -136,6 +159,6 @@ def apply(raw: dict, environ: Mapping[str, str] | None = None) -> tuple[dict, di
     return raw, applied
 
 
-__all__ = ["CPU_ADAM", "CPU_ADAM_MODES", "OVERLAP_STEP", "OVERRIDES", "Override", "STEP_ASSIST",
-           "STEP_CHUNK_NUMEL", "STEP_THREADS", "apply", "cpu_adam_mode", "host_step_threads",
+__all__ = ["CPU_ADAM", "CPU_ADAM_MODES", "HOST_MEMORY", "OVERLAP_STEP", "OVERRIDES", "Override", "STEP_ASSIST",
+           "STEP_CHUNK_NUMEL", "STEP_THREADS", "apply", "cpu_adam_mode", "host_memory", "host_step_threads",
            "value"]

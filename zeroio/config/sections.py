@@ -18,18 +18,41 @@ from zeroio.config.fields import (
     int_coercer,
     sub,
 )
+from zeroio.errors import ConfigError
+
+MAX_AIO_BYTES = 1 << 30
+"""Largest transfer of one I/O call (block_size x queue_depth): Linux moves at most ~2 GiB per
+preadv/pwritev, and the engine keeps a staging buffer of that size per thread."""
+MAX_QUEUE_DEPTH = 1024  # IOV_MAX on Linux
+MAX_AIO_THREADS = 256
+
+
+def check_aio(aio: AioConfig) -> None:
+    """The cross-key bound of the ``aio`` block: one call's bytes within ``MAX_AIO_BYTES``."""
+    per_call = aio.block_size * (1 if aio.single_submit else aio.queue_depth)
+    if per_call > MAX_AIO_BYTES:
+        raise ConfigError(
+            f"aio.block_size x aio.queue_depth = {aio.block_size} x {aio.queue_depth} = {per_call} "
+            f"bytes per I/O call: expected at most {MAX_AIO_BYTES} (1 GiB; each engine thread "
+            "stages that much); lower one of them", key="aio.queue_depth")
 
 
 @dataclass(frozen=True, kw_only=True)
 class AioConfig:
     """``aio``: the NVMe I/O engine's request shape."""
 
-    block_size: int = field(1_048_576, coerce=int_coercer(gt=0))
-    """Bytes per I/O request (1 MiB)."""
-    queue_depth: int = field(8, coerce=int_coercer(gt=0))
-    """Requests in flight per thread."""
-    intra_op_parallelism: int = field(1, coerce=int_coercer(gt=0), aliases=("thread_count",))
-    """Threads splitting one read or write (DeepSpeed's older name: ``thread_count``)."""
+    block_size: int = field(1_048_576, coerce=int_coercer(
+        gt=0, le=MAX_AIO_BYTES, multiple_of=4096, why=" (direct I/O moves whole 4096-byte blocks)"))
+    """Bytes per I/O request (1 MiB): a multiple of 4096, at most 1 GiB; with ``queue_depth``
+    at most 1 GiB per call (``check_aio``)."""
+    queue_depth: int = field(8, coerce=int_coercer(
+        gt=0, le=MAX_QUEUE_DEPTH, why=" (each request is one iovec of a preadv/pwritev, which "
+                                      "takes at most 1024)"))
+    """Requests in flight per thread (at most 1024, the iovecs of one call)."""
+    intra_op_parallelism: int = field(1, coerce=int_coercer(
+        gt=0, le=MAX_AIO_THREADS, why=" (worker threads of each I/O engine)"), aliases=("thread_count",))
+    """Threads splitting one read or write (DeepSpeed's older name: ``thread_count``); at
+    most 256."""
     single_submit: bool = field(False, coerce=as_bool)
     """Submit requests one at a time instead of in batches."""
     overlap_events: bool = field(True, coerce=as_bool)

@@ -228,11 +228,16 @@ class ZeroConfig:
     contiguous_gradients: bool = field(True, coerce=as_bool)
     """Copy gradients into one contiguous buffer as they are produced."""
     reduce_bucket_size: int = field(500_000_000, coerce=_NONNEG)
-    """Elements reduced per collective (5e8)."""
-    allgather_bucket_size: int = field(500_000_000, coerce=_NONNEG)
+    """Elements reduced per collective (5e8); 0, as in DeepSpeed, reduces each gradient alone."""
+    allgather_bucket_size: int = field(500_000_000, coerce=int_coercer(
+        ge=1, why=" (DeepSpeed divides by it at stages 1 and 2; 5e8 is its default)"))
     """Elements all-gathered per collective in stage 1/2 (5e8)."""
-    sub_group_size: int = field(1_000_000_000, coerce=_NONNEG)
-    """Elements per optimizer sub-group: the unit of the pipelined NVMe optimizer step (1e9)."""
+    sub_group_size: int = field(1_000_000_000, coerce=int_coercer(
+        ge=1, why=" (elements per optimizer sub-group, each its own swap arrays: DeepSpeed reads "
+                  "0 as one sub-group per parameter, which zeroio's flat sub-groups do not do; "
+                  "1e9 is the default)"))
+    """Elements per optimizer sub-group: the unit of the pipelined NVMe optimizer step (1e9).
+    At least 1, and no more than ``MAX_SUB_GROUPS`` sub-groups per rank (optim/swap.py)."""
     stage3_prefetch_bucket_size: int = field(50_000_000, coerce=_NONNEG,
                                              aliases=("prefetch_bucket_size",))
     """Stage 3: parameter elements fetched ahead of use (5e7)."""

@@ -96,8 +96,22 @@ class SubGroup:
         return f"adam.g{self.group_index}.o{self.start}.{kind}"
 
 
+MAX_SUB_GROUPS = 1 << 16
+"""Sub-groups per rank at most: each is its own pair of swap arrays (and files), so a
+``sub_group_size`` tiny beside the shard (1 element: one array per element) would make
+initialization run for hours; it is a ConfigError naming the smallest size that fits."""
+
+
 def split(groups: list[ShardGroup], sub_group_size: int) -> list[SubGroup]:
     size = max(1, sub_group_size)
+    count = sum(-(-g.padded_numel // size) for g in groups)
+    if count > MAX_SUB_GROUPS:
+        numel = sum(g.padded_numel for g in groups)
+        raise ConfigError(
+            f"zero_optimization.sub_group_size = {sub_group_size} cuts this rank's {numel} optimizer "
+            f"elements into {count} sub-groups, each its own swap arrays: expected at most "
+            f"{MAX_SUB_GROUPS}, i.e. sub_group_size >= {-(-numel // MAX_SUB_GROUPS)} here "
+            "(DeepSpeed's default is 1e9)", key="zero_optimization.sub_group_size")
     return [SubGroup(group_index=g.group_index, start=s, numel=min(size, g.padded_numel - s))
             for g in groups for s in range(0, g.padded_numel, size)]
 
