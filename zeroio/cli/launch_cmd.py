@@ -82,25 +82,27 @@ def add_parser(sub) -> None:
                    help="treat SCRIPT as a module name, like python -m")
     for flag in ("--no_ssh", "--no_ssh_check", "--force_multi"):  # zeroio never uses ssh
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag in _UNSUPPORTED:
-        p.add_argument(flag, dest=flag.lstrip("-"), default=None, nargs="?", const=True,
-                       help=argparse.SUPPRESS)
+    for flag, (_, takes_value) in _UNSUPPORTED.items():
+        p.add_argument(flag, dest=flag.lstrip("-"), default=None, help=argparse.SUPPRESS,
+                       **({} if takes_value else {"action": "store_const", "const": True}))
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=run)
 
 
 _UNSUPPORTED = {
-    "--autotuning": "DeepSpeed's autotuner",
-    "--elastic_training": "elastic training",
-    "--min_elastic_nodes": "elastic training",
-    "--max_elastic_nodes": "elastic training",
-    "--save_pid": "the pid file",
-    "--enable_each_rank_log": "per-rank log files (redirect the launcher's output instead)",
-    "--ssh_port": "ssh (zeroio starts one node per command)",
-    "--venv_script": "a per-node environment script (activate it before zeroio launch)",
+    "--autotuning": ("DeepSpeed's autotuner", True),
+    "--elastic_training": ("elastic training", False),
+    "--min_elastic_nodes": ("elastic training", True),
+    "--max_elastic_nodes": ("elastic training", True),
+    "--save_pid": ("the pid file", False),
+    "--enable_each_rank_log": ("per-rank log files (redirect the launcher's output instead)",
+                               True),
+    "--ssh_port": ("ssh (zeroio starts one node per command)", True),
+    "--venv_script": ("a per-node environment script (activate it before zeroio launch)", True),
 }
-"""DeepSpeed launcher flags zeroio does not implement: what each one is, for the error."""
+"""DeepSpeed launcher flags zeroio does not implement: (what each one is, for the error;
+whether it takes a value)."""
 
 
 def default_nproc() -> int:
@@ -202,7 +204,7 @@ def launch(argv: list[str]) -> int:
 
 
 def _refuse_unsupported(args) -> None:
-    for flag, what in _UNSUPPORTED.items():
+    for flag, (what, _) in _UNSUPPORTED.items():
         if getattr(args, flag.lstrip("-"), None) is not None:
             raise ConfigError(f"{flag}: zeroio launch does not implement {what}",
                               key=flag.lstrip("-"))

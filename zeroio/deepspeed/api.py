@@ -178,6 +178,16 @@ def _client_optimizer(optimizer, model, model_parameters):
     return optimizer(params), params
 
 
+def _client_scheduler(lr_scheduler, optimizer):
+    """A schedule callable gets DeepSpeed's "basic optimizer": the client's torch optimizer
+    when there is one (zeroio's optimizer shares its param_groups, so a torch schedule's
+    learning rates reach the step). Otherwise the engine calls it with its own optimizer."""
+    if (callable(lr_scheduler) and not hasattr(lr_scheduler, "step")
+            and isinstance(optimizer, torch.optim.Optimizer)):
+        return lr_scheduler(optimizer)
+    return lr_scheduler
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int = DEFAULT_PORT,
                mpu=None, dist_init_required: bool | None = None, collate_fn=None, config=None,
@@ -202,6 +212,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                      timeout=collective_timeout(config))
     _check_local_rank(args)
     optimizer, model_parameters = _client_optimizer(optimizer, model, model_parameters)
+    lr_scheduler = _client_scheduler(lr_scheduler, optimizer)
     cfg = load_script_config(
         config, world_size=comm.world_size(), hidden_size=_hidden_size(model),
         client_optimizer=optimizer is not None, client_scheduler=lr_scheduler is not None,
