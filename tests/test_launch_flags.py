@@ -160,3 +160,17 @@ def test_ranks_are_pinned_to_their_cores_and_get_local_rank(tmp_path):
     assert [r["cores"] for r in rows] == [[cores[0]], [cores[1]]]
     assert all(r["omp"] == "1" for r in rows)
     assert [r["argv"] for r in rows] == [["--local_rank=0", "--x"], ["--local_rank=1", "--x"]]
+
+
+@pytest.mark.slow
+def test_no_python_executes_the_program_with_local_rank(tmp_path):
+    prog = tmp_path / "show.sh"
+    prog.write_text('#!/bin/sh\necho "rank=$RANK args=$*"\n')
+    prog.chmod(0o755)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeroio.cli.main", "launch", "--nproc", "2", "--no_python",
+         str(prog), "a", "b"], env=outside_launcher_env(), capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("rank=")) == [
+        "rank=0 args=--local_rank=0 a b", "rank=1 args=--local_rank=1 a b"]
