@@ -252,3 +252,14 @@ def test_zero_init_takes_deepspeeds_keyword_arguments():
         assert "remote_device='nvme'" in e[0] and "nvme_path" in e[0]
         assert "zero_quantized_weights" in e[1] and "not implemented" in e[1]
         assert "disk" in e[2] and "config_dict_or_path" in e[3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without CUDA")
+def test_init_distributed_backend_without_cuda():
+    from zeroio.deepspeed.api import _backend
+
+    assert _backend(None) == "gloo" and _backend("gloo") == "gloo"
+    with pytest.warns(ConfigWarning, match="no CUDA on this machine, joining with gloo"):
+        assert _backend("nccl") == "gloo"  # a GPU script on a CPU machine still runs
+    with pytest.raises(ConfigError, match="'mpi'.*nccl or gloo"):
+        _backend("mpi")

@@ -12,6 +12,7 @@ a config written for the Hugging Face Trainer runs from a plain script, its
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from zeroio.config.launch_env import launch_env
+from zeroio.config.legacy import ConfigWarning
 from zeroio.config.loader import collective_timeout
 from zeroio.config.script import load_script_config
 from zeroio.errors import ConfigError
@@ -57,9 +59,10 @@ def _backend(dist_backend: str | None) -> str:
     if name not in _BACKENDS:
         raise ConfigError(f"init_distributed(dist_backend={dist_backend!r}): zeroio runs on "
                           f"{' or '.join(_BACKENDS)}", key="dist_backend")
-    if name == "nccl" and not cuda:
-        raise ConfigError("init_distributed(dist_backend='nccl') needs CUDA, and none is "
-                          "available: pass 'gloo' or leave dist_backend unset", key="dist_backend")
+    if name == "nccl" and not cuda:  # a script written for GPUs, run on a CPU machine
+        warnings.warn(ConfigWarning("init_distributed(dist_backend='nccl'): no CUDA on this "
+                                    "machine, joining with gloo instead"), stacklevel=3)
+        return "gloo"
     return name
 
 
