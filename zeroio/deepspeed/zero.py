@@ -29,6 +29,7 @@ default is a ConfigError.
 
 from __future__ import annotations
 
+from zeroio.deepspeed.api import init_distributed
 from zeroio.errors import ConfigError
 from zeroio.partition.zero import GatheredParameters, register_external_parameter
 from zeroio.partition.zero import Init as _ZeroioInit
@@ -93,8 +94,6 @@ class Init(_ZeroioInit):
             raise ConfigError("zero.Init got both config_dict_or_path and config (its deprecated "
                               "spelling): pass config_dict_or_path", key="config")
         source = config_dict_or_path if config_dict_or_path is not None else config
-        from zeroio.deepspeed.api import init_distributed
-
         init_distributed()  # DeepSpeed's Init joins the world itself
         group = _group(data_parallel_group, sequence_data_parallel_group, mpu)
         super().__init__(config=source, dtype=dtype, enabled=enabled, data_parallel_group=group)
