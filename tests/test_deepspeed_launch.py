@@ -126,3 +126,21 @@ def test_two_nodes_on_one_machine_train_as_one_four_rank_world(tmp_path, shim):
     for a, b in zip(multi, single, strict=True):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-7)
         assert a["checksum"] == pytest.approx(b["checksum"], rel=1e-9, abs=1e-9)
+
+
+def test_one_import_line_runs_it_under_torchrun(tmp_path):
+    text = SCRIPT.read_text()
+    script = tmp_path / "ds_train_zeroio.py"
+    script.write_text(text.replace("import deepspeed\n", "import zeroio.deepspeed as deepspeed\n"))
+    changed = [(a, b) for a, b in zip(text.splitlines(), script.read_text().splitlines(),
+                                      strict=True) if a != b]
+    assert changed == [("import deepspeed", "import zeroio.deepspeed as deepspeed")]
+    env = outside_launcher_env(PYTHONPATH=str(REPO))  # no deepspeed package on the path
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={free_port()}", str(script), "--deepspeed_config",
+           str(_config(tmp_path, 3)), "--save_dir", str(tmp_path / "ckpt"), "--steps", str(STEPS),
+           "--save_at", str(SAVE_AT)]
+    rows, _ = _rows(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))
+    _check(rows, 2)
+    assert [r["local_rank_arg"] for r in rows] == [-1, -1]  # torchrun passes none
