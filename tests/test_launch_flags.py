@@ -174,3 +174,22 @@ def test_no_python_executes_the_program_with_local_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("rank=")) == [
         "rank=0 args=--local_rank=0 a b", "rank=1 args=--local_rank=1 a b"]
+
+
+def test_shim_folder_goes_first_on_the_ranks_path_only_when_it_holds_deepspeed(tmp_path,
+                                                                              monkeypatch):
+    import os
+
+    import zeroio.deepspeed
+    from zeroio.cli.launch_cmd import _shim_pythonpath
+
+    shim = tmp_path / "_shim"
+    monkeypatch.setattr(zeroio.deepspeed, "shim_dir", lambda: shim)
+    monkeypatch.setenv("PYTHONPATH", f"/a{os.pathsep}/b")
+    _shim_pythonpath()
+    assert os.environ["PYTHONPATH"] == f"/a{os.pathsep}/b"  # no package there: untouched
+    (shim / "deepspeed").mkdir(parents=True)
+    (shim / "deepspeed" / "__init__.py").write_text("")
+    _shim_pythonpath()
+    _shim_pythonpath()  # idempotent
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(shim), "/a", "/b"]
