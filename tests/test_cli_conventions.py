@@ -115,7 +115,9 @@ def test_launch_accepts_deepspeed_and_torchrun_spellings(tmp_path):
                   key=lambda r: r["RANK"])
     assert [r["RANK"] for r in rows] == ["0", "1"]
     assert all(r["WORLD_SIZE"] == "2" and r["MASTER_PORT"] == str(port) for r in rows)
-    assert all(r["argv"] == ["--x", "1"] and r["ZEROIO_LAUNCHER_PID"] for r in rows)
+    # DeepSpeed's launcher passes --local_rank=N before the script's own arguments
+    assert all(r["argv"] == [f"--local_rank={r['RANK']}", "--x", "1"] and r["ZEROIO_LAUNCHER_PID"]
+               for r in rows)
 
 
 @pytest.mark.parametrize("flags", [

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 SLEEPER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    out = Path(sys.argv[1])
+    out = Path(sys.argv[-1])  # zeroio launch passes --local_rank=N first
     (out / f"pid.{os.environ['RANK']}").write_text(str(os.getpid()))
     time.sleep(120)
 """)

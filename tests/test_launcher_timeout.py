@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(f"""
     import zeroio
     from zeroio.errors import DistributedError
 
-    out = Path(sys.argv[1])
+    out = Path(sys.argv[-1])  # zeroio launch passes --local_rank=N first
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     config = {{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,

@@ -1,23 +1,35 @@
 """`zeroio launch`: run a script on N processes per node, through torch's own launcher.
 
-This is ``torchrun`` with zeroio's defaults, not a new launcher: the arguments
-are translated into a ``torch.distributed.run`` argument list and handed to
-its ``run``. Each process gets the usual ``RANK`` / ``LOCAL_RANK`` /
-``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` environment, so a script that
-calls ``zeroio.initialize`` runs the same under ``zeroio launch``, ``torchrun``
-and ``accelerate launch``.
+This is ``torchrun`` with zeroio's defaults and DeepSpeed's launcher flags,
+not a new launcher: the arguments are translated into a
+``torch.distributed.run`` argument list and handed to its ``run``. Each
+process gets the usual ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` /
+``MASTER_ADDR`` / ``MASTER_PORT`` environment, so a script that calls
+``zeroio.initialize`` runs the same under ``zeroio launch``, ``torchrun`` and
+``accelerate launch``.
 
 On one node with no ``--master-port`` a free port is picked, so two launches
-on one machine do not collide on torchrun's fixed default (29500).
+on one machine do not collide on torchrun's fixed default (29500). Several
+nodes meet at ``--master_addr:--master_port`` (torch's static rendezvous,
+``--node_rank`` naming this node); zeroio starts one node per command.
 
 DeepSpeed's and torchrun's spellings are accepted as aliases: ``--num_gpus`` /
 ``--nproc_per_node`` for ``--nproc``, ``--num_nodes`` for ``--nnodes``,
 ``--master_port``, ``--master_addr``, ``--node_rank`` (underscores or hyphens).
+DeepSpeed's other flags (docs/train.md has the table): ``--hostfile``,
+``--include`` / ``--exclude`` (launch_hosts.py, launch_plan.py), ``--launcher``
+(torch only), ``--bind_cores_to_rank`` / ``--bind_core_list``
+(launch_cores.py), ``--no_local_rank`` (by default the script gets
+``--local_rank=N`` first, as DeepSpeed's launcher passes it), ``--no_python``,
+``--module``. The ranks find zeroio's ``deepspeed`` package first on their
+``PYTHONPATH`` (``zeroio.deepspeed.shim_dir()``), so ``import deepspeed`` in the
+script is zeroio; a DeepSpeed installation is shadowed only here.
 
 Each rank is started through ``zeroio.cli.rank``, which makes it die with this
-launcher (rank.[Note: ranks die with their launcher]). When a rank fails, the
-summary line names the rank that failed first: the one not stopped by the
-launcher itself (torch's launcher sends SIGTERM to the survivors of a failure).
+launcher (rank.[Note: ranks die with their launcher]) and applies the per-rank
+flags. When a rank fails, the summary line names the rank that failed first:
+the one not stopped by the launcher itself (torch's launcher sends SIGTERM to
+the survivors of a failure).
 """
 
 from __future__ import annotations
@@ -36,22 +48,61 @@ def add_parser(sub) -> None:
         help="run a script on N processes (torch.distributed.run)",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("--nproc", "--num_gpus", "--num-gpus", "--nproc_per_node", "--nproc-per-node",
-                   dest="nproc", type=int, default=None,
+    p.add_argument("--nproc", "--num_gpus", "--num-gpus", "--num_accelerators", "--nproc_per_node",
+                   "--nproc-per-node", dest="nproc", type=int, default=None,
                    help="processes per node (default: the number of GPUs, or 1 without CUDA)")
-    p.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", type=int, default=1,
-                   help="number of nodes (default 1)")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+    p.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", type=int, default=None,
+                   help="number of nodes (default 1, or the hostfile's hosts)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
                    help="this node's rank (default 0)")
-    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
-                   help="address of node 0 (default 127.0.0.1)")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
+                   help="address of node 0 (default 127.0.0.1, or the hostfile's first host)")
     p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
                    help="port on node 0 (default: a free port on one node, 29500 on several)")
+    p.add_argument("-H", "--hostfile", default=None,
+                   help="DeepSpeed hostfile ('HOST slots=N' lines); zeroio starts one node per "
+                   "command: give --node_rank, or it prints each node's command")
+    p.add_argument("-i", "--include", default="",
+                   help="DeepSpeed's NAME[:SLOT,...][@NAME...]; localhost:0,1 runs 2 ranks on "
+                   "GPUs 0 and 1")
+    p.add_argument("-e", "--exclude", default="", help="the slots not to use (same syntax)")
+    p.add_argument("--launcher", default=None,
+                   help="torch (what zeroio uses); DeepSpeed's pdsh/openmpi/... are refused")
+    p.add_argument("--launcher_args", default="", help=argparse.SUPPRESS)
+    p.add_argument("--bind_cores_to_rank", "--bind-cores-to-rank", action="store_true",
+                   help="pin each rank to its share of the cores (OMP_NUM_THREADS = the share)")
+    p.add_argument("--bind_core_list", "--bind-core-list", default=None,
+                   help="the cores to share out, e.g. 0-15,32-47 (default: all this launcher "
+                   "may use)")
+    p.add_argument("--no_local_rank", "--no-local-rank", action="store_true",
+                   help="do not pass --local_rank=N to the script")
+    p.add_argument("--no_python", "--no-python", action="store_true",
+                   help="execute SCRIPT directly instead of with python")
     p.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a module name, like python -m")
+    for flag in ("--no_ssh", "--no_ssh_check", "--force_multi"):  # zeroio never uses ssh
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag, (_, takes_value) in _UNSUPPORTED.items():
+        p.add_argument(flag, dest=flag.lstrip("-"), default=None, help=argparse.SUPPRESS,
+                       **({} if takes_value else {"action": "store_const", "const": True}))
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=run)
+
+
+_UNSUPPORTED = {
+    "--autotuning": ("DeepSpeed's autotuner", True),
+    "--elastic_training": ("elastic training", False),
+    "--min_elastic_nodes": ("elastic training", True),
+    "--max_elastic_nodes": ("elastic training", True),
+    "--save_pid": ("the pid file", False),
+    "--enable_each_rank_log": ("per-rank log files (redirect the launcher's output instead)",
+                               True),
+    "--ssh_port": ("ssh (zeroio starts one node per command)", True),
+    "--venv_script": ("a per-node environment script (activate it before zeroio launch)", True),
+}
+"""DeepSpeed launcher flags zeroio does not implement: (what each one is, for the error;
+whether it takes a value)."""
 
 
 def default_nproc() -> int:
@@ -71,9 +122,11 @@ def torchrun_argv(
     master_port: int | None = None,
     module: bool = False,
     guard: bool = False,
+    rank_options: list[str] | None = None,
 ) -> list[str]:
     """The ``torch.distributed.run`` argument list for one launch (validated). ``guard``: start
-    each rank through ``zeroio.cli.rank`` (it dies with the launcher; see that module)."""
+    each rank through ``zeroio.cli.rank`` (it dies with the launcher; see that module), with
+    ``rank_options`` (its per-rank options: ``--local-rank-arg``, ``--bind-cores``, ...)."""
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
     if nnodes < 1:
@@ -96,8 +149,8 @@ def torchrun_argv(
         f"--master-port={master_port}",
     ]
     if guard:
-        return argv + ["--module", "zeroio.cli.rank", *(["-m"] if module else []), script,
-                       *script_args]
+        return argv + ["--module", "zeroio.cli.rank", *(rank_options or []),
+                       *(["-m"] if module else []), script, *script_args]
     if module:
         argv.append("--module")
     return argv + [script, *script_args]
@@ -150,13 +203,76 @@ def launch(argv: list[str]) -> int:
     return 0
 
 
+def _refuse_unsupported(args) -> None:
+    for flag, (what, _) in _UNSUPPORTED.items():
+        if getattr(args, flag.lstrip("-"), None) is not None:
+            raise ConfigError(f"{flag}: zeroio launch does not implement {what}",
+                              key=flag.lstrip("-"))
+
+
+def _shim_pythonpath() -> None:
+    """Put zeroio's ``deepspeed`` package first on the ranks' import path, so ``import
+    deepspeed`` in the script is zeroio (zeroio/deepspeed/__init__.py, ``shim_dir``); only
+    when that folder holds the package. Outside `zeroio launch` nothing is shadowed."""
+    from zeroio.deepspeed import shim_dir
+
+    shim = shim_dir()
+    if not (shim / "deepspeed" / "__init__.py").is_file():
+        return
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(shim)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(shim), *rest])
+
+
+def _bind_cores(args, nproc: int) -> str | None:
+    """The core list each rank takes its share of (``--bind_cores_to_rank``); sets the ranks'
+    ``OMP_NUM_THREADS`` to the share, as DeepSpeed does."""
+    if not args.bind_cores_to_rank:
+        if args.bind_core_list:
+            raise ConfigError("--bind_core_list needs --bind_cores_to_rank", key="bind_core_list")
+        return None
+    from zeroio.cli.launch_cores import (
+        cores_per_rank,
+        format_core_list,
+        machine_cores,
+        parse_core_list,
+    )
+
+    cores = parse_core_list(args.bind_core_list) if args.bind_core_list else machine_cores()
+    os.environ["OMP_NUM_THREADS"] = str(cores_per_rank(cores, nproc))
+    return format_core_list(cores)
+
+
+def rank_options(args, cores: str | None) -> list[str]:
+    """``zeroio.cli.rank``'s options for DeepSpeed's per-rank flags."""
+    if args.no_python and args.module:
+        raise ConfigError("--no_python and --module cannot be used together (as in DeepSpeed)",
+                          key="no_python")
+    opts = [] if args.no_local_rank else ["--local-rank-arg"]
+    if cores is not None:
+        opts += ["--bind-cores", cores]
+    return opts + (["--no-python"] if args.no_python else [])
+
+
 def run(args) -> int:
-    nproc = args.nproc if args.nproc is not None else default_nproc()
+    from zeroio.cli.launch_plan import plan_launch
+
+    _refuse_unsupported(args)
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    plan = plan_launch(args, gpus=gpus, visible_env=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                       default_nproc=default_nproc())
+    if plan.note:
+        print(plan.note, file=sys.stderr)
+    if plan.visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(plan.visible_devices)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
+    cores = _bind_cores(args, plan.nproc)
+    _shim_pythonpath()
     return launch(torchrun_argv(
-        args.script, script_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, module=args.module,
-        guard=True,
+        args.script, script_args, nproc=plan.nproc, nnodes=plan.nnodes,
+        node_rank=plan.node_rank, master_addr=plan.master_addr, master_port=plan.master_port,
+        module=args.module, guard=True, rank_options=rank_options(args, cores),
     ))

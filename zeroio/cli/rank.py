@@ -2,6 +2,7 @@
 
     python -m zeroio.cli.rank SCRIPT ARGS...        (what torchrun starts per rank)
     python -m zeroio.cli.rank -m MODULE ARGS...
+    python -m zeroio.cli.rank [--local-rank-arg] [--bind-cores LIST] [--no-python] ...
 
 [Note: ranks die with their launcher]
 torch's launcher starts each rank in a session of its own, so a SIGKILL of the
@@ -74,16 +75,53 @@ def guard_parent(launcher: int | None = None, *, interval: float = 1.0) -> str:
     return how
 
 
+def _options(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
+    """The launcher's options for this rank, given before the script (see ``main``)."""
+    opts: dict[str, str | bool] = {}
+    while argv[:1] and argv[0] in ("--local-rank-arg", "--no-python", "--bind-cores"):
+        if argv[0] == "--bind-cores":
+            if len(argv) < 2:
+                raise SystemExit("zeroio.cli.rank: --bind-cores needs a core list")
+            opts["bind_cores"], argv = argv[1], argv[2:]
+        else:
+            opts[argv[0][2:].replace("-", "_")], argv = True, argv[1:]
+    return opts, argv
+
+
+def bind_cores(core_list: str) -> list[int]:
+    """Pin this rank to its share of ``core_list`` (zeroio/cli/launch_cores.py); the cores."""
+    from zeroio.cli.launch_cores import parse_core_list, rank_cores
+
+    env = launch_env()
+    mine = rank_cores(parse_core_list(core_list), env.local_world_size or 1, env.local_rank)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, mine)
+    return mine
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Guard this rank, then run SCRIPT (or ``-m MODULE``) as ``python`` would, as __main__."""
+    """Guard this rank, then run SCRIPT (or ``-m MODULE``) as ``python`` would, as __main__.
+
+    Options before the script, set by ``zeroio launch`` from DeepSpeed's flags:
+    ``--local-rank-arg`` passes ``--local_rank=N`` (this rank's ``LOCAL_RANK``) as the
+    script's first argument; ``--bind-cores LIST`` pins this rank to its share of LIST;
+    ``--no-python`` executes SCRIPT itself instead of running it as Python."""
     argv = list(sys.argv[1:] if argv is None else argv)
     guard_parent()
+    opts, argv = _options(argv)
     module = argv[:1] == ["-m"]
     if module:
         argv = argv[1:]
     if not argv:
-        raise SystemExit("usage: python -m zeroio.cli.rank [-m] SCRIPT_OR_MODULE [ARGS...]")
+        raise SystemExit("usage: python -m zeroio.cli.rank [--local-rank-arg] [--bind-cores LIST] "
+                         "[--no-python] [-m] SCRIPT_OR_MODULE [ARGS...]")
+    if opts.get("bind_cores"):
+        bind_cores(str(opts["bind_cores"]))
     target, args = argv[0], argv[1:]
+    if opts.get("local_rank_arg"):
+        args = [f"--local_rank={launch_env().local_rank}", *args]
+    if opts.get("no_python"):  # the parent-death signal survives exec (prctl(2))
+        os.execvp(target, [target, *args])
     sys.argv = [target, *args]
     if module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -360,20 +360,28 @@ def collective_timeout(path_or_dict: Any) -> float:
     return build(DistributedConfig, {} if block is None else block, "distributed").timeout_s
 
 
-def load_init_config(path_or_dict: Any, **auto_values: Any) -> Config:
-    """The config as ``zero.Init`` reads it: ``load_config``, except that an "auto" which
-    ``auto_values`` cannot fill takes the key's default instead of being an error.
+INIT_SECTIONS = ("zero_optimization", "fp16", "bf16", "aio", "distributed")
+"""The top-level keys ``zero.Init`` reads: partitioning needs the stage, the ZeRO block and
+the 16-bit switches, nothing of the optimizer, scheduler or batch sizes."""
 
-    zero.Init needs only the stage, the 16-bit switches and zero_optimization;
-    a seed config's "auto" learning rate, batch sizes or gradient clipping are
-    filled later, by the ``load_config`` of ``zeroio.initialize`` or the Trainer.
-    Without ``hidden_size`` the bucket and persistence "auto" keys take
-    DeepSpeed's defaults (docs/stage3.md).
+
+def load_init_config(path_or_dict: Any, **auto_values: Any) -> Config:
+    """The config as ``zero.Init`` reads it: only ``INIT_SECTIONS``, and an "auto" in them
+    that ``auto_values`` cannot fill takes the key's default instead of being an error.
+
+    A config written for the Trainer (an "auto" learning rate, batch sizes,
+    gradient clipping, a WarmupDecayLR whose ``total_num_steps`` is "auto") is
+    read whole later, by the ``load_config`` of ``initialize`` or the Trainer,
+    which fills those keys or rejects them; here they cannot matter. Without
+    ``hidden_size`` the bucket and persistence "auto" keys take DeepSpeed's
+    defaults (docs/stage3.md).
     """
     if isinstance(path_or_dict, Config):
         return path_or_dict
     values = check_auto_values(auto_values)
-    raw, _ = drop_unfillable(read_config(path_or_dict), values)
+    raw = legacy.rewrite(read_config(path_or_dict))
+    raw = {k: v for k, v in raw.items() if k in INIT_SECTIONS}
+    raw, _ = drop_unfillable(raw, values)
     return load_config(raw, **auto_values)
 
 
@@ -385,5 +393,5 @@ def _warn_ineffective(cfg: Config, raw: Any) -> None:
         warnings.warn(ConfigWarning(f"{key} has no effect: {why}"), stacklevel=3)
 
 
-__all__ = ["Config", "load_config", "load_init_config", "read_config", "collective_timeout",
+__all__ = ["Config", "INIT_SECTIONS", "load_config", "load_init_config", "read_config", "collective_timeout",
            "did_you_mean", "section"]

@@ -109,6 +109,23 @@ def _stage(raw: dict[str, Any]) -> Any:
     return zo.get("stage", 0) if isinstance(zo, dict) else 0
 
 
+def _cpu_world() -> int:
+    """The launched world size on a machine with no accelerator, else 0.
+
+    There, transformers without ``use_cpu`` makes each rank a world of its own
+    (accelerate's state is single-process unless told ``cpu=True``), and the engine
+    then refused a config resolved for 1 rank with 2 running. A zeroio run on such
+    a machine can only train on CPU, so it does, as ``--use_cpu`` would."""
+    import torch
+
+    from zeroio.config.launch_env import launch_env
+
+    acc = getattr(torch, "accelerator", None)
+    if torch.cuda.is_available() or (acc is not None and acc.is_available()):
+        return 0
+    return launch_env().world_size or 0
+
+
 _HELP = ("zeroio config (DeepSpeed JSON schema): a path to a JSON file or a dict; "
          '"auto" values are filled from these arguments')
 
@@ -132,6 +149,8 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.deepspeed:
             self.zeroio_config = self.deepspeed
         self.deepspeed = None
+        if self.zeroio_config and not self.use_cpu and _cpu_world() > 1:
+            self.use_cpu = True  # see _cpu_world
         super().__post_init__()
         self.zeroio_raw = (read_config(self.zeroio_config, key="deepspeed")
                            if self.zeroio_config else None)
