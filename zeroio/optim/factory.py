@@ -17,7 +17,10 @@ import torch
 
 from zeroio.errors import ConfigError
 
-SUPPORTED = ("adam", "adamw")
+SUPPORTED = ("adam", "adamw", "lamb", "lion", "adagrad", "sgd")
+RULE_TYPES = ("lamb", "lion", "adagrad", "sgd")
+"""Types stepped by ``ShardedRule`` (rules.py) rather than the Adam kernels."""
+_NOT_HYPER = ("foreach", "differentiable", "fused", "maximize", "amsgrad", "max_grad_norm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +32,8 @@ class OptimizerSpec:
     decoupled: bool
     """AdamW-style (decoupled) weight decay."""
     type_name: str
+    rule: str = "adam"
+    """"adam" (Adam and AdamW), or one of ``RULE_TYPES``."""
 
 
 def _hyper(d: dict) -> dict:
@@ -55,8 +60,12 @@ def from_config(optimizer_cfg, module: torch.nn.Module, model_parameters: Any) -
                           key="optimizer")
     if optimizer_cfg.name not in SUPPORTED:
         raise ConfigError(f"optimizer.type = {optimizer_cfg.type!r} is not supported by zeroio's "
-                          f"sharded optimizer; use \"Adam\" or \"AdamW\"", key="optimizer.type")
+                          "sharded optimizer; use one of \"Adam\", \"AdamW\", \"Lamb\", "
+                          "\"Lion\", \"Adagrad\", \"SGD\" (OneBitLamb's compressed "
+                          "communication is not implemented: use \"Lamb\")", key="optimizer.type")
     p = dict(optimizer_cfg.params)
+    if optimizer_cfg.name in RULE_TYPES:
+        return _rule_spec(optimizer_cfg, p, module, model_parameters)
     for key in ("amsgrad",):
         if p.get(key):
             raise ConfigError(f"optimizer.params.{key} = true is not supported; set it to false",
@@ -72,6 +81,22 @@ def from_config(optimizer_cfg, module: torch.nn.Module, model_parameters: Any) -
     decoupled = optimizer_cfg.name == "adamw" or bool(p.get("adam_w_mode", True))
     return OptimizerSpec(param_groups=[g["params"] for g in groups], hyper=hyper,
                          decoupled=decoupled, type_name=optimizer_cfg.type)
+
+
+def _rule_spec(optimizer_cfg, p: dict, module, model_parameters) -> OptimizerSpec:
+    """A spec for a ``RULE_TYPES`` optimizer: the config's params (completed by the config
+    layer) as each group's defaults, a group's own keys over them."""
+    if float(p.get("max_grad_norm", 0.0)):
+        raise ConfigError("optimizer.params.max_grad_norm: zeroio clips by gradient_clipping; "
+                          "set max_grad_norm to 0 and gradient_clipping to the norm",
+                          key="optimizer.params.max_grad_norm")
+    defaults = {k: v for k, v in p.items() if k not in _NOT_HYPER}
+    if "betas" in defaults:
+        defaults["betas"] = tuple(float(b) for b in defaults["betas"])
+    groups = _groups_from(model_parameters, module)
+    hyper = [dict(defaults, **{k: g[k] for k in defaults if k in g}) for g in groups]
+    return OptimizerSpec(param_groups=[g["params"] for g in groups], hyper=hyper,
+                         decoupled=False, type_name=optimizer_cfg.type, rule=optimizer_cfg.name)
 
 
 def from_client(optimizer: torch.optim.Optimizer) -> OptimizerSpec:

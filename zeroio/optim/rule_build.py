@@ -1,0 +1,95 @@
+"""Which paths the non-Adam rules (rules.py) take, and the optimizer that steps them there.
+
+- no offload / ``offload_optimizer cpu``: ``ShardedRule`` over the partitioner's groups (GPU
+  tensors, or pinned host memory);
+- ``offload_optimizer nvme``: ``SwappedRule`` (its state swapped as Adam's moments are), for
+  SGD, Adagrad and Lion; SGD without momentum has no state and stays in host memory;
+- ``offload_optimizer.ratio`` < 1: a ``TwinAdam`` of two ``ShardedRule``s (or a host
+  ``SwappedRule``) for the elementwise rules.
+
+Refused with a ``ConfigError`` naming the key: Lamb with NVMe offload or a ratio (its
+per-parameter norms would span a device side, a host side and the swap pieces), bf16 master
+weights or optimizer states (the rules keep fp32 state), and ``tiering.step_assist`` /
+``tiering.overlap_step`` set true (both step host state chunk by chunk with Adam's kernels);
+"auto" turns both off for these rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from zeroio.errors import ConfigError
+from zeroio.optim.rules import RULES
+from zeroio.optim.sharded_rule import LambNorms, ShardedRule
+from zeroio.partition import collectives
+
+
+def rule_policies(spec, cfg, policies):
+    """``policies`` as the rule of ``spec`` can run them; Adam's unchanged."""
+    if spec.rule == "adam":
+        return policies
+    name, off = spec.type_name, policies.optimizer
+    if policies.precision.low:
+        raise ConfigError(f"optimizer.type = {name!r} keeps fp32 optimizer state: set "
+                          "bf16.bf16_optimizer_states and bf16.bf16_master_weights_and_grads "
+                          "to false, or use Adam/AdamW", key="bf16.bf16_optimizer_states")
+    if spec.rule == "lamb" and off.device == "nvme":
+        raise ConfigError("optimizer.type = 'Lamb' with offload_optimizer.device \"nvme\" is "
+                          "not supported (its per-parameter trust ratio needs every piece of a "
+                          "parameter at once): use device \"cpu\", or Adam/AdamW on NVMe",
+                          key="zero_optimization.offload_optimizer.device")
+    if spec.rule == "lamb" and off.device != "none" and off.ratio < 1.0:
+        raise ConfigError("optimizer.type = 'Lamb' with offload_optimizer.ratio < 1 is not "
+                          "supported: set ratio to 1", key="zero_optimization.offload_optimizer.ratio")
+    t = cfg.zero_optimization.tiering
+    for key in ("step_assist", "overlap_step"):
+        if getattr(t, key) is True:
+            raise ConfigError(f"zero_optimization.tiering.{key} = true steps host state with "
+                              f"Adam's kernels; optimizer.type = {name!r} needs it false or "
+                              "\"auto\"", key=f"zero_optimization.tiering.{key}")
+    return replace(policies, tiering=replace(policies.tiering, step_assist=False,
+                                             overlap_step=False))
+
+
+def _comm_device(partitioner) -> torch.device:
+    nccl = collectives.backend(partitioner.group) == "nccl"
+    return partitioner.device if nccl else torch.device("cpu")
+
+
+def _sharded(groups, spec, partitioner, divisor: float = 1.0) -> ShardedRule:
+    rule = RULES[spec.rule]
+    norms = None
+    if not rule.elementwise:
+        norms = LambNorms(groups, partitioner.index, sharded=partitioner.stage != 0,
+                          group=partitioner.group, comm_device=_comm_device(partitioner))
+    return ShardedRule(groups, spec.hyper, rule=rule, grad_divisor=divisor, norms=norms,
+                       state_gate=partitioner.release_device_state)
+
+
+def _host_side(cfg, groups, spec, partitioner, shares, policies, rank: int):
+    rule = RULES[spec.rule]
+    if policies.optimizer.device == "nvme" and rule.kinds_for(spec.hyper):
+        from zeroio.optim.swapped_rule import SwappedRule
+
+        return SwappedRule(groups, spec.hyper, rule=rule, policies=policies, aio=cfg.aio,
+                           grad_divisor=partitioner.host_grad_divisor, rank=rank,
+                           **(shares or {}))
+    return _sharded(groups, spec, partitioner, partitioner.host_grad_divisor)
+
+
+def build_rule_optimizer(cfg, partitioner, spec, shares, policies, rank: int):
+    """The optimizer of a ``RULE_TYPES`` spec on the path ``policies`` chose."""
+    split = partitioner.optimizer_split
+    if split is not None:
+        from zeroio.optim.twin import TwinAdam
+
+        return TwinAdam(device=_sharded(split.device, spec, partitioner),
+                        host=_host_side(cfg, split.host, spec, partitioner, shares, policies,
+                                        rank),
+                        groups=partitioner.groups)
+    return _host_side(cfg, partitioner.groups, spec, partitioner, shares, policies, rank)
+
+
+__all__ = ["build_rule_optimizer", "rule_policies"]

@@ -1,0 +1,153 @@
+"""``ShardedRule``: SGD, Adagrad, Lion or Lamb (rules.py) over this rank's ShardGroups.
+
+The counterpart of ``ShardedAdam`` for the other rules: state tensors of the rule's ``kinds``
+on the master's device (the GPU without offload, host memory with ``offload_optimizer cpu``),
+hyperparameters in ``param_groups`` (one dict per ShardGroup, shared with schedulers), one
+step counter per group. The whole local group is stepped at once with torch ops (no compiled
+kernel, no chunked step: the engine publishes after the step, or stage by stage through
+``on_updated``). Lamb's per-parameter trust ratio is computed over the unsharded parameters
+([Note: sharded trust ratio] in lamb_norms.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroio.io.hostmem import host_zeros
+from zeroio.optim.interface import EngineOptimizer
+from zeroio.optim.lamb_norms import ParamRuns, reduce_sums
+from zeroio.optim.rules import LambRule, Rule
+from zeroio.shard.types import ParamIndex, ShardGroup
+
+
+def state_like(master: torch.Tensor, value: float) -> torch.Tensor:
+    """An fp32 state tensor beside ``master`` (pinned host memory where the master is)."""
+    if master.device.type == "cpu":
+        t = host_zeros(master.numel(), torch.float32, pin=master.is_pinned())
+    else:
+        t = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
+    return t.fill_(value) if value else t
+
+
+def scaled_grad(grad: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    """The step's gradient in fp32, divided by ``grad_scale`` (a new tensor: the shard is
+    never rewritten)."""
+    g = grad.float() if grad.dtype != torch.float32 else grad
+    return g / grad_scale if grad_scale != 1.0 else g.clone()
+
+
+class LambNorms:
+    """What a Lamb step needs to reduce its per-parameter norms: each group's ``ParamRuns``,
+    the parameter count, and the process group ([Note: sharded trust ratio])."""
+
+    def __init__(self, groups: list[ShardGroup], index: ParamIndex, *, sharded: bool, group,
+                 comm_device: torch.device):
+        self.runs = {g.group_index: ParamRuns(g, index) for g in groups}
+        self.count = len(index.entries)
+        self.sharded, self.group, self.comm_device = sharded, group, comm_device
+
+    def reduce(self, sums: torch.Tensor) -> torch.Tensor:
+        return reduce_sums(sums, sharded=self.sharded, group=self.group,
+                           comm_device=self.comm_device)
+
+
+class ShardedRule(EngineOptimizer):
+    """A non-Adam rule over this rank's ShardGroups (see the module docstring)."""
+
+    def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, rule: Rule,
+                 grad_divisor: float = 1.0, norms: LambNorms | None = None, state_gate=None):
+        """``norms``: required for Lamb. ``state_gate``: as ``ShardedAdam``'s."""
+        if not rule.elementwise and norms is None:
+            raise ValueError(f"{rule.name}: needs per-parameter norms (norms=)")
+        self.rule, self.groups, self.param_groups = rule, groups, param_groups
+        self.grad_divisor, self.norms, self.state_gate = grad_divisor, norms, state_gate
+        self.state_kinds = rule.kinds_for(param_groups)
+        self.state: list[dict[str, torch.Tensor]] = [
+            {k: state_like(g.master, rule.initial(k, param_groups[g.group_index]))
+             for k in self.state_kinds} for g in groups]
+        self.steps = [0 for _ in groups]
+        self.groups_by_index = {g.group_index: g for g in groups}
+
+    @property
+    def rule_name(self) -> str:
+        return self.rule.name
+
+    def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
+        grad_scale *= self.grad_divisor
+        with torch.profiler.record_function(f"zeroio::{self.rule.name}_step"):
+            if self.rule.elementwise:
+                for i, g in enumerate(self.groups):
+                    self._step_group(i, g, grad_scale)
+                    if on_updated is not None and g.master.numel():
+                        on_updated(g.group_index, 0, g.master.numel())
+            else:
+                self._lamb_step(grad_scale, on_updated)
+
+    def _step_group(self, i: int, g: ShardGroup, grad_scale: float) -> None:
+        if not g.master.numel():
+            return
+        self.steps[i] += 1
+        self.rule.update(master=g.master, grad=scaled_grad(g.grad, grad_scale),
+                         state=self.state[i], hyper=self.param_groups[g.group_index],
+                         step=self.steps[i])
+
+    def _lamb_step(self, grad_scale: float, on_updated) -> None:
+        """Moments and directions of every group, the reduced per-parameter norms, then the
+        update ([Note: sharded trust ratio])."""
+        rule, norms = self.rule, self.norms
+        sums = torch.zeros(2, norms.count, dtype=torch.float64)
+        directions = []
+        for i, g in enumerate(self.groups):
+            hyper = self.param_groups[g.group_index]
+            if not g.master.numel():
+                directions.append(None)
+                continue
+            u = LambRule.moments(master=g.master, grad=scaled_grad(g.grad, grad_scale),
+                                 state=self.state[i], hyper=hyper)
+            runs = norms.runs[g.group_index]
+            runs.add_squares(g.master, sums[0])
+            runs.add_squares(u, sums[1])
+            directions.append(u)
+        total = norms.reduce(sums).sqrt().tolist()  # every rank reduces, even with no elements
+        for i, g in enumerate(self.groups):
+            u = directions[i]
+            if u is None:
+                continue
+            self.steps[i] += 1
+            hyper = self.param_groups[g.group_index]
+            size = rule.step_size(hyper, self.steps[i])
+            for k, lo, n in norms.runs[g.group_index].runs:
+                coef = rule.coefficient(total[0][k], total[1][k], hyper)
+                g.master.narrow(0, lo, n).add_(u.narrow(0, lo, n), alpha=-size * coef)
+            if on_updated is not None:
+                on_updated(g.group_index, 0, g.master.numel())
+
+    # ---- state access (checkpoints) -----------------------------------------------------------
+
+    def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
+        if self.state_gate is not None:
+            self.state_gate()
+        if kind == "fp32":
+            return self.groups_by_index[group_index].master
+        pos = self.groups.index(self.groups_by_index[group_index])
+        return self.state[pos][kind]
+
+    def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
+        t = self.local_tensor(group_index, kind)
+        if t.data_ptr() != values.data_ptr():
+            t.copy_(values)
+
+    def steps_taken(self, group_index: int) -> int:
+        return self.steps[self.groups.index(self.groups_by_index[group_index])]
+
+    def set_steps(self, group_index: int, steps: int) -> None:
+        self.steps[self.groups.index(self.groups_by_index[group_index])] = int(steps)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [t for st in self.state for t in st.values()]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are owned by the engine."""
+
+
+__all__ = ["LambNorms", "ShardedRule", "scaled_grad", "state_like"]
