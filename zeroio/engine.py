@@ -37,7 +37,7 @@ from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
 from zeroio.optim.loss_scaler import build_loss_scaler
 from zeroio.optim.lr_schedules import build_scheduler
-from zeroio.optim.rule_build import build_rule_optimizer, rule_policies
+from zeroio.optim.rule_build import RankSum, build_rule_optimizer, rule_policies
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.tiering import stats as tstats
@@ -113,7 +113,11 @@ def build_optimizer(cfg, partitioner, spec: OptimizerSpec, shares: dict | None =
     ``policies``: as for ``build_partitioner``."""
     policies = policies if policies is not None else resolve_engine_policies(cfg, None)
     if spec.rule != "adam":  # SGD, Adagrad, Lion, Lamb: optim/rule_build.py
-        return build_rule_optimizer(cfg, partitioner, spec, shares, policies, comm.rank())
+        nccl = comm.backend(partitioner.group) == "nccl"
+        ranks = RankSum(all_reduce=lambda t: comm.all_reduce(t, partitioner.group).wait(),
+                        device=partitioner.device if nccl else torch.device("cpu"))
+        return build_rule_optimizer(cfg, partitioner, spec, shares, policies, rank=comm.rank(),
+                                    ranks=ranks)
     split = partitioner.optimizer_split
     if split is not None:  # offload_optimizer.ratio < 1: partition/stage3/twin.py, stage12.py
         from zeroio.optim.twin import TwinAdam

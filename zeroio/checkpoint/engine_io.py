@@ -10,11 +10,10 @@ off-host or split; optim/interface.py) /
 `steps_taken(i)` / `set_steps(i, n)` / `param_groups`, `lr_scheduler.state_dict()`, `loss_scaler.state_dict()`, and
 the counters `global_steps`, `micro_steps`, `global_samples`, `skipped_steps`.
 
-[Note: optimizer rule in a checkpoint] The optimizer's state arrays are its
-``state_kinds`` (Adam and Lamb: "exp_avg", "exp_avg_sq"; Lion: "exp_avg"; Adagrad: "sum";
-SGD with momentum: "momentum_buffer"), and ``scalars.optimizer.rule`` names the rule
-("adam" where absent: checkpoints written before other rules existed). Loading optimizer
-state of one rule into another is a ``CheckpointError`` before anything is read.
+[Note: optimizer rule in a checkpoint] The state arrays are the optimizer's ``state_kinds``
+(Adam, Lamb: exp_avg, exp_avg_sq; Lion: exp_avg; Adagrad: sum; SGD: momentum_buffer);
+``scalars.optimizer.rule`` names the rule (absent: "adam"). Loading one rule's state into
+another is a ``CheckpointError`` before anything is read.
 
 [Note: what a checkpoint holds] Arrays "fp32", "exp_avg", "exp_avg_sq" over
 the global flat order, each rank writing its ShardGroup segments (stage 0:
@@ -74,9 +73,7 @@ from zeroio.errors import CheckpointError
 from zeroio.io.links import same_device
 from zeroio.partition import collectives
 
-OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")
-"""Adam's state kinds; an engine's are ``engine.optimizer.state_kinds`` ([Note: optimizer rule
-in a checkpoint])."""
+OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")  # Adam's; an engine's: optimizer.state_kinds
 _GATHER_WINDOW = 1 << 25  # elements per reduce when gathering 16-bit weights
 
 
@@ -454,8 +451,7 @@ def _apply(engine, load: ShardedLoad, frozen_buf, locals_, load_optimizer_states
 
 
 def _check_rule(engine, manifest) -> None:
-    """The checkpoint's optimizer rule is the engine's ([Note: optimizer rule in a
-    checkpoint])."""
+    """The checkpoint's optimizer rule is the engine's ([Note: optimizer rule in a checkpoint])."""
     opt = manifest.scalars.get("optimizer")
     saved = opt.get("rule", "adam") if isinstance(opt, dict) else "adam"
     live = engine.optimizer.rule_name

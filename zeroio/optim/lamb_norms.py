@@ -18,7 +18,6 @@ import bisect
 
 import torch
 
-from zeroio.partition import collectives
 from zeroio.shard.types import ParamIndex, ShardGroup
 
 
@@ -47,14 +46,15 @@ class ParamRuns:
             out[k] += torch.dot(piece, piece).double().to(out.device)
 
 
-def reduce_sums(sums: torch.Tensor, *, sharded: bool, group, comm_device: torch.device) -> torch.Tensor:
-    """The ranks' per-parameter sums added up over ``group`` (``sharded`` False: every rank
-    holds every parameter, stage 0, nothing to add); ``comm_device``: where the collective
-    needs the tensor (the CUDA device under NCCL, else the CPU). Returns a CPU tensor."""
-    if not sharded:
+def reduce_sums(sums: torch.Tensor, *, all_reduce, comm_device: torch.device) -> torch.Tensor:
+    """The ranks' per-parameter sums added up by ``all_reduce`` (an in-place sum over the
+    partitioner's process group that the engine hands in: partition/collectives.py is the one
+    caller of torch.distributed; None: every rank holds every parameter, stage 0);
+    ``comm_device``: where the collective needs the tensor. Returns a CPU tensor."""
+    if all_reduce is None:
         return sums
     t = sums.to(comm_device)
-    collectives.all_reduce(t, group).wait()
+    all_reduce(t)
     return t.cpu()
 
 

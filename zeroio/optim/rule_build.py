@@ -16,14 +16,14 @@ weights or optimizer states (the rules keep fp32 state), and ``tiering.step_assi
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from zeroio.errors import ConfigError
 from zeroio.optim.rules import RULES
 from zeroio.optim.sharded_rule import LambNorms, ShardedRule
-from zeroio.partition import collectives
 
 
 def rule_policies(spec, cfg, policies):
@@ -53,22 +53,26 @@ def rule_policies(spec, cfg, policies):
                                              overlap_step=False))
 
 
-def _comm_device(partitioner) -> torch.device:
-    nccl = collectives.backend(partitioner.group) == "nccl"
-    return partitioner.device if nccl else torch.device("cpu")
+@dataclass(frozen=True, kw_only=True)
+class RankSum:
+    """How the ranks add up a tensor (Lamb's norms): the engine's in-place ``all_reduce`` over
+    the partitioner's group, and the device the collective needs (CUDA under NCCL)."""
+
+    all_reduce: Callable[[torch.Tensor], None]
+    device: torch.device
 
 
-def _sharded(groups, spec, partitioner, divisor: float = 1.0) -> ShardedRule:
+def _sharded(groups, spec, partitioner, ranks: RankSum, divisor: float = 1.0) -> ShardedRule:
     rule = RULES[spec.rule]
     norms = None
     if not rule.elementwise:
-        norms = LambNorms(groups, partitioner.index, sharded=partitioner.stage != 0,
-                          group=partitioner.group, comm_device=_comm_device(partitioner))
+        norms = LambNorms(groups, partitioner.index, comm_device=ranks.device,
+                          all_reduce=ranks.all_reduce if partitioner.stage != 0 else None)
     return ShardedRule(groups, spec.hyper, rule=rule, grad_divisor=divisor, norms=norms,
                        state_gate=partitioner.release_device_state)
 
 
-def _host_side(cfg, groups, spec, partitioner, shares, policies, rank: int):
+def _host_side(cfg, groups, spec, partitioner, shares, policies, rank: int, ranks: RankSum):
     rule = RULES[spec.rule]
     if policies.optimizer.device == "nvme" and rule.kinds_for(spec.hyper):
         from zeroio.optim.swapped_rule import SwappedRule
@@ -76,20 +80,22 @@ def _host_side(cfg, groups, spec, partitioner, shares, policies, rank: int):
         return SwappedRule(groups, spec.hyper, rule=rule, policies=policies, aio=cfg.aio,
                            grad_divisor=partitioner.host_grad_divisor, rank=rank,
                            **(shares or {}))
-    return _sharded(groups, spec, partitioner, partitioner.host_grad_divisor)
+    return _sharded(groups, spec, partitioner, ranks, partitioner.host_grad_divisor)
 
 
-def build_rule_optimizer(cfg, partitioner, spec, shares, policies, rank: int):
-    """The optimizer of a ``RULE_TYPES`` spec on the path ``policies`` chose."""
+def build_rule_optimizer(cfg, partitioner, spec, shares, policies, *, rank: int,
+                         ranks: RankSum):
+    """The optimizer of a ``RULE_TYPES`` spec on the path ``policies`` chose (``rank``: the
+    global rank, which names an NVMe swap folder)."""
     split = partitioner.optimizer_split
     if split is not None:
         from zeroio.optim.twin import TwinAdam
 
-        return TwinAdam(device=_sharded(split.device, spec, partitioner),
+        return TwinAdam(device=_sharded(split.device, spec, partitioner, ranks),
                         host=_host_side(cfg, split.host, spec, partitioner, shares, policies,
-                                        rank),
+                                        rank, ranks),
                         groups=partitioner.groups)
-    return _host_side(cfg, partitioner.groups, spec, partitioner, shares, policies, rank)
+    return _host_side(cfg, partitioner.groups, spec, partitioner, shares, policies, rank, ranks)
 
 
-__all__ = ["build_rule_optimizer", "rule_policies"]
+__all__ = ["RankSum", "build_rule_optimizer", "rule_policies"]

@@ -38,17 +38,17 @@ def scaled_grad(grad: torch.Tensor, grad_scale: float) -> torch.Tensor:
 
 class LambNorms:
     """What a Lamb step needs to reduce its per-parameter norms: each group's ``ParamRuns``,
-    the parameter count, and the process group ([Note: sharded trust ratio])."""
+    the parameter count, and the sum over ranks ([Note: sharded trust ratio])."""
 
-    def __init__(self, groups: list[ShardGroup], index: ParamIndex, *, sharded: bool, group,
+    def __init__(self, groups: list[ShardGroup], index: ParamIndex, *, all_reduce,
                  comm_device: torch.device):
+        """``all_reduce``: sums a tensor in place over the ranks (None at stage 0)."""
         self.runs = {g.group_index: ParamRuns(g, index) for g in groups}
         self.count = len(index.entries)
-        self.sharded, self.group, self.comm_device = sharded, group, comm_device
+        self.all_reduce, self.comm_device = all_reduce, comm_device
 
     def reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        return reduce_sums(sums, sharded=self.sharded, group=self.group,
-                           comm_device=self.comm_device)
+        return reduce_sums(sums, all_reduce=self.all_reduce, comm_device=self.comm_device)
 
 
 class ShardedRule(EngineOptimizer):
