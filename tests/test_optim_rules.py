@@ -140,12 +140,18 @@ def reference_run(case, init, batches, make_opt=make_reference):
 
 def engine_config(case, stage, offload, nvme_dir, **extra):
     off = {"device": offload}
+    if offload == "ratio":  # part of the state stepped on the device: offload_optimizer.ratio
+        off = {"device": "cpu", "ratio": 0.5}
+    tiering = {"overlap_step": True} if offload == "overlap" else {}
+    if offload == "overlap":  # the host step overlapped with the next forward
+        off = {"device": "cpu"}
     if offload == "nvme":
         off["nvme_path"] = nvme_dir
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
            "gradient_clipping": CLIP,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 97,
-                                 "sub_group_size": 150, "offload_optimizer": off}}
+                                 "sub_group_size": 150, "offload_optimizer": off,
+                                 "tiering": tiering}}
     if case is not None:
         cfg["optimizer"] = RULE_CASES[case]
     cfg.update(extra)
@@ -195,6 +201,9 @@ def _cases():
             if case.startswith("lamb") and offload == "nvme":
                 continue
             out += [(case, 1 + i % 2, offload), (case, 3, offload)]
+        if not case.startswith("lamb"):
+            out += [(case, 2, "ratio"), (case, 3, "ratio"), (case, 1 + i % 2, "overlap"),
+                    (case, 3, "overlap")]
     return out
 
 
@@ -231,3 +240,102 @@ def test_rules_match_reference_on_every_path(tmp_path):
             assert moved > 1e-3, (case, moved)  # the weights did move
             assert loss_rel < 1e-5, (case, opt, loss_rel)
             assert diff < 2e-6, (case, opt, diff)
+
+
+def _resume_body(tmpdir):
+    """Train 2 steps, save, train 2 more; a fresh engine loads the save and trains the same 2:
+    the masters equal the uninterrupted run's exactly. Then a checkpoint of one rule loads
+    into another only as a CheckpointError (weights only still load)."""
+    import torch.distributed as dist
+
+    import zeroio
+    from zeroio.errors import CheckpointError
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in _mlp().state_dict().items()}
+    batches = _batches(dist.get_world_size())
+    out = []
+    for case, stage, offload in [("adagrad", 2, "cpu"), ("lion", 3, "nvme"), ("lamb", 1, "none"),
+                                 ("sgd", 3, "ratio"), ("lamb_clamped", 3, "cpu")]:
+        nvme = os.path.join(tmpdir, f"{case}-r{rank}")
+        cfg = engine_config(case, stage, offload, nvme)
+        model = _mlp()
+        model.load_state_dict(init)
+        engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+        train(engine, batches[:2], rank)
+        ckpt = os.path.join(tmpdir, f"ckpt-{case}")
+        engine.save_checkpoint(ckpt, tag="t")
+        train(engine, batches[2:], rank)
+        whole = gather_masters(engine)
+        kinds = engine.optimizer.state_kinds
+        engine.close()
+        engine, _, _, _ = zeroio.initialize(model=_mlp(), config=cfg)
+        engine.load_checkpoint(ckpt, tag="t")
+        train(engine, batches[2:], rank)
+        resumed = gather_masters(engine)
+        engine.close()
+        diff = max((whole[n] - resumed[n]).abs().max().item() for n in whole)
+        other = "sgd" if case != "sgd" else "adagrad"
+        engine, _, _, _ = zeroio.initialize(model=_mlp(),
+                                            config=engine_config(other, stage, "none", nvme))
+        try:
+            engine.load_checkpoint(ckpt, tag="t")
+            refused = ""
+        except CheckpointError as e:
+            refused = str(e)
+        engine.load_checkpoint(ckpt, tag="t", load_optimizer_states=False)
+        engine.close()
+        out.append((case, kinds, diff, refused))
+    return out
+
+
+@pytest.mark.slow
+def test_rule_checkpoint_resume_equals_uninterrupted(tmp_path):
+    expected_kinds = {"adagrad": ("sum",), "lion": ("exp_avg",), "sgd": ("momentum_buffer",),
+                      "lamb": ("exp_avg", "exp_avg_sq"), "lamb_clamped": ("exp_avg", "exp_avg_sq")}
+    for rank_results in run_ranks(_resume_body, 2, str(tmp_path), timeout=300):
+        for case, kinds, diff, refused in rank_results:
+            assert kinds == expected_kinds[case]
+            assert diff == 0.0, (case, diff)
+            assert "optimizer state" in refused and "load_optimizer_states=False" in refused, \
+                (case, refused)
+
+
+@pytest.mark.parametrize("block, key", [
+    ({"type": "OneBitLamb", "params": {"lr": 1e-3}}, "optimizer.type"),
+    ({"type": "Lamb", "params": {"max_coef": 1.0}}, "optimizer.params.max_coef"),
+    ({"type": "SGD", "params": {"nesterov": "yes"}}, "optimizer.params.nesterov"),
+    ({"type": "Adagrad", "params": {"maximize": True}}, "optimizer.params.maximize"),
+    ({"type": "Lion", "params": {"betas": [0.9]}}, "optimizer.params.betas"),
+    ({"type": "Lamb", "params": {"max_grad_norm": 1.0}}, "optimizer.params.max_grad_norm"),
+])
+def test_bad_optimizer_blocks_name_the_key(block, key):
+    import zeroio
+    from zeroio.errors import ConfigError
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": block}
+    with pytest.raises(ConfigError) as e:
+        zeroio.initialize(model=_mlp(), config=cfg)
+    assert e.value.key == key, e.value
+
+
+@pytest.mark.parametrize("case, zero, key", [
+    ("lamb", {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+     "zero_optimization.offload_optimizer.device"),
+    ("lamb", {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+     "zero_optimization.offload_optimizer.ratio"),
+    ("lion", {"offload_optimizer": {"device": "cpu"}, "tiering": {"step_assist": True}},
+     "zero_optimization.tiering.step_assist"),
+    ("lamb", {"offload_optimizer": {"device": "cpu"}, "tiering": {"overlap_step": True}},
+     "zero_optimization.tiering.overlap_step"),
+])
+def test_unsupported_paths_are_config_errors(case, zero, key):
+    import zeroio
+    from zeroio.errors import ConfigError
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": RULE_CASES[case],
+           "zero_optimization": {"stage": 2, **zero}}
+    with pytest.raises(ConfigError) as e:
+        zeroio.initialize(model=_mlp(), config=cfg)
+    assert e.value.key == key, e.value

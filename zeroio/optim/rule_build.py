@@ -9,9 +9,10 @@
 
 Refused with a ``ConfigError`` naming the key: Lamb with NVMe offload or a ratio (its
 per-parameter norms would span a device side, a host side and the swap pieces), bf16 master
-weights or optimizer states (the rules keep fp32 state), and ``tiering.step_assist`` /
-``tiering.overlap_step`` set true (both step host state chunk by chunk with Adam's kernels);
-"auto" turns both off for these rules.
+weights or optimizer states (the rules keep fp32 state), ``tiering.step_assist`` set true
+(its GPU slots run Adam's fused kernel), and Lamb with ``tiering.overlap_step`` true (the
+overlapped step runs chunks; Lamb needs whole parameters); "auto" turns them off. The
+elementwise rules run the host step chunk by chunk (overlapped or not) as Adam does.
 """
 
 from __future__ import annotations
@@ -44,13 +45,18 @@ def rule_policies(spec, cfg, policies):
         raise ConfigError("optimizer.type = 'Lamb' with offload_optimizer.ratio < 1 is not "
                           "supported: set ratio to 1", key="zero_optimization.offload_optimizer.ratio")
     t = cfg.zero_optimization.tiering
-    for key in ("step_assist", "overlap_step"):
+    keys = ("step_assist",) if RULES[spec.rule].elementwise else ("step_assist", "overlap_step")
+    for key in keys:
         if getattr(t, key) is True:
-            raise ConfigError(f"zero_optimization.tiering.{key} = true steps host state with "
-                              f"Adam's kernels; optimizer.type = {name!r} needs it false or "
-                              "\"auto\"", key=f"zero_optimization.tiering.{key}")
-    return replace(policies, tiering=replace(policies.tiering, step_assist=False,
-                                             overlap_step=False))
+            raise ConfigError(f"zero_optimization.tiering.{key} = true steps host state chunk "
+                              f"by chunk with {_CHUNKED[key]}; optimizer.type = {name!r} needs "
+                              "it false or \"auto\"", key=f"zero_optimization.tiering.{key}")
+    off_now = {k: False for k in keys}
+    return replace(policies, tiering=replace(policies.tiering, **off_now))
+
+
+_CHUNKED = {"step_assist": "Adam's GPU kernels",
+            "overlap_step": "an elementwise rule (Lamb needs whole parameters)"}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,8 +4,8 @@ The counterpart of ``ShardedAdam`` for the other rules: state tensors of the rul
 on the master's device (the GPU without offload, host memory with ``offload_optimizer cpu``),
 hyperparameters in ``param_groups`` (one dict per ShardGroup, shared with schedulers), one
 step counter per group. The whole local group is stepped at once with torch ops (no compiled
-kernel, no chunked step: the engine publishes after the step, or stage by stage through
-``on_updated``). Lamb's per-parameter trust ratio is computed over the unsharded parameters
+kernel; the elementwise rules step chunk by chunk through ``begin_chunked_step`` as Adam's
+host step does, Lamb whole groups at once). Lamb's per-parameter trust ratio is computed over the unsharded parameters
 ([Note: sharded trust ratio] in lamb_norms.py).
 """
 
@@ -51,6 +51,38 @@ class LambNorms:
         return reduce_sums(sums, all_reduce=self.all_reduce, comm_device=self.comm_device)
 
 
+class RuleChunkedStep:
+    """One step of every group of an elementwise ``ShardedRule``, cut into chunks the
+    partitioner runs (``ChunkedStep``'s protocol in adam.py, without the GPU assist): the
+    hyperparameters are snapshot and the step counters advanced at once, as Adam's."""
+
+    out_in_pass = False
+
+    def __init__(self, opt: ShardedRule, grad_scale: float):
+        self._opt, self._grad_scale = opt, grad_scale * opt.grad_divisor
+        self._hyper = {g.group_index: dict(opt.param_groups[g.group_index]) for g in opt.groups}
+        self._step = {}
+        for i, g in enumerate(opt.groups):
+            if g.master.numel():
+                opt.steps[i] += 1
+            self._step[g.group_index] = opt.steps[i]
+
+    def update(self, group_index: int, lo: int, numel: int,
+               out: torch.Tensor | None = None) -> None:
+        """The rule on elements [lo, lo + numel) of the group; ``out`` gets the new values."""
+        opt = self._opt
+        g = opt.groups_by_index[group_index]
+        state = opt.state[opt.groups.index(g)]
+        with torch.profiler.record_function(f"zeroio::{opt.rule.name}_chunk"):
+            master = g.master.narrow(0, lo, numel)
+            opt.rule.update(master=master,
+                            grad=scaled_grad(g.grad.narrow(0, lo, numel), self._grad_scale),
+                            state={k: t.narrow(0, lo, numel) for k, t in state.items()},
+                            hyper=self._hyper[group_index], step=self._step[group_index])
+            if out is not None:
+                out.copy_(master)
+
+
 class ShardedRule(EngineOptimizer):
     """A non-Adam rule over this rank's ShardGroups (see the module docstring)."""
 
@@ -72,24 +104,28 @@ class ShardedRule(EngineOptimizer):
     def rule_name(self) -> str:
         return self.rule.name
 
-    def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
-        grad_scale *= self.grad_divisor
-        with torch.profiler.record_function(f"zeroio::{self.rule.name}_step"):
-            if self.rule.elementwise:
-                for i, g in enumerate(self.groups):
-                    self._step_group(i, g, grad_scale)
-                    if on_updated is not None and g.master.numel():
-                        on_updated(g.group_index, 0, g.master.numel())
-            else:
-                self._lamb_step(grad_scale, on_updated)
+    @property
+    def chunked_step(self) -> bool:
+        """Elementwise rules step chunk by chunk ([Note: elementwise rules]); Lamb whole."""
+        return self.rule.elementwise
 
-    def _step_group(self, i: int, g: ShardGroup, grad_scale: float) -> None:
-        if not g.master.numel():
-            return
-        self.steps[i] += 1
-        self.rule.update(master=g.master, grad=scaled_grad(g.grad, grad_scale),
-                         state=self.state[i], hyper=self.param_groups[g.group_index],
-                         step=self.steps[i])
+    def begin_chunked_step(self, grad_scale: float = 1.0) -> RuleChunkedStep:
+        if not self.rule.elementwise:
+            raise NotImplementedError(f"{self.rule.name} has no chunked step (per-parameter norms)")
+        return RuleChunkedStep(self, grad_scale)
+
+    def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
+        with torch.profiler.record_function(f"zeroio::{self.rule.name}_step"):
+            if not self.rule.elementwise:
+                self._lamb_step(grad_scale * self.grad_divisor, on_updated)
+                return
+            chunked = RuleChunkedStep(self, grad_scale)
+            for g in self.groups:
+                n = g.master.numel()
+                if n:
+                    chunked.update(g.group_index, 0, n)
+                    if on_updated is not None:
+                        on_updated(g.group_index, 0, n)
 
     def _lamb_step(self, grad_scale: float, on_updated) -> None:
         """Moments and directions of every group, the reduced per-parameter norms, then the
@@ -150,4 +186,4 @@ class ShardedRule(EngineOptimizer):
         """Gradients are owned by the engine."""
 
 
-__all__ = ["LambNorms", "ShardedRule", "scaled_grad", "state_like"]
+__all__ = ["LambNorms", "RuleChunkedStep", "ShardedRule", "scaled_grad", "state_like"]

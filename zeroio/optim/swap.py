@@ -208,7 +208,12 @@ def _one_pass(groups: list[ShardGroup], state_dtype: torch.dtype) -> bool:
 
 
 class SwappedAdam(EngineOptimizer):
-    """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe."""
+    """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe. A subclass
+    swaps another rule's state (optim/swapped_rule.py): ``state_kinds`` names the swapped
+    tensors, ``_update`` steps one piece, ``compiled_kernel`` False skips the CPU Adam kernel."""
+
+    compiled_kernel = True
+    """Pieces may be stepped by the compiled one-pass CPU Adam (cpu_adam.py)."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  cfg=None, policies: Policies | None = None, aio=None, backend=None,
@@ -243,7 +248,7 @@ class SwappedAdam(EngineOptimizer):
         self.param_groups = param_groups
         self.decoupled = decoupled
         self.grad_divisor = grad_divisor
-        self.one_pass = _one_pass(groups, self.state_dtype)
+        self.one_pass = self.compiled_kernel and _one_pass(groups, self.state_dtype)
         """Pieces stepped by the compiled one-pass CPU Adam ([Note: the gradient a piece
         reads])."""
         self.pipeline_read = bool(off.pipeline_read)
@@ -278,7 +283,7 @@ class SwappedAdam(EngineOptimizer):
         head = self._host_homed_head()
         for i, piece in enumerate(self.pieces):
             home = Tier.CPU if i < head else Tier.NVME
-            for kind in KINDS:
+            for kind in self.state_kinds:
                 self.store.register(piece.name(kind), (piece.numel,), self.state_dtype,
                                     home=home)
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
@@ -314,7 +319,8 @@ class SwappedAdam(EngineOptimizer):
                 found += 1
                 if j not in self._pending:
                     p = self.pieces[j]
-                    self._pending[j] = [self.store.acquire_async(p.name(k), self._tier) for k in KINDS]
+                    self._pending[j] = [self.store.acquire_async(p.name(k), self._tier)
+                                        for k in self.state_kinds]
             j += 1
 
     def _take(self, i: int) -> list[torch.Tensor]:
@@ -324,7 +330,7 @@ class SwappedAdam(EngineOptimizer):
         futures = self._pending.pop(i, None)
         if futures is None:
             p = self.pieces[i]
-            futures = [self.store.acquire_async(p.name(k), self._tier) for k in KINDS]
+            futures = [self.store.acquire_async(p.name(k), self._tier) for k in self.state_kinds]
         tensors = [f.result() for f in futures]
         if i < self.plan.resident:
             self._held[i] = tensors
@@ -332,11 +338,11 @@ class SwappedAdam(EngineOptimizer):
 
     def _put_back(self, i: int) -> None:
         p = self.pieces[i]
-        for k in KINDS:
+        for k in self.state_kinds:
             self.store.mark_dirty(p.name(k), self._tier)
         if i in self._held:
             return
-        for k in KINDS:
+        for k in self.state_kinds:
             self.store.release(p.name(k), self._tier)
             if self._write_behind:
                 self.store.evict(p.name(k), self._tier)  # write behind: it is used again next step
@@ -348,9 +354,9 @@ class SwappedAdam(EngineOptimizer):
             for i, p in enumerate(self.pieces):
                 if self.plan.read_ahead:  # piece i first: requests are served in order
                     self._read_ahead(i, 1 + self.plan.read_ahead)
-                exp_avg, exp_avg_sq = self._take(i)
+                state = self._take(i)
                 with torch.profiler.record_function("zeroio::adam_subgroup"):
-                    self._update(p, exp_avg, exp_avg_sq, grad_scale, hypers)
+                    self._update(p, *state, grad_scale, hypers)
                 self._put_back(i)
                 sub = self._last_of_sub.get(i)
                 if sub is not None and on_updated is not None:
@@ -477,7 +483,7 @@ class SwappedAdam(EngineOptimizer):
         return self.store.stats()["bytes_moved"].get("cpu->nvme", 0) - before
 
     def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
-        if kind not in KINDS:
+        if kind not in self.state_kinds:
             return None
         out = []
         for sub in self.pieces:
