@@ -339,3 +339,83 @@ def test_unsupported_paths_are_config_errors(case, zero, key):
     with pytest.raises(ConfigError) as e:
         zeroio.initialize(model=_mlp(), config=cfg)
     assert e.value.key == key, e.value
+
+
+CLIENTS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-2, alpha=0.9, momentum=0.5),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2, weight_decay=0.01),
+}
+
+
+def _client_body(tmpdir):
+    """Client torch.optim optimizers (offload cpu with zero_force_ds_cpu_optimizer false, and
+    no offload) equal the same class on the plain model; a save/load resume equals the
+    uninterrupted run."""
+    import torch.distributed as dist
+
+    import zeroio
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in _mlp().state_dict().items()}
+    batches = _batches(dist.get_world_size())
+    out = []
+    for name, stage, offload in [("sgd", 2, "cpu"), ("rmsprop", 3, "cpu"), ("adam", 1, "cpu"),
+                                 ("sgd", 3, "none"), ("rmsprop", 2, "none")]:
+        ref_losses, ref_params = reference_run(name, init, batches,
+                                               make_opt=lambda c, p: CLIENTS[c](p))
+        cfg = engine_config(None, stage, offload, None, zero_force_ds_cpu_optimizer=False)
+
+        def fresh(cfg=cfg, name=name):
+            model = _mlp()
+            model.load_state_dict(init)
+            return zeroio.initialize(model=model, config=cfg,
+                                     optimizer=CLIENTS[name](model.parameters()))[0]
+
+        engine = fresh()
+        losses = train(engine, batches[:2], rank)
+        ckpt = os.path.join(tmpdir, f"client-{name}-{stage}")
+        engine.save_checkpoint(ckpt, tag="t")
+        losses += train(engine, batches[2:], rank)
+        masters = gather_masters(engine)
+        opt = type(engine.optimizer).__name__
+        engine.close()
+        engine = fresh()
+        engine.load_checkpoint(ckpt, tag="t")
+        train(engine, batches[2:], rank)
+        resumed = gather_masters(engine)
+        engine.close()
+        resume_diff = max((masters[n] - resumed[n]).abs().max().item() for n in masters)
+        out.append(((name, stage, offload), opt, *compare(losses, masters, ref_losses,
+                                                          ref_params), resume_diff))
+    return out
+
+
+@pytest.mark.slow
+def test_client_optimizer_steps_the_shards(tmp_path):
+    for rank_results in run_ranks(_client_body, 2, str(tmp_path), timeout=300):
+        for case, opt, loss_rel, diff, resume_diff in rank_results:
+            assert opt == "ClientOnShards", (case, opt)
+            assert loss_rel < 1e-5, (case, loss_rel)
+            assert diff < 2e-6, (case, diff)
+            assert resume_diff == 0.0, (case, resume_diff)
+
+
+def test_client_optimizer_with_offload_needs_the_flag_off():
+    import zeroio
+    from zeroio.errors import ConfigError
+
+    model = _mlp()
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError) as e:
+        zeroio.initialize(model=model, config=cfg,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert e.value.key == "zero_force_ds_cpu_optimizer"
+    cfg["zero_force_ds_cpu_optimizer"] = False
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
+    with pytest.raises(ConfigError) as e:
+        zeroio.initialize(model=model, config=cfg,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert e.value.key == "zero_optimization.offload_optimizer.device"

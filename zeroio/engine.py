@@ -209,7 +209,7 @@ class Engine:
                               f"{self.world_size} ranks are running", key="train_batch_size")
         self.device = pick_device()
         self.module = model.to(self.device)
-        spec = from_client(optimizer) if optimizer is not None else from_config(
+        spec = from_client(optimizer, self.config) if optimizer is not None else from_config(
             self.config.optimizer, model, model_parameters)
         self.client_optimizer = optimizer
         policies = rule_policies(spec, self.config,

@@ -5,7 +5,8 @@ say which parameters train and with which hyperparameters, its class says
 the update rule (``torch.optim.AdamW`` -> decoupled decay, ``torch.optim.Adam``
 -> L2 decay, ``decoupled_weight_decay=True`` honoured). zeroio then steps its
 own sharded equivalent, sharing the client's group dicts so that a client
-scheduler bound to the client optimizer still drives the learning rate.
+scheduler bound to the client optimizer still drives the learning rate. Other
+classes are stepped as themselves on the shards (``from_client``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ class OptimizerSpec:
     """AdamW-style (decoupled) weight decay."""
     type_name: str
     rule: str = "adam"
-    """"adam" (Adam and AdamW), or one of ``RULE_TYPES``."""
+    """"adam" (Adam and AdamW), one of ``RULE_TYPES``, or "client" (``client``'s own class
+    stepped on the shards: optim/client_shards.py)."""
+    client: torch.optim.Optimizer | None = None
+    """The client optimizer whose class steps the shards (rule "client")."""
 
 
 def _hyper(d: dict) -> dict:
@@ -99,16 +103,38 @@ def _rule_spec(optimizer_cfg, p: dict, module, model_parameters) -> OptimizerSpe
                          decoupled=False, type_name=optimizer_cfg.type, rule=optimizer_cfg.name)
 
 
-def from_client(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
-    """A client ``torch.optim.Adam``/``AdamW`` -> spec sharing its group dicts."""
+def from_client(optimizer: torch.optim.Optimizer, cfg=None) -> OptimizerSpec:
+    """A client optimizer -> spec sharing its group dicts. ``torch.optim.Adam``/``AdamW`` are
+    stepped by zeroio's Adam; any other class (and Adam too with optimizer offload and
+    ``zero_force_ds_cpu_optimizer: false``) by itself over the shards (rule "client"). With
+    optimizer offload and ``zero_force_ds_cpu_optimizer: true`` (DeepSpeed's default) a
+    non-Adam client optimizer is refused, as DeepSpeed refuses it. ``cfg``: the engine's
+    ``Config`` (None: no offload, the flag's default)."""
     name = type(optimizer).__name__
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        raise ConfigError(f"client optimizer {name} is not supported: pass torch.optim.Adam or "
-                          "torch.optim.AdamW, or configure optimizer.type in the config",
-                          key="optimizer")
+    offload = cfg is not None and cfg.zero_optimization.offload_optimizer.device != "none"
+    force = cfg is None or cfg.zero_force_ds_cpu_optimizer
+    adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    if adam and not (offload and not force):
+        return _client_adam(optimizer)
+    if offload and force:
+        raise ConfigError(f"client optimizer {name} with offload_optimizer: zeroio steps its own "
+                          "CPU optimizer there (DeepSpeed's rule); configure optimizer.type in "
+                          "the config, pass torch.optim.Adam/AdamW, or set "
+                          "zero_force_ds_cpu_optimizer to false to step "
+                          f"{name} itself on the offloaded shards", key="zero_force_ds_cpu_optimizer")
+    return OptimizerSpec(
+        param_groups=[[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups],
+        hyper=optimizer.param_groups, decoupled=False, type_name=name, rule="client",
+        client=optimizer)
+
+
+def _client_adam(optimizer) -> OptimizerSpec:
+    name = type(optimizer).__name__
     for g in optimizer.param_groups:
         if g.get("amsgrad") or g.get("maximize"):
-            raise ConfigError(f"client {name}: amsgrad/maximize are not supported", key="optimizer")
+            raise ConfigError(f"client {name}: amsgrad/maximize are not supported by zeroio's "
+                              "Adam; set zero_force_ds_cpu_optimizer false with offload, or "
+                              "drop them", key="optimizer")
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
         optimizer.defaults.get("decoupled_weight_decay", False))
     return OptimizerSpec(

@@ -1,4 +1,5 @@
-"""Which paths the non-Adam rules (rules.py) take, and the optimizer that steps them there.
+"""Which paths the non-Adam rules (rules.py) and client optimizers take, and the optimizer
+that steps them there.
 
 - no offload / ``offload_optimizer cpu``: ``ShardedRule`` over the partitioner's groups (GPU
   tensors, or pinned host memory);
@@ -13,6 +14,10 @@ weights or optimizer states (the rules keep fp32 state), ``tiering.step_assist``
 (its GPU slots run Adam's fused kernel), and Lamb with ``tiering.overlap_step`` true (the
 overlapped step runs chunks; Lamb needs whole parameters); "auto" turns them off. The
 elementwise rules run the host step chunk by chunk (overlapped or not) as Adam does.
+
+A client optimizer that zeroio's Adam does not stand in for (factory.from_client) is
+``ClientOnShards`` (client_shards.py) on no offload and ``offload_optimizer cpu``; NVMe and a
+ratio are refused (its arbitrary state is not swapped or split).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def rule_policies(spec, cfg, policies):
     if spec.rule == "adam":
         return policies
     name, off = spec.type_name, policies.optimizer
+    if spec.rule == "client":
+        _check_client_paths(name, off)
     if policies.precision.low:
         raise ConfigError(f"optimizer.type = {name!r} keeps fp32 optimizer state: set "
                           "bf16.bf16_optimizer_states and bf16.bf16_master_weights_and_grads "
@@ -45,7 +52,8 @@ def rule_policies(spec, cfg, policies):
         raise ConfigError("optimizer.type = 'Lamb' with offload_optimizer.ratio < 1 is not "
                           "supported: set ratio to 1", key="zero_optimization.offload_optimizer.ratio")
     t = cfg.zero_optimization.tiering
-    keys = ("step_assist",) if RULES[spec.rule].elementwise else ("step_assist", "overlap_step")
+    chunked = spec.rule in RULES and RULES[spec.rule].elementwise
+    keys = ("step_assist",) if chunked else ("step_assist", "overlap_step")
     for key in keys:
         if getattr(t, key) is True:
             raise ConfigError(f"zero_optimization.tiering.{key} = true steps host state chunk "
@@ -56,7 +64,19 @@ def rule_policies(spec, cfg, policies):
 
 
 _CHUNKED = {"step_assist": "Adam's GPU kernels",
-            "overlap_step": "an elementwise rule (Lamb needs whole parameters)"}
+            "overlap_step": "an elementwise rule (Lamb and a client optimizer step whole groups)"}
+
+
+def _check_client_paths(name: str, off) -> None:
+    """A client optimizer's arbitrary state is held with the shards in memory: not swapped to
+    NVMe, not split by a ratio."""
+    if off.device == "nvme":
+        raise ConfigError(f"client optimizer {name} with offload_optimizer.device \"nvme\": "
+                          "zeroio swaps only its own optimizers' state; use device \"cpu\" or "
+                          "configure optimizer.type", key="zero_optimization.offload_optimizer.device")
+    if off.device != "none" and off.ratio < 1.0:
+        raise ConfigError(f"client optimizer {name} with offload_optimizer.ratio < 1 is not "
+                          "supported: set ratio to 1", key="zero_optimization.offload_optimizer.ratio")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +111,14 @@ def _host_side(cfg, groups, spec, partitioner, shares, policies, rank: int, rank
 
 def build_rule_optimizer(cfg, partitioner, spec, shares, policies, *, rank: int,
                          ranks: RankSum):
-    """The optimizer of a ``RULE_TYPES`` spec on the path ``policies`` chose (``rank``: the
-    global rank, which names an NVMe swap folder)."""
+    """The optimizer of a ``RULE_TYPES`` or client spec on the path ``policies`` chose
+    (``rank``: the global rank, which names an NVMe swap folder)."""
+    if spec.rule == "client":
+        from zeroio.optim.client_shards import ClientOnShards
+
+        return ClientOnShards(spec.client, partitioner.groups,
+                              grad_divisor=partitioner.host_grad_divisor,
+                              state_gate=partitioner.release_device_state)
     split = partitioner.optimizer_split
     if split is not None:
         from zeroio.optim.twin import TwinAdam
