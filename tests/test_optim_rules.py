@@ -140,8 +140,10 @@ def reference_run(case, init, batches, make_opt=make_reference):
 
 def engine_config(case, stage, offload, nvme_dir, **extra):
     off = {"device": offload}
-    if offload == "ratio":  # part of the state stepped on the device: offload_optimizer.ratio
-        off = {"device": "cpu", "ratio": 0.5}
+    if offload in ("ratio", "ratio_nvme"):  # part of the state stepped on the device
+        off = {"device": "nvme" if offload == "ratio_nvme" else "cpu", "ratio": 0.5}
+        if offload == "ratio_nvme":
+            off["nvme_path"] = nvme_dir
     tiering = {"overlap_step": True} if offload == "overlap" else {}
     if offload == "overlap":  # the host step overlapped with the next forward
         off = {"device": "cpu"}
@@ -183,7 +185,8 @@ def gather_masters(engine):
         for s in g.segments:
             flat[s.global_offset:s.global_offset + s.numel] = \
                 master[s.local_offset:s.local_offset + s.numel].double()
-    dist.all_reduce(flat)
+    if engine.partitioner.stage != 0:  # stage 0: every rank holds every master
+        dist.all_reduce(flat)
     return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape).float()
             for e in engine.partitioner.index.entries}
 
@@ -204,7 +207,10 @@ def _cases():
         if not case.startswith("lamb"):
             out += [(case, 2, "ratio"), (case, 3, "ratio"), (case, 1 + i % 2, "overlap"),
                     (case, 3, "overlap")]
-    return out
+    # stage 0 (every rank holds everything: Lamb's norms are not summed over ranks), and the
+    # stage-3 ratio whose host side is on NVMe
+    return out + [("lamb", 0, "none"), ("lamb_clamped", 0, "cpu"), ("lion", 0, "cpu"),
+                  ("lion", 3, "ratio_nvme"), ("adagrad", 3, "ratio_nvme")]
 
 
 def _rules_body(tmpdir):
