@@ -72,7 +72,7 @@ class RuleChunkedStep:
         """The rule on elements [lo, lo + numel) of the group; ``out`` gets the new values."""
         opt = self._opt
         g = opt.groups_by_index[group_index]
-        state = opt.state[opt.groups.index(g)]
+        state = opt.state[opt.position[group_index]]
         with torch.profiler.record_function(f"zeroio::{opt.rule.name}_chunk"):
             master = g.master.narrow(0, lo, numel)
             opt.rule.update(master=master,
@@ -99,6 +99,8 @@ class ShardedRule(EngineOptimizer):
              for k in self.state_kinds} for g in groups]
         self.steps = [0 for _ in groups]
         self.groups_by_index = {g.group_index: g for g in groups}
+        self.position = {g.group_index: i for i, g in enumerate(groups)}
+        """group_index -> position in ``groups``, ``state`` and ``steps``."""
 
     @property
     def rule_name(self) -> str:
@@ -165,8 +167,7 @@ class ShardedRule(EngineOptimizer):
             self.state_gate()
         if kind == "fp32":
             return self.groups_by_index[group_index].master
-        pos = self.groups.index(self.groups_by_index[group_index])
-        return self.state[pos][kind]
+        return self.state[self.position[group_index]][kind]
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         t = self.local_tensor(group_index, kind)
@@ -174,10 +175,10 @@ class ShardedRule(EngineOptimizer):
             t.copy_(values)
 
     def steps_taken(self, group_index: int) -> int:
-        return self.steps[self.groups.index(self.groups_by_index[group_index])]
+        return self.steps[self.position[group_index]]
 
     def set_steps(self, group_index: int, steps: int) -> None:
-        self.steps[self.groups.index(self.groups_by_index[group_index])] = int(steps)
+        self.steps[self.position[group_index]] = int(steps)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [t for st in self.state for t in st.values()]
