@@ -40,10 +40,11 @@ class ParamRuns:
                 k += 1
 
     def add_squares(self, t: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[k] += sum(t[run] ** 2)`` over the runs of parameter k (float64 sums)."""
+        """``out[k] += sum(t[run] ** 2)`` over the runs of parameter k (float64 sums; ``out``
+        on ``t``'s device, so a GPU step does not wait on each sum)."""
         for k, lo, n in self.runs:
             piece = t.narrow(0, lo, n)
-            out[k] += torch.dot(piece, piece).double().to(out.device)
+            out[k] += torch.dot(piece, piece).double()
 
 
 def reduce_sums(sums: torch.Tensor, *, all_reduce, comm_device: torch.device) -> torch.Tensor:
@@ -52,7 +53,7 @@ def reduce_sums(sums: torch.Tensor, *, all_reduce, comm_device: torch.device) ->
     caller of torch.distributed; None: every rank holds every parameter, stage 0);
     ``comm_device``: where the collective needs the tensor. Returns a CPU tensor."""
     if all_reduce is None:
-        return sums
+        return sums.cpu()
     t = sums.to(comm_device)
     all_reduce(t)
     return t.cpu()

@@ -133,7 +133,8 @@ class ShardedRule(EngineOptimizer):
         """Moments and directions of every group, the reduced per-parameter norms, then the
         update ([Note: sharded trust ratio])."""
         rule, norms = self.rule, self.norms
-        sums = torch.zeros(2, norms.count, dtype=torch.float64)
+        device = self.groups[0].master.device if self.groups else torch.device("cpu")
+        sums = torch.zeros(2, norms.count, dtype=torch.float64, device=device)
         directions = []
         for i, g in enumerate(self.groups):
             hyper = self.param_groups[g.group_index]
