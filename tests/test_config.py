@@ -258,8 +258,13 @@ def test_adam_params_filled_with_deepspeed_defaults():
     assert adam.params["weight_decay"] == 0.0 and adam.params["betas"] == [0.9, 0.999]
     l2 = load_config({"optimizer": {"type": "adam", "params": {"adam_w_mode": False}}}).optimizer
     assert l2.params["adam_w_mode"] is False and l2.type == "adam" and l2.name == "adam"
-    other = load_config({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}}})
-    assert dict(other.optimizer.params) == {"lr": 1e-3, "max_coeff": 0.3}
+    other = load_config({"optimizer": {"type": "RMSprop", "params": {"lr": 1e-3, "alpha": 0.9}}})
+    assert dict(other.optimizer.params) == {"lr": 1e-3, "alpha": 0.9}  # not stepped: as written
+    lamb = load_config({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}}})
+    assert dict(lamb.optimizer.params) == {  # DeepSpeed FusedLamb's defaults
+        "lr": 1e-3, "max_coeff": 0.3, "betas": [0.9, 0.999], "eps": 1e-8,
+        "eps_inside_sqrt": False, "weight_decay": 0.0, "bias_correction": True,
+        "max_grad_norm": 0.0, "min_coeff": 0.01, "amsgrad": False}
 
 
 # ---------------------------------------------------------------------- aliases

@@ -102,9 +102,12 @@ def _config_errors():
     out = {}
     base = {"train_micro_batch_size_per_gpu": 1}
     for label, kwargs in {
-        "lamb": dict(config={**base, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}),
+        "onebitlamb": dict(config={**base, "optimizer": {"type": "OneBitLamb",
+                                                         "params": {"lr": 1e-3}}}),
         "none": dict(config=base),
-        "sgd": dict(config=base, optimizer="sgd"),
+        # a client SGD with offload: refused while zero_force_ds_cpu_optimizer is true
+        "sgd": dict(config={**base, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+                    optimizer="sgd"),
     }.items():
         model = _mlp()
         if kwargs.get("optimizer") == "sgd":
@@ -179,9 +182,9 @@ def test_client_optimizer_and_scheduler_drive_training(results):
 
 def test_config_errors_name_the_key(results):
     errors = results[0]["errors"]
-    assert errors["lamb"][0] == "optimizer.type" and "Lamb" in errors["lamb"][1]
+    assert errors["onebitlamb"][0] == "optimizer.type" and "OneBitLamb" in errors["onebitlamb"][1]
     assert errors["none"][0] == "optimizer"
-    assert errors["sgd"][0] == "optimizer" and "SGD" in errors["sgd"][1]
+    assert errors["sgd"][0] == "zero_force_ds_cpu_optimizer" and "SGD" in errors["sgd"][1]
 
 
 def test_frozen_parameters_keep_their_place_but_do_not_train(results):

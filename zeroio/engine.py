@@ -37,6 +37,7 @@ from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
 from zeroio.optim.loss_scaler import build_loss_scaler
 from zeroio.optim.lr_schedules import build_scheduler
+from zeroio.optim.rule_build import RankSum, build_rule_optimizer, rule_policies
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.preflight import check_host_memory
@@ -96,14 +97,14 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             cpu_optimizer=off.cpu, nvme_optimizer=off.nvme,
             accumulation_steps=pol.accumulation_steps,
             step_assist=pol.tiering.step_assist, gpu_budget_bytes=pol.tiering.gpu_budget_bytes,
-            host_kernel=cpu_adam,
+            host_kernel=cpu_adam if spec.rule == "adam" else None,
             master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states])
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 
         return build_stage3_partitioner(cfg=cfg, module=module, spec=spec, device=device,
                                         compute_dtype=dtype, home=home, policies=pol,
-                                        host_kernel=cpu_adam)
+                                        host_kernel=cpu_adam if spec.rule == "adam" else None)
     raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
                       key="zero_optimization.stage")
 
@@ -113,6 +114,12 @@ def build_optimizer(cfg, partitioner, spec: OptimizerSpec, shares: dict | None =
     """``shares``: the NVMe optimizer's share of explicit tier budgets (``fit_budgets``);
     ``policies``: as for ``build_partitioner``."""
     policies = policies if policies is not None else resolve_engine_policies(cfg, None)
+    if spec.rule != "adam":  # SGD, Adagrad, Lion, Lamb: optim/rule_build.py
+        nccl = comm.backend(partitioner.group) == "nccl"
+        ranks = RankSum(all_reduce=lambda t: comm.all_reduce(t, partitioner.group).wait(),
+                        device=partitioner.device if nccl else torch.device("cpu"))
+        return build_rule_optimizer(cfg, partitioner, spec, shares, policies, rank=comm.rank(),
+                                    ranks=ranks)
     split = partitioner.optimizer_split
     if split is not None:  # offload_optimizer.ratio < 1: partition/stage3/twin.py, stage12.py
         from zeroio.optim.twin import TwinAdam
@@ -204,11 +211,12 @@ class Engine:
                               f"{self.world_size} ranks are running", key="train_batch_size")
         self.device = pick_device()
         self.module = model.to(self.device)
-        spec = from_client(optimizer) if optimizer is not None else from_config(
+        spec = from_client(optimizer, self.config) if optimizer is not None else from_config(
             self.config.optimizer, model, model_parameters)
         self.client_optimizer = optimizer
         check_host_memory(self.config, self.module, spec, self.device)  # before any allocation
-        policies = resolve_engine_policies(self.config, self.device)
+        policies = rule_policies(spec, self.config,
+                                 resolve_engine_policies(self.config, self.device))
         self._precision = policies.precision  # bf16 optimizer state: engine.stats() sources
         self.partitioner = build_partitioner(self.config, self.module, spec, self.device,
                                              policies)

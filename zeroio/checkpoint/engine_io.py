@@ -10,6 +10,11 @@ off-host or split; optim/interface.py) /
 `steps_taken(i)` / `set_steps(i, n)` / `param_groups`, `lr_scheduler.state_dict()`, `loss_scaler.state_dict()`, and
 the counters `global_steps`, `micro_steps`, `global_samples`, `skipped_steps`.
 
+[Note: optimizer rule in a checkpoint] The state arrays are the optimizer's ``state_kinds``
+(Adam, Lamb: exp_avg, exp_avg_sq; Lion: exp_avg; Adagrad: sum; SGD: momentum_buffer);
+``scalars.optimizer.rule`` names the rule (absent: "adam"). Loading one rule's state into
+another is a ``CheckpointError`` before anything is read.
+
 [Note: what a checkpoint holds] Arrays "fp32", "exp_avg", "exp_avg_sq" over
 the global flat order, each rank writing its ShardGroup segments (stage 0:
 rank 0 only, every rank holds everything). Parameters in no ShardGroup
@@ -52,7 +57,7 @@ from zeroio.checkpoint.consolidate import (
     stream_shards,
 )
 from zeroio.checkpoint.layout import CheckpointWarning
-from zeroio.checkpoint.reader import ShardedLoad
+from zeroio.checkpoint.reader import ShardedLoad, resolve_tag
 from zeroio.checkpoint.state import (
     LazySegment,
     ParamEntry,
@@ -69,7 +74,7 @@ from zeroio.io.export_dir import ExportFolder
 from zeroio.io.links import same_device
 from zeroio.partition import collectives
 
-OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")
+OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq")  # Adam's; an engine's: optimizer.state_kinds
 _GATHER_WINDOW = 1 << 25  # elements per reduce when gathering 16-bit weights
 
 
@@ -291,7 +296,7 @@ def _share(engine, kinds, comm: Comm, save_dir) -> tuple[dict[str, list[SharedFi
     Collective: all ranks share, or none does. A checkpoint directory on another file system
     than the swap files is written as chunks, through host memory, as without sharing."""
     flushed = engine.optimizer.flush_swap()
-    files = {k: _shared_files(engine, k, comm) for k in OPTIMIZER_KINDS if k in kinds}
+    files = {k: _shared_files(engine, k, comm) for k in engine.optimizer.state_kinds if k in kinds}
     ok = bool(files) and all(v is not None for v in files.values())
     first = next((f.path for fs in files.values() for f in fs or []), None)
     why = None
@@ -307,12 +312,14 @@ def _share(engine, kinds, comm: Comm, save_dir) -> tuple[dict[str, list[SharedFi
     return {}, flushed, why
 
 
-def build_state(engine, *, kinds=("fp32", *OPTIMIZER_KINDS), comm: Comm | None = None,
+def build_state(engine, *, kinds=None, comm: Comm | None = None,
                 client_state: dict | None = None, share_into=None) -> ShardedState:
     """This rank's `ShardedState` of ``engine`` (collective: coverage and step counts).
-    ``share_into``: the checkpoint directory, when NVMe-resident moments may go in as their
-    swap files (``ShardedState.shared``)."""
+    ``kinds``: default "fp32" and the optimizer's ``state_kinds``. ``share_into``: the
+    checkpoint directory, when NVMe-resident moments may go in as their swap files
+    (``ShardedState.shared``)."""
     comm = comm or _comm(engine)
+    kinds = ("fp32", *engine.optimizer.state_kinds) if kinds is None else kinds
     index = _index(engine)
     frozen = _uncovered(engine, index, comm)
     shared, flushed, why = _share(engine, kinds, comm, share_into) if share_into is not None \
@@ -329,7 +336,7 @@ def build_state(engine, *, kinds=("fp32", *OPTIMIZER_KINDS), comm: Comm | None =
                    "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
                    "last_grad_norm": engine.last_grad_norm},
         "optimizer": {"param_groups": [_hyper(g) for g in engine.optimizer.param_groups],
-                      "steps": _max_steps(engine, comm)},
+                      "steps": _max_steps(engine, comm), "rule": engine.optimizer.rule_name},
         "lr_scheduler": _jsonable(sched.state_dict(), "lr_scheduler.state_dict()") if sched is not None
         and hasattr(sched, "state_dict") else None,
         "loss_scaler": _jsonable(engine.loss_scaler.state_dict(), "loss_scaler.state_dict()"),
@@ -390,11 +397,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     problem, every rank raises and the engine is exactly as it was. Should applying still
     fail, the engine is marked unusable (`engine.step()` raises) until a load succeeds."""
     comm = _comm(engine)
-    kinds = ("fp32", *OPTIMIZER_KINDS) if load_optimizer_states else ("fp32",)
+    kinds = ("fp32", *engine.optimizer.state_kinds) if load_optimizer_states else ("fp32",)
     index = _index(engine)
     frozen = _uncovered(engine, index, comm)
     err, load, locals_, frozen_buf = None, None, {}, {}
     try:
+        if load_optimizer_states:
+            _check_rule(engine, resolve_tag(load_dir, tag, warn=False))
         # every rank reads its shards (stage 0: all of them) and every frozen parameter whole
         arrays = {k: _load_segments(engine, k, locals_) for k in kinds}
         frozen_buf = {n: torch.empty(index[n].numel, dtype=torch.float32) for n in frozen}
@@ -440,6 +449,18 @@ def _apply(engine, load: ShardedLoad, frozen_buf, locals_, load_optimizer_states
     for (gi, kind), t in locals_.items():
         engine.optimizer.write_local(gi, kind, t)
     return res
+
+
+def _check_rule(engine, manifest) -> None:
+    """The checkpoint's optimizer rule is the engine's ([Note: optimizer rule in a checkpoint])."""
+    opt = manifest.scalars.get("optimizer")
+    saved = opt.get("rule", "adam") if isinstance(opt, dict) else "adam"
+    live = engine.optimizer.rule_name
+    if saved != live:
+        raise CheckpointError(
+            f"checkpoint {manifest.path} holds {saved!r} optimizer state but the engine's "
+            f"optimizer is {live!r}: configure optimizer.type as when it was saved, or load "
+            "with load_optimizer_states=False (weights only)")
 
 
 def _check_scalars(engine, manifest, load_optimizer_states: bool) -> None:

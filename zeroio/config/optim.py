@@ -2,8 +2,8 @@
 
 ``type`` is kept as written (``"AdamW"``); ``name`` is its lower-case form,
 the way DeepSpeed matches it. For the types DeepSpeed itself implements the
-params are checked by name and type, and for Adam/AdamW and the five
-DeepSpeed learning-rate schedules the omitted params are filled with
+params are checked by name and type, and for Adam/AdamW, Lamb, Lion, Adagrad, SGD and the
+five DeepSpeed learning-rate schedules the omitted params are filled with
 DeepSpeed's defaults here, so the optimizer and scheduler code never holds a
 second copy of a default.
 
@@ -71,9 +71,63 @@ _ADAM_PARAMS = {
     "fused": (None, lambda v, p: None if v is None else as_bool(v, p)),
 }
 
+def _false_only(value: Any, path: str) -> bool:
+    if as_bool(value, path):
+        raise fail(path, value, "false (zeroio's sharded optimizer does not implement it)")
+    return False
+
+
+_FALSE_ONLY = (False, _false_only)
+
+# DeepSpeed's FusedLamb (its defaults; the trust ratio of each parameter is clamped to
+# [min_coeff, max_coeff]); eps_inside_sqrt: sqrt(v + eps) instead of sqrt(v) + eps.
+_LAMB_PARAMS = {
+    "lr": (1e-3, _LR),
+    "betas": ([0.9, 0.999], _betas),
+    "eps": (1e-8, float_coercer(gt=0)),
+    "eps_inside_sqrt": (False, as_bool),
+    "weight_decay": (0.0, float_coercer(ge=0)),
+    "bias_correction": (True, as_bool),
+    "max_grad_norm": (0.0, float_coercer(ge=0)),
+    "max_coeff": (10.0, float_coercer(gt=0)),
+    "min_coeff": (0.01, float_coercer(ge=0)),
+    "amsgrad": _FALSE_ONLY,
+}
+# DeepSpeed's FusedLion / DeepSpeedCPULion.
+_LION_PARAMS = {
+    "lr": (1e-3, _LR),
+    "betas": ([0.9, 0.999], _betas),
+    "weight_decay": (0.0, float_coercer(ge=0)),
+}
+# torch.optim.Adagrad (what DeepSpeed builds for "Adagrad" without offload).
+_ADAGRAD_PARAMS = {
+    "lr": (1e-2, _LR),
+    "lr_decay": (0.0, float_coercer(ge=0)),
+    "weight_decay": (0.0, float_coercer(ge=0)),
+    "initial_accumulator_value": (0.0, float_coercer(ge=0)),
+    "eps": (1e-10, float_coercer(gt=0)),
+    "maximize": _FALSE_ONLY,
+    "foreach": (None, lambda v, p: None if v is None else as_bool(v, p)),
+    "differentiable": _FALSE_ONLY,
+    "fused": (None, lambda v, p: None if v is None else as_bool(v, p)),
+}
+# torch.optim.SGD (DeepSpeed's fallback to torch.optim for "SGD").
+_SGD_PARAMS = {
+    "lr": (1e-3, _LR),
+    "momentum": (0.0, float_coercer(ge=0)),
+    "dampening": (0.0, float_coercer(ge=0)),
+    "weight_decay": (0.0, float_coercer(ge=0)),
+    "nesterov": (False, as_bool),
+    "maximize": _FALSE_ONLY,
+    "foreach": (None, lambda v, p: None if v is None else as_bool(v, p)),
+    "differentiable": _FALSE_ONLY,
+    "fused": (None, lambda v, p: None if v is None else as_bool(v, p)),
+}
+
 # Params of the optimizers and schedules DeepSpeed implements: name -> (default, coerce).
-_OPTIMIZER_PARAMS: dict[str, dict[str, tuple[Any, Any]]] = {"adam": _ADAM_PARAMS,
-                                                            "adamw": _ADAM_PARAMS}
+_OPTIMIZER_PARAMS: dict[str, dict[str, tuple[Any, Any]]] = {
+    "adam": _ADAM_PARAMS, "adamw": _ADAM_PARAMS, "lamb": _LAMB_PARAMS, "lion": _LION_PARAMS,
+    "adagrad": _ADAGRAD_PARAMS, "sgd": _SGD_PARAMS}
 
 _WARMUP = {
     "warmup_min_lr": (0.0, _LR),
@@ -179,7 +233,8 @@ class OptimizerConfig:
     type: str
     """Optimizer name, e.g. "AdamW"; matched case-insensitively."""
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    """Constructor arguments; for Adam/AdamW completed with DeepSpeed's defaults."""
+    """Constructor arguments; for the types zeroio steps (Adam, AdamW, Lamb, Lion, Adagrad,
+    SGD) completed with DeepSpeed's (torch.optim's for Adagrad and SGD) defaults."""
 
     @property
     def name(self) -> str:

@@ -5,7 +5,8 @@ say which parameters train and with which hyperparameters, its class says
 the update rule (``torch.optim.AdamW`` -> decoupled decay, ``torch.optim.Adam``
 -> L2 decay, ``decoupled_weight_decay=True`` honoured). zeroio then steps its
 own sharded equivalent, sharing the client's group dicts so that a client
-scheduler bound to the client optimizer still drives the learning rate.
+scheduler bound to the client optimizer still drives the learning rate. Other
+classes are stepped as themselves on the shards (``from_client``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 
 from zeroio.errors import ConfigError
 
-SUPPORTED = ("adam", "adamw")
+SUPPORTED = ("adam", "adamw", "lamb", "lion", "adagrad", "sgd")
+RULE_TYPES = ("lamb", "lion", "adagrad", "sgd")
+"""Types stepped by ``ShardedRule`` (rules.py) rather than the Adam kernels."""
+_NOT_HYPER = ("foreach", "differentiable", "fused", "maximize", "amsgrad", "max_grad_norm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +33,11 @@ class OptimizerSpec:
     decoupled: bool
     """AdamW-style (decoupled) weight decay."""
     type_name: str
+    rule: str = "adam"
+    """"adam" (Adam and AdamW), one of ``RULE_TYPES``, or "client" (``client``'s own class
+    stepped on the shards: optim/client_shards.py)."""
+    client: torch.optim.Optimizer | None = None
+    """The client optimizer whose class steps the shards (rule "client")."""
 
 
 def _hyper(d: dict) -> dict:
@@ -55,8 +64,12 @@ def from_config(optimizer_cfg, module: torch.nn.Module, model_parameters: Any) -
                           key="optimizer")
     if optimizer_cfg.name not in SUPPORTED:
         raise ConfigError(f"optimizer.type = {optimizer_cfg.type!r} is not supported by zeroio's "
-                          f"sharded optimizer; use \"Adam\" or \"AdamW\"", key="optimizer.type")
+                          "sharded optimizer; use one of \"Adam\", \"AdamW\", \"Lamb\", "
+                          "\"Lion\", \"Adagrad\", \"SGD\" (OneBitLamb's compressed "
+                          "communication is not implemented: use \"Lamb\")", key="optimizer.type")
     p = dict(optimizer_cfg.params)
+    if optimizer_cfg.name in RULE_TYPES:
+        return _rule_spec(optimizer_cfg, p, module, model_parameters)
     for key in ("amsgrad",):
         if p.get(key):
             raise ConfigError(f"optimizer.params.{key} = true is not supported; set it to false",
@@ -74,16 +87,54 @@ def from_config(optimizer_cfg, module: torch.nn.Module, model_parameters: Any) -
                          decoupled=decoupled, type_name=optimizer_cfg.type)
 
 
-def from_client(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
-    """A client ``torch.optim.Adam``/``AdamW`` -> spec sharing its group dicts."""
+def _rule_spec(optimizer_cfg, p: dict, module, model_parameters) -> OptimizerSpec:
+    """A spec for a ``RULE_TYPES`` optimizer: the config's params (completed by the config
+    layer) as each group's defaults, a group's own keys over them."""
+    if float(p.get("max_grad_norm", 0.0)):
+        raise ConfigError("optimizer.params.max_grad_norm: zeroio clips by gradient_clipping; "
+                          "set max_grad_norm to 0 and gradient_clipping to the norm",
+                          key="optimizer.params.max_grad_norm")
+    defaults = {k: v for k, v in p.items() if k not in _NOT_HYPER}
+    if "betas" in defaults:
+        defaults["betas"] = tuple(float(b) for b in defaults["betas"])
+    groups = _groups_from(model_parameters, module)
+    hyper = [dict(defaults, **{k: g[k] for k in defaults if k in g}) for g in groups]
+    return OptimizerSpec(param_groups=[g["params"] for g in groups], hyper=hyper,
+                         decoupled=False, type_name=optimizer_cfg.type, rule=optimizer_cfg.name)
+
+
+def from_client(optimizer: torch.optim.Optimizer, cfg=None) -> OptimizerSpec:
+    """A client optimizer -> spec sharing its group dicts. ``torch.optim.Adam``/``AdamW`` are
+    stepped by zeroio's Adam; any other class (and Adam too with optimizer offload and
+    ``zero_force_ds_cpu_optimizer: false``) by itself over the shards (rule "client"). With
+    optimizer offload and ``zero_force_ds_cpu_optimizer: true`` (DeepSpeed's default) a
+    non-Adam client optimizer is refused, as DeepSpeed refuses it. ``cfg``: the engine's
+    ``Config`` (None: no offload, the flag's default)."""
     name = type(optimizer).__name__
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        raise ConfigError(f"client optimizer {name} is not supported: pass torch.optim.Adam or "
-                          "torch.optim.AdamW, or configure optimizer.type in the config",
-                          key="optimizer")
+    offload = cfg is not None and cfg.zero_optimization.offload_optimizer.device != "none"
+    force = cfg is None or cfg.zero_force_ds_cpu_optimizer
+    adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    if adam and not (offload and not force):
+        return _client_adam(optimizer)
+    if offload and force:
+        raise ConfigError(f"client optimizer {name} with offload_optimizer: zeroio steps its own "
+                          "CPU optimizer there (DeepSpeed's rule); configure optimizer.type in "
+                          "the config, pass torch.optim.Adam/AdamW, or set "
+                          "zero_force_ds_cpu_optimizer to false to step "
+                          f"{name} itself on the offloaded shards", key="zero_force_ds_cpu_optimizer")
+    return OptimizerSpec(
+        param_groups=[[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups],
+        hyper=optimizer.param_groups, decoupled=False, type_name=name, rule="client",
+        client=optimizer)
+
+
+def _client_adam(optimizer) -> OptimizerSpec:
+    name = type(optimizer).__name__
     for g in optimizer.param_groups:
         if g.get("amsgrad") or g.get("maximize"):
-            raise ConfigError(f"client {name}: amsgrad/maximize are not supported", key="optimizer")
+            raise ConfigError(f"client {name}: amsgrad/maximize are not supported by zeroio's "
+                              "Adam; set zero_force_ds_cpu_optimizer false with offload, or "
+                              "drop them", key="optimizer")
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
         optimizer.defaults.get("decoupled_weight_decay", False))
     return OptimizerSpec(

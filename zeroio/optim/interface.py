@@ -10,6 +10,11 @@ import torch
 class EngineOptimizer:
     """The engine-facing surface of a zeroio optimizer."""
 
+    rule_name: str = "adam"
+    """The update rule (``optimizer.type`` lower-cased; Adam and AdamW are both "adam"), which a
+    checkpoint records so that one rule's state is never loaded into another's."""
+    state_kinds: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    """The per-element state arrays besides the fp32 masters (a checkpoint's kinds)."""
     store: object | None = None
     """The tiered store holding this optimizer's state (NVMe moments), whose counters
     ``engine.stats()`` reports; None where the state is plain tensors (``held_tensors``)."""

@@ -123,10 +123,11 @@ def pieces_of(subs: list[SubGroup], piece_elems: int) -> list[SubGroup]:
             for s in subs for o in range(s.start, s.start + s.numel, size)]
 
 
-def pair_cost(piece: SubGroup, itemsize: int = 4) -> int:
-    """Host bytes of a piece's two moments of ``itemsize`` bytes per element (4: fp32, 2:
-    bf16) in the store's CPU tier (whole pages each)."""
-    return len(KINDS) * max(-(-piece.numel * itemsize // _PAGE) * _PAGE, _PAGE)
+def pair_cost(piece: SubGroup, itemsize: int = 4, kinds: int = len(KINDS)) -> int:
+    """Host bytes of a piece's two moments (``kinds`` state tensors for another rule) of
+    ``itemsize`` bytes per element (4: fp32, 2: bf16) in the store's CPU tier (whole pages
+    each)."""
+    return kinds * max(-(-piece.numel * itemsize // _PAGE) * _PAGE, _PAGE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,21 +145,23 @@ class SwapPlan:
     """Every piece's moments fit in ``cpu_budget`` at once (no swap after the first step)."""
     itemsize: int = 4
     """Bytes per moment element: 4 (fp32) or 2 (bf16 optimizer states)."""
+    kinds: int = len(KINDS)
+    """State tensors per piece: Adam's two moments, or another rule's (swapped_rule.py)."""
 
     @property
     def streamed_bytes(self) -> int:
         """Moment bytes read from, and written to, the disk per step in steady state."""
-        return sum(p.numel * self.itemsize * len(KINDS) for p in self.pieces[self.resident:])
+        return sum(p.numel * self.itemsize * self.kinds for p in self.pieces[self.resident:])
 
     @classmethod
     def make(cls, subs: list[SubGroup], *, cpu_budget: int | None, buffer_count: int,
              pipeline_read: bool, piece_elems: int | None = None, read_ahead: int | None = None,
-             hold: bool = True, itemsize: int = 4) -> SwapPlan:
+             hold: bool = True, itemsize: int = 4, kinds: int = len(KINDS)) -> SwapPlan:
         """``read_ahead``: pieces read ahead (None: ``READ_AHEAD`` with ``pipeline_read``, else
         0). ``hold``: keep the head resident (the trace schedule); False: nothing is held,
         the store's eviction policy decides ([Note: resident head, streamed tail])."""
         ahead = swap_rule.read_ahead(read_ahead, pipeline_read)
-        cost = partial(pair_cost, itemsize=itemsize)
+        cost = partial(pair_cost, itemsize=itemsize, kinds=max(1, kinds))
         total = sum(cost(s) for s in subs)
         if piece_elems is None:
             piece_elems = MAX_PIECE_ELEMS
@@ -170,12 +173,12 @@ class SwapPlan:
         largest = max((cost(p) for p in pieces), default=0)
         if cpu_budget is None:
             # DeepSpeed's meaning: buffer_count host buffers of the largest sub-group's moment
-            sub_bytes = max((cost(s) // len(KINDS) for s in subs), default=0)
+            sub_bytes = max((cost(s) // max(1, kinds) for s in subs), default=0)
             cpu_budget = min(total, max(4, buffer_count) * sub_bytes)
             cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest))
         if cpu_budget >= total:
             return cls(pieces=pieces, resident=len(pieces) if hold else 0, read_ahead=ahead,
-                       cpu_budget=cpu_budget, fits=True, itemsize=itemsize)
+                       cpu_budget=cpu_budget, fits=True, itemsize=itemsize, kinds=kinds)
         while ahead and (1 + ahead) * largest > cpu_budget:
             ahead -= 1
         window = (1 + ahead) * largest
@@ -186,7 +189,7 @@ class SwapPlan:
                 f"zero_optimization.tiering.cpu_budget_bytes or lower sub_group_size")
         if not hold:
             return cls(pieces=pieces, resident=0, read_ahead=ahead, cpu_budget=cpu_budget,
-                       itemsize=itemsize)
+                       itemsize=itemsize, kinds=kinds)
         room, resident = cpu_budget - window, 0
         for p in pieces:
             if cost(p) > room:
@@ -194,7 +197,7 @@ class SwapPlan:
             room -= cost(p)
             resident += 1
         return cls(pieces=pieces, resident=resident, read_ahead=ahead, cpu_budget=cpu_budget,
-                   itemsize=itemsize)
+                   itemsize=itemsize, kinds=kinds)
 
 
 def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int = 4) -> int:
@@ -222,7 +225,12 @@ def _one_pass(groups: list[ShardGroup], state_dtype: torch.dtype) -> bool:
 
 
 class SwappedAdam(EngineOptimizer):
-    """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe."""
+    """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe. A subclass
+    swaps another rule's state (optim/swapped_rule.py): ``state_kinds`` names the swapped
+    tensors, ``_update`` steps one piece, ``compiled_kernel`` False skips the CPU Adam kernel."""
+
+    compiled_kernel = True
+    """Pieces may be stepped by the compiled one-pass CPU Adam (cpu_adam.py)."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  cfg=None, policies: Policies | None = None, aio=None, backend=None,
@@ -257,7 +265,7 @@ class SwappedAdam(EngineOptimizer):
         self.param_groups = param_groups
         self.decoupled = decoupled
         self.grad_divisor = grad_divisor
-        self.one_pass = _one_pass(groups, self.state_dtype)
+        self.one_pass = self.compiled_kernel and _one_pass(groups, self.state_dtype)
         """Pieces stepped by the compiled one-pass CPU Adam ([Note: the gradient a piece
         reads])."""
         self.pipeline_read = bool(off.pipeline_read)
@@ -270,7 +278,8 @@ class SwappedAdam(EngineOptimizer):
                                   buffer_count=off.buffer_count, pipeline_read=self.pipeline_read,
                                   piece_elems=piece_elems, read_ahead=tiering.prefetch_depth,
                                   hold=self.policy is PolicyKind.TRACE,
-                                  itemsize=self.state_dtype.itemsize)
+                                  itemsize=self.state_dtype.itemsize,
+                                  kinds=len(self.state_kinds))
         # write-behind is the trace schedule's: under lru / fifo the policy picks the victim
         self._write_behind = self.pipeline_write and self.policy is PolicyKind.TRACE
         self.pieces = list(self.plan.pieces)
@@ -292,7 +301,7 @@ class SwappedAdam(EngineOptimizer):
         head = self._host_homed_head()
         for i, piece in enumerate(self.pieces):
             home = Tier.CPU if i < head else Tier.NVME
-            for kind in KINDS:
+            for kind in self.state_kinds:
                 self.store.register(piece.name(kind), (piece.numel,), self.state_dtype,
                                     home=home)
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
@@ -309,7 +318,8 @@ class SwappedAdam(EngineOptimizer):
         cannot hold every piece's moments, else none ([Note: resident head, streamed tail])."""
         if self.plan.fits or not self.plan.resident:
             return 0
-        disk = sum(p.numel for p in self.pieces) * len(KINDS) * self.state_dtype.itemsize
+        disk = sum(p.numel for p in self.pieces) * len(self.state_kinds) * \
+            self.state_dtype.itemsize
         return self.plan.resident if disk > self.store.budgets.nvme else 0
 
     def _piece_index(self, group_index: int, element: int) -> int:
@@ -328,7 +338,8 @@ class SwappedAdam(EngineOptimizer):
                 found += 1
                 if j not in self._pending:
                     p = self.pieces[j]
-                    self._pending[j] = [self.store.acquire_async(p.name(k), self._tier) for k in KINDS]
+                    self._pending[j] = [self.store.acquire_async(p.name(k), self._tier)
+                                        for k in self.state_kinds]
             j += 1
 
     def _take(self, i: int) -> list[torch.Tensor]:
@@ -338,7 +349,7 @@ class SwappedAdam(EngineOptimizer):
         futures = self._pending.pop(i, None)
         if futures is None:
             p = self.pieces[i]
-            futures = [self.store.acquire_async(p.name(k), self._tier) for k in KINDS]
+            futures = [self.store.acquire_async(p.name(k), self._tier) for k in self.state_kinds]
         tensors = [f.result() for f in futures]
         if i < self.plan.resident:
             self._held[i] = tensors
@@ -346,11 +357,11 @@ class SwappedAdam(EngineOptimizer):
 
     def _put_back(self, i: int) -> None:
         p = self.pieces[i]
-        for k in KINDS:
+        for k in self.state_kinds:
             self.store.mark_dirty(p.name(k), self._tier)
         if i in self._held:
             return
-        for k in KINDS:
+        for k in self.state_kinds:
             self.store.release(p.name(k), self._tier)
             if self._write_behind:
                 self.store.evict(p.name(k), self._tier)  # write behind: it is used again next step
@@ -362,9 +373,9 @@ class SwappedAdam(EngineOptimizer):
             for i, p in enumerate(self.pieces):
                 if self.plan.read_ahead:  # piece i first: requests are served in order
                     self._read_ahead(i, 1 + self.plan.read_ahead)
-                exp_avg, exp_avg_sq = self._take(i)
+                state = self._take(i)
                 with torch.profiler.record_function("zeroio::adam_subgroup"):
-                    self._update(p, exp_avg, exp_avg_sq, grad_scale, hypers)
+                    self._update(p, *state, grad_scale, hypers)
                 self._put_back(i)
                 sub = self._last_of_sub.get(i)
                 if sub is not None and on_updated is not None:
@@ -491,7 +502,7 @@ class SwappedAdam(EngineOptimizer):
         return self.store.stats()["bytes_moved"].get("cpu->nvme", 0) - before
 
     def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
-        if kind not in KINDS:
+        if kind not in self.state_kinds:
             return None
         out = []
         for sub in self.pieces:

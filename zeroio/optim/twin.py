@@ -27,6 +27,9 @@ from zeroio.shard.types import ShardGroup
 
 
 class TwinAdam(EngineOptimizer):
+    """Named for Adam; any elementwise rule's pair (``ShardedRule`` sides: [Note: elementwise
+    rules] in rules.py) is stepped the same way."""
+
     def __init__(self, *, device: ShardedAdam, host, groups: list[ShardGroup]):
         if device.param_groups is not host.param_groups:
             raise ValueError("TwinAdam: both sides must share one param_groups list")
@@ -34,7 +37,8 @@ class TwinAdam(EngineOptimizer):
         self.groups = groups
         """The logical ShardGroups (the partitioner's ``groups``)."""
         self.param_groups = device.param_groups
-        self.decoupled = device.decoupled
+        self.rule_name = device.rule_name
+        self.state_kinds = device.state_kinds
 
     # ---- the step ----------------------------------------------------------------------------
 
