@@ -164,7 +164,10 @@ def host_items(cfg: Config, module: torch.nn.Module, spec, device: torch.device,
     if psi == 0:
         return []
     nodes = max(1, world_size // max(1, local_ranks))
-    est = estimate_memory(psi, gpus_per_node=world_size // nodes, nodes=nodes, config=cfg,
+    per_node, stage = world_size // nodes, cfg.zero_optimization.stage
+    if stage == 0:  # every rank holds every byte: what stage 1 holds on a world of one
+        per_node, nodes, stage = 1, 1, 1
+    est = estimate_memory(psi, gpus_per_node=per_node, nodes=nodes, stage=stage, config=cfg,
                           largest_group=_largest_group(module) or None)
     host_tiers = ("cpu",) if device.type != "cpu" else ("cpu", "gpu")
     items = [i for i in est.items if i.tier in host_tiers and i.kind != "activations"
