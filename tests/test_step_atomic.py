@@ -288,7 +288,6 @@ def _enospc_phase(root):
     import torch.distributed as dist
 
     from zeroio.errors import StepFailedError, SwapIOError
-
     from zeroio.io import links
 
     def refuse(src_fd, dst):
