@@ -178,8 +178,9 @@ class StepGuard:
         engine = self._engine
         at = before.counters["global_steps"]
         if isinstance(exc, HostStepError):  # the previous, overlapped step
+            cause = exc.__cause__ or exc
             raise self._poison(f"the overlapped optimizer step before global step {at} failed "
-                               f"({exc})", exc.__cause__ or exc) from exc
+                               f"({exc})", cause) from cause
         before.restore(engine)  # scalars always: whatever happens to the tensors
         if isinstance(exc, _PeerFailed):
             raise self._poison(f"the optimizer step at global step {at} failed on another "
@@ -228,10 +229,11 @@ class StepGuard:
             yield
         except HostStepError as exc:
             if self.failure is not None:
-                raise StepFailedError(self.failure) from exc
+                raise StepFailedError(self.failure) from self._cause
+            cause = exc.__cause__ or exc
             raise self._poison(f"the overlapped optimizer step before global step "
                                f"{self._engine.global_steps} failed ({exc})",
-                               exc.__cause__ or exc) from exc
+                               cause) from cause
 
     def before_load(self) -> None:
         """Let an overlapped step finish (its failure is replaced by the load) and forget the
