@@ -154,7 +154,7 @@ def _refusals(engine, save_dir) -> dict[str, str]:
 # ---- a read fails in the middle of a step: the engine refuses until a load --------------------
 
 
-def _mid_step_phase(root, stage, read_ahead):
+def _mid_step_phase(root, stage, read_ahead, only_rank0=False):
     import torch.distributed as dist
 
     from zeroio.errors import StepFailedError, SwapIOError
@@ -173,7 +173,8 @@ def _mid_step_phase(root, stage, read_ahead):
     # the resident head is never read; the first window (piece ``resident`` and its read-ahead)
     # is read before any update: the pieces after it are read after earlier ones were updated
     window = e.optimizer.plan.resident + 1 + e.optimizer.plan.read_ahead
-    faults.bad_reads = _names(e, range(window + 1, n))
+    if rank == 0 or not only_rank0:
+        faults.bad_reads = _names(e, range(window + 1, n))
     before = _scalars(e)
     err = None
     try:
@@ -226,6 +227,20 @@ def test_a_read_failing_mid_step_refuses_until_a_load_then_trains_exactly(tmp_pa
     for other in results[1:]:  # every rank refuses, and trains on exactly after the load
         assert other["err"] is not None and other["rolled_back"] is False, other["err"]
         assert other["first"] + other["rest"] == other["straight"]
+
+
+def test_a_read_failing_on_one_rank_only_makes_every_rank_refuse(tmp_path):
+    """Rank 1's step succeeds, rank 0's fails half-way: the ranks' vote after the update makes
+    rank 1 refuse too (it cannot undo its step), and nobody waits in the publication."""
+    r0, r1 = run_ranks(_mid_step_phase, 2, str(tmp_path), 2, True, True, timeout=300)
+    assert r0["err"] is not None and r0["cause_swap"] and r0["rolled_back"] is False, r0["err"]
+    assert r1["err"] is not None and "failed on another rank" in r1["err"], r1["err"]
+    assert "load a checkpoint (engine.load_checkpoint) to continue" in r1["err"]
+    for r in (r0, r1):
+        assert r["after"] == r["before"]
+        assert all(m.startswith("StepFailedError") for m in r["refused"].values()), r["refused"]
+        assert r["first"] + r["rest"] == r["straight"]
+    assert r0["params_equal"] and all(r0["params_equal"].values()), r0["params_equal"]
 
 
 # ---- a read fails before anything changed: the step rolls back, the retry is exact -----------

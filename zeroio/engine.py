@@ -31,7 +31,7 @@ from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
 from zeroio.config.policy import resolve_policies
 from zeroio.dtypes import DTYPES
-from zeroio.errors import CheckpointError, ConfigError
+from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError
 from zeroio.optim import cpu_adam
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
@@ -344,7 +344,7 @@ class Engine:
         self._step_applied = not overflow
         if overflow:
             if not self.config.fp16.enabled:
-                raise FloatingPointError(
+                raise NonFiniteGradientError(
                     f"gradient norm is {norm} at step {self.global_steps} (no fp16 loss scaling "
                     "to skip it): check the loss and learning rate")
             self.skipped_steps += 1

@@ -61,6 +61,11 @@ class StepFailedError(ZeroIOError, RuntimeError):
         self.rolled_back = rolled_back
 
 
+class NonFiniteGradientError(ZeroIOError, FloatingPointError):
+    """The global gradient norm is inf or nan and no fp16 loss scaling can skip the step; the
+    step is rolled back ([Note: atomic step] in zeroio/step_guard.py)."""
+
+
 class HostStepError(ZeroIOError, RuntimeError):
     """The optimizer step running on the host-step worker thread (an overlapped step) failed;
     raised on the training thread by the next wait for it, the worker's error as its cause."""
@@ -95,6 +100,7 @@ __all__ = [
     "ConfigWarning",
     "CheckpointError",
     "StepFailedError",
+    "NonFiniteGradientError",
     "HostStepError",
     "DistributedError",
     "RankFailedError",
