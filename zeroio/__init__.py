@@ -18,6 +18,7 @@ from zeroio.errors import (
     DistributedError,
     IntegrityError,
     RankFailedError,
+    StepFailedError,
     SwapIOError,
     ZeroIOError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "ZeroIOError",
     "ConfigError",
     "SwapIOError",
+    "StepFailedError",
     "IntegrityError",
     "CapacityError",
     "CheckpointError",

@@ -31,7 +31,7 @@ from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
 from zeroio.config.policy import resolve_policies
 from zeroio.dtypes import DTYPES
-from zeroio.errors import CheckpointError, ConfigError
+from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError
 from zeroio.optim import cpu_adam
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
@@ -41,6 +41,7 @@ from zeroio.optim.rule_build import RankSum, build_rule_optimizer, rule_policies
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.preflight import check_host_memory
+from zeroio.step_guard import StepGuard
 from zeroio.tiering import stats as tstats
 from zeroio.tiering.breakdown import StepTimeline, format_breakdown
 from zeroio.tiering.gpu_tier import batch_size
@@ -237,6 +238,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_applied = False
+        self._guard = StepGuard(self)  # [Note: atomic step] in step_guard.py
         self._load_failure: str | None = None  # set by a load that failed after it began writing
         self.last_save: dict | None = None  # this rank's report of its last checkpoint save
         self.show_progress = True  # checkpoint and model-save bars on rank 0 (docs/engine.md)
@@ -269,13 +271,15 @@ class Engine:
         if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
             self._tokens += ids.numel()  # token ids: tokens/s in the steps_per_print line
         t = time.perf_counter()
-        with self._timeline.span("forward"), torch.profiler.record_function("zeroio::forward"):
+        with self._timeline.span("forward"), torch.profiler.record_function("zeroio::forward"), \
+                self._guard.watch():
             out = self.gpu_tier.forward(lambda: self.module(*args, **kwargs), batch_size(
                 args, kwargs), rerunnable=self.partitioner.forward_rerunnable)
         self._timings["forward_s"] += time.perf_counter() - t
         return out
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, what: str = "forward") -> None:
+        self._guard.check(what)
         if self._load_failure is not None:  # set by checkpoint/engine_io.load_checkpoint
             raise CheckpointError(self._load_failure)
 
@@ -305,7 +309,7 @@ class Engine:
     def synchronize(self) -> None:
         """Wait for an overlapped optimizer step (``zero_optimization.tiering.overlap_step``);
         a no-op otherwise."""
-        with self._timeline.reading("synchronize"):
+        with self._timeline.reading("synchronize"), self._guard.watch():
             self.partitioner.wait_step()
 
     def was_step_applied(self) -> bool:
@@ -316,9 +320,11 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scale (fp16 loss scale, 1/accumulation) and backpropagate; hooks reduce gradients."""
+        self._check_usable("backward")
         t = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
-        with self._timeline.span("backward"), torch.profiler.record_function("zeroio::backward"):
+        with self._timeline.span("backward"), torch.profiler.record_function("zeroio::backward"), \
+                self._guard.watch():
             self.gpu_tier.before_backward()  # [Note: resident state yields]
             self.partitioner.begin_micro_step(boundary)
             scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
@@ -330,12 +336,12 @@ class Engine:
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary; counts the micro step always."""
-        self._check_usable()
+        self._check_usable("step")
         if self.is_gradient_accumulation_boundary():
-            self._settle_breakdown()
-            t = time.perf_counter()
-            with self._timeline.span("step"), torch.profiler.record_function("zeroio::step"):
-                self._take_step(lr_kwargs or {})
+            with self._guard.step(settle=self._settle_breakdown):  # [Note: atomic step]
+                t = time.perf_counter()
+                with self._timeline.span("step"), torch.profiler.record_function("zeroio::step"):
+                    self._take_step(lr_kwargs or {})
             self._timings["step_s"] += time.perf_counter() - t
             self._stats_boundary()
             self._timeline.boundary(self.global_steps,
@@ -353,7 +359,7 @@ class Engine:
         self._step_applied = not overflow
         if overflow:
             if not self.config.fp16.enabled:
-                raise FloatingPointError(
+                raise NonFiniteGradientError(
                     f"gradient norm is {norm} at step {self.global_steps} (no fp16 loss scaling "
                     "to skip it): check the loss and learning rate")
             self.skipped_steps += 1
@@ -363,7 +369,9 @@ class Engine:
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
             self.last_grad_norm = norm
             part, offload = self.partitioner, self.config.zero_optimization.offload_optimizer.device
-            if part.runs_host_step and offload == "cpu" and self.optimizer.chunked_step:
+            overlapped = part.runs_host_step and offload == "cpu" and self.optimizer.chunked_step
+            self._guard.updating(vote=not overlapped)  # ranks vote after it ([Note: atomic step])
+            if overlapped:
                 # CPU Adam chunk by chunk on a worker, each chunk published behind it (a
                 # TwinAdam steps its device side first: partition/stage3/twin.py)
                 chunked = self.optimizer.begin_chunked_step(grad_scale=scale / coef)
@@ -371,9 +379,11 @@ class Engine:
             elif part.stages_ranges and offload != "none":
                 # host masters: publish chunk by chunk behind the CPU optimizer
                 self.optimizer.step(grad_scale=scale / coef, on_updated=part.stage_range)
+                self._guard.agree()
                 part.publish_params(staged=True)
             else:
                 self.optimizer.step(grad_scale=scale / coef)
+                self._guard.agree()
                 self.partitioner.publish_params()
             self.loss_scaler.update(False)
             if self.client_optimizer is not None:
@@ -501,6 +511,7 @@ class Engine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
         from zeroio.checkpoint import engine_io
 
+        self._guard.check("save_checkpoint")  # never a half-applied step ([Note: atomic step])
         self.synchronize()
         return engine_io.save_checkpoint(self, save_dir, tag, client_state)
 
@@ -508,9 +519,10 @@ class Engine:
                         load_lr_scheduler_states=True):
         from zeroio.checkpoint import engine_io
 
-        self.synchronize()
+        self._guard.before_load()  # a failed step's wait and kept I/O errors end here
         result = engine_io.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                            load_lr_scheduler_states)
+        self._guard.loaded()
         loader = self.training_dataloader
         if loader is not None and hasattr(loader.sampler, "resume"):
             loader.sampler.resume(self.global_samples)  # [Note: one global order] in data.py
@@ -519,6 +531,7 @@ class Engine:
     def save_16bit_model(self, save_dir, save_filename=None):
         from zeroio.checkpoint import engine_io
 
+        self._guard.check("save_16bit_model")
         self.synchronize()
         return engine_io.save_16bit_model(self, save_dir)
 

@@ -47,6 +47,30 @@ class CheckpointError(ZeroIOError, ValueError):
     """A checkpoint is missing, incomplete, corrupt, of a newer format or of another model."""
 
 
+class StepFailedError(ZeroIOError, RuntimeError):
+    """An optimizer step failed ([Note: atomic step] in zeroio/step_guard.py).
+
+    ``rolled_back`` True: the engine's state is exactly as before the step (the error of a
+    foreign cause, wrapped); rerun the accumulation window and step again. False: the step
+    had begun changing state that cannot be restored, and the engine refuses forward,
+    backward, step and save_checkpoint until a checkpoint is loaded. ``__cause__`` is the
+    original error."""
+
+    def __init__(self, message: str, *, rolled_back: bool = False):
+        super().__init__(message)
+        self.rolled_back = rolled_back
+
+
+class NonFiniteGradientError(ZeroIOError, FloatingPointError):
+    """The global gradient norm is inf or nan and no fp16 loss scaling can skip the step; the
+    step is rolled back ([Note: atomic step] in zeroio/step_guard.py)."""
+
+
+class HostStepError(ZeroIOError, RuntimeError):
+    """The optimizer step running on the host-step worker thread (an overlapped step) failed;
+    raised on the training thread by the next wait for it, the worker's error as its cause."""
+
+
 class ConfigWarning(UserWarning):
     """A config key that can have no effect in the config it is in (e.g. a tiering budget
     with nothing offloaded to NVMe); the message names the key and why. Emitted once, by
@@ -81,6 +105,9 @@ __all__ = [
     "ConfigWarning",
     "CapacityWarning",
     "CheckpointError",
+    "StepFailedError",
+    "NonFiniteGradientError",
+    "HostStepError",
     "DistributedError",
     "RankFailedError",
 ]

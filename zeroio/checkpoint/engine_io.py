@@ -372,6 +372,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, *, options: S
     ``engine.last_save`` then holds this rank's report: ``mode`` ("shared" or "copy"),
     ``seconds``, the counts of ``shared.REPORT_KEYS``, ``fallback`` (why something was copied,
     or None) and ``full_copy_bytes`` (what copying this rank's state would write)."""
+    guard = getattr(engine, "_guard", None)
+    if guard is not None:  # never a half-applied step: [Note: atomic step] in step_guard.py
+        guard.check("save_checkpoint")
     t0 = time.perf_counter()
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     comm = _comm(engine)

@@ -44,6 +44,25 @@ next needed; under lru / fifo the policy's victim is written when room is
 needed. With a budget that holds all moments there is no swap I/O after the
 first step whatever the policy.
 
+[Note: reads before writes]
+A step is atomic (zeroio/step_guard.py): it either completes, fails with nothing
+changed, or fails after it began changing state, and then the engine refuses to
+go on until a checkpoint is loaded. Pieces are updated in place (masters in the
+partitioner's host memory, moments in the window) and a streamed piece is written
+back over its swap file as soon as the window needs its room, so a step that
+fails half-way cannot be undone without a pre-step copy of every piece it has
+updated: the masters alone are as large again as the master shard, and the moments
+already on disk would need a second swap file each. That is not affordable, so
+the step orders its reads first where the pipeline allows: the reads of the first
+window (the first streamed piece and its read-ahead; that piece alone when reading
+on demand) land before piece 0 is updated, and ``touched`` turns True only then. A read that fails
+before that point (the first window's pieces; the head of the next step's stream,
+read during forward and backward) fails the step with nothing changed, and the
+engine rolls the step back; a read of a later piece fails it after the update of
+the earlier ones, and the engine refuses to go on. ``abort_step`` releases what a
+failed step acquired and forgets its failed reads, so the retry (or the checkpoint
+load) reads afresh.
+
 [Note: masters stay on the host]
 The fp32 master shard stays in the partitioner's (pinned) host memory, as with
 ``device: cpu``: the 16-bit parameters are published from it right after the
@@ -309,6 +328,10 @@ class SwappedAdam(EngineOptimizer):
                              for s in self.subs}
         self._held: dict[int, list[torch.Tensor]] = {}  # resident pieces: acquired once, kept
         self._pending: dict[int, list] = {}  # piece index -> futures of its moments being read
+        self._taken: set[int] = set()  # streamed pieces acquired by this step, not put back yet
+        self.touched = False
+        """This step has begun changing state (a piece's masters or moments): a failure from
+        then on cannot be rolled back ([Note: reads before writes])."""
         # checkpoint threads pin pieces in the store (thread-safe, pin-counted) at most two at
         # a time, inside the window the plan leaves next to the read-ahead
         self._state_pins = threading.BoundedSemaphore(2)
@@ -350,10 +373,53 @@ class SwappedAdam(EngineOptimizer):
         if futures is None:
             p = self.pieces[i]
             futures = [self.store.acquire_async(p.name(k), self._tier) for k in self.state_kinds]
-        tensors = [f.result() for f in futures]
+        try:
+            tensors = [f.result() for f in futures]
+        except BaseException:
+            self._release_landed(i, futures)
+            raise
         if i < self.plan.resident:
             self._held[i] = tensors
+        else:
+            self._taken.add(i)
         return tensors
+
+    def _release_landed(self, i: int, futures: list) -> None:
+        """Release the moments of piece ``i`` whose reads landed (a failed step's pieces: the
+        store must not keep them pinned)."""
+        p = self.pieces[i]
+        for kind, f in zip(self.state_kinds, futures, strict=True):
+            if f.exception() is None and i not in self._held:
+                self.store.release(p.name(kind), self._tier)
+
+    def _verify_first_reads(self) -> None:
+        """[Note: reads before writes] Wait for the reads of the first window (the first
+        streamed piece and its read-ahead: the resident head is in memory already) to land
+        before any piece is updated: a read that fails there fails the step with nothing
+        changed yet. The window has room for them whatever the head's size."""
+        self._read_ahead(0, 1 + self.plan.read_ahead)
+        for futures in list(self._pending.values()):
+            for f in futures:
+                f.result()
+
+    def abort_step(self) -> None:
+        """Undo the bookkeeping of a step that raised: wait for its reads in flight and
+        release every piece it acquired and did not put back (none stays pinned, so a
+        retried step or a checkpoint load can use the window), and forget failed reads (a
+        retry reads afresh). The state itself is what the step left: see ``touched``."""
+        pending, self._pending = self._pending, {}
+        for i, futures in pending.items():
+            self._release_landed(i, futures)
+        taken, self._taken = self._taken, set()
+        for i in taken:
+            for kind in self.state_kinds:
+                self.store.release(self.pieces[i].name(kind), self._tier)
+
+    def clear_errors(self) -> None:
+        """Forget I/O errors the store keeps for a later acquire (after a checkpoint load
+        replaced the state they concern, or a failed step was rolled back)."""
+        self.abort_step()
+        self.store.clear_errors()
 
     def _put_back(self, i: int) -> None:
         p = self.pieces[i]
@@ -361,6 +427,7 @@ class SwappedAdam(EngineOptimizer):
             self.store.mark_dirty(p.name(k), self._tier)
         if i in self._held:
             return
+        self._taken.discard(i)
         for k in self.state_kinds:
             self.store.release(p.name(k), self._tier)
             if self._write_behind:
@@ -369,17 +436,24 @@ class SwappedAdam(EngineOptimizer):
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
         grad_scale *= self.grad_divisor
         hypers: dict[tuple[int, int], torch.Tensor] = {}  # (group, update number): this step's
+        self.touched = False
         with torch.profiler.record_function("zeroio::optimizer_step_nvme"):
-            for i, p in enumerate(self.pieces):
-                if self.plan.read_ahead:  # piece i first: requests are served in order
-                    self._read_ahead(i, 1 + self.plan.read_ahead)
-                state = self._take(i)
-                with torch.profiler.record_function("zeroio::adam_subgroup"):
-                    self._update(p, *state, grad_scale, hypers)
-                self._put_back(i)
-                sub = self._last_of_sub.get(i)
-                if sub is not None and on_updated is not None:
-                    on_updated(sub.group_index, sub.start, sub.numel)
+            try:
+                self._verify_first_reads()
+                for i, p in enumerate(self.pieces):
+                    if self.plan.read_ahead:  # piece i first: requests are served in order
+                        self._read_ahead(i, 1 + self.plan.read_ahead)
+                    state = self._take(i)
+                    self.touched = True
+                    with torch.profiler.record_function("zeroio::adam_subgroup"):
+                        self._update(p, *state, grad_scale, hypers)
+                    self._put_back(i)
+                    sub = self._last_of_sub.get(i)
+                    if sub is not None and on_updated is not None:
+                        on_updated(sub.group_index, sub.start, sub.numel)
+            except BaseException:
+                self.abort_step()
+                raise
             if self.plan.read_ahead:
                 self._read_ahead(0, self.plan.read_ahead)  # the next step's stream starts loading
             self.store.step_boundary()

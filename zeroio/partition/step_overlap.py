@@ -11,7 +11,9 @@ CUDA event the job recorded, so the next forward starts on the first layers
 while the CPU still updates the last ones. Jobs run in global parameter order
 (the order a forward reads them), so ``i`` is reached early for early layers.
 An exception on the worker is kept and raised by the next ``wait_for``/``join``
-on the caller's thread.
+on the caller's thread, as a ``HostStepError`` whose cause is the worker's error
+(the engine's step guard knows it as a failed step, wherever it surfaces:
+[Note: atomic step] in zeroio/step_guard.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from zeroio.config import overrides
 from zeroio.config.launch_env import launch_env
+from zeroio.errors import HostStepError
 from zeroio.tiering.breakdown import HostRecord
 
 
@@ -189,7 +192,7 @@ class StepRunner:
                     self._cond.wait()
                 self.clock.waited(t0, time.perf_counter())
             if self._error is not None:
-                raise self._error
+                raise _surfaced(self._error)
 
     def join(self) -> None:
         """Wait for every job; re-raise the worker's exception once."""
@@ -207,4 +210,13 @@ class StepRunner:
             error, self._error = self._error, None
             self._done = self.n_jobs
         if error is not None:
-            raise error
+            raise _surfaced(error)
+
+
+def _surfaced(error: BaseException) -> HostStepError:
+    """The worker's error as the training thread sees it (a new exception each time: the
+    worker's is its cause, not re-raised with another traceback appended)."""
+    err = HostStepError(f"the optimizer step on the host-step worker failed: "
+                        f"{type(error).__name__}: {error}")
+    err.__cause__ = error
+    return err

@@ -277,9 +277,20 @@ class TieredStore:
         return entry, copy  # type: ignore[return-value]
 
     def _finish_acquire(self, entry: Entry, copy: Copy) -> None:
-        """Wait until ``copy`` holds the latest bytes (lock held)."""
+        """Wait until ``copy`` holds the latest bytes (lock held).
+
+        [Note: a load that failed before it was waited for] An asynchronous acquire pins a
+        copy that another load is filling (a hit) and lands it later, on the landing thread.
+        If that load fails and another thread settles it first (any ``settle_done`` poll),
+        the copy is dropped before the landing thread looks: it is no longer LOADING and no
+        longer the entry's copy. That is the load's failure, reported as such, never a
+        handed-out tensor of a freed block."""
         try:
             while True:
+                if entry.copies.get(copy.tier) is not copy:  # [Note: a load that failed ...]
+                    err, entry.error = entry.error, None
+                    raise err or SwapIOError(f"acquire({entry.name!r}): its {copy.tier.value} "
+                                             "copy was dropped while it was being loaded")
                 if copy.state is Residency.LOADING:
                     self._mover.wait(copy.move)  # type: ignore[arg-type]
                     if entry.copies.get(copy.tier) is not copy:
@@ -456,6 +467,22 @@ class TieredStore:
                         break
             if errors:
                 raise errors[0]
+
+    def clear_errors(self) -> int:
+        """Forget every I/O error not yet reported to an acquirer (``Entry.error``): after the
+        state they concern has been replaced (a checkpoint load) or the failed step rolled
+        back, the next acquire must read or write afresh, not raise an old failure (a full
+        disk that has since been freed). Copies are untouched: a dirty copy whose write-back
+        failed stays dirty and is written back again. Returns how many errors were dropped."""
+        with self._lock:
+            self._check_open()
+            self._mover.settle_done()
+            dropped = 0
+            for entry in self._entries.values():
+                if entry.error is not None:
+                    entry.error = None
+                    dropped += 1
+            return dropped
 
     def stats(self) -> dict:
         with self._lock:
