@@ -31,6 +31,7 @@ from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
 from zeroio.config.policy import resolve_policies
 from zeroio.dtypes import DTYPES
+from zeroio.engine_state import MicroStep
 from zeroio.errors import CheckpointError, ConfigError
 from zeroio.optim import cpu_adam
 from zeroio.optim.adam import ShardedAdam
@@ -225,6 +226,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_applied = False
+        self._phase = MicroStep()  # engine_state.[Note: the micro-step protocol]
         self._load_failure: str | None = None  # set by a load that failed after it began writing
         self.last_save: dict | None = None  # this rank's report of its last checkpoint save
         self.show_progress = True  # checkpoint and model-save bars on rank 0 (docs/engine.md)
@@ -253,6 +255,7 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         self._check_usable()
+        self._phase.check("forward")
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
             self._tokens += ids.numel()  # token ids: tokens/s in the steps_per_print line
@@ -260,6 +263,7 @@ class Engine:
         with self._timeline.span("forward"), torch.profiler.record_function("zeroio::forward"):
             out = self.module(*args, **kwargs)
         self._timings["forward_s"] += time.perf_counter() - t
+        self._phase.done("forward")
         return out
 
     def _check_usable(self) -> None:
@@ -303,6 +307,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scale (fp16 loss scale, 1/accumulation) and backpropagate; hooks reduce gradients."""
+        self._phase.check("backward", steps=self.global_steps, micro_steps=self.micro_steps)
         t = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         with self._timeline.span("backward"), torch.profiler.record_function("zeroio::backward"):
@@ -311,11 +316,13 @@ class Engine:
             (loss.float() * scale).backward()
             self.partitioner.finalize_gradients(boundary)
         self._timings["backward_s"] += time.perf_counter() - t
+        self._phase.done("backward")
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary; counts the micro step always."""
         self._check_usable()
+        self._phase.check("step", steps=self.global_steps, micro_steps=self.micro_steps)
         if self.is_gradient_accumulation_boundary():
             self._settle_breakdown()
             t = time.perf_counter()
@@ -327,6 +334,7 @@ class Engine:
                                     (self._stats_last_step or {}).get("bytes_moved"))
             self._maybe_print()
         self.micro_steps += 1
+        self._phase.done("step")
 
     def _take_step(self, lr_kwargs: dict) -> None:
         sq = self.partitioner.local_grad_sq_norm().to(torch.float64)
@@ -485,6 +493,7 @@ class Engine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None):
         from zeroio.checkpoint import engine_io
 
+        self._phase.check("save_checkpoint")
         self.synchronize()
         return engine_io.save_checkpoint(self, save_dir, tag, client_state)
 
@@ -492,9 +501,11 @@ class Engine:
                         load_lr_scheduler_states=True):
         from zeroio.checkpoint import engine_io
 
+        self._phase.check("load_checkpoint")
         self.synchronize()
         result = engine_io.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                            load_lr_scheduler_states)
+        self._phase.done("load")
         loader = self.training_dataloader
         if loader is not None and hasattr(loader.sampler, "resume"):
             loader.sampler.resume(self.global_samples)  # [Note: one global order] in data.py
@@ -503,13 +514,23 @@ class Engine:
     def save_16bit_model(self, save_dir, save_filename=None):
         from zeroio.checkpoint import engine_io
 
+        self._phase.check("save_16bit_model")
         self.synchronize()
         return engine_io.save_16bit_model(self, save_dir)
 
     def close(self) -> None:
-        self.synchronize()
-        self.partitioner.close()
-        self.optimizer.close()
+        """Stop the engine's threads and remove its swap folders (docs/engine.md, "Closing an
+        engine"); idempotent, and every later call on the engine is an EngineClosedError."""
+        if self._phase.closed:
+            return
+        self._phase.close()
+        try:
+            self.synchronize()
+        finally:
+            try:
+                self.partitioner.close()
+            finally:
+                self.optimizer.close()
 
 
 def _gb(n: int) -> str:
