@@ -66,6 +66,15 @@ class RankFailedError(DistributedError):
         self.traceback_text = tb
 
 
+class EngineStateError(ZeroIOError, RuntimeError):
+    """An engine call out of its order (``step`` with no ``backward`` since the last one, a
+    second ``backward`` before ``step``): engine_state.[Note: the micro-step protocol]."""
+
+
+class EngineClosedError(EngineStateError):
+    """A call on an engine after ``engine.close()``."""
+
+
 __all__ = [
     "ZeroIOError",
     "ConfigError",
@@ -79,24 +88,4 @@ __all__ = [
     "RankFailedError",
     "EngineStateError",
     "EngineClosedError",
-    "Preempted",
 ]
-
-
-class EngineStateError(ZeroIOError, RuntimeError):
-    """An engine call out of its order (``step`` with no ``backward`` since the last one, a
-    second ``backward`` before ``step``): engine_state.[Note: the micro-step protocol]."""
-
-
-class EngineClosedError(EngineStateError):
-    """A call on an engine after ``engine.close()``."""
-
-
-class Preempted(ZeroIOError):
-    """A run stopped at a step boundary by SIGTERM or SIGINT (zeroio.preemption); ``signum``
-    is the signal, ``exit_code`` 128 + it, as shells report a process a signal ended."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
-        self.exit_code = 128 + signum
