@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from zeroio import shutdown
 from zeroio.config import load_config
 from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
@@ -240,6 +241,7 @@ class Engine:
         # steps_per_print: (time, samples, tokens, bytes_moved) at the last printed line
         self._tokens = 0
         self._print_mark: tuple[float, int, int, dict] = (time.perf_counter(), 0, 0, {})
+        shutdown.track(self)  # closed at exit if still open: [Note: a clean exit]
 
     def _scheduler(self, client):
         if client is None:
