@@ -130,6 +130,55 @@ def test_a_signal_inside_a_checkpoint_write_lets_the_save_complete(tmp_path):
     fresh.close()
 
 
+def test_without_the_helper_a_sigint_in_a_step_is_raised_after_the_step(tmp_path):
+    """Python's own SIGINT handler stays; the engine holds the KeyboardInterrupt until the
+    step and then the checkpoint write are whole."""
+    batches = _batches(2)
+    ref, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "ref"))
+    for x in batches:
+        ref.backward(ref(x).pow(2).mean())
+        ref.step()
+    expected = _params(ref)
+    ref.close()
+    engine, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "run"))
+    real_step = engine.optimizer.step
+
+    def step_signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        return real_step(*args, **kwargs)
+
+    engine.backward(engine(batches[0]).pow(2).mean())
+    engine.step()
+    engine.optimizer.step = step_signalled
+    engine.backward(engine(batches[1]).pow(2).mean())
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.global_steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(_params(engine), expected, strict=True))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    from zeroio.checkpoint import engine_io
+
+    real_save = engine_io.save_checkpoint
+
+    def save_signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        return real_save(*args, **kwargs)
+
+    engine_io.save_checkpoint = save_signalled
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.save_checkpoint(tmp_path / "ckpt", tag="t2")
+    finally:
+        engine_io.save_checkpoint = real_save
+    engine.close()
+    fresh, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "fresh"))
+    assert fresh.load_checkpoint(tmp_path / "ckpt", tag="t2")[0] is not None
+    assert all(torch.equal(a, b) for a, b in zip(_params(fresh), expected, strict=True))
+    fresh.close()
+
+
 def _agree(signalled_rank: int) -> list[int]:
     """Rank ``signalled_rank`` alone gets SIGTERM; both must stop at the same boundary."""
     from zeroio.partition import collectives as comm
@@ -173,6 +222,7 @@ def _swap_left(out: Path) -> list[Path]:
     return [p for p in (out / "nvme").rglob("*") if p.is_file() or p.name.startswith("zeroio-swap")]
 
 
+@pytest.mark.slow
 def test_sigterm_to_zeroio_train_checkpoints_cleans_up_and_resumes_bit_exact(tmp_path):
     stopped = tmp_path / "stopped"
     out, err = _stop_at(_train(stopped, "--nproc", "2"), 4, signal.SIGTERM)
@@ -198,6 +248,7 @@ def test_sigterm_to_zeroio_train_checkpoints_cleans_up_and_resumes_bit_exact(tmp
     assert model.read_bytes() == (tmp_path / "whole" / "model" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_sigint_to_a_single_rank_run_stops_it_the_same_way(tmp_path):
     proc = _train(tmp_path / "run", "--nproc", "1", "--no-checkpoint-on-signal")
     out, err = _stop_at(proc, 3, signal.SIGINT)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zeroio import shutdown
+from zeroio import preemption, shutdown
 from zeroio.config import load_config
 from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
@@ -328,7 +328,8 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             self._settle_breakdown()
             t = time.perf_counter()
-            with self._timeline.span("step"), torch.profiler.record_function("zeroio::step"):
+            with self._timeline.span("step"), torch.profiler.record_function("zeroio::step"), \
+                    preemption.uninterrupted():  # no signal cuts a step in two
                 self._take_step(lr_kwargs or {})
             self._timings["step_s"] += time.perf_counter() - t
             self._stats_boundary()
@@ -497,7 +498,8 @@ class Engine:
 
         self._phase.check("save_checkpoint")
         self.synchronize()
-        return engine_io.save_checkpoint(self, save_dir, tag, client_state)
+        with preemption.uninterrupted():  # a checkpoint is written whole
+            return engine_io.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):

@@ -27,6 +27,10 @@ user insists, e.g. on a step that hangs). Repeated SIGTERMs are not escalated: a
 launcher may both forward the same preemption. SIGKILL cannot be caught; the swap folders a
 killed run leaves are removed by the next run on the same ``nvme_path`` (io/swapdir.py).
 
+Outside ``deferred_signals`` the engine still keeps its optimizer step and its checkpoint
+writes whole (``uninterrupted``): a signal that arrives inside one is held and re-delivered to
+the handler in place once it ended (Python's ``KeyboardInterrupt``, SIGTERM's termination).
+
 Exit status: 128 + the signal's number, as shells report a process that a signal ended: 143
 for SIGTERM, 130 for SIGINT; 0 when no stop was agreed (a signal that arrived after the last
 ``stop_now`` lets the run finish its work).
@@ -107,6 +111,39 @@ def deferred_signals(signals: Iterable[int] = SIGNALS) -> StepBoundarySignals:
     return StepBoundarySignals(signals)
 
 
+class _Held:
+    """SIGTERM/SIGINT held for the length of one section, re-delivered after it."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> _Held:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach the main thread only: nothing can cut this one
+        for s in SIGNALS:
+            handler = signal.getsignal(s)
+            if handler is None or isinstance(getattr(handler, "__self__", None),
+                                             StepBoundarySignals):
+                continue  # not Python's to change; or deferred_signals already defers it
+            self.previous[s] = signal.signal(s, lambda n, f: self.pending.append(n))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        for n in dict.fromkeys(self.pending):
+            signal.raise_signal(n)  # the handler that was in place acts now, after the section
+
+
+def uninterrupted() -> _Held:
+    """A section no SIGTERM/SIGINT cuts (an optimizer step, a checkpoint write): one that
+    arrives is held and re-delivered to the handler in place once the section ended (Python's
+    KeyboardInterrupt, the default termination, the user's handler). Inside
+    ``deferred_signals`` the section adds nothing; off the main thread it is a no-op."""
+    return _Held()
+
+
 def stop_line(summary: dict) -> str:
     """The one line a run stopped by a signal prints, from its summary (``stopped_by``,
     ``end_step``, ``steps``, ``checkpoint``, ``exit_code``)."""
@@ -117,4 +154,4 @@ def stop_line(summary: dict) -> str:
             f"of {summary['steps']}; {where} (exit {summary['exit_code']})")
 
 
-__all__ = ["SIGNALS", "StepBoundarySignals", "deferred_signals", "stop_line"]
+__all__ = ["SIGNALS", "StepBoundarySignals", "deferred_signals", "stop_line", "uninterrupted"]
