@@ -138,3 +138,33 @@ def test_thirty_finished_runs_exit_zero_with_every_launcher(tmp_path):
                 if code != 0 or "terminate called" in out or "trained" not in out]
     assert not failures, f"{len(failures)} of {RUNS} runs did not exit cleanly:\n" + \
         "\n".join(failures[:3])
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_left_open_is_closed_at_exit(tmp_path):
+    """One process, no launcher (zeroio makes its world of one): the script ends without
+    close(); at exit the hook closes the engine (its swap folder goes) and the process exits 0.
+    A forked child exiting through atexit does not close its parent's engine."""
+    script = tmp_path / "open.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, torch, zeroio
+        from pathlib import Path
+        nvme = Path({str(tmp_path / "nvme")!r})
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        cfg = {{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "AdamW",
+               "params": {{"lr": 1e-3}}}}, "zero_optimization": {{"stage": 2,
+               "offload_optimizer": {{"device": "nvme", "nvme_path": str(nvme)}}}}}}
+        engine, *_ = zeroio.initialize(model=model, config=cfg)
+        engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+        engine.step()
+        if os.fork() == 0:
+            sys.exit(0)  # the child runs the atexit hooks it inherited
+        os.wait()
+        print("swap after the child", len(list(nvme.rglob("zeroio-swap-*"))), flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], env=_env([sys.executable]),
+                          capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "swap after the child 1" in proc.stdout
+    assert not list((tmp_path / "nvme").rglob("zeroio-swap-*"))

@@ -24,19 +24,22 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 import weakref
 
 from zeroio.partition import collectives as comm
 
-_ENGINES: weakref.WeakSet = weakref.WeakSet()
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Engine -> the pid that built it: a forked child never closes (and removes the swap folders
+of) its parent's engines."""
 _REGISTERED = False
 
 
 def track(engine) -> None:
     """Close ``engine`` at exit if it is still open then ([Note: a clean exit])."""
     global _REGISTERED
-    _ENGINES.add(engine)
+    _ENGINES[engine] = os.getpid()
     if not _REGISTERED:
         atexit.register(_at_exit)
         _REGISTERED = True
@@ -49,7 +52,9 @@ def _failed_exit() -> bool:
 
 def close_all() -> None:
     """Close every engine still open (each one's errors are swallowed: the process is ending)."""
-    for engine in list(_ENGINES):
+    for engine, pid in list(_ENGINES.items()):
+        if pid != os.getpid():
+            continue
         with contextlib.suppress(BaseException):
             engine.close()
 
