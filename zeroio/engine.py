@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 
+from zeroio import preemption, shutdown
 from zeroio.config import load_config
 from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
 from zeroio.config.policy import resolve_policies
 from zeroio.dtypes import DTYPES
-from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError
+from zeroio.engine_state import MicroStep
+from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError, StepFailedError
 from zeroio.optim import cpu_adam
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.factory import OptimizerSpec, from_client, from_config
@@ -239,6 +241,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._step_applied = False
         self._guard = StepGuard(self)  # [Note: atomic step] in step_guard.py
+        self._phase = MicroStep()  # engine_state.[Note: the micro-step protocol]
         self._load_failure: str | None = None  # set by a load that failed after it began writing
         self.last_save: dict | None = None  # this rank's report of its last checkpoint save
         self.show_progress = True  # checkpoint and model-save bars on rank 0 (docs/engine.md)
@@ -252,6 +255,7 @@ class Engine:
         # steps_per_print: (time, samples, tokens, bytes_moved) at the last printed line
         self._tokens = 0
         self._print_mark: tuple[float, int, int, dict] = (time.perf_counter(), 0, 0, {})
+        shutdown.track(self)  # closed at exit if still open: [Note: a clean exit]
 
     def _scheduler(self, client):
         if client is None:
@@ -267,6 +271,7 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         self._check_usable()
+        self._phase.check("forward")
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
             self._tokens += ids.numel()  # token ids: tokens/s in the steps_per_print line
@@ -276,6 +281,7 @@ class Engine:
             out = self.gpu_tier.forward(lambda: self.module(*args, **kwargs), batch_size(
                 args, kwargs), rerunnable=self.partitioner.forward_rerunnable)
         self._timings["forward_s"] += time.perf_counter() - t
+        self._phase.done("forward")
         return out
 
     def _check_usable(self, what: str = "forward") -> None:
@@ -321,6 +327,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scale (fp16 loss scale, 1/accumulation) and backpropagate; hooks reduce gradients."""
         self._check_usable("backward")
+        self._phase.check("backward", steps=self.global_steps, micro_steps=self.micro_steps)
         t = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         with self._timeline.span("backward"), torch.profiler.record_function("zeroio::backward"), \
@@ -332,15 +339,19 @@ class Engine:
             self.partitioner.finalize_gradients(boundary)
             self.gpu_tier.after_backward()
         self._timings["backward_s"] += time.perf_counter() - t
+        self._phase.done("backward")
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary; counts the micro step always."""
         self._check_usable("step")
+        self._phase.check("step", steps=self.global_steps, micro_steps=self.micro_steps)
         if self.is_gradient_accumulation_boundary():
-            with self._guard.step(settle=self._settle_breakdown):  # [Note: atomic step]
+            with self._phase.restart_on_failure(), \
+                    self._guard.step(settle=self._settle_breakdown):  # [Note: atomic step]
                 t = time.perf_counter()
-                with self._timeline.span("step"), torch.profiler.record_function("zeroio::step"):
+                with self._timeline.span("step"), torch.profiler.record_function("zeroio::step"), \
+                        preemption.uninterrupted():  # no signal cuts a step in two
                     self._take_step(lr_kwargs or {})
             self._timings["step_s"] += time.perf_counter() - t
             self._stats_boundary()
@@ -348,6 +359,7 @@ class Engine:
                                     (self._stats_last_step or {}).get("bytes_moved"))
             self._maybe_print()
         self.micro_steps += 1
+        self._phase.done("step")
 
     def _take_step(self, lr_kwargs: dict) -> None:
         sq = self.partitioner.local_grad_sq_norm().to(torch.float64)
@@ -512,17 +524,21 @@ class Engine:
         from zeroio.checkpoint import engine_io
 
         self._guard.check("save_checkpoint")  # never a half-applied step ([Note: atomic step])
+        self._phase.check("save_checkpoint")
         self.synchronize()
-        return engine_io.save_checkpoint(self, save_dir, tag, client_state)
+        with preemption.uninterrupted():  # a checkpoint is written whole
+            return engine_io.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):
         from zeroio.checkpoint import engine_io
 
+        self._phase.check("load_checkpoint")
         self._guard.before_load()  # a failed step's wait and kept I/O errors end here
         result = engine_io.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                            load_lr_scheduler_states)
         self._guard.loaded()
+        self._phase.done("load")
         loader = self.training_dataloader
         if loader is not None and hasattr(loader.sampler, "resume"):
             loader.sampler.resume(self.global_samples)  # [Note: one global order] in data.py
@@ -532,13 +548,25 @@ class Engine:
         from zeroio.checkpoint import engine_io
 
         self._guard.check("save_16bit_model")
+        self._phase.check("save_16bit_model")
         self.synchronize()
         return engine_io.save_16bit_model(self, save_dir)
 
     def close(self) -> None:
-        self.synchronize()
-        self.partitioner.close()
-        self.optimizer.close()
+        """Stop the engine's threads and remove its swap folders (docs/engine.md, "Closing an
+        engine"); idempotent, and every later call on the engine is an EngineClosedError."""
+        if self._phase.closed:
+            return
+        self._phase.close()
+        try:
+            self.synchronize()
+        except StepFailedError:
+            pass  # an overlapped step that failed: its state is dropped with the engine
+        finally:
+            try:
+                self.partitioner.close()
+            finally:
+                self.optimizer.close()
 
 
 def _gb(n: int) -> str:

@@ -95,6 +95,15 @@ class RankFailedError(DistributedError):
         self.traceback_text = tb
 
 
+class EngineStateError(ZeroIOError, RuntimeError):
+    """An engine call out of its order (``step`` with no ``backward`` since the last one, a
+    second ``backward`` before ``step``): engine_state.[Note: the micro-step protocol]."""
+
+
+class EngineClosedError(EngineStateError):
+    """A call on an engine after ``engine.close()``."""
+
+
 __all__ = [
     "ZeroIOError",
     "ConfigError",
@@ -110,4 +119,6 @@ __all__ = [
     "HostStepError",
     "DistributedError",
     "RankFailedError",
+    "EngineStateError",
+    "EngineClosedError",
 ]

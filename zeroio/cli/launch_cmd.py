@@ -30,6 +30,13 @@ launcher (rank.[Note: ranks die with their launcher]) and applies the per-rank
 flags. When a rank fails, the summary line names the rank that failed first:
 the one not stopped by the launcher itself (torch's launcher sends SIGTERM to
 the survivors of a failure).
+
+[Note: a signalled launch] SIGTERM or SIGINT to the launcher (a scheduler's preemption, Ctrl-C)
+is forwarded by torch's launcher to every rank, which it then waits for
+(``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds, then SIGKILL); torch raises its
+``SignalException`` afterwards, which ends here as one line and exit status 128 + the signal
+(143, 130), not a traceback. Ranks that stopped on a signal sent to them directly and exited
+128 + it (zeroio.preemption) are reported the same way: a stop, not a failure.
 """
 
 from __future__ import annotations
@@ -181,8 +188,21 @@ def describe_failure(rank: int, failure) -> tuple[str, int]:
     return f"rank {rank} failed (exit status {code})", 1
 
 
+def signal_stop(failures: dict) -> signal.Signals | None:
+    """The signal every failed rank stopped on (exit status 128 + SIGTERM or SIGINT, as
+    zeroio.preemption exits), or None when any rank failed otherwise."""
+    stops = {f.exitcode - 128 for f in failures.values()
+             if isinstance(f.exitcode, int) and f.exitcode - 128 in (signal.SIGTERM, signal.SIGINT)}
+    if len(stops) == 1 and all(isinstance(f.exitcode, int) and f.exitcode > 128
+                               for f in failures.values()):
+        return signal.Signals(stops.pop())
+    return None
+
+
 def launch(argv: list[str]) -> int:
-    """Run ``torch.distributed.run`` with ``argv``; the exit status of the job (0 = every rank ok)."""
+    """Run ``torch.distributed.run`` with ``argv``; the exit status of the job (0 = every rank
+    ok; 128 + the signal when a signal stopped it: [Note: a signalled launch])."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torch_run
@@ -192,9 +212,19 @@ def launch(argv: list[str]) -> int:
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # torch's launcher runs here: the ranks' parent
     try:
         torch_run(get_args_parser().parse_args(argv))
+    except SignalException as e:  # the ranks got the signal too and have ended
+        sig = signal.Signals(e.sigval)
+        print(f"zeroio launch: stopped by {sig.name}; the ranks were signalled and have "
+              "ended", file=sys.stderr)
+        return 128 + int(sig)
     except ChildFailedError as e:
         # torchrun has already printed each failed rank's error; only the summary line here
         failures = e.failures  # global rank -> ProcessFailure
+        stop = signal_stop(failures)
+        if stop is not None:
+            print(f"zeroio launch: stopped by {stop.name} (every rank stopped at a step "
+                  "boundary)", file=sys.stderr)
+            return 128 + int(stop)
         what, status = describe_failure(*root_failure(failures))
         others = len(failures) - 1
         print(f"zeroio launch: {what}" + (f" ({others} other rank(s) also ended)"

@@ -15,6 +15,15 @@ then runs the job in ``zeroio/cli/train/loop.py``.
 With ``--plan`` (the default for ``--model-config`` without ``--config``) the placement is
 planned once per job for the machine, before any rank starts
 (``zeroio/cli/train/placement.py``, [Note: planned runs]).
+
+[Note: stopping on a signal] SIGTERM (a scheduler's preemption) and SIGINT are deferred by
+``run`` (zeroio.preemption.[Note: signals at the step boundary]); the loop
+asks at each step boundary, all ranks together, whether to stop. On a stop the step that was
+running has finished, a checkpoint of it is written (unless --no-checkpoint, or
+--no-checkpoint-on-signal), no model is exported, the engine closes (its swap folders go),
+rank 0 prints one line on stderr (and the JSON summary with --json, ``stopped_by`` and
+``exit_code`` set) and every rank exits 128 + the signal (143 SIGTERM, 130 SIGINT).
+``--resume`` continues from that checkpoint exactly as an uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -83,6 +92,9 @@ _FLAGS = {
     "--json": "print one JSON summary on stdout and nothing else",
     "--no-checkpoint": "write no training checkpoint, only the final model (from the live engine); "
                        "not with --resume, --save-every or --stop-after",
+    "--no-checkpoint-on-signal": "on SIGTERM or SIGINT stop at the step boundary without "
+                                 "writing a checkpoint there (default: write one, then exit "
+                                 "143 / 130)",
 }
 
 
@@ -187,13 +199,21 @@ def run(args) -> int:
 
         # one intra-op thread per rank per core share: ranks on a small machine must not fight
         os.environ.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))
+        # a signalled rank finishes its step and writes a checkpoint before it exits: give it
+        # longer than torch's 30 s before the launcher's SIGKILL (the scheduler's grace still
+        # bounds it)
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
         return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True,
                                     guard=True))
 
-    try:
-        train(opts, run_plan)
-    finally:
-        from zeroio.partition import collectives
+    from zeroio.preemption import deferred_signals
 
-        collectives.destroy_world()
-    return 0
+    # SIGTERM / SIGINT wait for the step boundary ([Note: stopping on a signal])
+    with deferred_signals() as signals:
+        try:
+            train(opts, run_plan, signals)
+        finally:
+            from zeroio.partition import collectives
+
+            collectives.destroy_world()
+    return signals.exit_code

@@ -80,9 +80,14 @@ def world(group=None) -> World:
                  backend=str(dist.get_backend(group)))
 
 
+_MADE_WORLD: list[object] = []
+"""The default group when zeroio created it (``init_world``), else empty."""
+
+
 def init_world(backend: str, timeout_s: float, **kwargs) -> None:
     """``init_process_group`` with every collective's timeout (``distributed.timeout_s``)."""
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    _MADE_WORLD[:] = [dist.group.WORLD]
 
 
 def init_local_world(timeout_s: float) -> None:
@@ -113,8 +118,24 @@ def side_group(group=None):
 def destroy_world() -> None:
     """Leave the process group, if one is joined."""
     _SIDE_GROUPS.clear()
+    _MADE_WORLD.clear()
     if is_initialized():
         dist.destroy_process_group()
+
+
+def release_at_exit() -> None:
+    """At interpreter exit (zeroio/shutdown.py, [Note: a clean exit]): leave the side groups
+    zeroio made, and the world too when zeroio created it; a world someone else made stays."""
+    groups = list(_SIDE_GROUPS.values())
+    _SIDE_GROUPS.clear()
+    if not is_initialized():
+        _MADE_WORLD.clear()
+        return
+    if _MADE_WORLD and _MADE_WORLD[0] is dist.group.WORLD:
+        destroy_world()  # every group, side groups included
+        return
+    for group in groups:
+        dist.destroy_process_group(group)
 
 
 def _op(op) -> object:

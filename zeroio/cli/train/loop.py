@@ -36,6 +36,7 @@ from zeroio.cli.train.presets import llama_config, num_parameters
 from zeroio.config.launch_env import launch_env
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
+from zeroio.preemption import StepBoundarySignals, stop_line
 
 SMALL_PRESETS = ("tiny", "small")
 
@@ -80,6 +81,8 @@ class TrainOptions:
     """zero_optimization.offload_optimizer.ratio; None = the config's own (1 in the built-in)."""
     no_checkpoint: bool = False
     """Write no training checkpoint; the final model comes from the live engine."""
+    no_checkpoint_on_signal: bool = False
+    """On SIGTERM/SIGINT write no checkpoint at the step the run stops after (train_cmd.py)."""
     model_dtype: str = "fp32"
     """dtype of the final from_pretrained model: fp32 (the masters) or bf16."""
     timeout: float | None = None
@@ -376,9 +379,14 @@ def _one_step(engine, blocks: TokenBlocks, order: ShardedOrder, step: int, gas: 
 
 
 def _report(summary: dict[str, Any], stats: dict[str, Any], opts: TrainOptions) -> None:
-    """Rank 0's closing lines (or the one JSON object with --json)."""
+    """Rank 0's closing lines (or the one JSON object with --json); only one line on stderr
+    for a run a signal stopped ([Note: stopping on a signal] in train_cmd.py)."""
+    if summary["stopped_by"]:
+        print(stop_line(summary), file=sys.stderr, flush=True)
     if opts.json:
         print(json.dumps(summary), flush=True)
+        return
+    if summary["stopped_by"]:
         return
     losses = summary["losses"]
     first = f"{losses[0]:.3f}" if losses else "-"
@@ -442,10 +450,12 @@ def check_before_launch(opts: TrainOptions, world_size: int,
                    out=Path(opts.output), zero=run_plan.zero if run_plan else None)
 
 
-def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict[str, Any]:
+def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None,
+          signals: StepBoundarySignals | None = None) -> dict[str, Any]:
     """Run the job on this rank; rank 0 returns (and prints) the summary, others return {}.
     ``run_plan``: the job's plan when this process made it; a planned rank launched by the
-    job's holder reads it from --output ([Note: planned runs] in placement.py)."""
+    job's holder reads it from --output ([Note: planned runs] in placement.py). ``signals``:
+    deferred SIGTERM/SIGINT, asked at each step boundary (train_cmd.py)."""
     from tqdm import tqdm
 
     import zeroio
@@ -494,7 +504,10 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict
         step_times: list[float] = []
         swap = "none"
         mark = time.perf_counter()
+        done = start
         for step in range(start, end):
+            if signals is not None and signals.stop_now():  # every rank, same boundary
+                break
             losses.append(_one_step(engine, blocks, order, step, gas, world))
             done = step + 1
             # engine.stats() waits for an overlapped host step (the next forward's to hide), so
@@ -522,11 +535,15 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict
         bar.close()
         wall = time.perf_counter() - t_start
 
-        if end > start and saved_at != end and not opts.no_checkpoint:
+        stopped = signals.stopped if signals is not None else None
+        end = done if stopped is not None else end
+        if (end > start and saved_at != end and not opts.no_checkpoint
+                and not (stopped and opts.no_checkpoint_on_signal)):
             _save(engine, ckpt, f"step{end}", losses, rank0)
+            saved_at = end
         comm.barrier()
         stats = engine.stats()
-        model_dir = out / "model" if end >= opts.steps and end > 0 else None
+        model_dir = out / "model" if end >= opts.steps and end > 0 and not stopped else None
         if model_dir is not None:
             # the moments' swap files go before the export ([Note: what the run writes] in
             # disk.py); the export reads the masters, never the optimizer's swap
@@ -569,12 +586,15 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None) -> dict
         "wall_s": wall,
         "bytes_moved": dict(stats.get("bytes_moved", {})),
         "stall_seconds": stats.get("stall_seconds"),
-        "checkpoint": None if opts.no_checkpoint else str(ckpt / f"step{end}"),
+        "checkpoint": (None if opts.no_checkpoint or (stopped and saved_at != end)
+                       else str(ckpt / f"step{end}")),
         "model_dtype": opts.model_dtype,
         "model_dir": str(model_dir) if model_dir else None,
         "plan": run_plan.summary(step_times) if run_plan else None,
+        "stopped_by": stopped.name if stopped else None,
+        "exit_code": signals.exit_code if signals is not None else 0,
     }
     if rank0:
         _report(summary, stats, opts)
     comm.barrier()
-    return summary if rank0 else {}
+    return summary if rank0 else {"exit_code": summary["exit_code"]}
