@@ -346,20 +346,21 @@ class Engine:
         """Optimizer step at the accumulation boundary; counts the micro step always."""
         self._check_usable("step")
         self._phase.check("step", steps=self.global_steps, micro_steps=self.micro_steps)
-        if self.is_gradient_accumulation_boundary():
-            with self._phase.restart_on_failure(), \
-                    self._guard.step(settle=self._settle_breakdown):  # [Note: atomic step]
-                t = time.perf_counter()
-                with self._timeline.span("step"), torch.profiler.record_function("zeroio::step"), \
-                        preemption.uninterrupted():  # no signal cuts a step in two
-                    self._take_step(lr_kwargs or {})
-            self._timings["step_s"] += time.perf_counter() - t
-            self._stats_boundary()
-            self._timeline.boundary(self.global_steps,
-                                    (self._stats_last_step or {}).get("bytes_moved"))
-            self._maybe_print()
-        self.micro_steps += 1
-        self._phase.done("step")
+        with preemption.uninterrupted():  # no signal cuts a step in two: it is raised after
+            if self.is_gradient_accumulation_boundary():
+                with self._phase.restart_on_failure(), \
+                        self._guard.step(settle=self._settle_breakdown):  # [Note: atomic step]
+                    t = time.perf_counter()
+                    with self._timeline.span("step"), \
+                            torch.profiler.record_function("zeroio::step"):
+                        self._take_step(lr_kwargs or {})
+                self._timings["step_s"] += time.perf_counter() - t
+                self._stats_boundary()
+                self._timeline.boundary(self.global_steps,
+                                        (self._stats_last_step or {}).get("bytes_moved"))
+                self._maybe_print()
+            self.micro_steps += 1
+            self._phase.done("step")
 
     def _take_step(self, lr_kwargs: dict) -> None:
         sq = self.partitioner.local_grad_sq_norm().to(torch.float64)
