@@ -4,7 +4,8 @@ blocks (or probing them with ``getattr``).
 
 ``resolve_policies(zero, accumulation_steps=..., device=...)`` reads the blocks and the
 documented environment overrides (``ZEROIO_OVERLAP_STEP``, ``ZEROIO_STEP_ASSIST``: config.zero)
-once; the partitioners, the engine's builders and the NVMe parameter store read fields.
+once; the partitioners, the engine's builders and the NVMe parameter store read fields, and
+every ``TieredStore`` runs by ``Policies.tiering`` (docs/internals.md, "The tiering policy").
 """
 
 from __future__ import annotations
