@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from zeroio.config import load_config
+from zeroio.config.policy import resolve_policies
 from zeroio.errors import CapacityError
 from zeroio.tiering import Tier, TieredStore
-from zeroio.tiering.config import TieringPolicyConfig
 
 GiB = 1 << 30
 FREE = 300 << 20  # 300 MiB free: plenty for the tensors here, below the default 1 GiB reserve
@@ -36,15 +36,19 @@ def _nvme_config(path, **tiering):
         "tiering": tiering}})
 
 
+def _policy(path, **tiering):
+    return resolve_policies(_nvme_config(path, **tiering).zero_optimization).tiering
+
+
 def test_reserve_is_a_config_key_read_by_the_store():
     assert load_config({}).zero_optimization.tiering.nvme_reserve_bytes == GiB
     cfg = _nvme_config("/x", nvme_reserve_bytes=4096)
     assert cfg.zero_optimization.tiering.nvme_reserve_bytes == 4096
-    assert TieringPolicyConfig.from_config(cfg).nvme_reserve_bytes == 4096
+    assert resolve_policies(cfg.zero_optimization).tiering.nvme_reserve_bytes == 4096
 
 
 def test_register_below_the_reserve_names_path_free_reserve_and_key(tmp_path, low_disk):
-    store = TieredStore(_nvme_config(tmp_path), nvme_path=tmp_path, cpu_budget_bytes=1 << 20,
+    store = TieredStore(_policy(tmp_path), nvme_path=tmp_path, cpu_budget_bytes=1 << 20,
                         gpu_budget_bytes=0)
     try:
         with pytest.raises(CapacityError) as e:
@@ -58,7 +62,7 @@ def test_register_below_the_reserve_names_path_free_reserve_and_key(tmp_path, lo
 
 
 def test_a_lower_reserve_from_the_config_lets_the_same_disk_hold_the_tensor(tmp_path, low_disk):
-    store = TieredStore(_nvme_config(tmp_path, nvme_reserve_bytes=0), nvme_path=tmp_path,
+    store = TieredStore(_policy(tmp_path, nvme_reserve_bytes=0), nvme_path=tmp_path,
                         cpu_budget_bytes=1 << 20, gpu_budget_bytes=0)
     try:
         assert store.register("w", (1024,), torch.float32, home=Tier.NVME,

@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zeroio.config.policy import TieringPolicy, resolve_policies
 from zeroio.errors import CapacityError, ConfigError, ResidencyError, SwapIOError
 from zeroio.testing.disk_model import DiskModel
 from zeroio.testing.store import PAGE
-from zeroio.tiering import MemoryBackend, Tier, TieredStore, TieringPolicyConfig
+from zeroio.tiering import MemoryBackend, Tier, TieredStore
 
 # -- error cases -------------------------------------------------------------
 
@@ -20,6 +21,7 @@ from zeroio.tiering import MemoryBackend, Tier, TieredStore, TieringPolicyConfig
 def small_store(**kw) -> TieredStore:
     kw.setdefault("cpu_budget_bytes", 2 * PAGE)
     kw.setdefault("nvme_budget_bytes", 4 * PAGE)
+    kw.setdefault("policy", "lru")
     return TieredStore(None, backend=kw.pop("backend", MemoryBackend()), prefetch_depth=0, **kw)
 
 
@@ -214,15 +216,19 @@ def test_clean_data_is_not_written_back():
         assert "cpu->nvme" not in s.stats()["bytes_moved"]
 
 
-def test_config_from_plain_values_and_bad_values():
-    cfg = TieringPolicyConfig.from_config({"policy": "trace", "prefetch_depth": 3, "cpu_budget_bytes": 8192})
-    assert cfg.policy.value == "trace" and cfg.prefetch_depth == 3 and cfg.gpu_budget_bytes is None
+def test_policy_from_plain_values_and_bad_values():
+    with TieredStore(None, backend=MemoryBackend(), policy="fifo", prefetch_depth=3,
+                     cpu_budget_bytes=8192) as store:
+        assert (store.cfg.policy.value, store.cfg.prefetch_depth) == ("fifo", 3)
+        assert store.cfg.gpu_budget_bytes is None and store.stats()["policy"] == "fifo"
     with pytest.raises(ConfigError, match="policy"):
-        TieringPolicyConfig(policy="mru")
+        TieringPolicy(policy="mru")
     with pytest.raises(ConfigError, match="cpu_budget_bytes"):
-        TieringPolicyConfig(cpu_budget_bytes=-1)
+        TieringPolicy(cpu_budget_bytes=-1)
     with pytest.raises(ConfigError, match="unknown key 'bogus'"):
-        TieringPolicyConfig.from_config({"bogus": 1})
+        TieredStore(None, backend=MemoryBackend(), bogus=1)
+    with pytest.raises(TypeError, match="resolve_policies"):  # a raw block is not read below config
+        TieredStore({"policy": "lru"}, backend=MemoryBackend())
 
 
 def test_config_from_the_config_layer():
@@ -235,7 +241,7 @@ def test_config_from_the_config_layer():
             "tiering": {"policy": "fifo", "cpu_budget_bytes": 123456},
         },
     })
-    tc = TieringPolicyConfig.from_config(cfg)
+    tc = resolve_policies(cfg.zero_optimization).tiering
     assert tc.policy.value == "fifo" and tc.cpu_budget_bytes == 123456 and tc.nvme_path == "/tmp/x"
 
 

@@ -23,7 +23,7 @@ N = PAGE // 4  # float32 elements in one page
 
 
 def _store(slots: int, **kw) -> TieredStore:
-    store = TieredStore(None, backend=MemoryBackend(), prefetch_depth=0,
+    store = TieredStore(None, backend=MemoryBackend(), policy="lru", prefetch_depth=0,
                         cpu_budget_bytes=slots * PAGE, nvme_budget_bytes=8 * PAGE, **kw)
     for i, name in enumerate("abcd"):
         store.register(name, (N,), torch.float32, home=Tier.NVME, init=torch.full((N,), float(i)))

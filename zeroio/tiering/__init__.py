@@ -4,8 +4,9 @@
 docs/tiering.md for the config keys and docs/internals.md for the contract.
 """
 
+from zeroio.config.policy import TieringPolicy
 from zeroio.tiering.backend import MemoryBackend, NvmeBackend
-from zeroio.tiering.config import Budgets, TieringPolicyConfig, home_for
+from zeroio.tiering.config import STORE_READ_AHEAD, Budgets, home_for, store_policy
 from zeroio.tiering.policy import (
     EvictionPolicy,
     FIFOPolicy,
@@ -21,7 +22,9 @@ __all__ = [
     "TieredStore",
     "Tier",
     "Residency",
-    "TieringPolicyConfig",
+    "TieringPolicy",
+    "store_policy",
+    "STORE_READ_AHEAD",
     "Budgets",
     "home_for",
     "PolicyKind",

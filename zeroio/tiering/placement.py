@@ -15,8 +15,9 @@ the store's lock held) and move no bytes; making room is the mover's.
 
 from __future__ import annotations
 
+from zeroio.config.policy import TieringPolicy
 from zeroio.errors import CapacityError
-from zeroio.tiering.config import Budgets, TieringPolicyConfig
+from zeroio.tiering.config import Budgets
 from zeroio.tiering.mover import Mover
 from zeroio.tiering.state import Entry, Space
 from zeroio.tiering.tier import Tier
@@ -54,7 +55,7 @@ def place(spaces: dict[Tier, Space], entries: dict[str, Entry], name: str, nbyte
 
 def no_tier_error(spaces: dict[Tier, Space], entries: dict[str, Entry], name: str, nbytes: int,
                   want: Tier, *, has_nvme: bool, budgets: Budgets,
-                  cfg: TieringPolicyConfig) -> CapacityError:
+                  cfg: TieringPolicy) -> CapacityError:
     """The error of a registration no tier can hold: budgets, homes, bytes and the fix."""
     cpu = spaces[Tier.CPU]
     total = sum(e.nbytes for e in entries.values())
@@ -82,7 +83,7 @@ def no_tier_error(spaces: dict[Tier, Space], entries: dict[str, Entry], name: st
 
 def place_with_room(spaces: dict[Tier, Space], entries: dict[str, Entry], mover: Mover,
                     name: str, nbytes: int, want: Tier, *, has_nvme: bool, budgets: Budgets,
-                    cfg: TieringPolicyConfig) -> Tier:
+                    cfg: TieringPolicy) -> Tier:
     """``place``, then make room there; a tier whose room is held by acquired copies that
     cannot be released in time passes the home on to the next slower tier."""
     tier = place(spaces, entries, name, nbytes, want, has_nvme=has_nvme)

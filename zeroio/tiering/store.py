@@ -21,10 +21,11 @@ from dataclasses import replace
 
 import torch
 
+from zeroio.config.policy import TieringPolicy
 from zeroio.errors import CapacityError, ResidencyError, SwapIOError, ZeroIOError
 from zeroio.tiering.acquirer import Acquirer
 from zeroio.tiering.backend import NvmeBackend
-from zeroio.tiering.config import Budgets, TieringPolicyConfig
+from zeroio.tiering.config import STORE_READ_AHEAD, Budgets, store_policy
 from zeroio.tiering.mover import Mover
 from zeroio.tiering.placement import ORDER as _ORDER
 from zeroio.tiering.placement import check_shrink, place_with_room
@@ -41,7 +42,7 @@ class TieredStore:
 
     def __init__(
         self,
-        tiering_cfg: object = None,
+        tiering: TieringPolicy | None = None,
         aio_cfg: object = None,
         nvme_path: str | None = None,
         device: torch.device | str | None = None,
@@ -51,7 +52,10 @@ class TieredStore:
     ):
         if nvme_path is not None:
             overrides.setdefault("nvme_path", str(nvme_path))
-        self.cfg = TieringPolicyConfig.from_config(tiering_cfg, **overrides)
+        self.cfg = store_policy(tiering, **overrides)
+        """The ``TieringPolicy`` this store runs by (zeroio/tiering/config.py, ``store_policy``)."""
+        depth = self.cfg.prefetch_depth
+        self._depth = STORE_READ_AHEAD if depth is None else depth
         cuda = torch.cuda.is_available()
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if cuda else None)
@@ -168,7 +172,7 @@ class TieredStore:
 
     def _prefetch_upcoming(self, tier: Tier) -> None:
         """Queue the accesses the policy predicts (trace policy; others predict none)."""
-        names = self._spaces[tier].policy.upcoming(self.cfg.prefetch_depth)  # type: ignore[union-attr]
+        names = self._spaces[tier].policy.upcoming(self._depth)  # type: ignore[union-attr]
         self._enqueue(names, tier)
 
     def acquire_async(self, name: str, tier: Tier | str) -> Future:
