@@ -137,6 +137,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     """DeepSpeed's ``initialize`` on zeroio: ``(engine, optimizer, dataloader, lr_scheduler)``
     where ``engine`` is a ``DeepSpeedEngine`` (zeroio/deepspeed/engine_adapter.py)."""
     cfg = _config_dict(config if config is not None else config_params, args)
+    if isinstance(cfg, dict) and optimizer is None and "optimizer" not in cfg:
+        # inference (transformers' evaluate-only deepspeed_init): DeepSpeed ignores a
+        # scheduler without an optimizer; its "auto" step count is then 0
+        cfg.pop("scheduler", None)
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}  # zeroio's engine needs one
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = scheduler_factory(lr_scheduler)  # transformers' lr_scheduler_type
     engine, opt, loader, sched = api.initialize(

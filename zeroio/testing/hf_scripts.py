@@ -47,7 +47,7 @@ def char_tokenizer(text: str):
                                    unk_token="<unk>")
 
 
-def tiny_causal_lm(folder: Path, *, vocab_size: int = 32, seed: int = 0) -> int:
+def tiny_causal_lm(folder: Path, *, vocab_size: int = 24, seed: int = 0) -> int:
     """A tiny Llama (``vocab_size`` rows, fewer than the tokenizer's: scripts resize) and the
     character tokenizer, saved in ``folder``; returns the tokenizer's length."""
     from transformers import LlamaConfig, LlamaForCausalLM
