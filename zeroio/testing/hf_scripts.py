@@ -104,3 +104,14 @@ def train_losses(output_dir: Path) -> list[float]:
     """The logged training losses of a Trainer run (its ``trainer_state.json``)."""
     state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
     return [e["loss"] for e in state["log_history"] if "loss" in e]
+
+
+def write_preferences(path: Path) -> Path:
+    """prompt/chosen/rejected rows from the corpus: the true continuation against a reversed one."""
+    rows = []
+    for line in CORPUS.splitlines():
+        for cut in (8, 16, 24, 32):
+            rest = line[cut:cut + 12]
+            rows.append({"prompt": line[:cut], "chosen": rest, "rejected": rest[::-1]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
