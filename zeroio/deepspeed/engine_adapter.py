@@ -14,7 +14,9 @@ engine counts micro-steps in ``step()`` (as DeepSpeed's does), so after a
 backward that accelerate marked as not a boundary the adapter calls the
 engine's ``step()`` itself, which then only counts the micro-step. A plain
 DeepSpeed loop (``backward`` then ``step`` every micro-batch, no boundary
-calls) is passed through unchanged. Trainer divides the loss by the
+calls) is passed through unchanged. The boundary accelerate sets is forced on the
+engine (as DeepSpeed's ``set_gradient_accumulation_boundary`` does): the last,
+shorter accumulation of an epoch steps after fewer micro-batches. Trainer divides the loss by the
 accumulation steps itself and says ``scale_wrt_gas=False``; the engine divides
 again, so the adapter multiplies it back first.
 """
@@ -128,6 +130,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._boundary = bool(is_boundary)
+        self.zeroio_engine.set_gradient_accumulation_boundary(self._boundary)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.zeroio_engine.is_gradient_accumulation_boundary()
