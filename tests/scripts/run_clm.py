@@ -17,7 +17,6 @@ from itertools import chain
 
 import torch
 from datasets import load_dataset
-
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,

@@ -25,7 +25,6 @@ functions already imported elsewhere see the new classes).
 
 from __future__ import annotations
 
-import copy
 import importlib
 import importlib.metadata
 import inspect

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from zeroio.deepspeed.facade import shim_dir
-from zeroio.testing.multirank import free_port
+from zeroio.testing.multirank import free_port, outside_launcher_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -67,13 +67,10 @@ def script_env(*, facade: bool, tmp: Path, **extra: str) -> dict[str, str]:
     """The environment of a script run: offline, one thread, the facade first on the path
     when ``facade`` (what ``zeroio launch`` does)."""
     path = [str(shim_dir()), str(REPO)] if facade else [str(REPO)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_DATASETS_CACHE=str(tmp / "datasets-cache"), WANDB_DISABLED="true",
-               ACCELERATE_DISABLE_RICH="1", **extra)
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+    return outside_launcher_env(
+        PYTHONPATH=os.pathsep.join(path), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp / "datasets-cache"),
+        WANDB_DISABLED="true", ACCELERATE_DISABLE_RICH="1", **extra)
 
 
 def torchrun(script: str | Path, args: list[str], env: dict[str, str], *, nproc: int = 2,
