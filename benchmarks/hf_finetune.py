@@ -106,6 +106,9 @@ def main():
             "train_loss": trainer.state.log_history[-1].get("train_loss"),
         }), flush=True)
     if torch.distributed.is_initialized():
+        # every rank past its last collective before the group goes (a gloo group torn down
+        # while a gather's work is still being released can deadlock at exit)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

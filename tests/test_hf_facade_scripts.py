@@ -24,6 +24,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
+# each script run starts 2 ranks that import transformers (and TRL / datasets)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
 from zeroio.testing import hf_ds_configs  # noqa: E402
 from zeroio.testing.hf_scripts import (  # noqa: E402
     SCRIPTS,

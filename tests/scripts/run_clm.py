@@ -111,6 +111,9 @@ def main():
             json.dump({"ids": out[0].tolist(), "zero3": is_deepspeed_zero3_enabled()}, f)
 
     if torch.distributed.is_initialized():
+        # every rank past its last collective before the group goes (a gloo group torn down
+        # while a gather's work is still being released can deadlock at exit)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -32,6 +32,9 @@ def main():
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if torch.distributed.is_initialized():
+        # every rank past its last collective before the group goes (a gloo group torn down
+        # while a gather's work is still being released can deadlock at exit)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
