@@ -17,6 +17,7 @@ The data are random token blocks. Rank 0 prints one JSON line: seconds per optim
 and peak host resident memory of the process (``ru_maxrss``), per rank 0.
 """
 
+import gc
 import json
 import resource
 import sys
@@ -106,8 +107,13 @@ def main():
             "train_loss": trainer.state.log_history[-1].get("train_loss"),
         }), flush=True)
     if torch.distributed.is_initialized():
-        # every rank past its last collective before the group goes (a gloo group torn down
-        # while a gather's work is still being released can deadlock at exit)
+        # Leave the gloo group in order: drop the trainer (its DDP wrapper holds the group)
+        # while the group is alive, let both gloo worker threads finish releasing the last
+        # gather (two barriers), then destroy it. Torn down at interpreter exit instead, the
+        # group's destructor can wait on a worker that waits for the GIL it holds.
+        del trainer
+        gc.collect()
+        torch.distributed.barrier()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

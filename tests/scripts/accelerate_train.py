@@ -82,6 +82,7 @@ def main():
     if accelerator.is_main_process:
         with open(os.path.join(args.output_dir, "losses.json"), "w") as f:
             json.dump(losses, f)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

@@ -8,6 +8,7 @@ DeepSpeed (``--deepspeed ds.json``) or plain DDP. ``--generate_after`` also
 samples a few tokens per rank with ``synced_gpus`` (as DeepSpeed ZeRO-3 needs).
 """
 
+import gc
 import json
 import math
 import os
@@ -111,8 +112,13 @@ def main():
             json.dump({"ids": out[0].tolist(), "zero3": is_deepspeed_zero3_enabled()}, f)
 
     if torch.distributed.is_initialized():
-        # every rank past its last collective before the group goes (a gloo group torn down
-        # while a gather's work is still being released can deadlock at exit)
+        # Leave the gloo group in order: drop the trainer (its DDP wrapper holds the group)
+        # while the group is alive, let both gloo worker threads finish releasing the last
+        # gather (two barriers), then destroy it. Torn down at interpreter exit instead, the
+        # group's destructor can wait on a worker that waits for the GIL it holds.
+        del trainer
+        gc.collect()
+        torch.distributed.barrier()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

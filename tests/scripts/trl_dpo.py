@@ -4,6 +4,7 @@ Runs under DeepSpeed with ``--deepspeed ds.json`` (the DPOConfig field) or plain
 the reference model is built by the trainer from the same folder.
 """
 
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -34,8 +35,13 @@ def main():
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if torch.distributed.is_initialized():
-        # every rank past its last collective before the group goes (a gloo group torn down
-        # while a gather's work is still being released can deadlock at exit)
+        # Leave the gloo group in order: drop the trainer (its DDP wrapper holds the group)
+        # while the group is alive, let both gloo worker threads finish releasing the last
+        # gather (two barriers), then destroy it. Torn down at interpreter exit instead, the
+        # group's destructor can wait on a worker that waits for the GIL it holds.
+        del trainer
+        gc.collect()
+        torch.distributed.barrier()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
