@@ -30,7 +30,8 @@ def version():
         return importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
         return None
-out = {{"transformers": tid.is_deepspeed_available(), "accelerate": acc(), "trl": trl_has(),
+out = {{"transformers": bool(tid.is_deepspeed_available()), "accelerate": bool(acc()),
+       "trl": bool(trl_has()),
        "version": version(), "hf_base": tid.HfDeepSpeedConfig.__mro__[1].__module__}}
 {after}
 out["ds_numel_attr"] = hasattr(__import__("torch").nn.Parameter, "ds_numel")

@@ -13,7 +13,8 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DummyOptim, DummyScheduler, set_seed
+from accelerate.utils import set_seed
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from datasets import load_dataset
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator, get_scheduler
