@@ -2,7 +2,7 @@
 examples/by_feature/deepspeed_with_config_support.py.
 
 The DeepSpeed side comes from the accelerate config (``distributed_type: DEEPSPEED``
-with ``deepspeed_config_file``); without it the same loop runs as plain DDP.
+with ``deepspeed_config_file``); without it the same loop runs as plain DDP (``--cpu`` on a host without GPUs).
 Writes ``losses.json`` (the loss of every micro-batch, mean over ranks) and the
 model (``save_pretrained`` with ``accelerator.get_state_dict``).
 """
@@ -31,12 +31,14 @@ def parse_args():
     p.add_argument("--max_train_steps", type=int, default=4)
     p.add_argument("--block_size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="train on the CPU (no DeepSpeed then)")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(cpu=args.cpu,
+                              gradient_accumulation_steps=args.gradient_accumulation_steps)
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
