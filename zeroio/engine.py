@@ -242,6 +242,7 @@ class Engine:
         self._step_applied = False
         self._guard = StepGuard(self)  # [Note: atomic step] in step_guard.py
         self._phase = MicroStep()  # engine_state.[Note: the micro-step protocol]
+        self._forced_boundary: bool | None = None
         self._load_failure: str | None = None  # set by a load that failed after it began writing
         self.last_save: dict | None = None  # this rank's report of its last checkpoint save
         self.show_progress = True  # checkpoint and model-save bars on rank 0 (docs/engine.md)
@@ -307,7 +308,14 @@ class Engine:
         return self.config.train_micro_batch_size_per_gpu
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._forced_boundary is not None:
+            return self._forced_boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's: the next micro-steps are (not) boundaries until set again (None: by count;
+        accelerate ends an epoch's short accumulation this way)."""
+        self._forced_boundary = is_boundary
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]

@@ -1,4 +1,4 @@
-"""``zeroio.deepspeed``: DeepSpeed's public Python API, served by zeroio.
+"""``zeroio.deepspeed``: DeepSpeed's public API, served by zeroio.
 
 A script written for DeepSpeed runs on zeroio with one line::
 
@@ -6,24 +6,29 @@ A script written for DeepSpeed runs on zeroio with one line::
 
 and with no line changed under ``zeroio launch``, which puts a ``deepspeed``
 package that forwards here on the script's import path (see ``shim_dir``).
+Importing this package also makes a plain ``import deepspeed`` (in
+transformers, accelerate, TRL) give that facade in this process, unless a real
+DeepSpeed is installed (see [Note: activating the facade] in facade.py).
 Importing ``zeroio`` alone patches nothing.
 
 Layout:
 - ``api``: ``initialize``, ``add_config_arguments``, ``init_distributed``.
 - ``zero``: ``Init`` (DeepSpeed's keyword arguments) and ``GatheredParameters``.
+- ``facade``: activation, and the functions the ``_shim/deepspeed`` modules forward to.
+- ``engine_adapter``: the ``DeepSpeedEngine`` that transformers/accelerate/TRL call.
+- ``params``: the ``ds_*`` parameter attributes transformers and TRL read.
+- ``ranks``, ``optimizers``, ``state_dict``: ``deepspeed.comm``/``accelerator``,
+  ``deepspeed.ops.adam``, consolidated state dicts.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from zeroio.deepspeed import zero
 from zeroio.deepspeed.api import add_config_arguments, init_distributed, initialize
+from zeroio.deepspeed.facade import install, shim_dir
+from zeroio.deepspeed.version import FOLLOWS as __version__
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "shim_dir"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "shim_dir",
+           "install", "__version__"]
 
-
-def shim_dir() -> Path:
-    """The folder that ``zeroio launch`` puts first on ``PYTHONPATH``: it holds a ``deepspeed``
-    package forwarding to this module."""
-    return Path(__file__).resolve().parent / "_shim"
+install()

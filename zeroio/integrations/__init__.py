@@ -10,5 +10,7 @@
 - ``zeroio.integrations.autofill``: how "auto" keys are filled from
   TrainingArguments-style values and how explicit contradictions are found.
 
-Submodules import transformers / accelerate only when used.
+Scripts that keep transformers' own classes run on zeroio through the ``deepspeed``
+facade instead (``zeroio.deepspeed``; importing ``zeroio.integrations.transformers``
+activates it). Submodules import transformers / accelerate only when used.
 """

@@ -162,7 +162,9 @@ def check_launch(environ: Mapping[str, str] | None = None,
             f"takes DeepSpeed's place: launch with `accelerate launch --config_file "
             f"{ACCELERATE_CONFIG}` (distributed_type: MULTI_GPU) and give the DeepSpeed JSON file "
             "(the accelerate config's deepspeed_config_file) as TrainingArguments(deepspeed=...) "
-            "or --deepspeed", key="distributed_type")
+            "or --deepspeed; or keep the DEEPSPEED config and use transformers' own Trainer and "
+            "TrainingArguments, which run on zeroio through the deepspeed facade "
+            "(docs/transformers.md)", key="distributed_type")
     requested = requested_processes(env, parent_argv)
     if requested is None:
         return

@@ -1,5 +1,11 @@
 """Hugging Face Trainer on a zeroio engine: the drop-in ``Trainer`` and ``TrainingArguments``.
 
+Importing this module also activates the ``deepspeed`` facade in this process
+(zeroio/deepspeed/facade.py): transformers' own ``Trainer`` / ``TrainingArguments``
+with ``deepspeed=`` then run on zeroio through transformers' DeepSpeed code paths
+(ZeRO-3 loading, embedding resize, ``generate(synced_gpus=True)``), as under
+``zeroio launch``. A real DeepSpeed installation is left alone.
+
 A DeepSpeed-style Transformers script changes one line::
 
     from zeroio.integrations.transformers import Trainer, TrainingArguments
@@ -47,6 +53,7 @@ import torch
 import transformers
 from transformers.utils import logging
 
+import zeroio.deepspeed  # noqa: F401  (activates the deepspeed facade: see above)
 from zeroio.errors import CheckpointError, ConfigError
 from zeroio.integrations.accelerate import check_launch
 from zeroio.integrations.autofill import check_no_contradictions

@@ -1,0 +1,5 @@
+"""``deepspeed.checkpoint``."""
+
+from deepspeed.checkpoint import utils
+
+__all__ = ["utils"]

@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: use ``zeroio launch`` (same flags)."""

@@ -1,0 +1,3 @@
+"""``deepspeed.launcher.runner``: the constant accelerate imports."""
+
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"

@@ -1,0 +1,195 @@
+"""The ``deepspeed`` facade: DeepSpeed's Python API served by zeroio in this process.
+
+[Note: activating the facade]
+transformers, accelerate and TRL decide that DeepSpeed is present when
+``importlib.util.find_spec("deepspeed")`` finds a package *and*
+``importlib.metadata.metadata("deepspeed")`` finds a distribution; accelerate
+then also compares ``importlib.metadata.version("deepspeed")`` with its minimum
+(0.9.3, and later versions for optional features). ``shim_dir()`` holds both: a
+``deepspeed`` package whose modules forward here, and a
+``deepspeed-<FOLLOWS>.dist-info`` with the version the facade follows. A folder
+on ``sys.path`` answers both lookups, so activation is one of:
+
+- ``zeroio launch`` puts ``shim_dir()`` first on the children's ``PYTHONPATH``
+  (it wins over an installed DeepSpeed there: that is what the launcher is for);
+- ``install()`` (run by ``import zeroio.deepspeed`` and
+  ``import zeroio.integrations.transformers``) puts it first on ``sys.path`` of
+  this process, unless a real DeepSpeed is installed, which is then left alone.
+
+``import zeroio`` alone installs nothing. transformers picks the base class of
+its ``HfDeepSpeedConfig`` when ``transformers.integrations.deepspeed`` is first
+imported; a process that imported it before the facade was active gets the
+module re-executed in place (``importlib.reload`` keeps its namespace, so
+functions already imported elsewhere see the new classes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import sys
+from pathlib import Path
+
+from zeroio.deepspeed import api, cpu_backend, params
+from zeroio.deepspeed import zero as _zero
+from zeroio.deepspeed.ds_config import for_zeroio
+from zeroio.deepspeed.engine_adapter import as_deepspeed_engine, scheduler_factory
+from zeroio.errors import ConfigError
+from zeroio.partition.zero import register_external_parameter
+
+logger = logging.getLogger("zeroio.deepspeed")
+
+GatheredParameters = _zero.GatheredParameters
+
+__all__ = ["install", "active", "initialize", "init_distributed", "Init", "GatheredParameters",
+           "register_external_parameter", "install_parameter_attributes"]
+
+
+def shim_dir() -> Path:
+    return Path(__file__).resolve().parent / "_shim"
+
+
+def _is_ours(path) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(shim_dir())
+    except (OSError, ValueError):
+        return False
+
+
+def active() -> bool:
+    """Whether ``import deepspeed`` gives the facade in this process."""
+    mod = sys.modules.get("deepspeed")
+    if mod is not None:
+        return _is_ours(getattr(mod, "__file__", "") or "")
+    spec = importlib.util.find_spec("deepspeed")
+    return spec is not None and _is_ours(spec.origin or "")
+
+
+def real_deepspeed_installed() -> bool:
+    """A ``deepspeed`` distribution other than the facade's is importable."""
+    try:
+        dist = importlib.metadata.distribution("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return not _is_ours(dist.locate_file(""))
+
+
+def install() -> bool:
+    """Make ``import deepspeed`` give the facade here (see [Note: activating the facade]).
+
+    Returns whether the facade is active; a real DeepSpeed installation is left
+    alone (False, with a log line naming ``zeroio launch``).
+    """
+    if active():
+        import deepspeed  # noqa: F401  (its metadata is already found: nothing to patch)
+
+        _refresh_transformers()
+        return True
+    if "deepspeed" in sys.modules or real_deepspeed_installed():
+        logger.info("a DeepSpeed installation is present and left in place; run the script "
+                    "under `zeroio launch` to train it on zeroio")
+        return False
+    sys.path.insert(0, str(shim_dir()))
+    importlib.invalidate_caches()
+    import deepspeed  # noqa: F401
+
+    _refresh_transformers()
+    return True
+
+
+def _refresh_transformers() -> None:
+    cpu_backend.install()  # [Note: DeepSpeed under accelerate without a GPU]
+    mod = sys.modules.get("transformers.integrations.deepspeed")
+    if mod is not None and mod.HfDeepSpeedConfig.__mro__[1] is object:
+        importlib.reload(mod)
+
+
+def install_parameter_attributes() -> None:
+    """``ds_numel`` / ``ds_shape`` / ``ds_status`` (see [Note: ds_* attributes on parameters])."""
+    params.install()
+
+
+# ---- the API the facade's modules forward to -----------------------------------------------
+
+init_distributed = api.init_distributed  # DeepSpeed's signature, every argument honoured
+
+
+def _config_dict(config, args) -> dict | str:
+    if config is None and args is not None:  # --deepspeed is a flag; --deepspeed_config a file
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+        flag = getattr(args, "deepspeed", None)
+        if config is None and isinstance(flag, (str, dict, Path)):
+            config = flag
+    if config is None:
+        raise ConfigError("deepspeed.initialize needs config= (or config_params=, or "
+                          "args.deepspeed_config): a path or a dict", key="config")
+    return for_zeroio(config) if isinstance(config, dict) else config
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port=None, mpu=None,
+               dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None):
+    """DeepSpeed's ``initialize`` on zeroio: ``(engine, optimizer, dataloader, lr_scheduler)``
+    where ``engine`` is a ``DeepSpeedEngine`` (zeroio/deepspeed/engine_adapter.py)."""
+    cfg = _config_dict(config if config is not None else config_params, args)
+    if isinstance(cfg, dict) and optimizer is None and "optimizer" not in cfg:
+        # inference (transformers' evaluate-only deepspeed_init): DeepSpeed ignores a
+        # scheduler without an optimizer; its "auto" step count is then 0
+        cfg.pop("scheduler", None)
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}  # zeroio's engine needs one
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = scheduler_factory(lr_scheduler)  # transformers' lr_scheduler_type
+    engine, opt, loader, sched = api.initialize(
+        model=model, optimizer=optimizer, model_parameters=model_parameters,
+        training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
+        config=cfg)
+    shown = cfg if isinstance(cfg, dict) else _read_json(cfg)
+    return as_deepspeed_engine(engine, shown), opt, loader, sched
+
+
+def _read_json(path) -> dict:
+    from zeroio.integrations.hf_config import read_config
+
+    return read_config(path, key="config")
+
+
+def _init_config(config):
+    """What ``zero.Init`` reads of a DeepSpeed config: all but the ``optimizer`` and
+    ``scheduler`` blocks, whose "auto" values (``total_num_steps``) transformers fills only
+    once the step count is known, after the model is built."""
+    if config is None or not isinstance(config, (dict, str, Path)):
+        return config
+    raw = for_zeroio(config) if isinstance(config, dict) else _read_json(config)
+    raw.pop("optimizer", None)
+    raw.pop("scheduler", None)
+    return raw
+
+
+def _translated_init():
+    target = _zero.Init
+    takes_ds_keywords = "config_dict_or_path" in inspect.signature(target).parameters
+
+    def Init(module=None, data_parallel_group=None, mem_efficient_linear=True,  # noqa: N802
+             remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
+             enabled=True, dtype=None, mpu=None, **more):
+        """``deepspeed.zero.Init`` with DeepSpeed's keywords, on zeroio's ``zero.Init``."""
+        given = _init_config(config if config is not None else config_dict_or_path)
+        if takes_ds_keywords:
+            return target(module=module, data_parallel_group=data_parallel_group,
+                          remote_device=remote_device, pin_memory=pin_memory,
+                          config_dict_or_path=given, enabled=enabled, dtype=dtype, mpu=mpu,
+                          **more)
+        if module is not None:
+            raise ConfigError("deepspeed.zero.Init(module=...) (partitioning an existing "
+                              "module) is not supported: build the model inside the context",
+                              key="module")
+        return target(config=given, dtype=dtype, enabled=enabled,
+                      data_parallel_group=data_parallel_group)
+
+    return Init
+
+
+Init = _translated_init()
