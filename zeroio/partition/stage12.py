@@ -100,6 +100,9 @@ from zeroio.partition.step_overlap import StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
 from zeroio.shard.host_rule import GRAD_PIECE_NUMEL
+from zeroio.tiering import device_accum
+from zeroio.tiering.device_accum import DeviceAccum, place_on_device
+from zeroio.tiering.gpu_tier import GpuTier
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 from zeroio.tiering.streams import DeviceStreams
 
@@ -208,6 +211,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine.build_optimizer);
         see [Note: stage 1/2 twin placement]."""
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
+        self._accum = self._place_accumulation(gpu_budget_bytes)
         self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device)
         in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
         for p in module.parameters():  # frozen ones compute in the same dtype as the rest
@@ -230,7 +234,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         # later writes of a host gradient: [Note: bounded staging] in partition/landing.py
         self._staged = StagedAdds(max((p.numel for ps in self._pieces for p in ps), default=1),
                                   pin=home.pin_memory, transfers=self.transfers)
-        if stage == 2 and accumulation_steps > 1 and home.device != device:
+        if stage == 2 and accumulation_steps > 1 and home.device != device and self._accum is None:
             self._staged.reserve()  # before the engine splits its host budget
         self._left = [0] * self._n_pieces
         self._consumed = [False] * self._n_pieces
@@ -338,12 +342,45 @@ class Stage12Partitioner(HostStep12, Partitioner):
             self.optimizer_split = OptimizerSplit(device=self._dev, host=self._host)
         return groups
 
+    def _place_accumulation(self, gpu_budget_bytes: int | None) -> DeviceAccum | None:
+        """The device buffers accumulating the host gradient shards where they go on the device
+        tier ([Note: accumulation on the device tier] in tiering/device_accum.py), else None."""
+        grads = [g.grad for g in self._host]
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        if not (self.stage == 2 and self._accumulation_steps > 1 and nbytes
+                and self.home.device.type == "cpu"):
+            return None
+        if not place_on_device(nbytes, budget=gpu_budget_bytes,
+                               room=device_accum.DEVICE_ROOM(self.device)):
+            return None
+        return DeviceAccum(grads, self.device)
+
+    def gpu_tier(self) -> GpuTier:
+        tier = super().gpu_tier()
+        if self._accum is not None and self._accum not in tier.fixed:
+            tier.register_fixed(self._accum)
+        return tier
+
     def _parts(self, gi: int, kind: str, lo: int, n: int) -> list[tuple[int, torch.Tensor]]:
         """Elements [lo, lo + n) of group ``gi``'s local ``kind`` ("master" | "grad") as
         ``(offset in the range, physical view)``: device part first, then host part."""
         sides = {Side.DEVICE: self._dev, Side.HOST: self._host}
         return [(off, getattr(sides[side][gi], kind).narrow(0, start, k))
                 for off, side, start, k in split_range(lo, n, self._dev_len[gi])]
+
+    def _grad_parts(self, gi: int, lo: int, n: int) -> list:
+        """``_parts(gi, "grad", ...)``; with the accumulation on the device tier, each host part
+        as ``(device accumulation view, host gradient view)``."""
+        if self._accum is None:
+            return self._parts(gi, "grad", lo, n)
+        out = []
+        for off, side, start, k in split_range(lo, n, self._dev_len[gi]):
+            if side is Side.HOST:
+                out.append((off, (self._accum.bufs[gi].narrow(0, start, k),
+                                  self._host[gi].grad.narrow(0, start, k))))
+            else:
+                out.append((off, self._dev[gi].grad.narrow(0, start, k)))
+        return out
 
     @property
     def _physical(self) -> list[ShardGroup]:
@@ -440,7 +477,14 @@ class Stage12Partitioner(HostStep12, Partitioner):
         first = self._first_micro or self.stage != 2
         lo = self._local_base[b.index] + piece.slice_lo
         staged = []
-        for off, dst in self._parts(b.group_index, "grad", lo, k):  # device part stays there
+        for off, dst in self._grad_parts(b.group_index, lo, k):  # device part stays there
+            if isinstance(dst, tuple):  # [Note: accumulation on the device tier]
+                acc, dst = dst
+                land(scaled.narrow(0, off, dst.numel()), acc, first=first,
+                     transfers=self.transfers)
+                if self._boundary:  # the sum, once, to the host step
+                    land(acc, dst, first=True, transfers=self.transfers)
+                continue
             raw = self._unaveraged and dst.dtype != torch.float32  # [Note: 16-bit host gradients]
             part = (src if raw else scaled).narrow(0, off, dst.numel())
             if not first and raw:

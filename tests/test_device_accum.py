@@ -1,0 +1,208 @@
+"""Gradient accumulation placed on the device tier ([Note: accumulation on the device tier] in
+zeroio/tiering/device_accum.py).
+
+CPU (here): the "device" is the CPU, so the placement is forced with an injected device room
+(``device_accum.DEVICE_ROOM``): the accumulation buffers are then separate tensors standing in
+for the GPU's. Against the host accumulation of the same run (no room: today's path), bit for
+bit: losses and masters at stage 2, 1 and 2 ranks, fp32 and bf16, accumulation 1/2/4; the
+host gradient shard is written once per step (bytes counted), no staging slot is allocated,
+and the buffer is counted in ``engine.stats()["tiers"]["gpu"]``; a budget too small falls back
+to the host path; the decision by hand.
+
+GPU (``-m gpu``): device accumulation against ``gpu_budget_bytes: 0`` on a small model, bit for
+bit, with the host gradient crossing PCIe once per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_stage12_ratio as r12  # noqa: I001 (tests/ is on sys.path under pytest)
+import torch
+
+from zeroio.testing import run_ranks
+from zeroio.testing.cuda import need_cuda
+from zeroio.tiering.device_accum import place_on_device
+from zeroio.tiering.gpu_tier import RESERVE_BYTES, GpuTier
+
+GiB = 1 << 30
+
+
+def test_placement_by_hand():
+    mb = 100 << 20
+    assert not place_on_device(mb, budget=0, room=100 * GiB)  # budget 0: the host path
+    assert not place_on_device(mb, budget=None, room=None)  # no device
+    assert place_on_device(mb, budget=None, room=None, plan_only=True)  # planned: budget alone
+    assert not place_on_device(mb, budget=mb - 1, room=None, plan_only=True)
+    # auto: half of the free memory less the reserve
+    assert place_on_device(mb, budget=None, room=2 * (RESERVE_BYTES + mb))
+    assert not place_on_device(mb, budget=None, room=2 * (RESERVE_BYTES + mb) - 2)
+    # a cap: the cap and the free memory less the reserve
+    assert place_on_device(mb, budget=mb, room=RESERVE_BYTES + mb)
+    assert not place_on_device(mb, budget=mb - 1, room=100 * GiB)
+    assert not place_on_device(mb, budget=10 * GiB, room=RESERVE_BYTES + mb - 1)
+    assert not place_on_device(0, budget=None, room=100 * GiB)
+
+
+class Fixed:
+    def __init__(self, n):
+        self.n = n
+
+    def gpu_bytes(self):
+        return self.n
+
+
+def test_fixed_state_counts_and_resident_chunks_get_the_rest():
+    tier = GpuTier(cap_bytes=1000)
+    assert tier.stats()["tiers"] == {}
+    tier.register_fixed(Fixed(300))
+    assert tier.used_bytes == 300 and tier.fixed_bytes == 300
+    assert tier.step_budget() == 700  # the cap covers the fixed state first
+    assert tier.stats()["tiers"] == {"gpu": {"budget_bytes": 700, "used_bytes": 300}}
+    assert tier.evict(10**6) == 0  # nothing movable: nothing evicted
+    tier.register_fixed(Fixed(2000))
+    assert tier.step_budget() == 0
+
+
+def _body(world_dtype_gas_room):
+    _, dtype, gas, room = world_dtype_gas_room
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    cfg = r12._config(2, 1.0, gas=gas, dtype=dtype)
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
+    part = engine.partitioner
+    accum = part._accum
+    host = [g.grad for g in part._host]
+    losses = r12._train(engine, 2, gas, engine.device)
+    stats = engine.stats()
+    out = {"losses": list(losses),
+           "masters": r12._masters(engine).tolist(),
+           "placed": accum is not None,
+           "host_bytes": sum(g.numel() * g.element_size() for g in host),
+           "accum_bytes": accum.nbytes if accum is not None else 0,
+           "staging": len(part._staged.held_tensors()),
+           "tiers_gpu": stats["tiers"].get("gpu"),
+           "host_dtype": str(host[0].dtype)}
+    engine.close()
+    return out
+
+
+def _run(world, dtype, gas, room):
+    return run_ranks(_body, world, (world, dtype, gas, room), timeout=240)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("gas", [1, 2, 4])
+def test_device_accumulation_equals_host_accumulation(world, dtype, gas):
+    ref = _run(world, dtype, gas, None)
+    got = _run(world, dtype, gas, 1 << 40)
+    for r, g in zip(ref, got, strict=True):
+        assert not r["placed"]
+        assert g["placed"] == (gas > 1)
+        assert g["losses"] == r["losses"]
+        assert g["masters"] == r["masters"]
+        if gas > 1:
+            # the buffer mirrors the host gradient shard (its size and dtype) on the device
+            assert g["accum_bytes"] == g["host_bytes"] > 0
+            assert g["staging"] == 0  # no staged adds: no pinned staging slots
+            assert g["tiers_gpu"]["used_bytes"] == g["accum_bytes"]
+            assert r["tiers_gpu"] is None
+
+
+def _writes_body(gas_room):
+    gas, room = gas_room
+    import zeroio
+    from zeroio.partition import landing
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=r12._config(2, 1.0, gas=gas))
+    part = engine.partitioner
+    host = {g.grad.data_ptr(): g.grad for g in part._host}
+    lo_hi = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in host.values()]
+    written = []
+    real_land = landing.land
+
+    def land(src, dst, *, first, transfers):
+        if any(a <= dst.data_ptr() < b for a, b in lo_hi):
+            written.append(dst.numel() * dst.element_size())
+        return real_land(src, dst, first=first, transfers=transfers)
+    import zeroio.partition.stage12 as s12
+    s12.land = land
+    r12._train(engine, 2, gas, engine.device)
+    total = sum(g.numel() * g.element_size() for g in host.values())
+    engine.close()
+    return {"written": sum(written), "host": total}
+
+
+@pytest.mark.parametrize("gas", [2, 4])
+def test_host_gradient_written_once_per_step(gas):
+    (ref,) = run_ranks(_writes_body, 1, (gas, None), timeout=180)
+    (got,) = run_ranks(_writes_body, 1, (gas, 1 << 40), timeout=180)
+    assert ref["written"] == 2 * gas * ref["host"]  # every micro step of 2 steps
+    assert got["written"] == 2 * got["host"]  # the boundary's sum only
+
+
+def test_a_budget_too_small_falls_back_to_the_host_path():
+    def cfg(budget):
+        c = r12._config(2, 1.0, gas=2)
+        c["zero_optimization"]["tiering"]["gpu_budget_bytes"] = budget
+        return c
+
+    (small,) = run_ranks(_budget_body, 1, (cfg(8), 1 << 40), timeout=180)
+    (zero,) = run_ranks(_budget_body, 1, (cfg(0), 1 << 40), timeout=180)
+    (room,) = run_ranks(_budget_body, 1, (cfg(None), RESERVE_BYTES), timeout=180)
+    (fits,) = run_ranks(_budget_body, 1, (cfg(1 << 30), 1 << 40), timeout=180)
+    assert not small["placed"] and not zero["placed"] and not room["placed"]
+    assert fits["placed"]
+    assert small["masters"] == fits["masters"] and small["losses"] == fits["losses"]
+
+
+def _budget_body(cfg_room):
+    cfg, room = cfg_room
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    device_accum.DEVICE_ROOM = lambda device: room
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
+    placed = engine.partitioner._accum is not None
+    losses = r12._train(engine, 2, 2, engine.device)
+    out = {"placed": placed, "losses": list(losses), "masters": r12._masters(engine).tolist()}
+    engine.close()
+    return out
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+
+def _gpu_body(_):
+    import zeroio
+
+    out = {}
+    for mode, budget in (("device", None), ("host", 0)):
+        cfg = r12._config(2, 1.0, gas=4, dtype="bf16")
+        cfg["zero_optimization"]["tiering"]["gpu_budget_bytes"] = budget
+        torch.manual_seed(0)
+        engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
+        placed = engine.partitioner._accum is not None
+        losses = r12._train(engine, 2, 4, engine.device)
+        stats = engine.stats()
+        out[mode] = {"placed": placed, "losses": list(losses),
+                     "masters": r12._masters(engine).tolist(),
+                     "d2h": stats["bytes_moved"].get("gpu->cpu", 0)}
+        engine.close()
+    return out
+
+
+@pytest.mark.gpu
+def test_device_accumulation_on_the_gpu_equals_the_host_path():
+    need_cuda(1)
+    (out,) = run_ranks(_gpu_body, 1, None, timeout=300)
+    dev, host = out["device"], out["host"]
+    assert dev["placed"] and not host["placed"]
+    assert dev["losses"] == host["losses"]
+    assert dev["masters"] == host["masters"]
+    assert dev["d2h"] < host["d2h"]  # the gradient crosses once per step, not per micro step
