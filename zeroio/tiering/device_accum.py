@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from zeroio.tiering.gpu_tier import RESERVE_BYTES
+from zeroio.tiering.stats import TierStats, count_copy
 
 
 def cuda_room(device: torch.device) -> int | None:
@@ -63,19 +64,57 @@ def place_on_device(nbytes: int, *, budget: int | None, room: int | None,
     return nbytes <= min(budget, room - RESERVE_BYTES)
 
 
+def accumulation_on_device(*, accumulates: bool, host_grads: list[torch.Tensor],
+                           device: torch.device, budget: int | None) -> DeviceAccum | None:
+    """The ``DeviceAccum`` of ``host_grads`` (host memory) where a partitioner that
+    ``accumulates`` them places it on ``device`` (``place_on_device`` with the room
+    ``DEVICE_ROOM`` reads), else None: the host path."""
+    grads = [g for g in host_grads if g.numel() and g.device.type == "cpu"]
+    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    if not accumulates or not place_on_device(nbytes, budget=budget, room=DEVICE_ROOM(device)):
+        return None
+    return DeviceAccum(grads, device)
+
+
 class DeviceAccum:
     """Device buffers that accumulate the host gradient shards (module note): one per host
-    group, of its gradient's size and dtype. A fixed holder of the GPU tier."""
+    gradient tensor, of its size and dtype. A fixed holder of the GPU tier."""
 
     def __init__(self, host_grads: list[torch.Tensor], device: torch.device):
+        self.host = list(host_grads)
         self.bufs = [torch.zeros(g.numel(), dtype=g.dtype, device=device) for g in host_grads]
         self.nbytes = sum(b.numel() * b.element_size() for b in self.bufs)
 
     def gpu_bytes(self) -> int:
         return self.nbytes
 
+    def view_of(self, dst: torch.Tensor) -> torch.Tensor | None:
+        """The device buffer's view standing for ``dst`` (a contiguous view of one of the host
+        gradients), or None where ``dst`` is none of them (the device side of a ratio)."""
+        ptr = dst.data_ptr()
+        for host, buf in zip(self.host, self.bufs, strict=True):
+            lo = (ptr - host.data_ptr()) // host.element_size()
+            if host.dtype == dst.dtype and 0 <= lo and lo + dst.numel() <= host.numel() and \
+                    dst.device == host.device:
+                return buf.narrow(0, lo, dst.numel())
+        return None
+
+    def land(self, src: torch.Tensor, acc: torch.Tensor, host: torch.Tensor, *, first: bool,
+             last: bool, transfers: TierStats | None) -> None:
+        """One micro step's ``src`` into ``acc`` (``view_of(host)``): copied on the first,
+        added on the device later; on the ``last`` (the boundary) the sum goes to ``host``
+        (one ``non_blocking`` copy: the caller's host wait of the backward covers it)."""
+        if first:
+            acc.copy_(src)
+        else:
+            acc.add_(src)
+        if last:
+            count_copy(transfers, acc, host)
+            host.copy_(acc, non_blocking=True)
+
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.bufs)
 
 
-__all__ = ["DEVICE_ROOM", "DeviceAccum", "cuda_room", "place_on_device"]
+__all__ = ["DEVICE_ROOM", "DeviceAccum", "accumulation_on_device", "cuda_room",
+           "place_on_device"]
