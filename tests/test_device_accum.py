@@ -63,18 +63,33 @@ def test_fixed_state_counts_and_resident_chunks_get_the_rest():
     assert tier.step_budget() == 0
 
 
-def _body(world_dtype_gas_room):
-    _, dtype, gas, room = world_dtype_gas_room
+def _host_grads(part):
+    """The host gradient shards (stage 1/2's host side, stage 3's)."""
+    if hasattr(part, "_sides"):
+        from zeroio.partition.split import Side
+
+        return [sg.grad for sg in part._sides[Side.HOST]]
+    return [sg.grad for sg in part._host]
+
+
+def _staging(part):
+    """Pinned staging slots allocated for staged adds."""
+    return part.landing.held_tensors() if hasattr(part, "landing") else \
+        part._staged.held_tensors()
+
+
+def _body(stage_world_dtype_gas_room):
+    stage, _, dtype, gas, room = stage_world_dtype_gas_room
     import zeroio
     from zeroio.tiering import device_accum
 
     if room is not None:
         device_accum.DEVICE_ROOM = lambda device: room
-    cfg = r12._config(2, 1.0, gas=gas, dtype=dtype)
+    cfg = r12._config(stage, 1.0, gas=gas, dtype=dtype)
     engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
     part = engine.partitioner
     accum = part._accum
-    host = [g.grad for g in part._host]
+    host = _host_grads(part)
     losses = r12._train(engine, 2, gas, engine.device)
     stats = engine.stats()
     out = {"losses": list(losses),
@@ -82,23 +97,24 @@ def _body(world_dtype_gas_room):
            "placed": accum is not None,
            "host_bytes": sum(g.numel() * g.element_size() for g in host),
            "accum_bytes": accum.nbytes if accum is not None else 0,
-           "staging": len(part._staged.held_tensors()),
+           "staging": len(_staging(part)),
            "tiers_gpu": stats["tiers"].get("gpu"),
            "host_dtype": str(host[0].dtype)}
     engine.close()
     return out
 
 
-def _run(world, dtype, gas, room):
-    return run_ranks(_body, world, (world, dtype, gas, room), timeout=240)
+def _run(stage, world, dtype, gas, room):
+    return run_ranks(_body, world, (stage, world, dtype, gas, room), timeout=240)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("gas", [1, 2, 4])
-def test_device_accumulation_equals_host_accumulation(world, dtype, gas):
-    ref = _run(world, dtype, gas, None)
-    got = _run(world, dtype, gas, 1 << 40)
+def test_device_accumulation_equals_host_accumulation(stage, world, dtype, gas):
+    ref = _run(stage, world, dtype, gas, None)
+    got = _run(stage, world, dtype, gas, 1 << 40)
     for r, g in zip(ref, got, strict=True):
         assert not r["placed"]
         assert g["placed"] == (gas > 1)
@@ -112,18 +128,18 @@ def test_device_accumulation_equals_host_accumulation(world, dtype, gas):
             assert r["tiers_gpu"] is None
 
 
-def _writes_body(gas_room):
+def _writes_body(stage_gas_room):
     """NaN-poison the host gradient shard after each step; per micro step, whether it was
     written (no longer all NaN) after that micro step's backward."""
-    gas, room = gas_room
+    stage, gas, room = stage_gas_room
     import zeroio
     from zeroio.testing.models import mlp_batch
     from zeroio.tiering import device_accum
 
     if room is not None:
         device_accum.DEVICE_ROOM = lambda device: room
-    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=r12._config(2, 1.0, gas=gas))
-    host = [g.grad for g in engine.partitioner._host]
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=r12._config(stage, 1.0, gas=gas))
+    host = _host_grads(engine.partitioner)
     for g in host:
         g.fill_(float("nan"))
     touched = []
@@ -140,10 +156,11 @@ def _writes_body(gas_room):
     return touched
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("gas", [2, 4])
-def test_host_gradient_written_once_per_step(gas):
-    (ref,) = run_ranks(_writes_body, 1, (gas, None), timeout=180)
-    (got,) = run_ranks(_writes_body, 1, (gas, 1 << 40), timeout=180)
+def test_host_gradient_written_once_per_step(stage, gas):
+    (ref,) = run_ranks(_writes_body, 1, (stage, gas, None), timeout=180)
+    (got,) = run_ranks(_writes_body, 1, (stage, gas, 1 << 40), timeout=180)
     assert ref == [True] * (2 * gas)  # the host path writes every micro step
     assert got == ([False] * (gas - 1) + [True]) * 2  # the boundary's sum only
 
