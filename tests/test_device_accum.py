@@ -21,8 +21,9 @@ import torch
 
 from zeroio.testing import run_ranks
 from zeroio.testing.cuda import need_cuda
-from zeroio.tiering.device_accum import place_on_device
-from zeroio.tiering.gpu_tier import RESERVE_BYTES, GpuTier
+from zeroio.tiering.accum_place import ACCUM_RESERVE_BYTES as RESERVE_BYTES
+from zeroio.tiering.accum_place import ACCUM_ROW, place_on_device
+from zeroio.tiering.gpu_tier import GpuTier
 
 GiB = 1 << 30
 
@@ -31,7 +32,8 @@ def test_placement_by_hand():
     mb = 100 << 20
     assert not place_on_device(mb, budget=0, room=100 * GiB)  # budget 0: the host path
     assert not place_on_device(mb, budget=None, room=None)  # no device
-    assert place_on_device(mb, budget=None, room=None, plan_only=True)  # planned: budget alone
+    assert place_on_device(mb, budget=mb, room=None, plan_only=True)  # planned: budget alone
+    assert not place_on_device(mb, budget=None, room=None, plan_only=True)  # auto: host rows
     assert not place_on_device(mb, budget=mb - 1, room=None, plan_only=True)
     # auto: half of the free memory less the reserve
     assert place_on_device(mb, budget=None, room=2 * (RESERVE_BYTES + mb))
@@ -224,3 +226,36 @@ def test_device_accumulation_on_the_gpu_equals_the_host_path():
     assert dev["losses"] == host["losses"]
     assert dev["masters"] == host["masters"]
     assert dev["d2h"] < host["d2h"]  # the gradient crosses once per step, not per micro step
+
+
+# ---- the estimate -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_estimate_counts_the_device_buffer_by_hand(stage):
+    """bf16, optimizer cpu, 4 GPUs, gas 4: a budget that covers the 4-byte buffer of the
+    200M-element shard puts it on the GPU and takes the host's pinned staging slots away;
+    budget 0 and "auto" plan the host path (the free memory is unknown to the estimate)."""
+    from zeroio.config import load_config
+    from zeroio.estimate import estimate_memory
+    from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
+
+    psi, n, group = 800_000_000, 4, 50_000_000
+    shard = psi // n
+
+    def est(budget):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+               "bf16": {"enabled": True},
+               "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"},
+                                     "tiering": {"gpu_budget_bytes": budget}}}
+        return estimate_memory(psi, gpus_per_node=n, config=load_config(cfg),
+                               largest_group=group)
+
+    placed, host, auto = est(4 * shard), est(0), est(None)
+    rows = {i.name: (i.tier, i.bytes_per_gpu) for i in placed.items}
+    assert rows[ACCUM_ROW] == ("gpu", 4 * shard)
+    assert ACCUM_ROW not in {i.name for i in host.items} | {i.name for i in auto.items}
+    assert not place_on_device(4 * shard, budget=4 * shard - 1, room=None, plan_only=True)
+    slot = min(GRAD_PIECE_NUMEL, shard) if stage == 2 else group // n
+    assert placed.gpu_bytes_per_gpu - host.gpu_bytes_per_gpu == 4 * shard
+    assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == n * 4 * STAGING_SLOTS * slot
+    assert auto.cpu_bytes_per_node == host.cpu_bytes_per_node

@@ -104,6 +104,7 @@ from zeroio.estimate import (
     parse_count,
     planned_activation_bytes,
 )
+from zeroio.tiering.accum_place import ACCUM_ROW
 
 MARGIN = 0.10
 """Fraction of GPU and host memory the plan leaves free."""
@@ -493,7 +494,8 @@ def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: in
     dev = shard - host if p.optimizer != "none" else 0
     g = host_grad_bytes(est.dtype, p.optimizer, gas, host, stage=p.stage) if host else 0
     pfm = est.params_from_master
-    lands = gas if p.stage in (2, 3) else 1  # stage 1 reduces at the boundary only
+    # stage 1 reduces at the boundary only; a sum on the GPU (ACCUM_ROW) lands once too
+    lands = gas if p.stage in (2, 3) and not any(i.name == ACCUM_ROW for i in est.items) else 1
     down = g * host * lands + (b * dev if p.param != "none" and not pfm else 0)
     if pfm:  # forward and backward copy the host-side fp32 masters in, then cast
         up = 2 * 4 * host * gas

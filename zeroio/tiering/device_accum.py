@@ -25,7 +25,10 @@ Otherwise (and without a device distinct from the host) the host path stays. The
 registered with the GPU tier as fixed state (``GpuTier.register_fixed``): it cannot be
 evicted in the middle of an accumulation, so resident optimizer chunks yield to it (their
 room and budget are what is left beside it), and it is counted in ``engine.stats()["tiers"]
-["gpu"]``. zeroio.estimate plans it with ``place_on_device(room=None)``: the budget alone.
+["gpu"]``. zeroio.estimate plans it with ``place_on_device(room=None, plan_only=True)``:
+the device's free memory is unknown there, so an explicit budget that covers the buffer
+places it (a GPU row instead of the host's staging slots), and "auto" is planned as the host
+path (an upper bound of host memory, the GPU row left out).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from zeroio.tiering.gpu_tier import RESERVE_BYTES
+from zeroio.tiering.accum_place import place_on_device
 from zeroio.tiering.stats import TierStats, count_copy
 
 
@@ -48,20 +51,6 @@ def cuda_room(device: torch.device) -> int | None:
 
 DEVICE_ROOM: Callable[[torch.device], int | None] = cuda_room
 """How the partitioner reads the room (a test injects a stand-in device's)."""
-
-
-def place_on_device(nbytes: int, *, budget: int | None, room: int | None,
-                    plan_only: bool = False) -> bool:
-    """Whether an accumulation buffer of ``nbytes`` goes on the device (module note).
-    ``room``: the device's free bytes (None: no device, unless ``plan_only``: unknown, the
-    budget alone decides)."""
-    if nbytes <= 0 or budget == 0:
-        return False
-    if room is None:
-        return plan_only and (budget is None or nbytes <= budget)
-    if budget is None:
-        return nbytes <= room // 2 - RESERVE_BYTES
-    return nbytes <= min(budget, room - RESERVE_BYTES)
 
 
 def accumulation_on_device(*, accumulates: bool, host_grads: list[torch.Tensor],
@@ -116,5 +105,4 @@ class DeviceAccum:
         return list(self.bufs)
 
 
-__all__ = ["DEVICE_ROOM", "DeviceAccum", "accumulation_on_device", "cuda_room",
-           "place_on_device"]
+__all__ = ["DEVICE_ROOM", "DeviceAccum", "accumulation_on_device", "cuda_room"]
