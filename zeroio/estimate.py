@@ -463,8 +463,9 @@ def estimate_memory(
                 f"{assist.SLOTS} * min({assist.SLOT_NUMEL}, offloaded elements per GPU) * {per}")
         from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
 
-        accumulation_rows(add, staging=(STAGING_SLOTS, GRAD_PIECE_NUMEL), stage=stage, dtype=dtype, gas=gas, grad_tier=grad_tier,
-                          host=shard - dev, grad_bytes=gshard, world=n, kind=buf,
+        accumulation_rows(add, staging=(STAGING_SLOTS, GRAD_PIECE_NUMEL), stage=stage,
+                          dtype=dtype, gas=gas, grad_tier=grad_tier, host=shard - dev,
+                          grad_bytes=gshard, world=n, kind=buf,
                           budget=zero.tiering.gpu_budget_bytes,
                           group=(grp, gname) if stage == 3 else (0, ""))
         if opt_dev == "nvme":
