@@ -259,3 +259,55 @@ def test_the_estimate_counts_the_device_buffer_by_hand(stage):
     assert placed.gpu_bytes_per_gpu - host.gpu_bytes_per_gpu == 4 * shard
     assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == n * 4 * STAGING_SLOTS * slot
     assert auto.cpu_bytes_per_node == host.cpu_bytes_per_node
+
+
+# ---- a group the boundary micro step does not reach, and a ratio ----------------------------
+
+class _TwoBranches(torch.nn.Module):
+    """``b`` is used only when the input's first element is positive (parameters that get no
+    gradient in some micro steps: at stage 3 their group is not reduced then)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def _branches_body(stage_room_ratio):
+    stage, room, ratio = stage_room_ratio
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    cfg = r12._config(stage, ratio, gas=2)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # a group per module
+    engine, *_ = zeroio.initialize(model=_TwoBranches(), config=cfg)
+    placed = engine.partitioner._accum is not None
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        for m in range(2):  # b only in the first micro step: the boundary does not reach it
+            x = torch.randn(5, 16, generator=gen)
+            loss = engine(x, m == 0).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    out = {"placed": placed, "losses": losses, "masters": r12._masters(engine).tolist()}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_parameters_missing_from_the_boundary_micro_step_and_a_ratio(stage, ratio):
+    (ref,) = run_ranks(_branches_body, 1, (stage, None, ratio), timeout=180)
+    (got,) = run_ranks(_branches_body, 1, (stage, 1 << 40, ratio), timeout=180)
+    assert not ref["placed"] and got["placed"]
+    assert got["losses"] == ref["losses"]
+    assert got["masters"] == ref["masters"]
