@@ -2,15 +2,18 @@
 
 [Note: accumulation on the device tier]
 With a host optimizer (offload_optimizer cpu or nvme) and ``gradient_accumulation_steps`` > 1,
-stage 2 sums each micro step's reduced gradient into the host gradient shard: the first write
-copies, every later one crosses PCIe into a pinned staging slot and is added on the host
+stages 2 and 3 sum each micro step's reduced gradient into the host gradient shard: the first
+write copies, every later one crosses PCIe into a pinned staging slot and is added on the host
 ([Note: bounded staging] in partition/landing.py). Where the GPU has room, the partitioner
 instead keeps one buffer of the host gradient shard's size and dtype on the compute device
 (``DeviceAccum``): the first micro step copies into it, later ones add into it on the GPU
 (no PCIe traffic, no staging slots), and only the boundary micro step, after its add, copies
 the sum into the host gradient shard (one D2H copy per step instead of one per micro step).
 The adds are the same adds in the same order and dtype as the host's, so the host step reads
-the same bits.
+the same bits. Stage 3 (partition/stage3/grads.py) adds on its comm stream and copies the
+sums on ``d2h``; a group the boundary micro step did not reduce is copied at ``settle``. The
+host gradient shard keeps its fp32 (master dtype) size: the step still reads it from host
+memory.
 
 The placement is decided once, at construction (``place_on_device``), from
 ``zero_optimization.tiering.gpu_budget_bytes`` and the device's free memory then:
@@ -73,6 +76,8 @@ class DeviceAccum:
         self.host = list(host_grads)
         self.bufs = [torch.zeros(g.numel(), dtype=g.dtype, device=device) for g in host_grads]
         self.nbytes = sum(b.numel() * b.element_size() for b in self.bufs)
+        if device.type == "cuda":  # the zeros are written before a side stream first copies in
+            torch.cuda.current_stream(device).synchronize()
 
     def gpu_bytes(self) -> int:
         return self.nbytes
