@@ -19,10 +19,10 @@ import pytest
 import test_stage12_ratio as r12  # noqa: I001 (tests/ is on sys.path under pytest)
 import torch
 
+from zeroio.config.accum_place import ACCUM_RESERVE_BYTES as RESERVE_BYTES
+from zeroio.config.accum_place import ACCUM_ROW, place_on_device
 from zeroio.testing import run_ranks
 from zeroio.testing.cuda import need_cuda
-from zeroio.tiering.accum_place import ACCUM_RESERVE_BYTES as RESERVE_BYTES
-from zeroio.tiering.accum_place import ACCUM_ROW, place_on_device
 from zeroio.tiering.gpu_tier import GpuTier
 
 GiB = 1 << 30

@@ -99,10 +99,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
+from zeroio.config.accum_place import accumulation_rows
 from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
 from zeroio.config.zero import params_from_master_auto, step_assist_enabled
 from zeroio.errors import ConfigError
-from zeroio.tiering.accum_place import accumulation_rows
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
 FP32 = 4

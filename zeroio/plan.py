@@ -92,6 +92,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroio.config import load_config
+from zeroio.config.accum_place import ACCUM_ROW
 from zeroio.config.fields import did_you_mean
 from zeroio.config.zero import params_from_master_auto
 from zeroio.errors import CapacityError, ConfigError
@@ -104,7 +105,6 @@ from zeroio.estimate import (
     parse_count,
     planned_activation_bytes,
 )
-from zeroio.tiering.accum_place import ACCUM_ROW
 
 MARGIN = 0.10
 """Fraction of GPU and host memory the plan leaves free."""

@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from zeroio.tiering.accum_place import place_on_device
+from zeroio.config.accum_place import place_on_device
 from zeroio.tiering.stats import TierStats, count_copy
 
 
