@@ -4,13 +4,16 @@ zeroio/tiering/device_accum.py).
 CPU (here): the "device" is the CPU, so the placement is forced with an injected device room
 (``device_accum.DEVICE_ROOM``): the accumulation buffers are then separate tensors standing in
 for the GPU's. Against the host accumulation of the same run (no room: today's path), bit for
-bit: losses and masters at stage 2, 1 and 2 ranks, fp32 and bf16, accumulation 1/2/4; the
-host gradient shard is written once per step (bytes counted), no staging slot is allocated,
-and the buffer is counted in ``engine.stats()["tiers"]["gpu"]``; a budget too small falls back
-to the host path; the decision by hand.
+bit: losses and masters at stages 2 and 3, 1 and 2 ranks, fp32 and bf16, accumulation 1/2/4,
+with a ratio, and with parameters the boundary micro step does not reach; the host gradient
+shard is written only by the boundary micro step (NaN-poisoned between steps), no staging slot
+is allocated, and the buffer is counted in ``engine.stats()["tiers"]["gpu"]``; a budget too
+small falls back to the host path; the decision, the GPU tier's fixed state and the estimate's
+rows by hand.
 
-GPU (``-m gpu``, stages 2 and 3): device accumulation against ``gpu_budget_bytes: 0`` on a small model, bit for
-bit, with the host gradient crossing PCIe once per step.
+GPU (``-m gpu``, stages 2 and 3): device accumulation against ``gpu_budget_bytes: 0`` on a
+small model, bit for bit, with the gradient crossing PCIe once per step instead of per micro
+step (counted bytes). On the GPU machine:  python3 -m pytest -q -m gpu tests/test_device_accum.py
 """
 
 from __future__ import annotations
