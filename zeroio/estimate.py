@@ -99,6 +99,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
+from zeroio.config.accum_place import accumulation_rows
 from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
 from zeroio.config.zero import params_from_master_auto, step_assist_enabled
 from zeroio.errors import ConfigError
@@ -460,15 +461,13 @@ def estimate_memory(
             add("step assist slots (during the step)", "gpu",
                 assist.SLOTS * min(assist.SLOT_NUMEL, shard - dev) * per, buf,
                 f"{assist.SLOTS} * min({assist.SLOT_NUMEL}, offloaded elements per GPU) * {per}")
-        if gas > 1 and grad_tier == "cpu" and (stage == 2 or stage == 3 and dtype != "fp32"):
-            # [Note: bounded staging] in partition/landing.py: slots of a group's slice or piece
-            from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
+        from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
 
-            slot, of = ((min(math.ceil(grp / n), shard - dev), f"min({gname}, Psi) / N")
-                        if stage == 3 else (min(GRAD_PIECE_NUMEL, shard - dev),
-                                            f"min({GRAD_PIECE_NUMEL}, Psi / N)"))
-            add("gradient accumulation staging (pinned fp32)", "cpu", FP32 * STAGING_SLOTS * slot,
-                buf, f"4 * {STAGING_SLOTS} * {of}")
+        accumulation_rows(add, staging=(STAGING_SLOTS, GRAD_PIECE_NUMEL), stage=stage,
+                          dtype=dtype, gas=gas, grad_tier=grad_tier, host=shard - dev,
+                          grad_bytes=gshard, world=n, kind=buf,
+                          budget=zero.tiering.gpu_budget_bytes,
+                          group=(grp, gname) if stage == 3 else (0, ""))
         if opt_dev == "nvme":
             oo = zero.offload_optimizer
             add("optimizer swap buffers (pinned)", "cpu",

@@ -92,6 +92,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroio.config import load_config
+from zeroio.config.accum_place import ACCUM_ROW
 from zeroio.config.fields import did_you_mean
 from zeroio.config.zero import params_from_master_auto
 from zeroio.errors import CapacityError, ConfigError
@@ -493,7 +494,8 @@ def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: in
     dev = shard - host if p.optimizer != "none" else 0
     g = host_grad_bytes(est.dtype, p.optimizer, gas, host, stage=p.stage) if host else 0
     pfm = est.params_from_master
-    lands = gas if p.stage in (2, 3) else 1  # stage 1 reduces at the boundary only
+    # stage 1 reduces at the boundary only; a sum on the GPU (ACCUM_ROW) lands once too
+    lands = gas if p.stage in (2, 3) and not any(i.name == ACCUM_ROW for i in est.items) else 1
     down = g * host * lands + (b * dev if p.param != "none" and not pfm else 0)
     if pfm:  # forward and backward copy the host-side fp32 masters in, then cast
         up = 2 * 4 * host * gas

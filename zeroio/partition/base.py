@@ -129,6 +129,9 @@ class Partitioner:
         ([Note: resident state yields] in tiering/gpu_tier.py)."""
         tier = self._assist.tier if self._assist is not None else GpuTier()
         tier.quiesce = self.wait_step
+        accum = getattr(self, "_accum", None)  # tiering/device_accum.py: fixed state
+        if accum is not None and accum not in tier.fixed:
+            tier.register_fixed(accum)
         return tier
 
     def stats_sources(self) -> dict[str, dict]:

@@ -81,17 +81,17 @@ ratio the device side's gradient stays fp32.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from zeroio.errors import DistributedError
-from zeroio.io.hostmem import host_empty, host_zeros
+from zeroio.io.hostmem import host_empty
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Partitioner, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.flat import shard_group as _shard_group
+from zeroio.partition.home import ShardHome, host_home  # noqa: F401 (imported from here)
 from zeroio.partition.landing import GradPiece, StagedAdds, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
 from zeroio.partition.stage3.twin import OptimizerSplit
@@ -100,26 +100,9 @@ from zeroio.partition.step_overlap import StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
 from zeroio.shard.host_rule import GRAD_PIECE_NUMEL
+from zeroio.tiering.device_accum import accumulation_on_device
 from zeroio.tiering.stats import StallTimer, TierStats, count_copy
 from zeroio.tiering.streams import DeviceStreams
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardHome:
-    """Where this rank's fp32 master and gradient shards live (policy, not a flag)."""
-
-    device: torch.device
-    pin_memory: bool = False
-
-    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.device.type == "cpu":  # see zeroio.io.hostmem.[Note: host memory]
-            return host_zeros(numel, dtype, pin=self.pin_memory)
-        return torch.zeros(numel, dtype=dtype, device=self.device)
-
-
-def host_home(pin_memory: bool) -> ShardHome:
-    return ShardHome(device=torch.device("cpu"), pin_memory=pin_memory and torch.cuda.is_available())
-
 
 STEP_CHUNK_NUMEL = 1 << 26
 """Elements per job of the host step (CPU Adam, then that chunk's publication).
@@ -208,6 +191,9 @@ class Stage12Partitioner(HostStep12, Partitioner):
         """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine.build_optimizer);
         see [Note: stage 1/2 twin placement]."""
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
+        self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
+            accumulates=stage == 2 and accumulation_steps > 1 and home.device.type == "cpu",
+            host_grads=[g.grad for g in self._host], device=device, budget=gpu_budget_bytes)
         self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device)
         in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
         for p in module.parameters():  # frozen ones compute in the same dtype as the rest
@@ -230,7 +216,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         # later writes of a host gradient: [Note: bounded staging] in partition/landing.py
         self._staged = StagedAdds(max((p.numel for ps in self._pieces for p in ps), default=1),
                                   pin=home.pin_memory, transfers=self.transfers)
-        if stage == 2 and accumulation_steps > 1 and home.device != device:
+        if stage == 2 and accumulation_steps > 1 and home.device != device and not self._accum:
             self._staged.reserve()  # before the engine splits its host budget
         self._left = [0] * self._n_pieces
         self._consumed = [False] * self._n_pieces
@@ -441,6 +427,10 @@ class Stage12Partitioner(HostStep12, Partitioner):
         lo = self._local_base[b.index] + piece.slice_lo
         staged = []
         for off, dst in self._parts(b.group_index, "grad", lo, k):  # device part stays there
+            if (acc := self._accum and self._accum.view_of(dst)) is not None:  # tiering/
+                self._accum.land(scaled.narrow(0, off, dst.numel()), acc, dst, first=first,
+                                 last=self._boundary, transfers=self.transfers)  # device_accum
+                continue
             raw = self._unaveraged and dst.dtype != torch.float32  # [Note: 16-bit host gradients]
             part = (src if raw else scaled).narrow(0, off, dst.numel())
             if not first and raw:

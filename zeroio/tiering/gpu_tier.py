@@ -28,6 +28,12 @@ gives it back before training's allocations fail:
 The device is read through ``memory`` (a ``DeviceMemory`` snapshot: ``cuda_memory`` on a
 GPU); tests inject one whose capacity shrinks. ``stats`` is ``engine.stats()["tiers"]
 ["gpu"]``'s resident share plus the eviction counters.
+
+State that cannot yield (the accumulation buffer of [Note: accumulation on the device tier] in
+tiering/device_accum.py) is registered as fixed (``register_fixed``): it is counted in
+``used_bytes`` and ``stats``, but as part of training's memory (the peak model measures it,
+"auto" leaves it out of the headroom), and a ``gpu_budget_bytes`` cap covers it first:
+resident chunks get what is left.
 """
 
 from __future__ import annotations
@@ -146,6 +152,8 @@ class GpuTier:
         self.quiesce: Callable[[], None] = lambda: None
         """Finishes the step in flight (the partitioner's ``wait_step``) before an eviction."""
         self.holders: list[Resident] = []
+        self.fixed: list = []
+        """Holders that never evict (``gpu_bytes`` only): part of training's memory."""
         self.model = PeakModel()
         self.budget_bytes = 0
         """What resident state may hold this step (``step_budget``)."""
@@ -163,8 +171,19 @@ class GpuTier:
     def register(self, holder: Resident) -> None:
         self.holders.append(holder)
 
+    def register_fixed(self, holder) -> None:
+        """State that stays on the GPU (a ``gpu_bytes()``; see the module note)."""
+        self.fixed.append(holder)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(h.gpu_bytes() for h in self.fixed)
+
     @property
     def used_bytes(self) -> int:
+        return self._movable_bytes() + self.fixed_bytes
+
+    def _movable_bytes(self) -> int:
         return sum(h.gpu_bytes() for h in self.holders)
 
     def _claimed(self) -> int:
@@ -192,7 +211,7 @@ class GpuTier:
         """A micro step of ``tokens`` begins: make room for its predicted peak; bytes freed."""
         self._tokens = max(1, int(tokens))
         freed = self.fit(self._tokens)
-        self._resident_seen = self.used_bytes
+        self._resident_seen = self._movable_bytes()
         return freed
 
     def before_backward(self) -> int:
@@ -211,7 +230,7 @@ class GpuTier:
         mem = self.memory()
         if mem.peak_reserved > self._peak_seen:
             self._peak_seen = mem.peak_reserved
-            resident = max(self._resident_seen, self.used_bytes)
+            resident = max(self._resident_seen, self._movable_bytes())
             self.model.add(self._tokens, mem.peak_reserved - resident)
 
     def forward(self, run: Callable[[], object], tokens: int, *, rerunnable: bool):
@@ -264,8 +283,10 @@ class GpuTier:
             if self.memory is None or self.auto_budget is None:
                 want = 0
             else:
-                want = self.auto_budget(memory=self.memory(), resident=self.used_bytes,
+                want = self.auto_budget(memory=self.memory(), resident=self._movable_bytes(),
                                         pending=pending)
+        elif want:  # a cap covers the fixed state first
+            want = max(0, want - self.fixed_bytes)
         room = self.room_for(self._tokens) if want else None
         self.budget_bytes = max(0, int(want if room is None else min(want, room)))
         for h in self.holders:
@@ -276,6 +297,6 @@ class GpuTier:
         """A stats source: the GPU tier's budget and resident bytes (no tier where nothing is
         registered), and what it gave back."""
         tiers = {"gpu": {"budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes}}
-        return {"tiers": tiers if self.holders else {},
+        return {"tiers": tiers if self.holders or self.fixed else {},
                 "evictions": self.evictions, "evicted_bytes": self.evicted_bytes,
                 "oom_retries": self.oom_retries, "predicted_peak_bytes": self.last_prediction}

@@ -113,6 +113,11 @@ class GradLanding:
         self.router = None
         """The step assist whose resident chunks' gradients land on the GPU ([Note: resident
         gradients] in shard/assist.py; set by the partitioner), else None."""
+        self.accum = None
+        """The device buffers accumulating the host gradients ([Note: accumulation on the
+        device tier] in tiering/device_accum.py; set by the partitioner), else None."""
+        self._dirty: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Groups whose device sum has not gone to the host yet: (device, host) views."""
 
     @property
     def host_allocations(self) -> int:
@@ -155,10 +160,13 @@ class GradLanding:
         lds = self.pieces.get(gi, [])
         if self.router is not None:
             lds = self._route(lds, shard, first=writes == 0)
+        flush = []
+        if self.accum is not None:
+            lds, flush = self._accumulate(gi, lds, shard, first=writes == 0, boundary=boundary)
         # with twin placement one group may land on both sides: device pieces on comm, host
         # pieces on d2h
         host = [ld for ld in lds if shard.is_cuda and self._dst(ld).device.type == "cpu"]
-        side = self.d2h if host else None
+        side = self.d2h if (host or flush) and shard.is_cuda else None
         if side is not None:  # after the scaling above, on comm; see the note
             wait_stream(side, torch.cuda.current_stream(shard.device))
             keep_for(shard, side)
@@ -171,12 +179,40 @@ class GradLanding:
                     src = src.to(dst.dtype)
                 if not land(src, dst, first=writes == 0, transfers=self.transfers):
                     staged.append(ld)  # [Note: one landing rule] in partition/landing.py
+        with on(side):  # the boundary's sums to the host
+            for acc, dst in flush:
+                land(acc, dst, first=True, transfers=self.transfers)
         if staged:
             with on(side):
                 self._adds.stage([(shard.narrow(0, ld.lo, ld.numel), self._dst(ld))
                                   for ld in staged],
                                  torch.cuda.current_stream(shard.device) if shard.is_cuda
                                  else None)
+
+    def _accumulate(self, gi: int, lds: list[Landing], shard: torch.Tensor, *, first: bool,
+                    boundary: bool) -> tuple[list[Landing], list]:
+        """Copy or add the pieces whose host gradient is accumulated on the device into their
+        device buffer (on the current stream); the other landings, and at the boundary the
+        ``(device, host)`` views whose sums go to the host now."""
+        rest, done = [], []
+        for ld in lds:
+            dst = self._dst(ld)
+            acc = self.accum.view_of(dst)
+            if acc is None:
+                rest.append(ld)
+                continue
+            src = shard.narrow(0, ld.lo, ld.numel)
+            if first:
+                acc.copy_(src)
+            else:
+                acc.add_(src)
+            done.append((acc, dst))
+        if boundary:
+            self._dirty.pop(gi, None)
+            return rest, done
+        if done:
+            self._dirty[gi] = done
+        return rest, []
 
     def _route(self, lds: list[Landing], shard: torch.Tensor, first: bool) -> list[Landing]:
         """Write the slices of resident chunks with a GPU gradient buffer there (on the current
@@ -211,6 +247,13 @@ class GradLanding:
         """After every reduction was consumed (on ``stream``; the copies to host on ``d2h``,
         which waited on ``stream`` each time): one host wait when gradients land in host
         memory, the last staged adds, and at the boundary zeros for unwritten groups."""
+        if boundary and self._dirty:  # sums of groups the boundary micro step did not reach
+            with on(self.d2h if stream is not None else None):
+                if stream is not None:
+                    wait_stream(self.d2h, stream)
+                for acc, dst in (v for vs in self._dirty.values() for v in vs):
+                    land(acc, dst, first=True, transfers=self.transfers)
+            self._dirty = {}
         if stream is not None and any(g.grad.device.type == "cpu" for g in self.groups):
             with StallTimer(self.transfers):  # the CPU optimizer reads these bytes next
                 record(self.d2h if self.d2h is not None else stream).synchronize()
@@ -232,6 +275,7 @@ class GradLanding:
     def reset(self) -> None:
         """New accumulation: nothing written yet (``zero_grad``)."""
         self._written = {}
+        self._dirty = {}
         self._norm_parts = []
         self._norm_valid = True
         if self.router is not None:

@@ -43,6 +43,7 @@ from zeroio.partition.stage3.twin import (
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import host_grad_dtype
+from zeroio.tiering.device_accum import accumulation_on_device
 from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
@@ -115,8 +116,12 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
              for gi, refs in self._pieces.items()},
             device, pin=getattr(home, "pin_memory", False), transfers=self.transfers,
             d2h=self.streams.d2h)
-        if settings.accumulation_steps > 1:  # counted in the host budget's split (engine.py)
-            self.landing.reserve_staging()
+        self._accum = self.landing.accum = accumulation_on_device(  # tiering/device_accum.py
+            accumulates=settings.accumulation_steps > 1 and getattr(home, "device", None) ==
+            torch.device("cpu"), host_grads=[sg.grad for sg in host], device=device,
+            budget=settings.tiering.gpu_budget_bytes)
+        if settings.accumulation_steps > 1 and self._accum is None:  # in the host budget's
+            self.landing.reserve_staging()  # split (engine.py)
         self._whole = {gi: _covers_shard(self.pgroups[gi].plan, self.rank, refs)
                        for gi, refs in self._pieces.items()}
         for p in by_id.values():

@@ -1,0 +1,323 @@
+"""Gradient accumulation placed on the device tier ([Note: accumulation on the device tier] in
+zeroio/tiering/device_accum.py).
+
+CPU (here): the "device" is the CPU, so the placement is forced with an injected device room
+(``device_accum.DEVICE_ROOM``): the accumulation buffers are then separate tensors standing in
+for the GPU's. Against the host accumulation of the same run (no room: today's path), bit for
+bit: losses and masters at stages 2 and 3, 1 and 2 ranks, fp32 and bf16, accumulation 1/2/4,
+with a ratio, and with parameters the boundary micro step does not reach; the host gradient
+shard is written only by the boundary micro step (NaN-poisoned between steps), no staging slot
+is allocated, and the buffer is counted in ``engine.stats()["tiers"]["gpu"]``; a budget too
+small falls back to the host path; the decision, the GPU tier's fixed state and the estimate's
+rows by hand.
+
+GPU (``-m gpu``, stages 2 and 3): device accumulation against ``gpu_budget_bytes: 0`` on a
+small model, bit for bit, with the gradient crossing PCIe once per step instead of per micro
+step (counted bytes). On the GPU machine:  python3 -m pytest -q -m gpu tests/test_device_accum.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_stage12_ratio as r12  # noqa: I001 (tests/ is on sys.path under pytest)
+import torch
+
+from zeroio.config.accum_place import ACCUM_RESERVE_BYTES as RESERVE_BYTES
+from zeroio.config.accum_place import ACCUM_ROW, place_on_device
+from zeroio.testing import run_ranks
+from zeroio.testing.cuda import need_cuda
+from zeroio.tiering.gpu_tier import GpuTier
+
+GiB = 1 << 30
+
+
+def test_placement_by_hand():
+    mb = 100 << 20
+    assert not place_on_device(mb, budget=0, room=100 * GiB)  # budget 0: the host path
+    assert not place_on_device(mb, budget=None, room=None)  # no device
+    assert place_on_device(mb, budget=mb, room=None, plan_only=True)  # planned: budget alone
+    assert not place_on_device(mb, budget=None, room=None, plan_only=True)  # auto: host rows
+    assert not place_on_device(mb, budget=mb - 1, room=None, plan_only=True)
+    # auto: half of the free memory less the reserve
+    assert place_on_device(mb, budget=None, room=2 * (RESERVE_BYTES + mb))
+    assert not place_on_device(mb, budget=None, room=2 * (RESERVE_BYTES + mb) - 2)
+    # a cap: the cap and the free memory less the reserve
+    assert place_on_device(mb, budget=mb, room=RESERVE_BYTES + mb)
+    assert not place_on_device(mb, budget=mb - 1, room=100 * GiB)
+    assert not place_on_device(mb, budget=10 * GiB, room=RESERVE_BYTES + mb - 1)
+    assert not place_on_device(0, budget=None, room=100 * GiB)
+
+
+class Fixed:
+    def __init__(self, n):
+        self.n = n
+
+    def gpu_bytes(self):
+        return self.n
+
+
+def test_fixed_state_counts_and_resident_chunks_get_the_rest():
+    tier = GpuTier(cap_bytes=1000)
+    assert tier.stats()["tiers"] == {}
+    tier.register_fixed(Fixed(300))
+    assert tier.used_bytes == 300 and tier.fixed_bytes == 300
+    assert tier.step_budget() == 700  # the cap covers the fixed state first
+    assert tier.stats()["tiers"] == {"gpu": {"budget_bytes": 700, "used_bytes": 300}}
+    assert tier.evict(10**6) == 0  # nothing movable: nothing evicted
+    tier.register_fixed(Fixed(2000))
+    assert tier.step_budget() == 0
+
+
+def _host_grads(part):
+    """The host gradient shards (stage 1/2's host side, stage 3's)."""
+    if hasattr(part, "_sides"):
+        from zeroio.partition.split import Side
+
+        return [sg.grad for sg in part._sides[Side.HOST]]
+    return [sg.grad for sg in part._host]
+
+
+def _staging(part):
+    """Pinned staging slots allocated for staged adds."""
+    return part.landing.held_tensors() if hasattr(part, "landing") else \
+        part._staged.held_tensors()
+
+
+def _body(stage_world_dtype_gas_room):
+    stage, _, dtype, gas, room = stage_world_dtype_gas_room
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    cfg = r12._config(stage, 1.0, gas=gas, dtype=dtype)
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
+    part = engine.partitioner
+    accum = part._accum
+    host = _host_grads(part)
+    losses = r12._train(engine, 2, gas, engine.device)
+    stats = engine.stats()
+    out = {"losses": list(losses),
+           "masters": r12._masters(engine).tolist(),
+           "placed": accum is not None,
+           "host_bytes": sum(g.numel() * g.element_size() for g in host),
+           "accum_bytes": accum.nbytes if accum is not None else 0,
+           "staging": len(_staging(part)),
+           "tiers_gpu": stats["tiers"].get("gpu"),
+           "host_dtype": str(host[0].dtype)}
+    engine.close()
+    return out
+
+
+def _run(stage, world, dtype, gas, room):
+    return run_ranks(_body, world, (stage, world, dtype, gas, room), timeout=240)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("gas", [1, 2, 4])
+def test_device_accumulation_equals_host_accumulation(stage, world, dtype, gas):
+    ref = _run(stage, world, dtype, gas, None)
+    got = _run(stage, world, dtype, gas, 1 << 40)
+    for r, g in zip(ref, got, strict=True):
+        assert not r["placed"]
+        assert g["placed"] == (gas > 1)
+        assert g["losses"] == r["losses"]
+        assert g["masters"] == r["masters"]
+        if gas > 1:
+            # the buffer mirrors the host gradient shard (its size and dtype) on the device
+            assert g["accum_bytes"] == g["host_bytes"] > 0
+            assert g["staging"] == 0  # no staged adds: no pinned staging slots
+            assert g["tiers_gpu"]["used_bytes"] == g["accum_bytes"]
+            assert r["tiers_gpu"] is None
+
+
+def _writes_body(stage_gas_room):
+    """NaN-poison the host gradient shard after each step; per micro step, whether it was
+    written (no longer all NaN) after that micro step's backward."""
+    stage, gas, room = stage_gas_room
+    import zeroio
+    from zeroio.testing.models import mlp_batch
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=r12._config(stage, 1.0, gas=gas))
+    host = _host_grads(engine.partitioner)
+    for g in host:
+        g.fill_(float("nan"))
+    touched = []
+    for step in range(2):
+        for m in range(gas):
+            x, y = mlp_batch(step * gas + m, 0)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            touched.append(not all(bool(g.isnan().all()) for g in host))
+            engine.step()
+        engine.synchronize()
+        for g in host:
+            g.fill_(float("nan"))
+    engine.close()
+    return touched
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("gas", [2, 4])
+def test_host_gradient_written_once_per_step(stage, gas):
+    (ref,) = run_ranks(_writes_body, 1, (stage, gas, None), timeout=180)
+    (got,) = run_ranks(_writes_body, 1, (stage, gas, 1 << 40), timeout=180)
+    assert ref == [True] * (2 * gas)  # the host path writes every micro step
+    assert got == ([False] * (gas - 1) + [True]) * 2  # the boundary's sum only
+
+
+def test_a_budget_too_small_falls_back_to_the_host_path():
+    def cfg(budget):
+        c = r12._config(2, 1.0, gas=2)
+        c["zero_optimization"]["tiering"]["gpu_budget_bytes"] = budget
+        return c
+
+    (small,) = run_ranks(_budget_body, 1, (cfg(8), 1 << 40), timeout=180)
+    (zero,) = run_ranks(_budget_body, 1, (cfg(0), 1 << 40), timeout=180)
+    (room,) = run_ranks(_budget_body, 1, (cfg(None), RESERVE_BYTES), timeout=180)
+    (fits,) = run_ranks(_budget_body, 1, (cfg(1 << 30), 1 << 40), timeout=180)
+    assert not small["placed"] and not zero["placed"] and not room["placed"]
+    assert fits["placed"]
+    assert small["masters"] == fits["masters"] and small["losses"] == fits["losses"]
+
+
+def _budget_body(cfg_room):
+    cfg, room = cfg_room
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    device_accum.DEVICE_ROOM = lambda device: room
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
+    placed = engine.partitioner._accum is not None
+    losses = r12._train(engine, 2, 2, engine.device)
+    out = {"placed": placed, "losses": list(losses), "masters": r12._masters(engine).tolist()}
+    engine.close()
+    return out
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+
+def _gpu_body(stage):
+    import zeroio
+
+    out = {}
+    for mode, budget in (("device", None), ("host", 0)):
+        cfg = r12._config(stage, 1.0, gas=4, dtype="bf16")
+        cfg["zero_optimization"]["tiering"]["gpu_budget_bytes"] = budget
+        # the step assist's resident chunks also follow the budget; off, the two runs differ
+        # only in where the gradient is accumulated
+        cfg["zero_optimization"]["tiering"]["step_assist"] = False
+        torch.manual_seed(0)
+        engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
+        placed = engine.partitioner._accum is not None
+        losses = r12._train(engine, 2, 4, engine.device)
+        stats = engine.stats()
+        out[mode] = {"placed": placed, "losses": list(losses),
+                     "masters": r12._masters(engine).tolist(),
+                     "d2h": stats["bytes_moved"].get("gpu->cpu", 0),
+                     "host_bytes": sum(g.numel() * g.element_size()
+                                       for g in _host_grads(engine.partitioner))}
+        engine.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [2, 3])
+def test_device_accumulation_on_the_gpu_equals_the_host_path(stage):
+    need_cuda(1)
+    (out,) = run_ranks(_gpu_body, 1, stage, timeout=300)
+    dev, host = out["device"], out["host"]
+    assert dev["placed"] and not host["placed"]
+    assert dev["losses"] == host["losses"]
+    assert dev["masters"] == host["masters"]
+    # the gradient crosses once per step instead of once per micro step: 3 of 4 fewer, 2 steps
+    assert host["d2h"] - dev["d2h"] == 2 * 3 * host["host_bytes"] > 0
+
+
+# ---- the estimate -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_estimate_counts_the_device_buffer_by_hand(stage):
+    """bf16, optimizer cpu, 4 GPUs, gas 4: a budget that covers the 4-byte buffer of the
+    200M-element shard puts it on the GPU and takes the host's pinned staging slots away;
+    budget 0 and "auto" plan the host path (the free memory is unknown to the estimate)."""
+    from zeroio.config import load_config
+    from zeroio.estimate import estimate_memory
+    from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
+
+    psi, n, group = 800_000_000, 4, 50_000_000
+    shard = psi // n
+
+    def est(budget):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+               "bf16": {"enabled": True},
+               "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"},
+                                     "tiering": {"gpu_budget_bytes": budget}}}
+        return estimate_memory(psi, gpus_per_node=n, config=load_config(cfg),
+                               largest_group=group)
+
+    placed, host, auto = est(4 * shard), est(0), est(None)
+    rows = {i.name: (i.tier, i.bytes_per_gpu) for i in placed.items}
+    assert rows[ACCUM_ROW] == ("gpu", 4 * shard)
+    assert ACCUM_ROW not in {i.name for i in host.items} | {i.name for i in auto.items}
+    assert not place_on_device(4 * shard, budget=4 * shard - 1, room=None, plan_only=True)
+    slot = min(GRAD_PIECE_NUMEL, shard) if stage == 2 else group // n
+    assert placed.gpu_bytes_per_gpu - host.gpu_bytes_per_gpu == 4 * shard
+    assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == n * 4 * STAGING_SLOTS * slot
+    assert auto.cpu_bytes_per_node == host.cpu_bytes_per_node
+
+
+# ---- a group the boundary micro step does not reach, and a ratio ----------------------------
+
+class _TwoBranches(torch.nn.Module):
+    """``b`` is used only when the input's first element is positive (parameters that get no
+    gradient in some micro steps: at stage 3 their group is not reduced then)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def _branches_body(stage_room_ratio):
+    stage, room, ratio = stage_room_ratio
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    cfg = r12._config(stage, ratio, gas=2)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # a group per module
+    engine, *_ = zeroio.initialize(model=_TwoBranches(), config=cfg)
+    placed = engine.partitioner._accum is not None
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        for m in range(2):  # b only in the first micro step: the boundary does not reach it
+            x = torch.randn(5, 16, generator=gen)
+            loss = engine(x, m == 0).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    out = {"placed": placed, "losses": losses, "masters": r12._masters(engine).tolist()}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_parameters_missing_from_the_boundary_micro_step_and_a_ratio(stage, ratio):
+    (ref,) = run_ranks(_branches_body, 1, (stage, None, ratio), timeout=180)
+    (got,) = run_ranks(_branches_body, 1, (stage, 1 << 40, ratio), timeout=180)
+    assert not ref["placed"] and got["placed"]
+    assert got["losses"] == ref["losses"]
+    assert got["masters"] == ref["masters"]
