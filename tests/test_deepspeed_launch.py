@@ -26,17 +26,6 @@ STEPS, SAVE_AT, BATCH = 6, 3, 8
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def shim(tmp_path) -> Path:
-    """A ``deepspeed`` package forwarding to zeroio.deepspeed, for this test only (the real
-    one is the folder ``zeroio.deepspeed.shim_dir()`` names, which `zeroio launch` puts first
-    on the ranks' path when it is there)."""
-    pkg = tmp_path / "shim" / "deepspeed"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("from zeroio.deepspeed import *  # noqa: F403\n")
-    return pkg.parent
-
-
 def _config(tmp: Path, stage: int) -> Path:
     path = tmp / f"ds{stage}.json"
     path.write_text(json.dumps({
@@ -46,8 +35,9 @@ def _config(tmp: Path, stage: int) -> Path:
     return path
 
 
-def _start(tmp: Path, shim: Path, flags: list[str], stage: int, tag: str) -> subprocess.Popen:
-    env = outside_launcher_env(PYTHONPATH=f"{shim}:{REPO}")
+def _start(tmp: Path, flags: list[str], stage: int, tag: str) -> subprocess.Popen:
+    # no deepspeed package on the path: zeroio launch puts its facade first (shim_dir())
+    env = outside_launcher_env(PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "zeroio.cli.main", "launch", *flags, str(SCRIPT),
            "--deepspeed", "--deepspeed_config", str(_config(tmp, stage)),
            "--save_dir", str(tmp / f"ckpt-{tag}"), "--steps", str(STEPS), "--save_at", str(SAVE_AT)]
@@ -98,15 +88,15 @@ def _check(rows: list[dict], world: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [3, 2])
-def test_deepspeed_script_runs_unchanged_under_zeroio_launch(tmp_path, shim, stage):
-    rows, _ = _rows(_start(tmp_path, shim, ["--nproc", "2"], stage, "s"))
+def test_deepspeed_script_runs_unchanged_under_zeroio_launch(tmp_path, stage):
+    rows, _ = _rows(_start(tmp_path, ["--nproc", "2"], stage, "s"))
     _check(rows, 2)
     # DeepSpeed's launcher passes --local_rank=N to the script
     assert [r["local_rank_arg"] for r in rows] == [0, 1]
 
 
-def test_include_on_cpu_and_no_local_rank(tmp_path, shim):
-    rows, err = _rows(_start(tmp_path, shim, ["--include", "localhost:0,1", "--no_local_rank"],
+def test_include_on_cpu_and_no_local_rank(tmp_path):
+    rows, err = _rows(_start(tmp_path, ["--include", "localhost:0,1", "--no_local_rank"],
                              2, "i"))
     _check(rows, 2)
     assert "no CUDA on this machine: slots [0, 1] run as 2 CPU rank(s)" in err
@@ -114,15 +104,15 @@ def test_include_on_cpu_and_no_local_rank(tmp_path, shim):
     assert [r["args_local_rank"] for r in rows] == [0, 1]  # initialize sets it, as DeepSpeed
 
 
-def test_two_nodes_on_one_machine_train_as_one_four_rank_world(tmp_path, shim):
+def test_two_nodes_on_one_machine_train_as_one_four_rank_world(tmp_path):
     port = free_port()
-    nodes = [_start(tmp_path, shim, ["--num_nodes", "2", "--node_rank", str(n), "--nproc", "2",
+    nodes = [_start(tmp_path, ["--num_nodes", "2", "--node_rank", str(n), "--nproc", "2",
                                      "--master_addr", "127.0.0.1", "--master_port", str(port)],
                     3, "nodes") for n in (0, 1)]  # one checkpoint of 4 ranks
     multi, _ = _rows(*nodes)
     _check(multi, 4)
     assert sorted(r["local_rank_arg"] for r in multi) == [0, 0, 1, 1]
-    single, _ = _rows(_start(tmp_path, shim, ["--nproc", "4"], 3, "one"))
+    single, _ = _rows(_start(tmp_path, ["--nproc", "4"], 3, "one"))
     for a, b in zip(multi, single, strict=True):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-7)
         assert a["checksum"] == pytest.approx(b["checksum"], rel=1e-9, abs=1e-9)

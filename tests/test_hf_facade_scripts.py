@@ -37,6 +37,7 @@ from zeroio.testing.hf_scripts import (  # noqa: E402
     train_losses,
     write_corpus,
     write_preferences,
+    zeroio_launch,
 )
 
 
@@ -70,6 +71,8 @@ def _clm(work: Path, out: str, *extra: str, facade: bool, script: str = "run_clm
     args = ["--model_name_or_path", str(work / "model"), "--train_file", str(work / "train.txt"),
             "--validation_file", str(work / "valid.txt"), "--output_dir", str(work / out),
             *_CLM_ARGS, *extra]
+    if facade and script == "run_clm.py":  # the stock script, unchanged, as DeepSpeed users run it
+        return zeroio_launch(SCRIPTS / script, args, script_env(facade=False, tmp=work))
     return torchrun(SCRIPTS / script, args, script_env(facade=facade, tmp=work))
 
 
@@ -153,9 +156,10 @@ def test_trl_trainer_stage3_equals_ddp(work, script, data):
     for name, extra, facade in (("z3", ["--deepspeed", str(work / "z3.json")], True),
                                 ("ddp", ["--use_cpu"], False)):
         out = work / f"{script[:-3]}_{name}"
-        torchrun(SCRIPTS / script, ["--model_name_or_path", str(work / "model32"),
-                                    "--train_file", str(work / data), "--output_dir", str(out),
-                                    *_TRL_ARGS, *extra], script_env(facade=facade, tmp=work))
+        run = zeroio_launch if facade else torchrun  # TRL unchanged under zeroio launch
+        run(SCRIPTS / script, ["--model_name_or_path", str(work / "model32"),
+                               "--train_file", str(work / data), "--output_dir", str(out),
+                               *_TRL_ARGS, *extra], script_env(facade=False, tmp=work))
         runs[name] = out
     assert len(train_losses(runs["z3"])) == 4
     assert train_losses(runs["z3"]) == pytest.approx(train_losses(runs["ddp"]), rel=1e-5)

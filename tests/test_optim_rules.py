@@ -424,7 +424,8 @@ def _client_body(tmpdir):
 def test_client_optimizer_steps_the_shards(tmp_path):
     for rank_results in run_ranks(_client_body, 2, str(tmp_path), timeout=300):
         for case, opt, loss_rel, diff, resume_diff in rank_results:
-            assert opt == "ClientOnShards", (case, opt)
+            # torch's Adam/AdamW are zeroio's Adam (the same update); any other class steps itself
+            assert opt == ("ShardedAdam" if case[0] == "adam" else "ClientOnShards"), (case, opt)
             assert loss_rel < 1e-5, (case, loss_rel)
             assert diff < 2e-6, (case, diff)
             assert resume_diff == 0.0, (case, resume_diff)

@@ -104,17 +104,18 @@ def _rule_spec(optimizer_cfg, p: dict, module, model_parameters) -> OptimizerSpe
 
 
 def from_client(optimizer: torch.optim.Optimizer, cfg=None) -> OptimizerSpec:
-    """A client optimizer -> spec sharing its group dicts. ``torch.optim.Adam``/``AdamW`` are
-    stepped by zeroio's Adam; any other class (and Adam too with optimizer offload and
-    ``zero_force_ds_cpu_optimizer: false``) by itself over the shards (rule "client"). With
+    """A client optimizer -> spec sharing its group dicts. ``torch.optim.Adam``/``AdamW`` (and
+    their subclasses) are stepped by zeroio's Adam; any other class by itself over the shards
+    (rule "client"). With
     optimizer offload and ``zero_force_ds_cpu_optimizer: true`` (DeepSpeed's default) a
     non-Adam client optimizer is refused, as DeepSpeed refuses it. ``cfg``: the engine's
     ``Config`` (None: no offload, the flag's default)."""
     name = type(optimizer).__name__
     offload = cfg is not None and cfg.zero_optimization.offload_optimizer.device != "none"
     force = cfg is None or cfg.zero_force_ds_cpu_optimizer
-    adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
-    if adam and not (offload and not force):
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        # the same update as zeroio's Adam, whatever the flag says (accelerate sets it false
+        # beside its own DeepSpeedCPUAdam, and Adam's hyperparameters carry over exactly)
         return _client_adam(optimizer)
     if offload and force:
         raise ConfigError(f"client optimizer {name} with offload_optimizer: zeroio steps its own "

@@ -81,6 +81,15 @@ def torchrun(script: str | Path, args: list[str], env: dict[str, str], *, nproc:
     return _run(cmd, env, timeout)
 
 
+def zeroio_launch(script: str | Path, args: list[str], env: dict[str, str], *, nproc: int = 2,
+                  timeout: float = 300) -> subprocess.CompletedProcess:
+    """``zeroio launch --nproc N script args``: the launcher puts the facade first on the
+    children's path and passes ``--local_rank`` (give it an ``env`` without the facade)."""
+    cmd = [sys.executable, "-m", "zeroio.cli", "launch", "--nproc", str(nproc),
+           "--master_port", str(free_port()), str(script), *args]
+    return _run(cmd, env, timeout)
+
+
 def accelerate_launch(config_file: Path, script: str | Path, args: list[str],
                       env: dict[str, str], *, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
