@@ -554,12 +554,12 @@ class Engine:
         return result
 
     def save_16bit_model(self, save_dir, save_filename=None):
-        from zeroio.checkpoint import engine_io
+        from zeroio.checkpoint import export16
 
         self._guard.check("save_16bit_model")
         self._phase.check("save_16bit_model")
         self.synchronize()
-        return engine_io.save_16bit_model(self, save_dir)
+        return export16.save_16bit_model(self, save_dir)
 
     def close(self) -> None:
         """Stop the engine's threads and remove its swap folders (docs/engine.md, "Closing an
