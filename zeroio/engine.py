@@ -166,7 +166,7 @@ def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
     if zc.tiering.cpu_budget_bytes is not None:
         opt_floor = 0
         if opt_nvme:
-            from zeroio.optim.swap import min_host_bytes
+            from zeroio.optim.swap_plan import min_host_bytes
 
             split = partitioner.optimizer_split
             opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
