@@ -9,7 +9,7 @@ import pytest
 
 from zeroio.config import load_config
 from zeroio.errors import ConfigError
-from zeroio.optim.swap import MAX_SUB_GROUPS, split
+from zeroio.optim.swap_plan import MAX_SUB_GROUPS, split
 
 Z = "zero_optimization"
 NVME = {"device": "nvme", "nvme_path": "/tmp/zeroio-unused"}

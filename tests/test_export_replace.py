@@ -136,7 +136,7 @@ def test_save_16bit_model_replaces_an_earlier_export(tmp_path, monkeypatch):
     """engine.save_16bit_model (one process): a sharded export over a single-file one, then
     a single file over shards; from_pretrained loads the engine's weights each time."""
     import zeroio
-    from zeroio.checkpoint import engine_io
+    from zeroio.checkpoint import export16
 
     monkeypatch.setenv("ZEROIO_HOST_MEMORY", "off")
     engine, *_ = zeroio.initialize(model=_model(0), config={
@@ -148,7 +148,7 @@ def test_save_16bit_model_replaces_an_earlier_export(tmp_path, monkeypatch):
             ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(i))
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()  # new weights for each export
-            engine_io.save_16bit_model(engine, out, max_shard_bytes=shard)
+            export16.save_16bit_model(engine, out, max_shard_bytes=shard)
             loaded = dict(LlamaForCausalLM.from_pretrained(out).named_parameters())
             for name, p in engine.module.named_parameters():
                 assert torch.equal(loaded[name].detach(), p.detach().float()), (i, name)

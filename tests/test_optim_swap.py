@@ -5,7 +5,8 @@ import torch
 
 import zeroio
 from zeroio.optim.adam import ShardedAdam
-from zeroio.optim.swap import SwappedAdam, split
+from zeroio.optim.swap import SwappedAdam
+from zeroio.optim.swap_plan import split
 from zeroio.partition.base import Segment, ShardGroup
 from zeroio.tiering import MemoryBackend
 

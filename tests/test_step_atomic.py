@@ -72,7 +72,7 @@ def _train(engine, steps) -> list[float]:
 
 
 def _params(engine) -> dict[str, np.ndarray]:
-    from zeroio.checkpoint.engine_io import gather_weights
+    from zeroio.checkpoint.export16 import gather_weights
 
     return {n: t.numpy().copy() for n, t in (gather_weights(engine) or {}).items()}
 

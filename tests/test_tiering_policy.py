@@ -54,7 +54,7 @@ def run_steps(store: TieredStore, trace: list[str], steps: int,
         store.release(name)
         compute(store)
     store.step_boundary()
-    store._queue.join()
+    store._prefetcher.join()
     start = {n for n in store.names if "cpu" in store.residency(n)}
     before = store.stats()["bytes_moved"].get("nvme->cpu", 0)
     for _ in range(steps):
@@ -64,7 +64,7 @@ def run_steps(store: TieredStore, trace: list[str], steps: int,
             store.release(name)
             compute(store)
         store.step_boundary()
-    store._queue.join()
+    store._prefetcher.join()
     return store.stats()["bytes_moved"].get("nvme->cpu", 0) - before, start
 
 
@@ -113,7 +113,7 @@ def test_trace_prefetch_hides_misses_without_extra_traffic():
     try:
         # "Compute" between accesses lasts until the prefetch queue is served, so
         # the counts do not depend on thread timing.
-        moved, start = run_steps(store, trace, steps, compute=lambda s: s._queue.join())
+        moved, start = run_steps(store, trace, steps, compute=lambda s: s._prefetcher.join())
         stats = store.stats()
     finally:
         store.close()
@@ -130,7 +130,7 @@ def test_trace_prefetch_hides_misses_without_extra_traffic():
     for policy in ("trace", "lru"):
         store = make_store(policy, n, slots, depth=depth)
         try:
-            moved_by[policy], _ = run_steps(store, trace, steps, compute=lambda s: s._queue.join())
+            moved_by[policy], _ = run_steps(store, trace, steps, compute=lambda s: s._prefetcher.join())
             if policy == "trace":
                 assert store.stats()["last_step"]["misses"] == 0
         finally:

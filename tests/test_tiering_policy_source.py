@@ -45,7 +45,7 @@ def _body(root):
     import torch
 
     import zeroio
-    import zeroio.engine as eng
+    import zeroio.engine_build as eng
 
     built = []
     real = eng.resolve_policies

@@ -63,7 +63,7 @@ def test_prefetch_read_error_surfaces_at_next_acquire():
         s.register("w", (8,), torch.float32, home=Tier.NVME, init=torch.ones(8))
         backend.fail_next("read", "w")
         s.prefetch(["w"], "cpu")
-        s._queue.join()
+        s._prefetcher.join()
         s._lock.acquire(); s._mover.quiesce(); s._lock.release()  # noqa: E702
         with pytest.raises(SwapIOError, match="loading 'w'"):
             s.acquire("w", "cpu")

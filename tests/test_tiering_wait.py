@@ -138,11 +138,11 @@ def test_prefetch_never_fails_for_lack_of_space():
     with _store(1) as s:
         s.acquire("a", "cpu")
         s.prefetch(["b", "c", "d"], "cpu")  # no room: dropped, not an error
-        s._queue.join()
+        s._prefetcher.join()
         assert all("cpu" not in s.residency(n) for n in "bcd")
         s.release("a")
         s.prefetch(["c"], "cpu")
-        s._queue.join()
+        s._prefetcher.join()
         assert torch.equal(s.acquire("c", "cpu"), torch.full((N,), 2.0))
         s.release("c")
         assert s.stats()["hits"] >= 1

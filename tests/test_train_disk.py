@@ -135,7 +135,7 @@ def test_no_checkpoint_conflicts_are_config_errors(tmp_path, extra, clash):
 def test_moment_swap_files_are_deleted_before_the_export(tmp_path, monkeypatch):
     """The optimizer's swap folder holds the moments while the run trains and is gone when the
     live export starts; the parameters' swap folder stays (the disk plan counts it then)."""
-    import zeroio.checkpoint.engine_io as engine_io
+    import zeroio.checkpoint.export16 as export16
     import zeroio.cli.train.loop as loop
     from zeroio.cli.train.loop import TrainOptions, train
 
@@ -148,7 +148,7 @@ def test_moment_swap_files_are_deleted_before_the_export(tmp_path, monkeypatch):
         return {str(f.relative_to(nvme)): f.stat().st_size for f in nvme.rglob("*") if f.is_file()}
 
     seen: dict[str, dict[str, int]] = {}
-    real_export, real_step = engine_io.save_16bit_model, loop._one_step
+    real_export, real_step = export16.save_16bit_model, loop._one_step
 
     def export(engine, d, **kw):
         seen["export"] = files()
@@ -159,7 +159,7 @@ def test_moment_swap_files_are_deleted_before_the_export(tmp_path, monkeypatch):
         seen["train"] = files()
         return r
 
-    monkeypatch.setattr(engine_io, "save_16bit_model", export)
+    monkeypatch.setattr(export16, "save_16bit_model", export)
     monkeypatch.setattr(loop, "_one_step", step)
     try:
         res = train(TrainOptions(steps=2, seq_len=64, micro_batch=2, json=True, output=str(out),

@@ -5,8 +5,8 @@ The engine owns the step protocol (partition/base.py ``Partitioner``):
 gradients; ``step`` — only at the accumulation boundary — checks overflow and
 the global norm with one all-reduce, steps the optimizer over the
 partitioner's ``ShardGroup``s, steps the LR schedule and publishes the
-updated parameters. Which partitioner runs is decided in one place,
-``build_partitioner``.
+updated parameters. Which partitioner and optimizer run is decided in one place,
+engine_build.py (``build_partitioner``, ``build_optimizer``).
 
 [Note: one all-reduce for norm and overflow]
 Each rank's squared gradient norm is summed over ranks (``local_grad_sq_norm``
@@ -30,18 +30,20 @@ from zeroio import preemption, shutdown
 from zeroio.config import load_config
 from zeroio.config.launch_env import launch_env
 from zeroio.config.loader import collective_timeout
-from zeroio.config.policy import resolve_policies
-from zeroio.dtypes import DTYPES
+from zeroio.engine_build import (
+    build_optimizer,
+    build_partitioner,
+    explicit_budgets,
+    fit_budgets,
+    resolve_engine_policies,
+)
 from zeroio.engine_state import MicroStep
 from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError, StepFailedError
-from zeroio.optim import cpu_adam
-from zeroio.optim.adam import ShardedAdam
-from zeroio.optim.factory import OptimizerSpec, from_client, from_config
+from zeroio.optim.factory import from_client, from_config
 from zeroio.optim.loss_scaler import build_loss_scaler
 from zeroio.optim.lr_schedules import build_scheduler
-from zeroio.optim.rule_build import RankSum, build_rule_optimizer, rule_policies
+from zeroio.optim.rule_build import rule_policies
 from zeroio.partition import collectives as comm
-from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
 from zeroio.preflight import check_host_memory
 from zeroio.step_guard import StepGuard
 from zeroio.tiering import stats as tstats
@@ -69,132 +71,6 @@ def pick_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", launch_env().local_rank)
     return torch.device("cpu")
-
-
-def resolve_engine_policies(cfg, device: torch.device):
-    """The offload and tiering policies of ``cfg`` for ``device``, resolved once per engine
-    (config/policy.py); the partitioner and optimizer builders take them."""
-    return resolve_policies(cfg.zero_optimization,
-                            accumulation_steps=cfg.gradient_accumulation_steps, device=device,
-                            bf16=cfg.bf16)
-
-
-def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device,
-                      policies=None):
-    """The one place that maps ``zero_optimization.stage`` to a partitioner (``policies``:
-    ``resolve_engine_policies``'s, resolved here when not given)."""
-    zc = cfg.zero_optimization
-    dtype = DTYPES[cfg.compute_dtype]
-    pol = policies if policies is not None else resolve_engine_policies(cfg, device)
-    off = pol.optimizer
-    if off.device == "none":
-        home = ShardHome(device=device)
-    else:  # cpu, and nvme (whose masters and moments are swapped by the optimizer)
-        home = host_home(pin_memory=off.pin_memory or device.type == "cuda")
-    if zc.stage in (0, 1, 2):
-        return Stage12Partitioner(
-            module=module, param_groups=spec.param_groups, stage=zc.stage, compute_dtype=dtype,
-            device=device, home=home, reduce_bucket_numel=max(1, zc.reduce_bucket_size),
-            overlap_forward=off.cpu and pol.tiering.overlap_step,
-            optimizer_ratio=off.ratio if off.cpu else 1.0,
-            cpu_optimizer=off.cpu, nvme_optimizer=off.nvme,
-            accumulation_steps=pol.accumulation_steps,
-            step_assist=pol.tiering.step_assist, gpu_budget_bytes=pol.tiering.gpu_budget_bytes,
-            host_kernel=cpu_adam if spec.rule == "adam" else None,
-            master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states])
-    if zc.stage == 3:
-        from zeroio.partition.stage3 import build_stage3_partitioner
-
-        return build_stage3_partitioner(cfg=cfg, module=module, spec=spec, device=device,
-                                        compute_dtype=dtype, home=home, policies=pol,
-                                        host_kernel=cpu_adam if spec.rule == "adam" else None)
-    raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
-                      key="zero_optimization.stage")
-
-
-def build_optimizer(cfg, partitioner, spec: OptimizerSpec, shares: dict | None = None,
-                    policies=None):
-    """``shares``: the NVMe optimizer's share of explicit tier budgets (``fit_budgets``);
-    ``policies``: as for ``build_partitioner``."""
-    policies = policies if policies is not None else resolve_engine_policies(cfg, None)
-    if spec.rule != "adam":  # SGD, Adagrad, Lion, Lamb: optim/rule_build.py
-        nccl = comm.backend(partitioner.group) == "nccl"
-        ranks = RankSum(all_reduce=lambda t: comm.all_reduce(t, partitioner.group).wait(),
-                        device=partitioner.device if nccl else torch.device("cpu"))
-        return build_rule_optimizer(cfg, partitioner, spec, shares, policies, rank=comm.rank(),
-                                    ranks=ranks)
-    split = partitioner.optimizer_split
-    if split is not None:  # offload_optimizer.ratio < 1: partition/stage3/twin.py, stage12.py
-        from zeroio.optim.twin import TwinAdam
-
-        return TwinAdam(device=ShardedAdam(split.device, spec.hyper, decoupled=spec.decoupled),
-                        host=_offloaded_optimizer(cfg, split.host, spec, partitioner, shares,
-                                                  policies),
-                        groups=partitioner.groups)
-    return _offloaded_optimizer(cfg, partitioner.groups, spec, partitioner, shares, policies)
-
-
-def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, policies):
-    if policies.optimizer.device == "nvme":
-        from zeroio.optim.swap import SwappedAdam
-
-        return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, policies=policies,
-                           aio=cfg.aio, grad_divisor=partitioner.host_grad_divisor,
-                           rank=comm.rank(), **(shares or {}))
-    # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
-    # gradients]): the optimizer (either) folds the divisor into its grad_scale
-    return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
-                       grad_divisor=partitioner.host_grad_divisor,
-                       state_dtype=DTYPES[policies.precision.states],
-                       state_gate=partitioner.release_device_state)
-
-
-def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
-    """Split explicit ``tiering`` budgets among the state outside stores (``held_cpu`` host
-    bytes), stage 3's NVMe parameter store (its share set here) and the NVMe optimizer
-    (the returned ``SwappedAdam`` keywords): [Note: budgets in training] in
-    tiering/budget.py. CapacityError when the CPU budget cannot hold what must stay."""
-    from zeroio.partition.stage3.nvme_store import TieredShards
-    from zeroio.tiering.budget import split_host_budget
-
-    zc = cfg.zero_optimization
-    opt_nvme = zc.offload_optimizer.device == "nvme"
-    pstore = partitioner.store if isinstance(partitioner.store, TieredShards) else None
-    shares: dict = {}
-    if not (opt_nvme or pstore):
-        return shares
-    if zc.tiering.cpu_budget_bytes is not None:
-        opt_floor = 0
-        if opt_nvme:
-            from zeroio.optim.swap import min_host_bytes
-
-            split = partitioner.optimizer_split
-            opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
-                                       zc.sub_group_size,
-                                       DTYPES[cfg.bf16.optimizer_state_dtype].itemsize)
-        cut = split_host_budget(zc.tiering.cpu_budget_bytes, held=held_cpu,
-                                param_floor=pstore.cpu_floor() if pstore else 0,
-                                param_ask=pstore.cpu_ask() if pstore else 0,
-                                optimizer_floor=opt_floor)
-        if pstore is not None:
-            pstore.store.shrink_budget("cpu", cut.params)
-        shares["cpu_budget_bytes"] = cut.optimizer
-    if zc.tiering.nvme_budget_bytes is not None and pstore is not None:
-        homes = pstore.store.stats()["tiers"]["nvme"]["home_bytes"]
-        pstore.store.shrink_budget("nvme", homes)
-        shares["nvme_budget_bytes"] = max(0, zc.tiering.nvme_budget_bytes - homes)
-    return shares if opt_nvme else {}
-
-
-def explicit_budgets(cfg) -> dict[str, int]:
-    """The user's tier budgets that bound training state (what ``engine.stats()`` reports
-    as ``budget_bytes``): cpu and nvme, when something is offloaded to NVMe."""
-    zc = cfg.zero_optimization
-    if not (zc.offload_optimizer.device == "nvme" or
-            (zc.stage == 3 and zc.offload_param.device == "nvme")):
-        return {}
-    return {t: b for t, b in (("cpu", zc.tiering.cpu_budget_bytes),
-                              ("nvme", zc.tiering.nvme_budget_bytes)) if b is not None}
 
 
 class Engine:
@@ -554,12 +430,12 @@ class Engine:
         return result
 
     def save_16bit_model(self, save_dir, save_filename=None):
-        from zeroio.checkpoint import engine_io
+        from zeroio.checkpoint import export16
 
         self._guard.check("save_16bit_model")
         self._phase.check("save_16bit_model")
         self.synchronize()
-        return engine_io.save_16bit_model(self, save_dir)
+        return export16.save_16bit_model(self, save_dir)
 
     def close(self) -> None:
         """Stop the engine's threads and remove its swap folders (docs/engine.md, "Closing an

@@ -3,7 +3,7 @@
     save_sharded(state, dir, tag)         collective: each rank writes its segments
     load_sharded(dir, tag, template)      each rank fills its own ranges
     consolidate(dir, tag=None)            {name: full tensor}, for safetensors export
-    engine_io.save_checkpoint / load_checkpoint / save_16bit_model   (used by Engine)
+    engine_io.save_checkpoint / load_checkpoint, export16.save_16bit_model   (used by Engine)
 
 See docs/checkpoint.md for the on-disk layout.
 """

@@ -237,7 +237,7 @@ class ZeroConfig:
                   "0 as one sub-group per parameter, which zeroio's flat sub-groups do not do; "
                   "1e9 is the default)"))
     """Elements per optimizer sub-group: the unit of the pipelined NVMe optimizer step (1e9).
-    At least 1, and no more than ``MAX_SUB_GROUPS`` sub-groups per rank (optim/swap.py)."""
+    At least 1, and no more than ``MAX_SUB_GROUPS`` sub-groups per rank (optim/swap_plan.py)."""
     stage3_prefetch_bucket_size: int = field(50_000_000, coerce=_NONNEG,
                                              aliases=("prefetch_bucket_size",))
     """Stage 3: parameter elements fetched ahead of use (5e7)."""

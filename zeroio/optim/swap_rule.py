@@ -1,8 +1,8 @@
 """The NVMe optimizer's use of its host share, decided without importing torch.
 
-``zeroio.estimate`` plans with these figures; ``optim/swap.py`` (``SwapPlan.make`` and
-``SwappedAdam``) applies the same rules in training ([Note: resident head, streamed tail]
-there): the window (the piece being updated and ``read_ahead`` pieces requested ahead) comes
+``zeroio.estimate`` plans with these figures; ``SwapPlan.make`` (optim/swap_plan.py) and
+``SwappedAdam`` apply the same rules in training ([Note: resident head, streamed tail] in
+optim/swap.py): the window (the piece being updated and ``read_ahead`` pieces requested ahead) comes
 out of the share first, the first whole pieces that fit the rest stay resident, and when the
 NVMe budget cannot hold every moment the resident head is homed in host memory, so the disk
 holds only the streamed tail. Pieces are counted without their sub-group remainders: the

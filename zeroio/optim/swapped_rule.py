@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from zeroio.optim.rules import Rule
 from zeroio.optim.sharded_rule import scaled_grad
-from zeroio.optim.swap import SubGroup, SwappedAdam
+from zeroio.optim.swap import SwappedAdam
+from zeroio.optim.swap_plan import SubGroup
 
 
 class SwappedRule(SwappedAdam):

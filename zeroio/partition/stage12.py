@@ -188,7 +188,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self.layout: FlatLayout = build_layout(
             module, param_groups, self.index, reduce_bucket_numel, self.world)
         self.optimizer_split: OptimizerSplit | None = None
-        """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine.build_optimizer);
+        """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine_build.build_optimizer);
         see [Note: stage 1/2 twin placement]."""
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
         self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]

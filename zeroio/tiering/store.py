@@ -5,7 +5,7 @@ the tier they compute in (GPU or CPU), ``mark_dirty`` what they changed and
 ``release`` them. The store keeps each tensor's home copy (GPU, CPU or NVMe)
 and cache copies in the other memory tiers, evicts by policy, writes dirty
 data back before its space is reused, and moves upcoming tensors ahead of use
-on a prefetch thread whose transfers run on the I/O engine's threads and on
+on a prefetch thread (prefetcher.py) whose transfers run on the I/O engine's threads and on
 CUDA copy streams. Invariants: [Note: copies] in tier.py; sources and waiting
 rules: mover.py; where a home goes and what budgets keep room for ([Note:
 placement]): placement.py; the streams: [Note: zeroio's CUDA streams] in streams.py.
@@ -13,7 +13,6 @@ placement]): placement.py; the streams: [Note: zeroio's CUDA streams] in streams
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -22,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from zeroio.config.policy import TieringPolicy
-from zeroio.errors import CapacityError, ResidencyError, SwapIOError, ZeroIOError
+from zeroio.errors import CapacityError, ResidencyError, SwapIOError
 from zeroio.tiering.acquirer import Acquirer
 from zeroio.tiering.backend import NvmeBackend
 from zeroio.tiering.config import STORE_READ_AHEAD, Budgets, store_policy
@@ -30,6 +29,7 @@ from zeroio.tiering.mover import Mover
 from zeroio.tiering.placement import ORDER as _ORDER
 from zeroio.tiering.placement import check_shrink, place_with_room
 from zeroio.tiering.policy import PolicyKind, make_policy
+from zeroio.tiering.prefetcher import Prefetcher
 from zeroio.tiering.state import Copy, Entry, Space
 from zeroio.tiering.stats import TierStats
 from zeroio.tiering.streams import DeviceStreams
@@ -85,9 +85,7 @@ class TieredStore:
         self._stats = TierStats()
         self._mover = Mover(self._lock, self._spaces, backend, self._stats, streams, self._entries,
                             acquire_timeout=self.cfg.acquire_timeout_s)
-        self._queue: queue.Queue = queue.Queue()
-        self._queued: set[tuple[str, Tier]] = set()
-        self._worker: threading.Thread | None = None
+        self._prefetcher = Prefetcher(self._lock, self._entries, self._mover, lambda: self._closed)
         self._acquirer = Acquirer(self._stats)
         self._closed = False
 
@@ -173,7 +171,7 @@ class TieredStore:
     def _prefetch_upcoming(self, tier: Tier) -> None:
         """Queue the accesses the policy predicts (trace policy; others predict none)."""
         names = self._spaces[tier].policy.upcoming(self._depth)  # type: ignore[union-attr]
-        self._enqueue(names, tier)
+        self._prefetcher.enqueue(names, tier)
 
     def acquire_async(self, name: str, tier: Tier | str) -> Future:
         """Like ``acquire`` but returns at once; the future's result is the tensor. Time a
@@ -399,40 +397,7 @@ class TieredStore:
                 self._entry(name)
             if not tier.is_memory or self._spaces[tier].budget == 0:
                 return
-            self._enqueue(list(names), tier)
-
-    def _enqueue(self, names: list[str], tier: Tier) -> None:
-        for name in names:
-            if (name, tier) in self._queued or tier in self._entries[name].copies:
-                continue
-            self._queued.add((name, tier))
-            self._queue.put((name, tier))
-        if self._worker is None and self._queued:
-            self._worker = threading.Thread(target=self._serve, name="zeroio-tiering-prefetch", daemon=True)
-            self._worker.start()
-
-    def _serve(self) -> None:
-        """The prefetch queue: issues loads (which run on the I/O engine's threads and
-        the copy stream) and goes on to the next without waiting for them."""
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                name, tier = item
-                with self._lock:
-                    self._queued.discard(item)
-                    entry = self._entries.get(name)
-                    if self._closed or entry is None:
-                        continue
-                    try:
-                        self._mover.load(entry, tier, prefetch=True)
-                    except CapacityError:
-                        pass  # a hint that does not fit is dropped
-                    except ZeroIOError as exc:
-                        entry.error = entry.error or exc  # surfaces at the next acquire
-            finally:
-                self._queue.task_done()
+            self._prefetcher.enqueue(list(names), tier)
 
     # -- steps, flush, stats, close ---------------------------------------------
 
@@ -454,7 +419,7 @@ class TieredStore:
     def flush(self) -> None:
         """Write every dirty copy back to its home and wait (homes then hold the
         latest value: what a checkpoint reads)."""
-        self._queue.join()
+        self._prefetcher.join()
         with self._lock:
             self._check_open()
             self._mover.quiesce()
@@ -536,9 +501,7 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        self._prefetcher.shutdown()
         self._acquirer.shutdown()
         with self._lock:
             while self._mover.deferred:

@@ -251,8 +251,8 @@ def write_model(ckpt: Path, tag: str, mcfg, model_dir: Path, *, progress: bool,
 def write_model_live(engine, mcfg, model_dir: Path, dtype: torch.dtype, *, rank0: bool,
                      overwrite: bool = False) -> None:
     """The same folder as `write_model`, from the live engine's fp32 masters (no checkpoint):
-    collective, each window reduced onto rank 0, cast and streamed (engine_io.save_16bit_model)."""
-    from zeroio.checkpoint.engine_io import save_16bit_model
+    collective, each window reduced onto rank 0, cast and streamed (export16.save_16bit_model)."""
+    from zeroio.checkpoint.export16 import save_16bit_model
 
     if rank0:
         rundir.remove_written(model_dir.parent, ("model",), overwrite=overwrite)

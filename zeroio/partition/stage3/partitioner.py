@@ -101,7 +101,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self._sides, self._pieces = self._build_shards(n_opt)
         host, dev = self._sides[Side.HOST], self._sides[Side.DEVICE]
         self.optimizer_split: OptimizerSplit | None = None
-        """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine.build_optimizer)."""
+        """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine_build.build_optimizer)."""
         if settings.optimizer_ratio < 1.0:
             self.optimizer_split = OptimizerSplit(device=dev, host=host)
             self.groups = [logical_group(d, h) for d, h in zip(dev, host, strict=True)]
@@ -502,7 +502,7 @@ def _covers_shard(plan, rank: int, refs: list[_PieceRef]) -> bool:
 def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.device,
                              compute_dtype: torch.dtype, home, policies,
                              host_kernel=None) -> Stage3Partitioner:
-    """What ``engine.build_partitioner`` calls for ``zero_optimization.stage: 3``; ``policies``:
+    """What ``engine_build.build_partitioner`` calls for ``zero_optimization.stage: 3``; ``policies``:
     the offload and tiering blocks resolved for ``device`` (config/policy.py)."""
     settings = Stage3Settings.from_policies(policies, zero=cfg.zero_optimization, aio=cfg.aio)
     return Stage3Partitioner(module=module, param_groups=spec.param_groups,
