@@ -151,9 +151,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
 
 
 def _read_json(path) -> dict:
-    from zeroio.integrations.hf_config import read_config
+    import copy
 
-    return read_config(path, key="config")
+    from zeroio.config.loader import read_config
+
+    return copy.deepcopy(read_config(path))  # a private copy: the callers edit it
 
 
 def _init_config(config):
