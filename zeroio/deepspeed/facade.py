@@ -134,7 +134,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                config_params=None):
     """DeepSpeed's ``initialize`` on zeroio: ``(engine, optimizer, dataloader, lr_scheduler)``
     where ``engine`` is a ``DeepSpeedEngine`` (zeroio/deepspeed/engine_adapter.py)."""
-    cfg = _config_dict(config if config is not None else config_params, args)
+    given = config if config is not None else config_params
+    cfg = _config_dict(given, args)
     if isinstance(cfg, dict) and optimizer is None and "optimizer" not in cfg:
         # inference (transformers' evaluate-only deepspeed_init): DeepSpeed ignores a
         # scheduler without an optimizer; its "auto" step count is then 0
@@ -142,10 +143,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}  # zeroio's engine needs one
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = scheduler_factory(lr_scheduler)  # transformers' lr_scheduler_type
+    # api.initialize reads args too (args.local_rank, a config given twice); a config read
+    # from args is passed as args alone unless it had to be rewritten (a dict)
+    from_args = given is None
     engine, opt, loader, sched = api.initialize(
-        model=model, optimizer=optimizer, model_parameters=model_parameters,
-        training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn,
-        config=cfg)
+        args=None if from_args and isinstance(cfg, dict) else args, model=model,
+        optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
+        lr_scheduler=lr_scheduler, distributed_port=distributed_port or api.DEFAULT_PORT,
+        mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn,
+        config=None if from_args and not isinstance(cfg, dict) else cfg, mesh_param=mesh_param)
     shown = cfg if isinstance(cfg, dict) else _read_json(cfg)
     return as_deepspeed_engine(engine, shown), opt, loader, sched
 
