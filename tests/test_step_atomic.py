@@ -26,7 +26,10 @@ def _model():
 
 
 OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-              "lamb": {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+              "lamb": {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "lamb_ratio": {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+RATIO = {"lamb_ratio": 0.5}
+"""Optimizers whose NVMe host side shares the shard with a device side (a ratio)."""
 
 
 def _config(world: int, stage: int, nvme: str, read_ahead: bool = False,
@@ -36,9 +39,12 @@ def _config(world: int, stage: int, nvme: str, read_ahead: bool = False,
         "optimizer": OPTIMIZERS[optimizer],
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
                                                       "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": stage, "sub_group_size": 50,
+        "zero_optimization": {"stage": stage,
+                              # a ratio's host side holds half the shard: smaller pieces
+                              "sub_group_size": 10 if optimizer in RATIO else 50,
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
-                                                    "pipeline_read": read_ahead},
+                                                    "pipeline_read": read_ahead,
+                                                    "ratio": RATIO.get(optimizer, 1.0)},
                               # a host share smaller than the moments: pieces stream to disk
                               "tiering": {"cpu_budget_bytes": 30000}},
     }
@@ -84,7 +90,8 @@ def _params(engine) -> dict[str, np.ndarray]:
 
 
 def _masters(engine) -> list[np.ndarray]:
-    return [g.master.detach().clone().numpy() for g in engine.partitioner.groups]
+    return [engine.optimizer.local_tensor(g.group_index, "fp32").detach().cpu().clone().numpy()
+            for g in engine.partitioner.groups]
 
 
 def _scalars(engine) -> dict:
@@ -96,8 +103,16 @@ def _scalars(engine) -> dict:
                           for g in engine.partitioner.groups]}
 
 
+def _swapped(engine):
+    """The optimizer that swaps the state (a ratio's host side)."""
+    from zeroio.optim.twin import TwinAdam
+
+    opt = engine.optimizer
+    return opt.host if isinstance(opt, TwinAdam) else opt
+
+
 def _names(engine, pieces) -> set[str]:
-    return {engine.optimizer.pieces[i].name(k) for i in pieces for k in ("exp_avg", "exp_avg_sq")}
+    return {_swapped(engine).pieces[i].name(k) for i in pieces for k in ("exp_avg", "exp_avg_sq")}
 
 
 class _Faults:
@@ -267,14 +282,15 @@ def _first_window_phase(root, stage, read_ahead, optimizer="adamw"):
     first = _train(e, range(2))
     masters = _masters(e)
     faults = _Faults(e)
-    ahead, head = e.optimizer.plan.read_ahead, e.optimizer.plan.resident
-    streamed = len(e.optimizer.pieces) - 1 > head + ahead
+    swapped = _swapped(e)
+    ahead, head = swapped.plan.read_ahead, swapped.plan.resident
+    streamed = len(swapped.pieces) - 1 > head + ahead
     # the resident head is never read; the end of a step starts reading the next ``ahead``
     # streamed pieces, and the next step reads the one after them itself, in its first window,
     # before it updates piece 0 (on demand: the first streamed piece, before its update).
     # Lamb reads every piece in its norm pass, which writes nothing: its last piece fails
     # there, before any update.
-    bad = head + ahead if optimizer == "adamw" else len(e.optimizer.pieces) - 1
+    bad = head + ahead if optimizer == "adamw" else len(swapped.pieces) - 1
     assert bad >= head + ahead, (bad, head, ahead)
     faults.bad_reads = _names(e, [bad])
     before = _scalars(e)
@@ -308,13 +324,16 @@ def test_a_read_failing_before_the_first_update_rolls_back_and_the_retry_is_exac
     assert r["params_equal"] and all(r["params_equal"].values()), r["params_equal"]
 
 
-@pytest.mark.parametrize("stage,read_ahead", [(2, True), (3, False)])
+@pytest.mark.parametrize("stage,read_ahead,optimizer", [(2, True, "lamb"), (3, False, "lamb"),
+                                                       (3, True, "lamb_ratio")])
 def test_a_lamb_read_failing_in_its_norm_pass_rolls_back_and_the_retry_is_exact(tmp_path, stage,
-                                                                                read_ahead):
+                                                                                read_ahead,
+                                                                                optimizer):
     """Lamb on NVMe reads every piece before it updates one ([Note: two passes over swapped
     Lamb moments]): a read of its last piece failing rolls the step back, as a first-window
-    read does for Adam, and the retry gives the uninterrupted run's numbers."""
-    r, *_ = run_ranks(_first_window_phase, 2, str(tmp_path), stage, read_ahead, "lamb",
+    read does for Adam, and the retry gives the uninterrupted run's numbers. With a ratio the
+    host side's norm pass runs before the device side changes anything."""
+    r, *_ = run_ranks(_first_window_phase, 2, str(tmp_path), stage, read_ahead, optimizer,
                       timeout=300)
     assert r["streamed_after_window"], r  # the failing piece lies past the first window
     assert r["err"] is not None and "injected read error" in r["err"], r["err"]

@@ -42,11 +42,23 @@ class TwinAdam(EngineOptimizer):
 
     # ---- the step ----------------------------------------------------------------------------
 
+    touched = True
+    """Whether the step began changing state (zeroio/step_guard.py): False only while a Lamb
+    step runs its host side's norm pass, which writes nothing (an NVMe read failing there
+    rolls the step back); the device side's state changes from its first pass on."""
+
+    def clear_errors(self) -> None:
+        """Forget the I/O errors the host side's store keeps (NVMe state), after a rollback
+        or a checkpoint load."""
+        if self.host.store is not None:
+            self.host.clear_errors()
+
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
         """Both sides, device first (its kernels queue while the host side runs). Only Lamb
         (never chunked) takes stage 1/2's ``on_updated``: each logical group, once both sides
         moved."""
         if self.rule_name == "lamb":
+            self.touched = False
             self._lamb_step(grad_scale)
             for g in self.groups if on_updated is not None else ():
                 i = g.group_index
@@ -64,6 +76,7 @@ class TwinAdam(EngineOptimizer):
         moments there), one reduction over the ranks, then both sides apply ([Note: sharded
         trust ratio] in lamb_norms.py)."""
         sums = self.host.lamb_sums(grad_scale).cpu()
+        self.touched = True  # the device side's first pass updates its moments in place
         sums += self.device.lamb_sums(grad_scale).cpu()
         total = self.device.norms.reduce(sums).sqrt().tolist()
         self.device.lamb_apply(total)
