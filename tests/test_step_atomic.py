@@ -25,25 +25,37 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 5))
 
 
-def _config(world: int, stage: int, nvme: str, read_ahead: bool = False) -> dict:
+OPTIMIZERS = {"adamw": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "lamb": {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "lamb_ratio": {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+RATIO = {"lamb_ratio": 0.5}
+"""Optimizers whose NVMe host side shares the shard with a device side (a ratio)."""
+
+
+def _config(world: int, stage: int, nvme: str, read_ahead: bool = False,
+            optimizer: str = "adamw") -> dict:
     return {
         "train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "optimizer": OPTIMIZERS[optimizer],
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
                                                       "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": stage, "sub_group_size": 50,
+        "zero_optimization": {"stage": stage,
+                              # a ratio's host side holds half the shard: smaller pieces
+                              "sub_group_size": 10 if optimizer in RATIO else 50,
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
-                                                    "pipeline_read": read_ahead},
+                                                    "pipeline_read": read_ahead,
+                                                    "ratio": RATIO.get(optimizer, 1.0)},
                               # a host share smaller than the moments: pieces stream to disk
                               "tiering": {"cpu_budget_bytes": 30000}},
     }
 
 
-def _engine(world, stage, nvme, read_ahead=False):
+def _engine(world, stage, nvme, read_ahead=False, optimizer="adamw"):
     import zeroio
 
     torch.manual_seed(0)
-    engine, *_ = zeroio.initialize(model=_model(), config=_config(world, stage, nvme, read_ahead))
+    engine, *_ = zeroio.initialize(model=_model(),
+                                   config=_config(world, stage, nvme, read_ahead, optimizer))
     engine.show_progress = False
     return engine
 
@@ -78,7 +90,8 @@ def _params(engine) -> dict[str, np.ndarray]:
 
 
 def _masters(engine) -> list[np.ndarray]:
-    return [g.master.detach().clone().numpy() for g in engine.partitioner.groups]
+    return [engine.optimizer.local_tensor(g.group_index, "fp32").detach().cpu().clone().numpy()
+            for g in engine.partitioner.groups]
 
 
 def _scalars(engine) -> dict:
@@ -90,8 +103,16 @@ def _scalars(engine) -> dict:
                           for g in engine.partitioner.groups]}
 
 
+def _swapped(engine):
+    """The optimizer that swaps the state (a ratio's host side)."""
+    from zeroio.optim.twin import TwinAdam
+
+    opt = engine.optimizer
+    return opt.host if isinstance(opt, TwinAdam) else opt
+
+
 def _names(engine, pieces) -> set[str]:
-    return {engine.optimizer.pieces[i].name(k) for i in pieces for k in ("exp_avg", "exp_avg_sq")}
+    return {_swapped(engine).pieces[i].name(k) for i in pieces for k in ("exp_avg", "exp_avg_sq")}
 
 
 class _Faults:
@@ -246,26 +267,32 @@ def test_a_read_failing_on_one_rank_only_makes_every_rank_refuse(tmp_path):
 # ---- a read fails before anything changed: the step rolls back, the retry is exact -----------
 
 
-def _first_window_phase(root, stage, read_ahead):
+def _first_window_phase(root, stage, read_ahead, optimizer="adamw"):
     import torch.distributed as dist
 
     from zeroio.errors import SwapIOError
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref = _engine(world, stage, os.path.join(root, f"nvme-ref{rank}"), read_ahead)
+    ref = _engine(world, stage, os.path.join(root, f"nvme-ref{rank}"), read_ahead, optimizer)
     straight = _train(ref, range(5))
     straight_params = _params(ref)
     ref.close()
 
-    e = _engine(world, stage, os.path.join(root, f"nvme{rank}"), read_ahead)
+    e = _engine(world, stage, os.path.join(root, f"nvme{rank}"), read_ahead, optimizer)
     first = _train(e, range(2))
     masters = _masters(e)
     faults = _Faults(e)
-    ahead, head = e.optimizer.plan.read_ahead, e.optimizer.plan.resident
+    swapped = _swapped(e)
+    ahead, head = swapped.plan.read_ahead, swapped.plan.resident
+    streamed = len(swapped.pieces) - 1 > head + ahead
     # the resident head is never read; the end of a step starts reading the next ``ahead``
     # streamed pieces, and the next step reads the one after them itself, in its first window,
-    # before it updates piece 0 (on demand: the first streamed piece, before its update)
-    faults.bad_reads = _names(e, [head + ahead])
+    # before it updates piece 0 (on demand: the first streamed piece, before its update).
+    # Lamb reads every piece in its norm pass, which writes nothing: its last piece fails
+    # there, before any update.
+    bad = head + ahead if optimizer == "adamw" else len(swapped.pieces) - 1
+    assert bad >= head + ahead, (bad, head, ahead)
+    faults.bad_reads = _names(e, [bad])
     before = _scalars(e)
     err = None
     try:
@@ -279,6 +306,7 @@ def _first_window_phase(root, stage, read_ahead):
     params = _params(e)
     e.close()
     return {"ahead": ahead, "straight": straight, "first": first, "rest": rest,
+            "streamed_after_window": streamed,
             "err": None if err is None else f"{type(err).__name__}: {err}",
             "before": before, "after": after, "same_masters": same_masters,
             "params_equal": {k: bool(np.array_equal(params[k], v))
@@ -290,6 +318,24 @@ def test_a_read_failing_before_the_first_update_rolls_back_and_the_retry_is_exac
                                                                                   world, read_ahead):
     r, *_ = run_ranks(_first_window_phase, world, str(tmp_path), stage, read_ahead, timeout=300)
     assert (r["ahead"] > 0) == read_ahead, r
+    assert r["err"] is not None and "injected read error" in r["err"], r["err"]
+    assert r["after"] == r["before"] and r["same_masters"], (r["before"], r["after"])
+    assert r["first"] + r["rest"] == r["straight"]
+    assert r["params_equal"] and all(r["params_equal"].values()), r["params_equal"]
+
+
+@pytest.mark.parametrize("stage,read_ahead,optimizer", [(2, True, "lamb"), (3, False, "lamb"),
+                                                       (3, True, "lamb_ratio")])
+def test_a_lamb_read_failing_in_its_norm_pass_rolls_back_and_the_retry_is_exact(tmp_path, stage,
+                                                                                read_ahead,
+                                                                                optimizer):
+    """Lamb on NVMe reads every piece before it updates one ([Note: two passes over swapped
+    Lamb moments]): a read of its last piece failing rolls the step back, as a first-window
+    read does for Adam, and the retry gives the uninterrupted run's numbers. With a ratio the
+    host side's norm pass runs before the device side changes anything."""
+    r, *_ = run_ranks(_first_window_phase, 2, str(tmp_path), stage, read_ahead, optimizer,
+                      timeout=300)
+    assert r["streamed_after_window"], r  # the failing piece lies past the first window
     assert r["err"] is not None and "injected read error" in r["err"], r["err"]
     assert r["after"] == r["before"] and r["same_masters"], (r["before"], r["after"])
     assert r["first"] + r["rest"] == r["straight"]

@@ -42,9 +42,24 @@ class ParamRuns:
     def add_squares(self, t: torch.Tensor, out: torch.Tensor) -> None:
         """``out[k] += sum(t[run] ** 2)`` over the runs of parameter k (float64 sums; ``out``
         on ``t``'s device, so a GPU step does not wait on each sum)."""
-        for k, lo, n in self.runs:
-            piece = t.narrow(0, lo, n)
-            out[k] += torch.dot(piece, piece).double()
+        add_run_squares(self.runs, t, out)
+
+    def within(self, lo: int, n: int) -> list[tuple[int, int, int]]:
+        """The runs clipped to local elements [lo, lo + n): (parameter number, start relative
+        to ``lo``, length) each (a swap piece's share of the group's runs)."""
+        out = []
+        for k, a, m in self.runs:
+            b, e = max(a, lo), min(a + m, lo + n)
+            if b < e:
+                out.append((k, b - lo, e - b))
+        return out
+
+
+def add_run_squares(runs, t: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[k] += sum(t[run] ** 2)`` over ``runs`` ((k, start in ``t``, length) each)."""
+    for k, lo, n in runs:
+        piece = t.narrow(0, lo, n)
+        out[k] += torch.dot(piece, piece).double()
 
 
 def reduce_sums(sums: torch.Tensor, *, all_reduce, comm_device: torch.device) -> torch.Tensor:
@@ -59,4 +74,4 @@ def reduce_sums(sums: torch.Tensor, *, all_reduce, comm_device: torch.device) ->
     return t.cpu()
 
 
-__all__ = ["ParamRuns", "reduce_sums"]
+__all__ = ["ParamRuns", "add_run_squares", "reduce_sums"]

@@ -4,16 +4,17 @@ that steps them there.
 - no offload / ``offload_optimizer cpu``: ``ShardedRule`` over the partitioner's groups (GPU
   tensors, or pinned host memory);
 - ``offload_optimizer nvme``: ``SwappedRule`` (its state swapped as Adam's moments are), for
-  SGD, Adagrad and Lion; SGD without momentum has no state and stays in host memory;
+  SGD, Adagrad and Lion; SGD without momentum has no state and stays in host memory; Lamb's
+  moments in a ``SwappedLamb`` (two passes over the pieces: swapped_lamb.py);
 - ``offload_optimizer.ratio`` < 1: a ``TwinAdam`` of two ``ShardedRule``s (or a host
-  ``SwappedRule``) for the elementwise rules.
+  ``SwappedRule`` / ``SwappedLamb``); Lamb's per-parameter norms add up both sides before
+  either applies (twin.py).
 
-Refused with a ``ConfigError`` naming the key: Lamb with NVMe offload or a ratio (its
-per-parameter norms would span a device side, a host side and the swap pieces), bf16 master
-weights or optimizer states (the rules keep fp32 state), ``tiering.step_assist`` set true
-(its GPU slots run Adam's fused kernel), and Lamb with ``tiering.overlap_step`` true (the
-overlapped step runs chunks; Lamb needs whole parameters); "auto" turns them off. The
-elementwise rules run the host step chunk by chunk (overlapped or not) as Adam does.
+Refused with a ``ConfigError`` naming the key: bf16 master weights or optimizer states (the
+rules keep fp32 state), ``tiering.step_assist`` set true (its GPU slots run Adam's fused
+kernel), and Lamb with ``tiering.overlap_step`` true (the overlapped step runs chunks; Lamb
+needs whole parameters); "auto" turns them off. The elementwise rules run the host step chunk
+by chunk (overlapped or not) as Adam does.
 
 A client optimizer that zeroio's Adam does not stand in for (factory.from_client) is
 ``ClientOnShards`` (client_shards.py) on no offload and ``offload_optimizer cpu``; NVMe and a
@@ -43,14 +44,6 @@ def rule_policies(spec, cfg, policies):
         raise ConfigError(f"optimizer.type = {name!r} keeps fp32 optimizer state: set "
                           "bf16.bf16_optimizer_states and bf16.bf16_master_weights_and_grads "
                           "to false, or use Adam/AdamW", key="bf16.bf16_optimizer_states")
-    if spec.rule == "lamb" and off.device == "nvme":
-        raise ConfigError("optimizer.type = 'Lamb' with offload_optimizer.device \"nvme\" is "
-                          "not supported (its per-parameter trust ratio needs every piece of a "
-                          "parameter at once): use device \"cpu\", or Adam/AdamW on NVMe",
-                          key="zero_optimization.offload_optimizer.device")
-    if spec.rule == "lamb" and off.device != "none" and off.ratio < 1.0:
-        raise ConfigError("optimizer.type = 'Lamb' with offload_optimizer.ratio < 1 is not "
-                          "supported: set ratio to 1", key="zero_optimization.offload_optimizer.ratio")
     t = cfg.zero_optimization.tiering
     chunked = spec.rule in RULES and RULES[spec.rule].elementwise
     keys = ("step_assist",) if chunked else ("step_assist", "overlap_step")
@@ -88,18 +81,27 @@ class RankSum:
     device: torch.device
 
 
+def _norms(groups, partitioner, ranks: RankSum) -> LambNorms:
+    return LambNorms(groups, partitioner.index, comm_device=ranks.device,
+                     all_reduce=ranks.all_reduce if partitioner.stage != 0 else None)
+
+
 def _sharded(groups, spec, partitioner, ranks: RankSum, divisor: float = 1.0) -> ShardedRule:
     rule = RULES[spec.rule]
-    norms = None
-    if not rule.elementwise:
-        norms = LambNorms(groups, partitioner.index, comm_device=ranks.device,
-                          all_reduce=ranks.all_reduce if partitioner.stage != 0 else None)
+    norms = None if rule.elementwise else _norms(groups, partitioner, ranks)
     return ShardedRule(groups, spec.hyper, rule=rule, grad_divisor=divisor, norms=norms,
                        state_gate=partitioner.release_device_state)
 
 
 def _host_side(cfg, groups, spec, partitioner, shares, policies, rank: int, ranks: RankSum):
     rule = RULES[spec.rule]
+    if policies.optimizer.device == "nvme" and not rule.elementwise:
+        from zeroio.optim.swapped_lamb import SwappedLamb
+
+        return SwappedLamb(groups, spec.hyper, norms=_norms(groups, partitioner, ranks),
+                           policies=policies, aio=cfg.aio,
+                           grad_divisor=partitioner.host_grad_divisor, rank=rank,
+                           **(shares or {}))
     if policies.optimizer.device == "nvme" and rule.kinds_for(spec.hyper):
         from zeroio.optim.swapped_rule import SwappedRule
 

@@ -101,6 +101,7 @@ class ShardedRule(EngineOptimizer):
         self.groups_by_index = {g.group_index: g for g in groups}
         self.position = {g.group_index: i for i, g in enumerate(groups)}
         """group_index -> position in ``groups``, ``state`` and ``steps``."""
+        self._directions: list[torch.Tensor | None] = []  # Lamb: between its two passes
 
     @property
     def rule_name(self) -> str:
@@ -119,7 +120,7 @@ class ShardedRule(EngineOptimizer):
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
         with torch.profiler.record_function(f"zeroio::{self.rule.name}_step"):
             if not self.rule.elementwise:
-                self._lamb_step(grad_scale * self.grad_divisor, on_updated)
+                self._lamb_step(grad_scale, on_updated)
                 return
             chunked = RuleChunkedStep(self, grad_scale)
             for g in self.groups:
@@ -132,22 +133,35 @@ class ShardedRule(EngineOptimizer):
     def _lamb_step(self, grad_scale: float, on_updated) -> None:
         """Moments and directions of every group, the reduced per-parameter norms, then the
         update ([Note: sharded trust ratio])."""
-        rule, norms = self.rule, self.norms
+        total = self.norms.reduce(self.lamb_sums(grad_scale)).sqrt().tolist()
+        self.lamb_apply(total, on_updated)  # every rank reduces, even with no elements
+
+    def lamb_sums(self, grad_scale: float) -> torch.Tensor:
+        """Lamb's first pass: the moments of every group (updated in place) and its direction
+        ``u`` (kept for ``lamb_apply``); returns this side's per-parameter sums of ``w**2`` and
+        ``u**2`` (2 x parameters, float64, on the masters' device). ``grad_scale``: the
+        step's, before ``grad_divisor``."""
+        grad_scale *= self.grad_divisor
         device = self.groups[0].master.device if self.groups else torch.device("cpu")
-        sums = torch.zeros(2, norms.count, dtype=torch.float64, device=device)
-        directions = []
+        sums = torch.zeros(2, self.norms.count, dtype=torch.float64, device=device)
+        self._directions = []
         for i, g in enumerate(self.groups):
-            hyper = self.param_groups[g.group_index]
             if not g.master.numel():
-                directions.append(None)
+                self._directions.append(None)
                 continue
             u = LambRule.moments(master=g.master, grad=scaled_grad(g.grad, grad_scale),
-                                 state=self.state[i], hyper=hyper)
-            runs = norms.runs[g.group_index]
+                                 state=self.state[i], hyper=self.param_groups[g.group_index])
+            runs = self.norms.runs[g.group_index]
             runs.add_squares(g.master, sums[0])
             runs.add_squares(u, sums[1])
-            directions.append(u)
-        total = norms.reduce(sums).sqrt().tolist()  # every rank reduces, even with no elements
+            self._directions.append(u)
+        return sums
+
+    def lamb_apply(self, total: list[list[float]], on_updated=None) -> None:
+        """Lamb's second pass: every group's masters moved along the directions of
+        ``lamb_sums`` by each parameter's trust ratio (``total``: the norms of w and u over
+        the ranks and sides, ``[2][parameters]``)."""
+        rule, directions, self._directions = self.rule, self._directions, []
         for i, g in enumerate(self.groups):
             u = directions[i]
             if u is None:
@@ -155,7 +169,7 @@ class ShardedRule(EngineOptimizer):
             self.steps[i] += 1
             hyper = self.param_groups[g.group_index]
             size = rule.step_size(hyper, self.steps[i])
-            for k, lo, n in norms.runs[g.group_index].runs:
+            for k, lo, n in self.norms.runs[g.group_index].runs:
                 coef = rule.coefficient(total[0][k], total[1][k], hyper)
                 g.master.narrow(0, lo, n).add_(u.narrow(0, lo, n), alpha=-size * coef)
             if on_updated is not None:

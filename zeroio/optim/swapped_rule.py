@@ -5,7 +5,7 @@ resident head, streamed tail]); only the swapped tensors (the rule's ``kinds``: 
 for these rules) and the update of a piece differ. The rules are elementwise ([Note:
 elementwise rules] in rules.py), so a piece-by-piece step equals a whole-group one. The host
 budget is planned as for Adam's two moments: a one-state rule keeps at most half the share
-it could. Lamb is refused on NVMe (rule_build.py).
+it could. Lamb, not elementwise, is ``SwappedLamb`` (swapped_lamb.py).
 """
 
 from __future__ import annotations

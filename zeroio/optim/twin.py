@@ -28,7 +28,7 @@ from zeroio.shard.types import ShardGroup
 
 class TwinAdam(EngineOptimizer):
     """Named for Adam; any elementwise rule's pair (``ShardedRule`` sides: [Note: elementwise
-    rules] in rules.py) is stepped the same way."""
+    rules] in rules.py) is stepped the same way; Lamb's sides in two passes (``_lamb_step``)."""
 
     def __init__(self, *, device: ShardedAdam, host, groups: list[ShardGroup]):
         if device.param_groups is not host.param_groups:
@@ -42,13 +42,45 @@ class TwinAdam(EngineOptimizer):
 
     # ---- the step ----------------------------------------------------------------------------
 
+    touched = True
+    """Whether the step began changing state (zeroio/step_guard.py): False only while a Lamb
+    step runs its host side's norm pass, which writes nothing (an NVMe read failing there
+    rolls the step back); the device side's state changes from its first pass on."""
+
+    def clear_errors(self) -> None:
+        """Forget the I/O errors the host side's store keeps (NVMe state), after a rollback
+        or a checkpoint load."""
+        if self.host.store is not None:
+            self.host.clear_errors()
+
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
-        """Both sides, device first (its kernels queue while the host side runs)."""
+        """Both sides, device first (its kernels queue while the host side runs). Only Lamb
+        (never chunked) takes stage 1/2's ``on_updated``: each logical group, once both sides
+        moved."""
+        if self.rule_name == "lamb":
+            self.touched = False
+            self._lamb_step(grad_scale)
+            for g in self.groups if on_updated is not None else ():
+                i = g.group_index
+                on_updated(i, 0, self._split(i) + self._host_numel(i))
+            return
         if on_updated is not None:
             raise ValueError("TwinAdam.step: on_updated is a stage 1/2 hook; stage 3 publishes "
                              "through run_step or publish_params")
         self.device.step(grad_scale=grad_scale)
         self.host.step(grad_scale=grad_scale)
+
+    def _lamb_step(self, grad_scale: float) -> None:
+        """Lamb's per-parameter norms add up both sides before either applies: each side's
+        first pass gives its sums (the host side's first: a ``SwappedLamb`` reads its NVMe
+        moments there), one reduction over the ranks, then both sides apply ([Note: sharded
+        trust ratio] in lamb_norms.py)."""
+        sums = self.host.lamb_sums(grad_scale).cpu()
+        self.touched = True  # the device side's first pass updates its moments in place
+        sums += self.device.lamb_sums(grad_scale).cpu()
+        total = self.device.norms.reduce(sums).sqrt().tolist()
+        self.device.lamb_apply(total)
+        self.host.lamb_apply(total)
 
     def begin_chunked_step(self, grad_scale: float = 1.0):
         """Steps the device side now (fused, on the device) and returns the host side's
