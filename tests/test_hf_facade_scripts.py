@@ -186,16 +186,24 @@ def test_accelerate_deepspeed_config_file_stage3_equals_ddp(work):
     (work / "acc_ds.json").write_text(json.dumps(ds))
     (work / "acc_ds.yaml").write_text(_ACCELERATE_DS.format(config=work / "acc_ds.json"))
     args = ["--model_name_or_path", str(work / "model32"), "--train_file", str(work / "train.txt")]
-    for name in ("ds", "ddp"):
+    for name in ("ds", "plugin", "ddp"):
         (work / f"acc_{name}").mkdir()
     accelerate_launch(work / "acc_ds.yaml", SCRIPTS / "accelerate_train.py",
                       [*args, "--output_dir", str(work / "acc_ds")],
                       script_env(facade=True, tmp=work))
+    # the same script with its DeepSpeedPlugin built in code, unchanged under zeroio launch
+    zeroio_launch(SCRIPTS / "accelerate_train.py",
+                  [*args, "--output_dir", str(work / "acc_plugin"), "--deepspeed_config_file",
+                   str(work / "acc_ds.json")], script_env(facade=False, tmp=work))
     torchrun(SCRIPTS / "accelerate_train.py", [*args, "--output_dir", str(work / "acc_ddp"), "--cpu"],
              script_env(facade=False, tmp=work))  # the reference: plain DDP over gloo
-    losses = {n: json.loads((work / f"acc_{n}" / "losses.json").read_text()) for n in ("ds", "ddp")}
-    assert len(losses["ds"]) == 8
-    assert losses["ds"] == pytest.approx(losses["ddp"], rel=1e-5)
-    z3, ddp = _weights(work / "acc_ds"), _weights(work / "acc_ddp")
-    for name in ddp:
-        torch.testing.assert_close(z3[name], ddp[name], rtol=1e-4, atol=1e-6, msg=name)
+    runs = ("ds", "plugin", "ddp")
+    losses = {n: json.loads((work / f"acc_{n}" / "losses.json").read_text()) for n in runs}
+    ddp = _weights(work / "acc_ddp")
+    for run in ("ds", "plugin"):
+        assert len(losses[run]) == 8
+        assert losses[run] == pytest.approx(losses["ddp"], rel=1e-5), run
+        z3 = _weights(work / f"acc_{run}")
+        for name in ddp:
+            torch.testing.assert_close(z3[name], ddp[name], rtol=1e-4, atol=1e-6,
+                                       msg=f"{run}: {name}")

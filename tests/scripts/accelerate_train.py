@@ -2,7 +2,9 @@
 examples/by_feature/deepspeed_with_config_support.py.
 
 The DeepSpeed side comes from the accelerate config (``distributed_type: DEEPSPEED``
-with ``deepspeed_config_file``); without it the same loop runs as plain DDP (``--cpu`` on a host without GPUs).
+with ``deepspeed_config_file``) under ``accelerate launch``, or from a ``DeepSpeedPlugin`` built
+in the script (``--deepspeed_config_file``) under DeepSpeed's launcher, which also passes
+``--local_rank``; without either the same loop runs as plain DDP (``--cpu`` on a host without GPUs).
 Writes ``losses.json`` (the loss of every micro-batch, mean over ranks) and the
 model (``save_pretrained`` with ``accelerator.get_state_dict``).
 """
@@ -13,7 +15,7 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DeepSpeedPlugin, set_seed
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from datasets import load_dataset
 from torch.utils.data import DataLoader
@@ -32,12 +34,16 @@ def parse_args():
     p.add_argument("--block_size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="train on the CPU (no DeepSpeed then)")
+    p.add_argument("--deepspeed_config_file", default=None, help="a DeepSpeed JSON for the plugin")
+    p.add_argument("--local_rank", type=int, default=-1, help="passed by DeepSpeed's launcher")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
-    accelerator = Accelerator(cpu=args.cpu,
+    plugin = (DeepSpeedPlugin(hf_ds_config=args.deepspeed_config_file, zero3_init_flag=True)
+              if args.deepspeed_config_file else None)
+    accelerator = Accelerator(cpu=args.cpu, deepspeed_plugin=plugin,
                               gradient_accumulation_steps=args.gradient_accumulation_steps)
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
