@@ -69,3 +69,16 @@ def test_one_import_after_transformers_rebinds_its_deepspeed_config():
                  "tid.HfDeepSpeedConfig.__mro__[1].__module__\nout['transformers'] = "
                  "tid.is_deepspeed_available()")
     assert out["hf_base"] == "accelerate.utils.deepspeed" and out["transformers"] is True
+
+
+def test_one_import_after_accelerate_gives_the_trainer_its_deepspeed_names():
+    """accelerate.utils imported before the facade skipped its DeepSpeed exports; the import
+    line adds them, so a later ``transformers.trainer`` import (which imports
+    DeepSpeedSchedulerWrapper when DeepSpeed is available) works."""
+    out = _probe("", after="import zeroio.integrations.transformers\n"
+                 "from transformers import Trainer\n"
+                 "from accelerate.utils import DeepSpeedSchedulerWrapper\n"
+                 "import accelerate.accelerator as aa\n"
+                 "out['trainer'] = Trainer.__name__\n"
+                 "out['wrapper'] = aa.DeepSpeedSchedulerWrapper is DeepSpeedSchedulerWrapper")
+    assert out["trainer"] == "Trainer" and out["wrapper"] is True

@@ -99,11 +99,35 @@ def install() -> bool:
     return True
 
 
+_ACCELERATE_DS_NAMES = ("DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper",
+                        "DeepSpeedSchedulerWrapper", "DummyOptim", "DummyScheduler",
+                        "HfDeepSpeedConfig", "get_active_deepspeed_plugin",
+                        "map_pytorch_optim_to_deepspeed")
+"""What accelerate.utils (and accelerate.accelerator, transformers.trainer from it) import only
+when DeepSpeed is importable at their own import time."""
+
+
 def _refresh_transformers() -> None:
     cpu_backend.install()  # [Note: DeepSpeed under accelerate without a GPU]
     mod = sys.modules.get("transformers.integrations.deepspeed")
     if mod is not None and mod.HfDeepSpeedConfig.__mro__[1] is object:
         importlib.reload(mod)
+    _refresh_accelerate()
+
+
+def _refresh_accelerate() -> None:
+    """Modules imported before the facade was on the path skipped their DeepSpeed imports
+    (``if is_deepspeed_available(): from accelerate.utils import ...``); give them the names now,
+    so a later ``transformers.trainer`` import or ``Accelerator`` finds them."""
+    utils = sys.modules.get("accelerate.utils")
+    if utils is None or hasattr(utils, "DeepSpeedSchedulerWrapper"):
+        return
+    source = importlib.import_module("accelerate.utils.deepspeed")
+    for name in ("accelerate.utils", "accelerate.accelerator", "transformers.trainer"):
+        target = sys.modules.get(name)
+        for attr in _ACCELERATE_DS_NAMES if target is not None else ():
+            if hasattr(source, attr) and not hasattr(target, attr):
+                setattr(target, attr, getattr(source, attr))
 
 
 def install_parameter_attributes() -> None:
