@@ -77,8 +77,9 @@ def _commands(launcher: str, script: Path, args: list[str]) -> list[list[str]]:
         return [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                  f"--master-port={port}", str(script), *args]]
     if launcher == "zeroio":
+        # the scripts read their arguments by position: no --local_rank (DeepSpeed's flag)
         return [[sys.executable, "-m", "zeroio.cli.main", "launch", "--nproc", "2",
-                 "--master-port", port, str(script), *args]]
+                 "--no_local_rank", "--master-port", port, str(script), *args]]
     if launcher == "accelerate":
         return [[str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
                  str(REPO / "configs/accelerate-zeroio.yaml"), "--main_process_port", port,
