@@ -1,13 +1,15 @@
 """A run that finished its work exits 0: no SIGABRT at interpreter exit (zeroio/shutdown.py,
 [Note: a clean exit]).
 
-30 consecutive 2-rank gloo runs (24 of the API script, 6 of the Trainer's), each launcher in turn (torchrun, `zeroio launch`,
+24 consecutive 2-rank gloo runs (12 of the API script, 12 of the Trainer's), each launcher in turn (torchrun, `zeroio launch`,
 `accelerate launch`, two processes started by hand with the launcher environment), of two
 small scripts that end right after their last ``step()`` with no ``close()`` (what users and
 the Hugging Face Trainer do): one through the Python API, one through the Trainer with zeroio's
 one-import route. Both use CPU offload with the overlapped host step, so the host step is still
 running when the script ends: before the fix, 5 runs in 6 of the API script aborted
-("terminate called without an active exception", exit 134 per rank).
+("terminate called without an active exception", exit 134 per rank), and about 1 in 6 of the
+Trainer's (a gloo worker of accelerate's world freeing the last all-gather's tensors during
+finalization).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux")]
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = 30
+RUNS = 24
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -117,7 +119,7 @@ def _run(launcher: str, script: Path, args: list[str], log: Path) -> list[tuple[
 
 
 @pytest.mark.timeout(1800)
-def test_thirty_finished_runs_exit_zero_with_every_launcher(tmp_path):
+def test_finished_runs_exit_zero_with_every_launcher(tmp_path):
     import json
     from concurrent.futures import ThreadPoolExecutor
 
@@ -128,9 +130,8 @@ def test_thirty_finished_runs_exit_zero_with_every_launcher(tmp_path):
     launchers = ("torchrun", "zeroio", "accelerate", "by-hand")
     jobs = []
     for i in range(RUNS):
-        launcher = launchers[i % len(launchers)]
-        # a Trainer run costs several API runs (transformers' import): one run in five
-        script, args = (hf, [cfg, str(tmp_path / f"out{i}")]) if i % 5 == 4 else (api, [cfg])
+        launcher = launchers[(i // 2) % len(launchers)]  # each launcher runs both scripts
+        script, args = (hf, [cfg, str(tmp_path / f"out{i}")]) if i % 2 else (api, [cfg])
         jobs.append((i, launcher, script, args))
     with ThreadPoolExecutor(2) as pool:  # two runs at a time: their waits overlap
         ran = list(pool.map(lambda j: (j, _run(j[1], j[2], j[3], tmp_path / f"log{j[0]}")), jobs))

@@ -13,11 +13,18 @@ only (how long the last host step takes), so it hit 1 run in several, with any l
 So the first engine made registers one ``atexit`` hook (atexit hooks run before daemon threads
 are stopped) that, on a normal exit: closes every engine still open (joins its host step,
 stops its workers, removes its swap folders: ``Engine.close``), then leaves the process groups
-zeroio made (``collectives.release_at_exit``: zeroio's side groups always, the world when
-zeroio created it; a world the user or a launcher library made is theirs to destroy, and is
-still alive while zeroio's threads stop). On an exit by an uncaught exception the engines are
-left as they are: a host step blocked in a collective with a rank that died would hold the
-exit for the whole collective timeout.
+(``collectives.release_at_exit``): zeroio's side groups and the world, whoever made it.
+
+The world goes too because a gloo worker thread can still hold the last reference to a
+finished collective after the thread that waited on it moved on (the overlapped host step's
+last all-gather, waited on by ``close``); dropping it frees tensors' Python objects, which
+takes the GIL, and during finalization that ends the worker with the same forced unwind
+through C++ frames. Leaving the world joins its workers with the GIL released. It hit the
+Trainer's route (whose world accelerate makes, so zeroio used to leave it joined) in about 1
+run in 6; a world zeroio made was already left. At exit no code of the script is left to use
+the world (only atexit hooks registered before the first engine, which run after this one).
+On an exit by an uncaught exception the engines are left as they are: a host step blocked in
+a collective with a rank that died would hold the exit for the whole collective timeout.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Engine -> the pid that built it: a forked child never closes (and removes the swap folders
 of) its parent's engines."""
 _REGISTERED = False
+_OWNER_PID: list[int] = []
+"""The pid that registered the hook: a forked child leaves its parent's groups alone (closing
+its copies of gloo's sockets would shut the parent's connections)."""
 
 
 def track(engine) -> None:
@@ -42,6 +52,7 @@ def track(engine) -> None:
     _ENGINES[engine] = os.getpid()
     if not _REGISTERED:
         atexit.register(_at_exit)
+        _OWNER_PID[:] = [os.getpid()]
         _REGISTERED = True
 
 
@@ -63,6 +74,8 @@ def _at_exit() -> None:
     if _failed_exit():
         return
     close_all()
+    if _OWNER_PID != [os.getpid()]:
+        return
     with contextlib.suppress(BaseException):
         comm.release_at_exit()
 

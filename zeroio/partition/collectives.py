@@ -124,18 +124,19 @@ def destroy_world() -> None:
 
 
 def release_at_exit() -> None:
-    """At interpreter exit (zeroio/shutdown.py, [Note: a clean exit]): leave the side groups
-    zeroio made, and the world too when zeroio created it; a world someone else made stays."""
-    groups = list(_SIDE_GROUPS.values())
+    """At interpreter exit, once every engine is closed (zeroio/shutdown.py, [Note: a clean
+    exit]): leave zeroio's side groups and the world its engines ran on, whoever made it.
+
+    Leaving the world joins its backend's worker threads with the GIL released. A world left
+    joined at finalization can abort the process: a gloo worker drops its last reference to a
+    finished collective (the overlapped host step's last all-gather) just after the waiting
+    thread moved on, and that drop takes the GIL to free the tensors' Python objects; during
+    finalization taking the GIL ends the thread with ``pthread_exit``, whose unwind through
+    gloo's C++ frames calls ``std::terminate``."""
     _SIDE_GROUPS.clear()
-    if not is_initialized():
-        _MADE_WORLD.clear()
-        return
-    if _MADE_WORLD and _MADE_WORLD[0] is dist.group.WORLD:
-        destroy_world()  # every group, side groups included
-        return
-    for group in groups:
-        dist.destroy_process_group(group)
+    _MADE_WORLD.clear()
+    if is_initialized():
+        dist.destroy_process_group()  # every group, side groups included
 
 
 def _op(op) -> object:
