@@ -61,6 +61,9 @@ def _args():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--grad-ckpt", action="store_true",
+                    help="activation (gradient) checkpointing of every decoder layer "
+                         "(transformers' gradient_checkpointing_enable, non-reentrant)")
     ap.add_argument("--tiny", action="store_true",
                     help="hidden 64, 2 layers, vocab 256, seq 32, micro batch 2, 4 steps (smoke test)")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -288,6 +291,8 @@ def main() -> None:
     if a.zero_init and a.mode != "zeroio":
         raise SystemExit("--zero-init needs --mode zeroio (and zero_optimization.stage 3)")
     model = build_model(a, zeroio_config(a) if a.zero_init else None)
+    if a.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = _num_params(model)
     log(f"built {n_params / 1e9:.3f} B params")
     engine = None
@@ -364,6 +369,7 @@ def main() -> None:
         "steps": a.steps, "warmup": a.warmup, "s_per_step": s_step,
         "step_times": times, "accumulation": a.accumulation,
         "tokens_per_s": a.micro_batch * a.accumulation * a.seq * world / s_step,
+        "grad_ckpt": a.grad_ckpt,
         "optimizer_io": io_steps,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_host_rss_gib": host_peak / 2**30, "final_loss": loss_val,
@@ -372,6 +378,8 @@ def main() -> None:
         "breakdown": breakdown,
         "phases": phases,
     }
+    # 6 * N * tokens/s: the model FLOPs of forward and backward, recomputation not counted
+    result["model_tflops"] = 6 * n_params * result["tokens_per_s"] / 1e12
     if rank == 0:
         os.makedirs(a.out, exist_ok=True)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -382,7 +390,8 @@ def main() -> None:
             print(json.dumps(result, default=str))
         else:
             print(f"{a.mode}: {n_params / 1e9:.3f} B params, {s_step:.3f} s/step, "
-                  f"{result['tokens_per_s']:.0f} tokens/s, peak GPU "
+                  f"{result['tokens_per_s']:.0f} tokens/s, {result['model_tflops']:.1f} model "
+                  f"TFLOPS, peak GPU "
                   f"{result['peak_gpu_gib'] or 0:.1f} GiB, peak host RSS {host_peak / 2**30:.1f} GiB"
                   f"\nwrote {path}")
             if breakdown is not None:
