@@ -223,6 +223,46 @@ def _train_planned(size: str, seq: int, timeout_s: int, accumulation: int = 1) -
                 quote=r"step \d|plan|predicted|measured|peaks|Error|error|GB")
 
 
+SHAPE_8B = ("--hidden 4096 --layers 32 --intermediate 14336 --heads 32 --kv-heads 8 "
+            "--vocab 128256 --seq 2048")
+"""Llama-3-8B's shape (8.03B) at seq 2048: the large-batch comparison with MegaTrain."""
+
+
+def _zeroio_8b(name: str, accumulation: int, steps: int, timeout_s: int) -> Step:
+    """zeroio stage 3 + CPU offload (configs/zero3-cpu.json as is), the 8B built inside
+    zero.Init, activation checkpointing, micro batch 8 x ``accumulation``."""
+    return Step(name, f"python3 benchmarks/train_llama.py --mode zeroio --config "
+                f"configs/zero3-cpu.json --zero-init --grad-ckpt --mem-log {SHAPE_8B} "
+                f"--micro-batch 8 --accumulation {accumulation} --steps {steps} --warmup 1 "
+                f"--quiet --out {{res}}/zeroio-mb8-ga{accumulation}{{extra}}", timeout_s,
+                quote=r"zeroio:|step \d|Error|error|Capacity")
+
+
+def _megatrain_8b(micro_batch: int, steps: int, timeout_s: int) -> Step:
+    """MegaTrain (.peers/megatrain: its infinity/ package, fetched separately) on the same
+    8B shape at ``micro_batch`` (benchmarks/peers/megatrain_runner.py)."""
+    return Step(f"megatrain-mb{micro_batch}", "python3 benchmarks/peers/megatrain_runner.py "
+                f"--megatrain-dir .peers/megatrain {SHAPE_8B} --micro-batch {micro_batch} "
+                f"--steps {steps} --warmup 1 --out {{res}}{{extra}}", timeout_s,
+                quote=r"megatrain:|built|step \d|Error|error")
+
+
+def _large_batch_steps(part: str) -> tuple[Step, ...]:
+    """The 8B beside MegaTrain: part "peer" (DeepSpeed's CPU Adam built, a MegaTrain smoke
+    run on a small shape, MegaTrain at its micro batch 64), part "zeroio" (micro batch 8 x 1,
+    then x 8: 131k tokens a step, MegaTrain's regime)."""
+    if part == "peer":
+        jit = ("python3 -c \"import time,torch;t=time.time();from deepspeed.ops.adam import "
+               "DeepSpeedCPUAdam;DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))]);"
+               "print('DeepSpeed cpu_adam ready', round(time.time()-t, 1), 's')\"")
+        smoke = Step("megatrain-smoke", "python3 benchmarks/peers/megatrain_runner.py "
+                     "--megatrain-dir .peers/megatrain --hidden 256 --layers 4 --intermediate "
+                     "512 --heads 4 --kv-heads 2 --vocab 1024 --seq 256 --micro-batch 2 "
+                     "--steps 2 --warmup 1 --out {res}/smoke", 90, quote=r"megatrain:|Error")
+        return (Step("ds-jit", jit, 80), smoke, _megatrain_8b(64, 3, 310))
+    return (_zeroio_8b("zeroio-mb8", 1, 5, 220), _zeroio_8b("zeroio-mb8-ga8", 8, 3, 300))
+
+
 def _growing_steps() -> tuple[Step, ...]:
     """benchmarks/growing_batch.py at SHAPE_4B, micro batch 8: 3 steps at seq 1024 then 2 at
     4096, stages 2 and 3 with the defaults ("auto" resident chunks) beside gpu_budget_bytes 0,
@@ -280,6 +320,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("growing-batch", "nvidia-h200", "the 4.31B shape at micro batch 8, 3 steps at seq 1024 "
           "then 2 at 4096 (resident chunks must yield), stages 2 and 3, defaults beside "
           "gpu_budget_bytes 0: s/step and peak GPU per step", _growing_steps()),
+    Suite("large-batch-peer", "nvidia-h200", "MegaTrain on the Llama-3-8B shape at seq 2048, "
+          "micro batch 64 (its regime), after a smoke run on a small shape",
+          _large_batch_steps("peer"), peers=True),
+    Suite("large-batch", "nvidia-h200", "zeroio on the Llama-3-8B shape at seq 2048: micro "
+          "batch 8 x accumulation 1, then x 8 (131k tokens a step)", _large_batch_steps("zeroio")),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
         Step("train", "mkdir -p {scratch}/run && cd {scratch}/run && SECONDS=0; "
              "python3 -m zeroio.cli train; rc=$?; echo \"zeroio train: exit $rc in $SECONDS s\"; "
