@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Bottom-up; a module may import only from its own layer or the ones before it.
 LAYERS = ["errors", "dtypes", "config", "io", "tiering", "shard", "partition", "optim",
           "checkpoint", "estimate", "plan", "preflight", "data", "engine_state", "step_guard",
-          "preemption", "shutdown", "engine_build", "engine", "deepspeed", "integrations", "cli",
-          "testing"]
+          "step_protocol", "preemption", "shutdown", "engine_build", "engine", "deepspeed",
+          "integrations", "cli", "testing"]
 #: Layers that must not import each other in either direction.
 APART = [("partition", "optim")]
 

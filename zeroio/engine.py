@@ -6,7 +6,8 @@ gradients; ``step`` — only at the accumulation boundary — checks overflow an
 the global norm with one all-reduce, steps the optimizer over the
 partitioner's ``ShardGroup``s, steps the LR schedule and publishes the
 updated parameters. Which partitioner and optimizer run is decided in one place,
-engine_build.py (``build_partitioner``, ``build_optimizer``).
+engine_build.py (``build_partitioner``, ``build_optimizer``); how the update is applied and
+published, once at initialize too (step_protocol.py, [Note: step protocols]).
 
 [Note: one all-reduce for norm and overflow]
 Each rank's squared gradient norm is summed over ranks (``local_grad_sq_norm``
@@ -46,6 +47,7 @@ from zeroio.optim.rule_build import rule_policies
 from zeroio.partition import collectives as comm
 from zeroio.preflight import check_host_memory
 from zeroio.step_guard import StepGuard
+from zeroio.step_protocol import choose_protocol
 from zeroio.tiering import stats as tstats
 from zeroio.tiering.breakdown import StepTimeline, format_breakdown
 from zeroio.tiering.gpu_tier import batch_size
@@ -107,6 +109,8 @@ class Engine:
         self.optimizer = build_optimizer(self.config, self.partitioner, spec, shares, policies)
         if not nvme_opt:  # in-memory moments count among the held state
             fit_budgets(self.config, self.partitioner, self._held_cpu())
+        self.step_protocol = choose_protocol(  # step_protocol.py: decided once
+            self.partitioner, self.optimizer, self.config.zero_optimization.offload_optimizer.device)
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.global_steps = 0
@@ -265,23 +269,8 @@ class Engine:
             clip = self.config.gradient_clipping
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
             self.last_grad_norm = norm
-            part, offload = self.partitioner, self.config.zero_optimization.offload_optimizer.device
-            overlapped = part.runs_host_step and offload == "cpu" and self.optimizer.chunked_step
-            self._guard.updating(vote=not overlapped)  # ranks vote after it ([Note: atomic step])
-            if overlapped:
-                # CPU Adam chunk by chunk on a worker, each chunk published behind it (a
-                # TwinAdam steps its device side first: partition/stage3/twin.py)
-                chunked = self.optimizer.begin_chunked_step(grad_scale=scale / coef)
-                part.run_step(chunked.update, out_in_pass=chunked.out_in_pass, step=chunked)
-            elif part.stages_ranges and offload != "none":
-                # host masters: publish chunk by chunk behind the CPU optimizer
-                self.optimizer.step(grad_scale=scale / coef, on_updated=part.stage_range)
-                self._guard.agree()
-                part.publish_params(staged=True)
-            else:
-                self.optimizer.step(grad_scale=scale / coef)
-                self._guard.agree()
-                self.partitioner.publish_params()
+            self.step_protocol.apply(self.optimizer, self.partitioner, self._guard,
+                                     grad_scale=scale / coef)  # [Note: step protocols]
             self.loss_scaler.update(False)
             if self.client_optimizer is not None:
                 # our step stands in for the client's: tell a torch LRScheduler bound to it
