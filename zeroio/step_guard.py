@@ -60,7 +60,7 @@ from zeroio.errors import HostStepError, StepFailedError, ZeroIOError
 LOAD_HINT = "load a checkpoint (engine.load_checkpoint) to continue"
 
 
-class Phase(enum.Enum):
+class StepPhase(enum.Enum):
     IDLE = "idle"  # no step running
     PREPARING = "preparing"  # norm, overflow check: nothing changed yet
     UPDATING = "updating"  # the optimizer updates state (ranks vote after it)
@@ -111,7 +111,7 @@ class StepGuard:
 
     def __init__(self, engine):
         self._engine = engine
-        self.phase = Phase.IDLE
+        self.phase = StepPhase.IDLE
         self.failure: str | None = None
         """Why the engine refuses to go on (None: it is usable)."""
         self._cause: BaseException | None = None
@@ -143,24 +143,24 @@ class StepGuard:
             with self.watch():
                 settle()
         before = Scalars.take(self._engine)
-        self.phase = Phase.PREPARING
+        self.phase = StepPhase.PREPARING
         try:
             yield
         except BaseException as exc:
             self._failed(exc, before)
         finally:
-            self.phase = Phase.IDLE
+            self.phase = StepPhase.IDLE
 
     def updating(self, *, vote: bool = True) -> None:
         """The optimizer is about to change state tensors; ``vote``: the engine calls
         ``agree`` once the update is done (False: an overlapped step, which runs on)."""
-        self.phase = Phase.UPDATING if vote else Phase.UPDATING_ALONE
+        self.phase = StepPhase.UPDATING if vote else StepPhase.UPDATING_ALONE
 
     def agree(self) -> None:
         """Every rank's update succeeded, or every rank learns that one failed (one small
         all-reduce; nothing with one rank)."""
         any_failed, _ = self._vote(failed=False, changed=True)
-        self.phase = Phase.AGREED
+        self.phase = StepPhase.AGREED
         if any_failed:
             raise _PeerFailed()
 
@@ -186,7 +186,7 @@ class StepGuard:
             raise self._poison(f"the optimizer step at global step {at} failed on another "
                                "rank after this rank's step was applied", None) from None
         changed = self._changed()
-        if self.phase is Phase.UPDATING:
+        if self.phase is StepPhase.UPDATING:
             _, changed = self._vote(failed=True, changed=changed)
         cause = f"{type(exc).__name__}: {exc}"
         if changed:
@@ -208,9 +208,9 @@ class StepGuard:
             rolled_back=True) from exc
 
     def _changed(self) -> bool:
-        if self.phase in (Phase.IDLE, Phase.PREPARING):
+        if self.phase in (StepPhase.IDLE, StepPhase.PREPARING):
             return False
-        if self.phase is Phase.AGREED:
+        if self.phase is StepPhase.AGREED:
             return True
         return bool(getattr(self._engine.optimizer, "touched", True))
 
@@ -257,4 +257,4 @@ class _PeerFailed(Exception):
     """Another rank's step failed while this rank's succeeded (internal to the guard)."""
 
 
-__all__ = ["LOAD_HINT", "Phase", "Scalars", "StepGuard"]
+__all__ = ["LOAD_HINT", "StepPhase", "Scalars", "StepGuard"]

@@ -204,9 +204,9 @@ class ShardedAdam(EngineOptimizer):
     """Adam (L2 weight decay) or AdamW (decoupled) over this rank's ShardGroups.
 
     ``param_groups[i]`` holds the hyperparameters of ShardGroup i. States are
-    created on the master's device (GPU or pinned CPU). NVMe-resident states
-    are handled by ``zeroio.optim.swap.SubGroupSwapper``, which calls
-    ``adam_update`` per sub-group."""
+    created on the master's device (GPU or pinned CPU). States homed on NVMe are
+    ``zeroio.optim.swap.SwappedAdam``'s, which steps them piece by piece with the same
+    update (``adam_update`` or the one-pass CPU Adam)."""
 
     chunked_step = True
 
