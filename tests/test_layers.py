@@ -100,3 +100,22 @@ def test_what_the_rules_allow_stays_allowed(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert check_layers.check_tree(tmp_path) == []
+
+
+def test_only_tiering_counts_copies():
+    """A host <-> device copy is counted by tiering/'s copy handles; code elsewhere that
+    imports ``count_copy`` (by any name) or counts bytes with ``.moved()`` is refused."""
+    fix = "zeroio.tiering.copies.Copies"
+    found = _found("zeroio/partition/x.py",
+                   "from zeroio.tiering.stats import count_copy\ncount_copy(s, a, b)\n")
+    assert [v.split(":")[1] for v in found] == ["1", "2"], found
+    assert all("only zeroio/tiering/ counts copies" in v and fix in v for v in found)
+    found = _found("zeroio/shard/x.py", "import zeroio.tiering.stats as st\nst.count_copy(s, a, b)\n")
+    assert len(found) == 1 and "x.py:2: uses zeroio.tiering.stats.count_copy" in found[0], found
+    found = _found("zeroio/partition/stage3/x.py", "self.transfers.moved('cpu->gpu', 8)\n")
+    assert len(found) == 1 and "counts moved bytes by hand" in found[0], found
+    # tiering/ owns the counting; the handles are what everyone else uses
+    assert _found("zeroio/tiering/x.py", "from zeroio.tiering.stats import count_copy\n"
+                                         "count_copy(s, a, b)\ns.moved('cpu->gpu', 8)\n") == []
+    assert _found("zeroio/partition/x.py", "from zeroio.tiering.copies import Copies\n"
+                                           "Copies(s).into(b, a, non_blocking=True)\n") == []

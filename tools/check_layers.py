@@ -46,6 +46,12 @@ WRITE_METHODS = {"write_text", "write_bytes", "open"}
 ENV_NAMES = {"os.environ", "os.getenv", "os.putenv", "os.environb"}
 DYNAMIC_IMPORTS = {"importlib.import_module", "__import__", "importlib.__import__"}
 MAX_LINES = 600
+#: Only tiering/ counts the bytes of a host <-> device copy; elsewhere copies go through its
+#: copy handles (``zeroio.tiering.copies.Copies``), which make the copy and count it.
+COPY_COUNTERS = {"zeroio.tiering.stats.count_copy"}
+COUNT_METHODS = {"moved"}  # TierStats.moved: bytes counted by hand
+COPY_OWNER_PREFIX = ("zeroio/tiering/",)
+COPY_FIX = "copy through zeroio.tiering.copies.Copies, which counts the bytes"
 
 
 def _module(rel: str) -> str:
@@ -155,6 +161,8 @@ def _import_rules(rel: str, me: str | None, line: int, name: str | None) -> list
         return [f"{rel}:{line}: imports a computed module name (no layer rule can follow it; "
                 "name the module)"]
     out = []
+    if name in COPY_COUNTERS and not rel.startswith(COPY_OWNER_PREFIX):
+        out.append(f"{rel}:{line}: imports {name} (only zeroio/tiering/ counts copies; {COPY_FIX})")
     other = _layer(name)
     if me in LAYERS and other in LAYERS and LAYERS.index(other) > LAYERS.index(me):
         out.append(f"{rel}:{line}: layer {me} imports the higher layer {other} ({name})")
@@ -182,6 +190,10 @@ def _call_rules(rel: str, n: ast.Call, f: str) -> list[str]:
         if f == "open" or parts[-2:] in FILE_CALLS or (
                 isinstance(n.func, ast.Attribute) and n.func.attr in WRITE_METHODS):
             out.append(f"{rel}:{n.lineno}: file access {f or n.func.attr}() outside zeroio/io/")
+    if not rel.startswith(COPY_OWNER_PREFIX) and isinstance(n.func, ast.Attribute) and \
+            n.func.attr in COUNT_METHODS:
+        out.append(f"{rel}:{n.lineno}: counts moved bytes by hand (.{n.func.attr}(); only "
+                   f"zeroio/tiering/ counts copies; {COPY_FIX})")
     return out
 
 
@@ -204,6 +216,9 @@ def check_file(rel: str, text: str) -> list[str]:
             full = names.resolve(_dotted(n))
             if full in ENV_NAMES and not (rel.startswith(ENV_READERS_PREFIX) or rel in ENV_READERS):
                 out.append(f"{rel}:{n.lineno}: reads {full} (only the config layer and the launcher)")
+            if full in COPY_COUNTERS and not rel.startswith(COPY_OWNER_PREFIX):
+                out.append(f"{rel}:{n.lineno}: uses {full} (only zeroio/tiering/ counts copies; "
+                           f"{COPY_FIX})")
     return out
 
 

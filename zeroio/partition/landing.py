@@ -36,7 +36,8 @@ import torch
 from zeroio.io.hostmem import host_empty
 from zeroio.partition.flat import Bucket
 from zeroio.shard.host_rule import STAGING_SLOTS
-from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import StallTimer, TierStats
 
 
 def land(src: torch.Tensor, dst: torch.Tensor, *, first: bool,
@@ -45,8 +46,7 @@ def land(src: torch.Tensor, dst: torch.Tensor, *, first: bool,
     write, add on the same device; False, with nothing queued, when the caller must stage the
     add (a later write into another device's memory)."""
     if first:
-        count_copy(transfers, src, dst)
-        dst.copy_(src, non_blocking=True)
+        Copies(transfers).into(dst, src, non_blocking=True)
     elif dst.device == src.device:
         dst.add_(src)
     else:
@@ -144,8 +144,7 @@ class StagedAdds:
         adds, off = [], 0
         for src, dst in parts:
             view = buf.narrow(0, off, src.numel())
-            count_copy(self.transfers, src, view)
-            view.copy_(src, non_blocking=True)
+            Copies(self.transfers).into(view, src, non_blocking=True)
             adds.append((view, dst))
             off += src.numel()
         event = None

@@ -100,8 +100,9 @@ from zeroio.partition.step_overlap import StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
 from zeroio.shard.host_rule import GRAD_PIECE_NUMEL
+from zeroio.tiering.copies import Copies
 from zeroio.tiering.device_accum import accumulation_on_device
-from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.stats import StallTimer, TierStats
 from zeroio.tiering.streams import DeviceStreams
 
 STEP_CHUNK_NUMEL = 1 << 26
@@ -511,8 +512,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
                 stage = stage.narrow(0, lo + off, k)
                 stage.copy_(src)
                 src = stage
-            count_copy(self.transfers, src, dst)
-            dst.copy_(src, non_blocking=True)
+            Copies(self.transfers).into(dst, src, non_blocking=True)
 
     def stage_range(self, group_index: int, start: int, numel: int) -> None:
         """Publish part of a group as soon as the optimizer has updated it (local offsets)."""

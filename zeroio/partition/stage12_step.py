@@ -40,7 +40,7 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.base import Phase
 from zeroio.partition.flat import Bucket
 from zeroio.partition.host_plan import chunk_bounds, chunk_holding
-from zeroio.tiering.stats import count_copy
+from zeroio.tiering.copies import Copies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,16 +187,13 @@ class HostStep12:
         src = self._host[b.group_index].master.narrow(0, hlo, c.numel)
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             if out is not None:
-                count_copy(self.transfers, out, dst)
-                dst.copy_(out, non_blocking=True)
+                Copies(self.transfers).into(dst, out, non_blocking=True)
                 self._slot_free[i % len(self._stage_slots)].record(self._copy_stream)
             elif src.dtype == dst.dtype:
-                count_copy(self.transfers, src, dst)
-                dst.copy_(src, non_blocking=True)
+                Copies(self.transfers).into(dst, src, non_blocking=True)
             else:
                 landing = self._scratch[i % 2].narrow(0, 0, c.numel)
-                count_copy(self.transfers, src, landing)
-                landing.copy_(src, non_blocking=True)
+                Copies(self.transfers).into(landing, src, non_blocking=True)
                 dst.copy_(landing)
             self._chunk_published(c, i, b)
 

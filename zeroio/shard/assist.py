@@ -79,8 +79,9 @@ import warnings
 
 import torch
 
+from zeroio.tiering.copies import Copies
 from zeroio.tiering.gpu_tier import DeviceMemory, GpuTier, cuda_memory
-from zeroio.tiering.stats import TierStats, count_copy
+from zeroio.tiering.stats import TierStats
 from zeroio.tiering.streams import DeviceStreams
 
 SLOT_NUMEL = 1 << 24
@@ -526,8 +527,7 @@ class StepAssist:
             down.wait_event(stepped)
             done = stepped
             if low is not out:  # a host 16-bit shard (stage 3, parameter offload)
-                count_copy(self.transfers, low, out)
-                out.copy_(low, non_blocking=True)
+                Copies(self.transfers).into(out, low, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(down)
             if resident is None:
@@ -564,6 +564,4 @@ class StepAssist:
 def _copies(transfers: TierStats | None, srcs, dsts) -> None:
     """``dst.copy_(src, non_blocking=True)`` for each pair, as one call (the worker thread
     pays Python and the GIL per call, beside a training thread that also wants it)."""
-    for src, dst in zip(srcs, dsts, strict=True):
-        count_copy(transfers, src, dst)
-    torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+    Copies(transfers).many(dsts, srcs, non_blocking=True)

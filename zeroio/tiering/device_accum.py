@@ -41,7 +41,8 @@ from collections.abc import Callable
 import torch
 
 from zeroio.config.accum_place import place_on_device
-from zeroio.tiering.stats import TierStats, count_copy
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import TierStats
 
 
 def cuda_room(device: torch.device) -> int | None:
@@ -103,8 +104,7 @@ class DeviceAccum:
         else:
             acc.add_(src)
         if last:
-            count_copy(transfers, acc, host)
-            host.copy_(acc, non_blocking=True)
+            Copies(transfers).into(host, acc, non_blocking=True)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.bufs)

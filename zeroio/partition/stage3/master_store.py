@@ -44,7 +44,8 @@ import torch
 
 from zeroio.partition.stage3.store import ShardStore
 from zeroio.partition.stage3.streams import Fetched, Streams, on, record, wait_event
-from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import StallTimer, TierStats
 
 
 class MasterShards:
@@ -94,9 +95,8 @@ class MasterShards:
                     out.narrow(0, at, lo - at).zero_()
                 dst = out.narrow(0, lo, master.numel())
                 if cuda and master.device.type == "cpu":
-                    staged = torch.empty(master.shape, dtype=master.dtype, device=self.device)
-                    count_copy(self.transfers, master, staged)
-                    staged.copy_(master, non_blocking=master.is_pinned())
+                    staged = Copies(self.transfers).new(master, self.device,
+                                                        non_blocking=master.is_pinned())
                     dst.copy_(staged)  # the cast, on the device (staged lives on h2d only)
                 else:
                     dst.copy_(master)

@@ -51,7 +51,8 @@ from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.store import OwnCopies
 from zeroio.partition.stage3.streams import Fetched, on, record
 from zeroio.tiering import Tier, TieredStore
-from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import StallTimer, TierStats
 from zeroio.tiering.transfer import host_cost
 
 
@@ -125,9 +126,8 @@ class TieredShards(OwnCopies):
         ready = None
         try:
             with on(streams.h2d):
-                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-                count_copy(self.transfers, host, dev)
-                dev.copy_(host, non_blocking=host.is_pinned())
+                dev = Copies(self.transfers).new(host, self.device,
+                                                 non_blocking=host.is_pinned())
                 ready = record(streams.h2d)
         finally:
             self.store.release(_name(key), Tier.CPU, after=ready)
@@ -155,8 +155,7 @@ class TieredShards(OwnCopies):
                     host.narrow(0, at, host.numel() - at).zero_()
             for lo, values in pieces:
                 dst = host.narrow(0, lo, values.numel())
-                count_copy(self.transfers, values, dst)
-                dst.copy_(values)
+                Copies(self.transfers).into(dst, values)
             if not whole:
                 self.store.mark_dirty(_name(key), Tier.CPU)
         finally:

@@ -31,7 +31,8 @@ import torch
 from zeroio.io.hostmem import host_empty
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.streams import Fetched, Streams, on, record
-from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import StallTimer, TierStats
 
 
 class ShardStore(Protocol):
@@ -101,8 +102,7 @@ class DeviceShards(OwnCopies):
 
     def update(self, key, values, lo):
         dst = self._shards[key].narrow(0, lo, values.numel())
-        count_copy(self.transfers, values, dst)
-        dst.copy_(values, non_blocking=True)
+        Copies(self.transfers).into(dst, values, non_blocking=True)
         if self.device.type == "cuda":
             self._written[key] = record(torch.cuda.current_stream(self.device))
 
@@ -141,9 +141,7 @@ class HostShards(OwnCopies):
         if self.device.type == "cpu":
             return Fetched(host, None)
         with on(streams.h2d):
-            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            count_copy(self.transfers, host, dev)
-            dev.copy_(host, non_blocking=self.pin)
+            dev = Copies(self.transfers).new(host, self.device, non_blocking=self.pin)
             ready = record(streams.h2d)
         if ready is not None:
             self._reading[key] = ready
@@ -151,8 +149,7 @@ class HostShards(OwnCopies):
 
     def update(self, key, values, lo):
         dst = self.writable(key, lo, values.numel())
-        count_copy(self.transfers, values, dst)
-        dst.copy_(values)
+        Copies(self.transfers).into(dst, values)
 
     def writable(self, key, lo: int, numel: int) -> torch.Tensor:
         """Elements ``[lo, lo+numel)`` of the host shard, for a writer that fills them itself

@@ -57,7 +57,8 @@ from zeroio.partition.base import ShardGroup
 from zeroio.partition.split import Side, cut_segments, device_numel  # noqa: F401 (re-exported)
 from zeroio.partition.stage3.layout import ShardPiece
 from zeroio.partition.stage3.streams import on, record, wait_event, wait_stream
-from zeroio.tiering.stats import StallTimer, TierStats, count_copy
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import StallTimer, TierStats
 
 PUBLISH_CHUNK_NUMEL = 1 << 26
 """Elements of the device-side publish's bf16 staging buffer (128 MiB); zeroio.estimate
@@ -157,8 +158,7 @@ class DevicePublish:
                     buf = self._staging.narrow(0, 0, k)
                     buf.copy_(values.narrow(0, a, k))  # the cast, on the device
                     dst = host_shard.narrow(0, lo + a, k)
-                    count_copy(self.transfers, buf, dst)
-                    dst.copy_(buf, non_blocking=True)
+                    Copies(self.transfers).into(dst, buf, non_blocking=True)
             self._last = self._pending[gi] = record(self.stream)
 
     def before_fetch(self, gi: int, stream: torch.cuda.Stream | None) -> None:
