@@ -91,6 +91,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from zeroio import placement as layout
 from zeroio.config import load_config
 from zeroio.config.accum_place import ACCUM_ROW
 from zeroio.config.fields import did_you_mean
@@ -99,7 +100,6 @@ from zeroio.errors import CapacityError, ConfigError
 from zeroio.estimate import (
     DTYPE_BYTES,
     MemoryEstimate,
-    estimate_memory,
     host_grad_bytes,
     llama_num_params,
     parse_count,
@@ -154,7 +154,7 @@ class Machine:
                     not math.isfinite(v) or v < low:
                 raise ConfigError(f"machine.{f.name} = {v!r}: expected a number >= {low} "
                                   f"({_UNITS[f.name]})", key=f"machine.{f.name}")
-            if _is_int_field(f.name):
+            if f.name in ("gpus", "gpu_bytes", "host_bytes", "disk_bytes"):
                 if v != int(v):
                     raise ConfigError(f"machine.{f.name} = {v!r}: expected a whole number "
                                       f"({_UNITS[f.name]})", key=f"machine.{f.name}")
@@ -199,10 +199,6 @@ _UNITS = {"gpus": "GPUs per node", "gpu_bytes": "bytes per GPU",
           "disk_write_bps": "bytes/s", "cpu_adam_elems_per_s": "elements/s per node",
           "disk_mixed_bps": "bytes/s read + written together, optional"}
 _OPTIONAL = ("disk_mixed_bps",)
-
-
-def _is_int_field(name: str) -> bool:
-    return name in ("gpus", "gpu_bytes", "host_bytes", "disk_bytes")
 
 
 @dataclass(frozen=True)
@@ -271,6 +267,8 @@ class Plan:
     """Planned with ``tiering.params_from_master`` (no 16-bit parameter shard)."""
     notes: tuple[str, ...] = ()
     """What the plan assumes beyond its config block."""
+    layout: layout.Placement | None = None
+    """Where each buffer lives on one rank (zeroio/placement.py; the engine's ``stats()``)."""
 
     @property
     def _serial_step(self) -> bool:
@@ -306,7 +304,8 @@ class Plan:
                 "times": dict(self.times), "step_s": self.step_s, "bound": self.bound,
                 "reasons": list(self.reasons), "margin": MARGIN,
                 "params_from_master": self.params_from_master, "notes": list(self.notes),
-                "machine": self.machine.to_dict(), "estimate": self.estimate.to_dict()}
+                "machine": self.machine.to_dict(), "estimate": self.estimate.to_dict(),
+                "buffer_placement": self.layout.to_dict() if self.layout else None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,14 +378,17 @@ def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,
     return cfg
 
 
-def _estimate(p: Placement, model: _Model, machine: Machine, ratio: float,
-              cpu_budget: int | None) -> MemoryEstimate:
-    cfg = load_config(_config(p, model, ratio, cpu_budget))
+def _layout(p: Placement, model: _Model, machine: Machine, ratio: float,
+            cpu_budget: int | None) -> layout.Placement:
+    """Candidate ``p``'s buffers ([Note: one placement] in zeroio/placement.py)."""
+    mem = layout.MachineMemory(gpu_bytes=machine.gpu_bytes, host_bytes=machine.host_bytes,
+                               nvme_free_bytes=machine.disk_bytes, gpus_per_node=machine.gpus)
     disk = _disk_per_rank(machine) if p.optimizer == "nvme" else None
-    return estimate_memory(model.num_params, machine.gpus, model.nodes, config=cfg,
-                           dtype=model.dtype, largest_group=model.largest_group,
-                           activation_bytes=model.activation_bytes,
-                           params_from_master=_pfm(p, model), nvme_budget_bytes=disk)
+    return layout.decide_placement(
+        num_params=model.num_params, config=load_config(_config(p, model, ratio, cpu_budget)),
+        world_size=machine.gpus * model.nodes, machine=mem, largest_group=model.largest_group,
+        dtype=model.dtype, activation_bytes=model.activation_bytes,
+        params_from_master=_pfm(p, model), nvme_budget_bytes=disk)
 
 
 def _disk_per_rank(machine: Machine) -> int:
@@ -427,7 +429,7 @@ def _largest_share(p: Placement, model: _Model, machine: Machine,
     host shard). The NVMe placements keep the largest k the GPU takes: host and disk bytes
     only shrink as k grows."""
     def ok_gpu(k: int) -> bool:
-        est = _estimate(p, model, machine, 1 - k / 100, cpu_budget)
+        est = _layout(p, model, machine, 1 - k / 100, cpu_budget).estimate
         return _fits(est, machine)[0].over_bytes == 0
 
     if not ok_gpu(0):
@@ -437,7 +439,7 @@ def _largest_share(p: Placement, model: _Model, machine: Machine,
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ok_gpu(mid) else (lo, mid - 1)
     while step_down and lo > 0 and any(t.over_bytes for t in _fits(
-            _estimate(p, model, machine, 1 - lo / 100, cpu_budget), machine)):
+            _layout(p, model, machine, 1 - lo / 100, cpu_budget).estimate, machine)):
         lo -= 1
     return lo
 
@@ -452,7 +454,7 @@ def _try(p: Placement, model: _Model, machine: Machine, budget: int | None,
         ratio = round(1 - max(k, 0) / 100, 2)
     else:
         ratio = 1.0
-    est = _estimate(p, model, machine, ratio, budget)
+    est = _layout(p, model, machine, ratio, budget).estimate
     tiers = _fits(est, machine)
     if any(t.over_bytes for t in tiers):
         at = f" at offload_optimizer.ratio {ratio:g}" if ratio < 1 else ""
@@ -462,7 +464,7 @@ def _try(p: Placement, model: _Model, machine: Machine, budget: int | None,
         k = _largest_share(p, model, machine)
         if k > 0:
             ratio = round(1 - k / 100, 2)
-            est = _estimate(p, model, machine, ratio, None)
+            est = _layout(p, model, machine, ratio, None).estimate
             tiers = _fits(est, machine)
         else:
             reasons.append(f"{p.name}: no GPU share of the optimizer state fits "
@@ -577,7 +579,6 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                    if params_from_master is None else bool(params_from_master))
     cpu_budget = int(machine.host_bytes * (1 - MARGIN)) // machine.gpus
     reasons: list[str] = []
-    tiers: tuple[TierFit, ...] = ()
     for p in PLACEMENTS:
         budget = cpu_budget if "nvme" in (p.optimizer, p.param) else None
         est, tiers, ratio = _try(p, model, machine, budget, reasons)
@@ -590,10 +591,9 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                     estimate=est, tiers=tiers, traffic=traffic, resident_moment_bytes=resident,
                     times=_times(traffic, host_elems, machine), reasons=tuple(reasons),
                     machine=machine, params_from_master=est.params_from_master,
-                    notes=_notes(est))
-    raise CapacityError("no placement fits this machine; the most offloaded one, "
-                        + reasons[-1]
-                        + ": add memory or disk, more GPUs or nodes, or train a smaller model")
+                    notes=_notes(est), layout=_layout(p, model, machine, ratio, budget))
+    raise CapacityError(f"no placement fits this machine; the most offloaded one, {reasons[-1]}"
+                        ": add memory or disk, more GPUs or nodes, or train a smaller model")
 
 
 __all__ = ["Machine", "Plan", "TierFit", "Placement", "PLACEMENTS", "MARGIN", "DISK_RESERVE",
