@@ -230,6 +230,7 @@ class _Net(torch.nn.Module):
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, 4),
     ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, 1),
     ({"stage": 1}, 2),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, 1),  # counted as stage 1 on one rank
 ])
 def test_engine_reports_the_placement_the_function_decides(zero, gas):
     torch.manual_seed(0)

@@ -56,9 +56,10 @@ def measured_machine(device: torch.device, nvme_path: str | None) -> MachineMemo
         disk = int(shutil.disk_usage(path).free)
     world = comm.world_size()
     local = launch_env().local_world_size or world
+    per_node = world // max(1, world // max(1, local))  # the preflight's ranks per host
     return MachineMemory(gpu_bytes=gpu, gpu_free_bytes=free, nvme_free_bytes=disk,
                          host_bytes=None if host is None else host.available,
-                         gpus_per_node=world // max(1, world // max(1, local)))
+                         gpus_per_node=per_node if world % per_node == 0 else world)
 
 
 def engine_placement(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device,

@@ -215,9 +215,12 @@ def decide_placement(*, num_params: int, config: Config, world_size: int,
         raise ConfigError(f"world_size {world_size} is not a multiple of the machine's "
                           f"gpus_per_node {gpus}", key="machine.gpus_per_node")
     zero = config.zero_optimization
-    est = estimate_memory(num_params, gpus_per_node=gpus, nodes=world_size // gpus,
-                          config=config, largest_group=largest_group,
-                          device_room=machine.gpu_free_bytes, **estimate_kw)
+    # stage 0: every rank holds every byte, what stage 1 holds on a world of one (the engine
+    # also takes an offloaded optimizer at stage 0)
+    one = {"stage": 1, "gpus_per_node": 1, "nodes": 1} if zero.stage == 0 else {
+        "gpus_per_node": gpus, "nodes": world_size // gpus}
+    est = estimate_memory(num_params, config=config, largest_group=largest_group,
+                          device_room=machine.gpu_free_bytes, **one, **estimate_kw)
     buffers = _group(est)
     if policies is None:
         policies = resolve_policies(zero, accumulation_steps=config.gradient_accumulation_steps,
@@ -227,7 +230,7 @@ def decide_placement(*, num_params: int, config: Config, world_size: int,
     # the resident chunks' cap: a gpu_budget_bytes covers the accumulation buffer first
     assist = policies.tiering.step_assist and t.gpu_budget_bytes != 0
     cap = None if t.gpu_budget_bytes is None else max(0, t.gpu_budget_bytes - accum_gpu)
-    return Placement(stage=est.stage, world_size=world_size,
+    return Placement(stage=zero.stage, world_size=world_size,
                      offload_optimizer=est.offload_optimizer, offload_param=est.offload_param,
                      ratio=est.ratio, accumulation_steps=config.gradient_accumulation_steps,
                      buffers=buffers, machine=machine, estimate=est,
