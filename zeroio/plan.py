@@ -85,16 +85,13 @@ nothing here probes the machine. No torch at import time.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Any
 
 from zeroio import placement as layout
 from zeroio.config import load_config
 from zeroio.config.accum_place import ACCUM_ROW
-from zeroio.config.fields import did_you_mean
 from zeroio.config.zero import params_from_master_auto
 from zeroio.errors import CapacityError, ConfigError
 from zeroio.estimate import (
@@ -105,6 +102,7 @@ from zeroio.estimate import (
     parse_count,
     planned_activation_bytes,
 )
+from zeroio.plan_machine import Machine
 
 MARGIN = 0.10
 """Fraction of GPU and host memory the plan leaves free."""
@@ -117,88 +115,6 @@ NVME_PATH = "/path/to/nvme"
 """Placeholder ``nvme_path`` in the planned config: replace it with a folder on the NVMe."""
 MOMENT_BYTES = 8
 """Adam's two fp32 moments: what an NVMe-offloaded optimizer keeps on the disk."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Machine:
-    """One node as the planner sees it. Bytes and bytes per second (GB = 1e9)."""
-
-    gpus: int
-    """GPUs (ranks) on the node."""
-    gpu_bytes: int
-    """Memory of one GPU."""
-    host_bytes: int
-    """Host memory training may use on the node (pinned buffers included)."""
-    disk_bytes: int
-    """Free bytes of the file system under the NVMe path (0: no disk)."""
-    pcie_bps: float
-    """Host <-> GPU bandwidth of one GPU, each direction."""
-    disk_read_bps: float
-    """Read bandwidth of the NVMe path, for the whole node."""
-    disk_write_bps: float
-    """Write bandwidth of the NVMe path, for the whole node."""
-    cpu_adam_elems_per_s: float
-    """Elements the host's CPU Adam updates per second, all cores of the node together."""
-    disk_mixed_bps: float | None = None
-    """Bytes per second read and written together while the disk does both at once (the NVMe
-    step's pattern), for the whole node; None: not measured (the step time then counts the
-    reads and the writes one after the other). Optional in a machine file."""
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is None and f.name in _OPTIONAL:
-                continue
-            low = 0 if f.name == "disk_bytes" else 1
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                    not math.isfinite(v) or v < low:
-                raise ConfigError(f"machine.{f.name} = {v!r}: expected a number >= {low} "
-                                  f"({_UNITS[f.name]})", key=f"machine.{f.name}")
-            if f.name in ("gpus", "gpu_bytes", "host_bytes", "disk_bytes"):
-                if v != int(v):
-                    raise ConfigError(f"machine.{f.name} = {v!r}: expected a whole number "
-                                      f"({_UNITS[f.name]})", key=f"machine.{f.name}")
-                object.__setattr__(self, f.name, int(v))
-
-    @classmethod
-    def from_dict(cls, raw: Any, *, source: str = "machine") -> Machine:
-        """A machine from a JSON object with exactly the field names above."""
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source} must hold a JSON object with the keys "
-                              f"{', '.join(_UNITS)}", key="machine")
-        known = [f.name for f in fields(cls)]
-        for key in raw:
-            if key not in known:
-                raise ConfigError(f"{source}: unknown key machine.{key}{did_you_mean(key, known)}"
-                                  f"; expected {', '.join(known)}", key=f"machine.{key}")
-        missing = [k for k in known if k not in raw and k not in _OPTIONAL]
-        if missing:
-            raise ConfigError(f"{source}: missing machine.{missing[0]} ({_UNITS[missing[0]]})",
-                              key=f"machine.{missing[0]}")
-        return cls(**{k: raw[k] for k in known if k in raw})
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> Machine:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--machine {p} does not exist; write a JSON object with the keys "
-                              f"{', '.join(_UNITS)}", key="machine")
-        try:
-            raw = json.loads(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"--machine {p} is not a JSON file: {e}", key="machine") from None
-        return cls.from_dict(raw, source=str(p))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-_UNITS = {"gpus": "GPUs per node", "gpu_bytes": "bytes per GPU",
-          "host_bytes": "usable host bytes per node", "disk_bytes": "free bytes under the NVMe path",
-          "pcie_bps": "bytes/s per GPU each way", "disk_read_bps": "bytes/s",
-          "disk_write_bps": "bytes/s", "cpu_adam_elems_per_s": "elements/s per node",
-          "disk_mixed_bps": "bytes/s read + written together, optional"}
-_OPTIONAL = ("disk_mixed_bps",)
 
 
 @dataclass(frozen=True)
@@ -323,6 +239,8 @@ class _Model:
     """Plan the NVMe placements with ``tiering.params_from_master`` (as its "auto" does)."""
     accumulation: int = 1
     """``gradient_accumulation_steps``: micro-steps per optimizer step."""
+    buffers: tuple = ()
+    """(key, value) of the run's ``zero_optimization`` buffer sizes (``plan_placement``)."""
 
 
 def config_knows_params_from_master() -> bool:
@@ -384,8 +302,10 @@ def _layout(p: Placement, model: _Model, machine: Machine, ratio: float,
     mem = layout.MachineMemory(gpu_bytes=machine.gpu_bytes, host_bytes=machine.host_bytes,
                                nvme_free_bytes=machine.disk_bytes, gpus_per_node=machine.gpus)
     disk = _disk_per_rank(machine) if p.optimizer == "nvme" else None
+    raw = _config(p, model, ratio, cpu_budget)
+    raw["zero_optimization"] = {**dict(model.buffers), **raw["zero_optimization"]}
     return layout.decide_placement(
-        num_params=model.num_params, config=load_config(_config(p, model, ratio, cpu_budget)),
+        num_params=model.num_params, config=load_config(raw),
         world_size=machine.gpus * model.nodes, machine=mem, largest_group=model.largest_group,
         dtype=model.dtype, activation_bytes=model.activation_bytes,
         params_from_master=_pfm(p, model), nvme_budget_bytes=disk)
@@ -542,7 +462,8 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                    hidden: int | None = None, vocab: int | None = None,
                    intermediate: int | None = None, largest_group: int | None = None,
                    nodes: int = 1, bf16_optimizer_states: bool = False,
-                   params_from_master: bool | None = None, accumulation: int = 1) -> Plan:
+                   params_from_master: bool | None = None, accumulation: int = 1,
+                   buffers: dict | None = None) -> Plan:
     """The first placement of the rule (module doc) that fits ``machine`` for a model of
     ``num_params`` parameters trained on ``nodes`` such nodes.
 
@@ -555,7 +476,9 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
     bf16; no partial offload ratio). ``params_from_master``: plan the NVMe placements with
     ``tiering.params_from_master`` on, as its "auto" does (None: where this build's config
     knows the key). ``accumulation``: micro-steps per optimizer step (host gradients, staging
-    and traffic follow it). Raises ``CapacityError`` when nothing fits.
+    and traffic follow it). ``buffers``: the run's ``zero_optimization`` buffer keys
+    (``reduce_bucket_size``, ``overlap_comm``, ...; DeepSpeed's defaults where absent), which
+    every candidate is counted with. Raises ``CapacityError`` when nothing fits.
     """
     if not isinstance(machine, Machine):
         raise ConfigError(f"machine = {machine!r}: expected a zeroio.plan.Machine", key="machine")
@@ -575,6 +498,7 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
     model = _Model(num_params=parse_count(num_params), dtype=dtype, nodes=nodes,
                    largest_group=largest_group, activation_bytes=act,
                    bf16_state=bf16_optimizer_states, accumulation=accumulation,
+                   buffers=tuple(sorted((buffers or {}).items())),
                    params_from_master=config_knows_params_from_master()
                    if params_from_master is None else bool(params_from_master))
     cpu_budget = int(machine.host_bytes * (1 - MARGIN)) // machine.gpus
