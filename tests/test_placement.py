@@ -174,8 +174,8 @@ def test_params_from_master_holds_no_16bit_shard():
 
 
 def test_every_estimate_row_has_a_buffer_kind():
-    """A row the placement cannot name is an error, not a silent "other": every row the
-    estimate writes over stages, offloads, ratios, dtypes and accumulation has a kind."""
+    """Every row the estimate writes over stages, offloads, ratios, dtypes and accumulation
+    has a named kind: "other" (counted, never dropped) stays empty."""
     nvme = {"device": "nvme", "nvme_path": "/tmp/zeroio-placement-test"}
     for stage in (0, 1, 2, 3):
         for opt in ("none", "cpu", "nvme"):
@@ -197,14 +197,17 @@ def test_every_estimate_row_has_a_buffer_kind():
                                              largest_group=G, activation_bytes=GB)
                         for t in ("gpu", "cpu", "nvme"):
                             assert p.tier_bytes(t) == p.estimate.per_gpu(t), (zero, t)
+                        names = [i.name for i in p.estimate.items
+                                 if buffer_of(i, p.estimate.stage)[0] == "other"
+                                 and not i.name.startswith(("optimizer states", "optimizer "))]
+                        assert names == [] and not any(p.buffer("other").tiers.values()), zero
 
 
-def test_an_unknown_row_and_a_bad_machine_are_errors():
+def test_an_unknown_row_is_other_and_a_bad_machine_is_an_error():
     from zeroio.estimate import MemoryItem
 
-    with pytest.raises(ConfigError, match="no buffer kind"):
-        buffer_of(MemoryItem(name="mystery", tier="gpu", bytes_per_gpu=1, kind="zeroio_buffer",
-                             formula="1"), 3)
+    assert buffer_of(MemoryItem(name="mystery", tier="gpu", bytes_per_gpu=1,
+                                kind="zeroio_buffer", formula="1"), 3) == ("other", "home")
     with pytest.raises(ConfigError, match="machine.gpu_bytes"):
         MachineMemory(gpu_bytes=-1, host_bytes=None, nvme_free_bytes=0)
     with pytest.raises(ConfigError, match="gpus_per_node"):
@@ -309,3 +312,31 @@ def test_estimate_plan_prints_the_table(capsys):
     # the master row: 4 bytes per element; floor(0.15 x 3e9) elements stay on the GPU
     row = next(ln for ln in text.splitlines() if ln.strip().startswith("master"))
     assert row.split()[1:4] == [f"{4 * 0.45:.3f}", f"{4 * 2.55:.3f}", "0.000"]
+
+
+def test_masters_homed_on_nvme_have_a_host_window(monkeypatch):
+    """The place left for masters paged through NVMe: a masters row on the nvme tier is the
+    master's home there, a masters window row its pinned host window."""
+    import dataclasses
+
+    import zeroio.placement as mod
+    from zeroio.estimate import MemoryItem
+
+    real = mod.estimate_memory
+
+    def paged(*a, **kw):
+        est = real(*a, **kw)
+        items = [i for i in est.items if "masters" not in i.name] + [
+            MemoryItem(name="optimizer fp32 masters", tier="nvme", bytes_per_gpu=4 * GB,
+                       kind="model_state", formula="4 * Psi / N"),
+            MemoryItem(name="optimizer master window (pinned)", tier="cpu",
+                       bytes_per_gpu=GB // 2, kind="zeroio_buffer", formula="window")]
+        return dataclasses.replace(est, items=tuple(items))
+
+    monkeypatch.setattr(mod, "estimate_memory", paged)
+    nvme = {"device": "nvme", "nvme_path": "/tmp/zeroio-placement-test"}
+    p = decide_placement(num_params=10**9, config=_cfg({"stage": 3, "offload_optimizer": nvme}),
+                         world_size=1, machine=MachineMemory(**SMALL), largest_group=G)
+    master = p.buffer("master")
+    assert master.tiers == _tiers(nvme=4 * GB) and master.window_bytes == GB // 2
+    assert p.tier_bytes("cpu") == p.estimate.per_gpu("cpu")
