@@ -28,7 +28,10 @@
   rank (a note of the plan says so). With a measured machine the two were taken from
   separate halves of the host memory (machine.py), so the sum stays within it.
 - The record. The summary (``--json``) carries the plan under ``"plan"`` with the measured
-  step time (median after step 1) beside the predicted one.
+  step time (median after step 1) beside the predicted one, and the engine's placement
+  (``engine.stats()["placement"]``) under ``"placement"``: the candidates are counted with the
+  run config's buffer keys (``buffer_keys``), so it equals the plan's ``buffer_placement``
+  buffer by buffer ([Note: one placement] in zeroio/placement.py).
 """
 
 from __future__ import annotations
