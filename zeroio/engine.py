@@ -34,6 +34,7 @@ from zeroio.config.loader import collective_timeout
 from zeroio.engine_build import (
     build_optimizer,
     build_partitioner,
+    engine_placement,
     explicit_budgets,
     fit_budgets,
     resolve_engine_policies,
@@ -95,9 +96,11 @@ class Engine:
         spec = from_client(optimizer, self.config) if optimizer is not None else from_config(
             self.config.optimizer, model, model_parameters)
         self.client_optimizer = optimizer
-        check_host_memory(self.config, self.module, spec, self.device)  # before any allocation
         policies = rule_policies(spec, self.config,
                                  resolve_engine_policies(self.config, self.device))
+        # where every buffer lives ([Note: one placement]); checked before any allocation
+        self.placement = engine_placement(self.config, self.module, spec, self.device, policies)
+        check_host_memory(self.config, self.module, spec, self.device, self.placement.estimate)
         self._precision = policies.precision  # bf16 optimizer state: engine.stats() sources
         self.partitioner = build_partitioner(self.config, self.module, spec, self.device,
                                              policies)
@@ -356,6 +359,7 @@ class Engine:
         # the host step's worker: CPU Adam vs publication (step_overlap)
         out["timings"].update(self.partitioner.host_step_timings())
         out["breakdown"] = self._timeline.as_dict()
+        out["placement"] = self.placement.to_dict()  # [Note: one placement]
         out["global_steps"] = self.global_steps
         out["skipped_steps"] = self.skipped_steps
         out["loss_scale"] = self.loss_scaler.scale

@@ -1,6 +1,7 @@
 """Assembly of an engine's parts from its config: policies, partitioner, optimizer, tier budgets.
 
 ``Engine.__init__`` calls these once, in order: ``resolve_engine_policies`` (config/policy.py),
+``engine_placement`` (where every buffer lives: [Note: one placement] in zeroio/placement.py),
 ``build_partitioner`` (the one place that maps ``zero_optimization.stage`` to a partitioner),
 ``fit_budgets`` (explicit ``tiering`` budgets split among the stores, [Note: budgets in
 training] in tiering/budget.py) and ``build_optimizer`` (the update rule, on the device, the
@@ -21,6 +22,7 @@ from zeroio.optim.factory import OptimizerSpec
 from zeroio.optim.rule_build import RankSum, build_rule_optimizer
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
+from zeroio.placement import MachineMemory, Placement, decide_placement
 
 
 def resolve_engine_policies(cfg, device: torch.device):
@@ -29,6 +31,48 @@ def resolve_engine_policies(cfg, device: torch.device):
     return resolve_policies(cfg.zero_optimization,
                             accumulation_steps=cfg.gradient_accumulation_steps, device=device,
                             bf16=cfg.bf16)
+
+
+def measured_machine(device: torch.device, nvme_path: str | None) -> MachineMemory:
+    """This node as ``decide_placement`` takes it: the device's total and free memory (0 on a
+    CPU device), the host memory the preflight measures, the free bytes under ``nvme_path``."""
+    import shutil
+    from pathlib import Path
+
+    from zeroio.config.launch_env import launch_env
+    from zeroio.preflight import measure_host_memory
+    from zeroio.tiering.device_accum import DEVICE_ROOM
+
+    gpu = free = 0
+    if device.type == "cuda":
+        gpu = int(torch.cuda.get_device_properties(device).total_memory)
+        free = int(DEVICE_ROOM(device) or 0)
+    host = measure_host_memory()
+    disk = 0
+    if nvme_path:
+        path = Path(nvme_path).absolute()
+        while not path.exists() and path != path.parent:  # the folder is made later
+            path = path.parent
+        disk = int(shutil.disk_usage(path).free)
+    world = comm.world_size()
+    local = launch_env().local_world_size or world
+    per_node = world // max(1, world // max(1, local))  # the preflight's ranks per host
+    return MachineMemory(gpu_bytes=gpu, gpu_free_bytes=free, nvme_free_bytes=disk,
+                         host_bytes=None if host is None else host.available,
+                         gpus_per_node=per_node if world % per_node == 0 else world)
+
+
+def engine_placement(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device,
+                     policies) -> Placement:
+    """The engine's placement ([Note: one placement]): ``decide_placement`` for the
+    parameters ``spec`` trains on this world and this measured machine."""
+    from zeroio.preflight import largest_group, param_numel
+
+    return decide_placement(num_params=max(1, param_numel(spec)), config=cfg,
+                            world_size=comm.world_size(),
+                            machine=measured_machine(device, policies.tiering.nvme_path),
+                            largest_group=largest_group(module) or None,
+                            device_type=device.type, policies=policies)
 
 
 def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device,

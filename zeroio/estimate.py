@@ -265,7 +265,7 @@ def estimate_memory(
     master_dtype: str | None = None,
     state_dtype: str | None = None,
     params_from_master: bool | None = None,
-    nvme_budget_bytes: int | None = None,
+    nvme_budget_bytes: int | None = None, device_room: int | None = None,
 ) -> MemoryEstimate:
     """Estimate training-state memory for ``num_params`` parameters (see module doc).
 
@@ -284,6 +284,7 @@ def estimate_memory(
     config knows the key, "auto" on at stage 3 with offload_optimizer nvme; else off) and
     ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``, None: room for
     every moment): module doc, 2.
+    ``device_room``: free device bytes (0: CPU; None: a plan), for config/accum_place.py.
     """
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
@@ -467,7 +468,7 @@ def estimate_memory(
                           dtype=dtype, gas=gas, grad_tier=grad_tier, host=shard - dev,
                           grad_bytes=gshard, world=n, kind=buf,
                           budget=zero.tiering.gpu_budget_bytes,
-                          group=(grp, gname) if stage == 3 else (0, ""))
+                          group=(grp, gname) if stage == 3 else (0, ""), room=device_room)
         if opt_dev == "nvme":
             oo = zero.offload_optimizer
             add("optimizer swap buffers (pinned)", "cpu",

@@ -85,26 +85,24 @@ nothing here probes the machine. No torch at import time.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Any
 
+from zeroio import placement as layout
 from zeroio.config import load_config
 from zeroio.config.accum_place import ACCUM_ROW
-from zeroio.config.fields import did_you_mean
 from zeroio.config.zero import params_from_master_auto
 from zeroio.errors import CapacityError, ConfigError
 from zeroio.estimate import (
     DTYPE_BYTES,
     MemoryEstimate,
-    estimate_memory,
     host_grad_bytes,
     llama_num_params,
     parse_count,
     planned_activation_bytes,
 )
+from zeroio.plan_machine import Machine
 
 MARGIN = 0.10
 """Fraction of GPU and host memory the plan leaves free."""
@@ -117,92 +115,6 @@ NVME_PATH = "/path/to/nvme"
 """Placeholder ``nvme_path`` in the planned config: replace it with a folder on the NVMe."""
 MOMENT_BYTES = 8
 """Adam's two fp32 moments: what an NVMe-offloaded optimizer keeps on the disk."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Machine:
-    """One node as the planner sees it. Bytes and bytes per second (GB = 1e9)."""
-
-    gpus: int
-    """GPUs (ranks) on the node."""
-    gpu_bytes: int
-    """Memory of one GPU."""
-    host_bytes: int
-    """Host memory training may use on the node (pinned buffers included)."""
-    disk_bytes: int
-    """Free bytes of the file system under the NVMe path (0: no disk)."""
-    pcie_bps: float
-    """Host <-> GPU bandwidth of one GPU, each direction."""
-    disk_read_bps: float
-    """Read bandwidth of the NVMe path, for the whole node."""
-    disk_write_bps: float
-    """Write bandwidth of the NVMe path, for the whole node."""
-    cpu_adam_elems_per_s: float
-    """Elements the host's CPU Adam updates per second, all cores of the node together."""
-    disk_mixed_bps: float | None = None
-    """Bytes per second read and written together while the disk does both at once (the NVMe
-    step's pattern), for the whole node; None: not measured (the step time then counts the
-    reads and the writes one after the other). Optional in a machine file."""
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is None and f.name in _OPTIONAL:
-                continue
-            low = 0 if f.name == "disk_bytes" else 1
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                    not math.isfinite(v) or v < low:
-                raise ConfigError(f"machine.{f.name} = {v!r}: expected a number >= {low} "
-                                  f"({_UNITS[f.name]})", key=f"machine.{f.name}")
-            if _is_int_field(f.name):
-                if v != int(v):
-                    raise ConfigError(f"machine.{f.name} = {v!r}: expected a whole number "
-                                      f"({_UNITS[f.name]})", key=f"machine.{f.name}")
-                object.__setattr__(self, f.name, int(v))
-
-    @classmethod
-    def from_dict(cls, raw: Any, *, source: str = "machine") -> Machine:
-        """A machine from a JSON object with exactly the field names above."""
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source} must hold a JSON object with the keys "
-                              f"{', '.join(_UNITS)}", key="machine")
-        known = [f.name for f in fields(cls)]
-        for key in raw:
-            if key not in known:
-                raise ConfigError(f"{source}: unknown key machine.{key}{did_you_mean(key, known)}"
-                                  f"; expected {', '.join(known)}", key=f"machine.{key}")
-        missing = [k for k in known if k not in raw and k not in _OPTIONAL]
-        if missing:
-            raise ConfigError(f"{source}: missing machine.{missing[0]} ({_UNITS[missing[0]]})",
-                              key=f"machine.{missing[0]}")
-        return cls(**{k: raw[k] for k in known if k in raw})
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> Machine:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--machine {p} does not exist; write a JSON object with the keys "
-                              f"{', '.join(_UNITS)}", key="machine")
-        try:
-            raw = json.loads(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"--machine {p} is not a JSON file: {e}", key="machine") from None
-        return cls.from_dict(raw, source=str(p))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-_UNITS = {"gpus": "GPUs per node", "gpu_bytes": "bytes per GPU",
-          "host_bytes": "usable host bytes per node", "disk_bytes": "free bytes under the NVMe path",
-          "pcie_bps": "bytes/s per GPU each way", "disk_read_bps": "bytes/s",
-          "disk_write_bps": "bytes/s", "cpu_adam_elems_per_s": "elements/s per node",
-          "disk_mixed_bps": "bytes/s read + written together, optional"}
-_OPTIONAL = ("disk_mixed_bps",)
-
-
-def _is_int_field(name: str) -> bool:
-    return name in ("gpus", "gpu_bytes", "host_bytes", "disk_bytes")
 
 
 @dataclass(frozen=True)
@@ -271,6 +183,8 @@ class Plan:
     """Planned with ``tiering.params_from_master`` (no 16-bit parameter shard)."""
     notes: tuple[str, ...] = ()
     """What the plan assumes beyond its config block."""
+    layout: layout.Placement | None = None
+    """Where each buffer lives on one rank (zeroio/placement.py; the engine's ``stats()``)."""
 
     @property
     def _serial_step(self) -> bool:
@@ -306,7 +220,8 @@ class Plan:
                 "times": dict(self.times), "step_s": self.step_s, "bound": self.bound,
                 "reasons": list(self.reasons), "margin": MARGIN,
                 "params_from_master": self.params_from_master, "notes": list(self.notes),
-                "machine": self.machine.to_dict(), "estimate": self.estimate.to_dict()}
+                "machine": self.machine.to_dict(), "estimate": self.estimate.to_dict(),
+                "buffer_placement": self.layout.to_dict() if self.layout else None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,6 +239,8 @@ class _Model:
     """Plan the NVMe placements with ``tiering.params_from_master`` (as its "auto" does)."""
     accumulation: int = 1
     """``gradient_accumulation_steps``: micro-steps per optimizer step."""
+    buffers: tuple = ()
+    """(key, value) of the run's ``zero_optimization`` buffer sizes (``plan_placement``)."""
 
 
 def config_knows_params_from_master() -> bool:
@@ -379,14 +296,19 @@ def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,
     return cfg
 
 
-def _estimate(p: Placement, model: _Model, machine: Machine, ratio: float,
-              cpu_budget: int | None) -> MemoryEstimate:
-    cfg = load_config(_config(p, model, ratio, cpu_budget))
+def _layout(p: Placement, model: _Model, machine: Machine, ratio: float,
+            cpu_budget: int | None) -> layout.Placement:
+    """Candidate ``p``'s buffers ([Note: one placement] in zeroio/placement.py)."""
+    mem = layout.MachineMemory(gpu_bytes=machine.gpu_bytes, host_bytes=machine.host_bytes,
+                               nvme_free_bytes=machine.disk_bytes, gpus_per_node=machine.gpus)
     disk = _disk_per_rank(machine) if p.optimizer == "nvme" else None
-    return estimate_memory(model.num_params, machine.gpus, model.nodes, config=cfg,
-                           dtype=model.dtype, largest_group=model.largest_group,
-                           activation_bytes=model.activation_bytes,
-                           params_from_master=_pfm(p, model), nvme_budget_bytes=disk)
+    raw = _config(p, model, ratio, cpu_budget)
+    raw["zero_optimization"] = {**dict(model.buffers), **raw["zero_optimization"]}
+    return layout.decide_placement(
+        num_params=model.num_params, config=load_config(raw),
+        world_size=machine.gpus * model.nodes, machine=mem, largest_group=model.largest_group,
+        dtype=model.dtype, activation_bytes=model.activation_bytes,
+        params_from_master=_pfm(p, model), nvme_budget_bytes=disk)
 
 
 def _disk_per_rank(machine: Machine) -> int:
@@ -427,7 +349,7 @@ def _largest_share(p: Placement, model: _Model, machine: Machine,
     host shard). The NVMe placements keep the largest k the GPU takes: host and disk bytes
     only shrink as k grows."""
     def ok_gpu(k: int) -> bool:
-        est = _estimate(p, model, machine, 1 - k / 100, cpu_budget)
+        est = _layout(p, model, machine, 1 - k / 100, cpu_budget).estimate
         return _fits(est, machine)[0].over_bytes == 0
 
     if not ok_gpu(0):
@@ -437,7 +359,7 @@ def _largest_share(p: Placement, model: _Model, machine: Machine,
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ok_gpu(mid) else (lo, mid - 1)
     while step_down and lo > 0 and any(t.over_bytes for t in _fits(
-            _estimate(p, model, machine, 1 - lo / 100, cpu_budget), machine)):
+            _layout(p, model, machine, 1 - lo / 100, cpu_budget).estimate, machine)):
         lo -= 1
     return lo
 
@@ -452,7 +374,7 @@ def _try(p: Placement, model: _Model, machine: Machine, budget: int | None,
         ratio = round(1 - max(k, 0) / 100, 2)
     else:
         ratio = 1.0
-    est = _estimate(p, model, machine, ratio, budget)
+    est = _layout(p, model, machine, ratio, budget).estimate
     tiers = _fits(est, machine)
     if any(t.over_bytes for t in tiers):
         at = f" at offload_optimizer.ratio {ratio:g}" if ratio < 1 else ""
@@ -462,7 +384,7 @@ def _try(p: Placement, model: _Model, machine: Machine, budget: int | None,
         k = _largest_share(p, model, machine)
         if k > 0:
             ratio = round(1 - k / 100, 2)
-            est = _estimate(p, model, machine, ratio, None)
+            est = _layout(p, model, machine, ratio, None).estimate
             tiers = _fits(est, machine)
         else:
             reasons.append(f"{p.name}: no GPU share of the optimizer state fits "
@@ -540,7 +462,8 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                    hidden: int | None = None, vocab: int | None = None,
                    intermediate: int | None = None, largest_group: int | None = None,
                    nodes: int = 1, bf16_optimizer_states: bool = False,
-                   params_from_master: bool | None = None, accumulation: int = 1) -> Plan:
+                   params_from_master: bool | None = None, accumulation: int = 1,
+                   buffers: dict | None = None) -> Plan:
     """The first placement of the rule (module doc) that fits ``machine`` for a model of
     ``num_params`` parameters trained on ``nodes`` such nodes.
 
@@ -553,7 +476,9 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
     bf16; no partial offload ratio). ``params_from_master``: plan the NVMe placements with
     ``tiering.params_from_master`` on, as its "auto" does (None: where this build's config
     knows the key). ``accumulation``: micro-steps per optimizer step (host gradients, staging
-    and traffic follow it). Raises ``CapacityError`` when nothing fits.
+    and traffic follow it). ``buffers``: the run's ``zero_optimization`` buffer keys
+    (``reduce_bucket_size``, ``overlap_comm``, ...; DeepSpeed's defaults where absent), which
+    every candidate is counted with. Raises ``CapacityError`` when nothing fits.
     """
     if not isinstance(machine, Machine):
         raise ConfigError(f"machine = {machine!r}: expected a zeroio.plan.Machine", key="machine")
@@ -573,11 +498,11 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
     model = _Model(num_params=parse_count(num_params), dtype=dtype, nodes=nodes,
                    largest_group=largest_group, activation_bytes=act,
                    bf16_state=bf16_optimizer_states, accumulation=accumulation,
+                   buffers=tuple(sorted((buffers or {}).items())),
                    params_from_master=config_knows_params_from_master()
                    if params_from_master is None else bool(params_from_master))
     cpu_budget = int(machine.host_bytes * (1 - MARGIN)) // machine.gpus
     reasons: list[str] = []
-    tiers: tuple[TierFit, ...] = ()
     for p in PLACEMENTS:
         budget = cpu_budget if "nvme" in (p.optimizer, p.param) else None
         est, tiers, ratio = _try(p, model, machine, budget, reasons)
@@ -590,10 +515,9 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                     estimate=est, tiers=tiers, traffic=traffic, resident_moment_bytes=resident,
                     times=_times(traffic, host_elems, machine), reasons=tuple(reasons),
                     machine=machine, params_from_master=est.params_from_master,
-                    notes=_notes(est))
-    raise CapacityError("no placement fits this machine; the most offloaded one, "
-                        + reasons[-1]
-                        + ": add memory or disk, more GPUs or nodes, or train a smaller model")
+                    notes=_notes(est), layout=_layout(p, model, machine, ratio, budget))
+    raise CapacityError(f"no placement fits this machine; the most offloaded one, {reasons[-1]}"
+                        ": add memory or disk, more GPUs or nodes, or train a smaller model")
 
 
 __all__ = ["Machine", "Plan", "TierFit", "Placement", "PLACEMENTS", "MARGIN", "DISK_RESERVE",

@@ -37,7 +37,7 @@ import torch
 from zeroio.config import Config, overrides
 from zeroio.config.launch_env import launch_env
 from zeroio.errors import CapacityError, CapacityWarning
-from zeroio.estimate import MemoryItem, estimate_memory
+from zeroio.estimate import MemoryEstimate, MemoryItem, estimate_memory
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3.registry import true_shape
 
@@ -138,6 +138,12 @@ def measure_host_memory() -> HostMemory | None:
     return HostMemory(available=avail, source=source, grows=memory_may_grow())
 
 
+def param_numel(spec) -> int:
+    """Elements of the parameters ``spec``'s groups train (each parameter once, its full
+    shape where zero.Init partitioned it)."""
+    return sum(math.prod(true_shape(p)) for p in _params(spec))
+
+
 def _params(spec) -> list[torch.nn.Parameter]:
     seen: dict[int, torch.nn.Parameter] = {}
     for group in spec.param_groups:
@@ -146,7 +152,7 @@ def _params(spec) -> list[torch.nn.Parameter]:
     return list(seen.values())
 
 
-def _largest_group(module: torch.nn.Module) -> int:
+def largest_group(module: torch.nn.Module) -> int:
     """Elements of the largest unit stage 3 gathers and reduces at once: a child of a
     ModuleList (a transformer layer), or the largest single parameter."""
     best = max((math.prod(true_shape(p)) for p in module.parameters()), default=0)
@@ -158,17 +164,20 @@ def _largest_group(module: torch.nn.Module) -> int:
 
 
 def host_items(cfg: Config, module: torch.nn.Module, spec, device: torch.device, *,
-               world_size: int, local_ranks: int) -> list[MemoryItem]:
-    """The estimate's terms that take new host memory on each rank of this host."""
-    psi = sum(math.prod(true_shape(p)) for p in _params(spec))
+               world_size: int, local_ranks: int,
+               estimate: MemoryEstimate | None = None) -> list[MemoryItem]:
+    """The estimate's terms that take new host memory on each rank of this host (``estimate``:
+    the engine's placement's, zeroio/placement.py; made here when None, and at stage 0)."""
+    psi = param_numel(spec)
     if psi == 0:
         return []
     nodes = max(1, world_size // max(1, local_ranks))
     per_node, stage = world_size // nodes, cfg.zero_optimization.stage
     if stage == 0:  # every rank holds every byte: what stage 1 holds on a world of one
-        per_node, nodes, stage = 1, 1, 1
-    est = estimate_memory(psi, gpus_per_node=per_node, nodes=nodes, stage=stage, config=cfg,
-                          largest_group=_largest_group(module) or None)
+        per_node, nodes, stage, estimate = 1, 1, 1, None
+    est = estimate if estimate is not None else estimate_memory(
+        psi, gpus_per_node=per_node, nodes=nodes, stage=stage, config=cfg,
+        largest_group=largest_group(module) or None)
     host_tiers = ("cpu",) if device.type != "cpu" else ("cpu", "gpu")
     items = [i for i in est.items if i.tier in host_tiers and i.kind != "activations"
              and not (i.tier == "gpu" and i.name.startswith(_HELD_OR_TRANSIENT))]
@@ -223,14 +232,17 @@ def shortfall_message(items: list[MemoryItem], local_ranks: int, have: HostMemor
             f"{'; '.join(_remedies(cfg))}. ZEROIO_HOST_MEMORY=off skips this check.")
 
 
-def check_host_memory(cfg: Config, module: torch.nn.Module, spec, device: torch.device) -> None:
-    """[Note: host-memory preflight]; collective. Call before any state is allocated."""
+def check_host_memory(cfg: Config, module: torch.nn.Module, spec, device: torch.device,
+                      estimate: MemoryEstimate | None = None) -> None:
+    """[Note: host-memory preflight]; collective. Call before any state is allocated.
+    ``estimate``: the engine's placement's (zeroio/placement.py), checked as it is."""
     world = comm.world_size()
     local = launch_env().local_world_size or world
     have = measure_host_memory()
     message = None
     if have is not None:
-        items = host_items(cfg, module, spec, device, world_size=world, local_ranks=local)
+        items = host_items(cfg, module, spec, device, world_size=world, local_ranks=local,
+                           estimate=estimate)
         message = shortfall_message(items, local, have, cfg)
     if message is not None and have.grows:  # the figure may be low: say so, do not refuse
         warnings.warn(f"{message} This host's memory may grow as it is used ({have.grows}), "

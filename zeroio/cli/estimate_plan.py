@@ -146,6 +146,10 @@ def render_fit(plan) -> list[str]:
     for t in plan.tiers:
         lines.append(f"{TIER_WORDS[t.tier]:36s} {t.need_bytes / _GB:10.2f} "
                      f"{t.usable_bytes / _GB:10.2f} {t.capacity_bytes / _GB:12.2f}")
+    if getattr(plan, "layout", None) is not None:  # [Note: one placement] in zeroio/placement.py
+        from zeroio.placement import render_table
+
+        lines += [""] + render_table(plan.layout)
     lines += [f"note: {n}" for n in getattr(plan, "notes", ())]
     if plan.resident_moment_bytes:
         lines.append(f"(the host budget also keeps {plan.resident_moment_bytes / _GB:.2f} GB of "

@@ -33,16 +33,18 @@ def place_on_device(nbytes: int, *, budget: int | None, room: int | None,
 def accumulation_rows(add: Callable[..., None], *, stage: int, dtype: str, gas: int,
                       grad_tier: str, host: int, grad_bytes: int, budget: int | None,
                       group: tuple[int, str], world: int, kind: str,
-                      staging: tuple[int, int]) -> None:
+                      staging: tuple[int, int], room: int | None = None) -> None:
     """The estimate's rows of a gradient accumulated for ``host`` host elements per GPU of
     ``grad_bytes`` each: the device buffer where ``place_on_device`` plans it, else the host's
     pinned staging slots ([Note: bounded staging] in partition/landing.py: slots of stage 3's
     largest group slice ``group`` = (elements, its name) or of stage 2's gradient piece).
     ``staging``: (``STAGING_SLOTS``, ``GRAD_PIECE_NUMEL``) of shard/host_rule.py.
-    ``add(name, tier, bytes, kind, formula)``: the estimate's."""
+    ``add(name, tier, bytes, kind, formula)``: the estimate's. ``room``: the device's free
+    bytes where measured (the running engine's placement: 0 on a CPU device), None where the
+    room is unknown (a plan: ``place_on_device``'s ``plan_only``)."""
     if gas <= 1 or grad_tier != "cpu" or stage not in (2, 3):
         return
-    if place_on_device(grad_bytes * host, budget=budget, room=None, plan_only=True):
+    if place_on_device(grad_bytes * host, budget=budget, room=room, plan_only=room is None):
         add(ACCUM_ROW, "gpu", grad_bytes * host, kind,
             f"{grad_bytes} * offloaded elements per GPU")
         return

@@ -567,7 +567,7 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None,
         "offload_param": zo.offload_param.device.value,
         "offload_optimizer": zo.offload_optimizer.device.value,
         "offload_optimizer_ratio": zo.offload_optimizer.ratio,
-        "sub_group_size": zo.sub_group_size,
+        "sub_group_size": zo.sub_group_size, "placement": stats["placement"],
         # the budgets the engine's tiered store trained under (engine.stats())
         "tier_budgets": {t: v.get("budget_bytes") for t, v in stats.get("tiers", {}).items()},
         "start_step": start,

@@ -28,7 +28,10 @@
   rank (a note of the plan says so). With a measured machine the two were taken from
   separate halves of the host memory (machine.py), so the sum stays within it.
 - The record. The summary (``--json``) carries the plan under ``"plan"`` with the measured
-  step time (median after step 1) beside the predicted one.
+  step time (median after step 1) beside the predicted one, and the engine's placement
+  (``engine.stats()["placement"]``) under ``"placement"``: the candidates are counted with the
+  run config's buffer keys (``buffer_keys``), so it equals the plan's ``buffer_placement``
+  buffer by buffer ([Note: one placement] in zeroio/placement.py).
 """
 
 from __future__ import annotations
@@ -140,6 +143,24 @@ def _typed_or_config(typed: int | None, raw: dict[str, Any], key: str, default: 
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
 
 
+BUFFER_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+               "stage3_max_live_parameters")
+"""``zero_optimization`` keys that size the buffers the estimate counts (not placement keys)."""
+
+
+def buffer_keys(raw: dict[str, Any], *, hidden: int) -> dict[str, Any]:
+    """The run config's ``BUFFER_KEYS`` it sets, "auto" resolved for the model (``hidden``), so
+    the plan counts the buckets the run will hold ([Note: one placement] in
+    zeroio/placement.py); an unset ``overlap_comm`` follows the planned stage."""
+    from zeroio.config import load_config
+
+    zo = raw.get("zero_optimization") or {}
+    given = {k: zo[k] for k in BUFFER_KEYS if k in zo and zo[k] is not None}
+    zero = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": given},
+                       hidden_size=hidden).zero_optimization
+    return {k: getattr(zero, k) for k in given if not (k == "overlap_comm" and zo[k] == "auto")}
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunPlan:
     """The plan of one job as every rank applies it and the summary records it."""
@@ -207,7 +228,8 @@ def make(opts, mcfg, *, gpus: int, nodes: int, cuda: bool,
                               vocab=mcfg.vocab_size, intermediate=mcfg.intermediate_size,
                               largest_group=(n - emb - mcfg.hidden_size) // layers, nodes=nodes,
                               accumulation=_typed_or_config(
-                                  opts.grad_accum, raw, "gradient_accumulation_steps", 1))
+                                  opts.grad_accum, raw, "gradient_accumulation_steps", 1),
+                              buffers=buffer_keys(raw, hidden=mcfg.hidden_size))
     except CapacityError as e:
         raise CapacityError(f"--plan: the model ({n:,} parameters) does not fit the machine "
                             f"({source}): {e}. Nothing was trained") from None
