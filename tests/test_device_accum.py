@@ -241,14 +241,19 @@ def test_device_accumulation_on_the_gpu_equals_the_host_path(stage):
 # ---- the estimate -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_estimate_counts_the_device_buffer_by_hand(stage):
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_the_estimate_counts_the_device_buffer_by_hand(stage, mode, monkeypatch):
     """bf16, optimizer cpu, 4 GPUs, gas 4: a budget that covers the 4-byte buffer of the
     200M-element shard puts it on the GPU and takes the host's pinned staging slots away;
-    budget 0 and "auto" plan the host path (the free memory is unknown to the estimate)."""
+    budget 0 and "auto" plan the host path (the free memory is unknown to the estimate).
+    With the buffer on the device nothing accumulates on the host, so where the one-pass
+    CPU Adam is planned (ZEROIO_CPU_ADAM auto: the 2e8 shard compiles) the host gradient is
+    2 bytes per element instead of 4; with torch's kernel it stays fp32."""
     from zeroio.config import load_config
     from zeroio.estimate import estimate_memory
     from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
 
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", mode)
     psi, n, group = 800_000_000, 4, 50_000_000
     shard = psi // n
 
@@ -256,7 +261,8 @@ def test_the_estimate_counts_the_device_buffer_by_hand(stage):
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
                "bf16": {"enabled": True},
                "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"},
-                                     "tiering": {"gpu_budget_bytes": budget}}}
+                                     "tiering": {"gpu_budget_bytes": budget,
+                                                 "step_assist": False}}}
         return estimate_memory(psi, gpus_per_node=n, config=load_config(cfg),
                                largest_group=group)
 
@@ -266,9 +272,66 @@ def test_the_estimate_counts_the_device_buffer_by_hand(stage):
     assert ACCUM_ROW not in {i.name for i in host.items} | {i.name for i in auto.items}
     assert not place_on_device(4 * shard, budget=4 * shard - 1, room=None, plan_only=True)
     slot = min(GRAD_PIECE_NUMEL, shard) if stage == 2 else group // n
+    half = 2 * shard if mode == "auto" else 0  # the host gradient's 4 -> 2 bytes
     assert placed.gpu_bytes_per_gpu - host.gpu_bytes_per_gpu == 4 * shard
-    assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == n * 4 * STAGING_SLOTS * slot
+    assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == \
+        n * (4 * STAGING_SLOTS * slot + half)
     assert auto.cpu_bytes_per_node == host.cpu_bytes_per_node
+
+
+def _host_grad_per_param(est):
+    """Host bytes of the gradient (the model states' term and zeroio's shard) per parameter."""
+    grads = [i for i in est.items if i.tier == "cpu" and "gradient" in i.name and
+             "staging" not in i.name]
+    return sum(i.bytes_per_gpu for i in grads) / est.num_params
+
+
+def test_the_preflight_plans_the_8b_host_gradient_with_the_device_room(monkeypatch):
+    """The measured case: an 8B Llama on one H200, stage 3, offload_optimizer cpu, bf16, gas 8.
+    The buffer is 4 x 8.03e9 = 32.1 GB; "auto" places it where it fits half of the room the
+    bf16 parameter shard (16.1 GB) leaves, less the 2 GiB reserve. Then the host gradient is
+    2 bytes per parameter (beside the 12 of fp32 masters and moments); without a room
+    (``zeroio estimate``), or with 2 bytes too little, 4 (and the pinned staging slots). The
+    preflight hands the room ``DEVICE_ROOM`` reads to the estimate."""
+    from zeroio.config import load_config
+    from zeroio.config.model_shape import llama_num_params
+    from zeroio.estimate import estimate_memory
+    from zeroio.preflight import host_items
+    from zeroio.tiering import device_accum
+
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "auto")
+    psi, _ = llama_num_params(hidden=4096, intermediate=14336, layers=32, vocab=128256,
+                              kv_heads=8, heads=32)
+    assert psi == 8_030_261_248  # Llama 3 8B
+    cfg = load_config({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 8,
+                       "bf16": {"enabled": True},
+                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    buffer, params16 = 4 * psi, 2 * psi
+    fits = params16 + 2 * (buffer + RESERVE_BYTES)  # "auto": the other half to activations
+    with_room = estimate_memory(psi, config=cfg, device_room=fits)
+    short = estimate_memory(psi, config=cfg, device_room=fits - 2)
+    no_room = estimate_memory(psi, config=cfg)
+    assert {i.name: (i.tier, i.bytes_per_gpu) for i in with_room.items}[ACCUM_ROW] == \
+        ("gpu", buffer)
+    assert _host_grad_per_param(with_room) == 2
+    for est in (short, no_room):
+        assert ACCUM_ROW not in {i.name for i in est.items}
+        assert _host_grad_per_param(est) == 4
+
+    class Spec:  # the preflight's view of the model: its parameter groups
+        param_groups = [[torch.nn.Parameter(torch.empty(0))]]
+
+    monkeypatch.setattr(device_accum, "DEVICE_ROOM", lambda device: fits)
+    monkeypatch.setattr("zeroio.preflight.true_shape", lambda p: (psi,))
+    items = host_items(cfg, torch.nn.Module(), Spec(), torch.device("cuda", 0),
+                       world_size=1, local_ranks=1)
+    by = {i.name: i.bytes_per_gpu for i in items}
+    assert by == {i.name: i.bytes_per_gpu for i in with_room.items if i.tier == "cpu"}
+    monkeypatch.setattr(device_accum, "DEVICE_ROOM", lambda device: fits - 2)
+    items = host_items(cfg, torch.nn.Module(), Spec(), torch.device("cuda", 0),
+                       world_size=1, local_ranks=1)
+    assert sum(i.bytes_per_gpu for i in items) - sum(by.values()) == 2 * psi + sum(
+        i.bytes_per_gpu for i in short.items if "staging" in i.name)
 
 
 # ---- a group the boundary micro step does not reach, and a ratio ----------------------------
