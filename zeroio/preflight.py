@@ -205,7 +205,8 @@ def _remedies(cfg: Config) -> list[str]:
         out.append("zero_optimization.offload_param.device nvme")
     if cfg.gradient_accumulation_steps > 1:
         out.append(f"gradient_accumulation_steps 1 (at {cfg.gradient_accumulation_steps} the host "
-                   "gradient shard is fp32, added into across micro-steps)")
+                   "gradient shard is fp32, added into across micro-steps), or GPU room for "
+                   "the sum: zero_optimization.tiering.gpu_budget_bytes (docs/tiering.md)")
     if not cfg.bf16.bf16_optimizer_states and cfg.compute_dtype == "bf16":
         out.append("bf16.bf16_optimizer_states (2-byte moments)")
     out.append("more ranks or nodes (ZeRO divides this state among them)")

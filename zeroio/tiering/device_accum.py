@@ -64,8 +64,9 @@ from zeroio.tiering.stats import TierStats, count_copy
 
 
 def cuda_room(device: torch.device) -> int | None:
-    """Free bytes of ``device`` now (None: no device distinct from the host)."""
-    if device.type != "cuda":
+    """Free bytes of ``device`` now (None: no device distinct from the host, or no CUDA in
+    this process: a preflight asked about a device it cannot see)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return int(free)
