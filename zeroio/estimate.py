@@ -282,8 +282,7 @@ def estimate_memory(
     ``params_from_master`` (default: the config's ``tiering.params_from_master`` where the
     config knows the key, "auto" on at stage 3 with offload_optimizer nvme; else off) and
     ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``, None: room for
-    every moment): module doc, 2. ``device_room``: the device's free bytes, if known.
-    """
+    every moment): module doc, 2. ``device_room``: the device's free bytes, if known."""
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
     nodes = _positive(nodes, "nodes")
@@ -396,7 +395,8 @@ def estimate_memory(
         buf = "zeroio_buffer"
         gas = getattr(config, "gradient_accumulation_steps", None) or 1
         accum_dev, hgas = planned_on_device(zero.tiering.gpu_budget_bytes, device_room, items,
-                                            stage=stage, gas=gas, grad_tier=grad_tier, host=shard - dev)
+                                            stage=stage, gas=gas, grad_tier=grad_tier,
+                                            host=shard - dev)
         if dtype != "fp32":
             if stage == 0:
                 add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")

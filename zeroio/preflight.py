@@ -3,11 +3,12 @@
 [Note: host-memory preflight] Offloaded training state lives in host memory (fp32
 masters and Adam moments with ``offload_optimizer`` cpu, 12 bytes per parameter; the
 host gradient shard, fp32 when ``gradient_accumulation_steps`` > 1 keeps adding into
-it on the host; swap buffers and staging). The device is known here, so its free memory
-(``DEVICE_ROOM`` of tiering/device_accum.py) is handed to the estimate, which plans the
-accumulation on the device tier as the partitioner will place it (and with it a 16-bit host
-gradient where the one-pass CPU Adam steps it: [Note: accumulation on the device tier]). When it is more than the machine has, the kernel kills
-the process in its first step, after minutes of loading, with nothing said. So before
+it on the host; swap buffers and staging). When it is more than the machine has, the
+kernel kills the process in its first step, after minutes of loading, with nothing said.
+The device is known here, so its free memory (``DEVICE_ROOM`` of tiering/device_accum.py)
+is handed to the estimate, which plans the accumulation on the device tier as the
+partitioner will place it (and with it a 16-bit host gradient where the one-pass CPU Adam
+steps it: [Note: accumulation on the device tier]). Before
 the partitioner pins or allocates anything, ``check_host_memory`` counts what this
 placement needs in host memory with the same model as ``zeroio estimate`` and the
 planner (``zeroio.estimate.estimate_memory``: its "cpu" tier, and on a CPU device its
