@@ -9,7 +9,11 @@ with a ratio, and with parameters the boundary micro step does not reach; the ho
 shard is written only by the boundary micro step (NaN-poisoned between steps), no staging slot
 is allocated, and the buffer is counted in ``engine.stats()["tiers"]["gpu"]``; a budget too
 small falls back to the host path; the decision, the GPU tier's fixed state and the estimate's
-rows by hand.
+rows by hand. With bf16 and the one-pass CPU Adam (compiled), the buffer placed keeps the host
+gradient bf16: the boundary gradient is the plain torch fp32 sum over micro steps rounded
+once, bit for bit (the host path's: that sum unrounded), and training stays within that
+rounding; the estimate and the preflight plan the 8B case's host gradient at 2 bytes per
+parameter with a device room that fits the buffer, 4 without.
 
 GPU (``-m gpu``, stages 2 and 3): device accumulation against ``gpu_budget_bytes: 0`` on a
 small model, bit for bit, with the gradient crossing PCIe once per step instead of per micro
@@ -26,6 +30,7 @@ from zeroio.config.accum_place import ACCUM_RESERVE_BYTES as RESERVE_BYTES
 from zeroio.config.accum_place import ACCUM_ROW, place_on_device
 from zeroio.testing import run_ranks
 from zeroio.testing.cuda import need_cuda
+from zeroio.testing.markers import needs_compiler
 from zeroio.tiering.gpu_tier import GpuTier
 
 GiB = 1 << 30
@@ -126,7 +131,9 @@ def test_device_accumulation_equals_host_accumulation(stage, world, dtype, gas):
         assert g["losses"] == r["losses"]
         assert g["masters"] == r["masters"]
         if gas > 1:
-            # the buffer mirrors the host gradient shard (its size and dtype) on the device
+            # the buffer mirrors the host gradient shard on the device, in fp32 (here the host
+            # gradient is fp32 too: torch's kernel steps the tiny shard)
+            assert g["host_dtype"] == "torch.float32"
             assert g["accum_bytes"] == g["host_bytes"] > 0
             assert g["staging"] == 0  # no staged adds: no pinned staging slots
             assert g["tiers_gpu"]["used_bytes"] == g["accum_bytes"]
@@ -241,14 +248,19 @@ def test_device_accumulation_on_the_gpu_equals_the_host_path(stage):
 # ---- the estimate -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_estimate_counts_the_device_buffer_by_hand(stage):
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_the_estimate_counts_the_device_buffer_by_hand(stage, mode, monkeypatch):
     """bf16, optimizer cpu, 4 GPUs, gas 4: a budget that covers the 4-byte buffer of the
     200M-element shard puts it on the GPU and takes the host's pinned staging slots away;
-    budget 0 and "auto" plan the host path (the free memory is unknown to the estimate)."""
+    budget 0 and "auto" plan the host path (the free memory is unknown to the estimate).
+    With the buffer on the device nothing accumulates on the host, so where the one-pass
+    CPU Adam is planned (ZEROIO_CPU_ADAM auto: the 2e8 shard compiles) the host gradient is
+    2 bytes per element instead of 4; with torch's kernel it stays fp32."""
     from zeroio.config import load_config
     from zeroio.estimate import estimate_memory
     from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
 
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", mode)
     psi, n, group = 800_000_000, 4, 50_000_000
     shard = psi // n
 
@@ -256,7 +268,8 @@ def test_the_estimate_counts_the_device_buffer_by_hand(stage):
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
                "bf16": {"enabled": True},
                "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"},
-                                     "tiering": {"gpu_budget_bytes": budget}}}
+                                     "tiering": {"gpu_budget_bytes": budget,
+                                                 "step_assist": False}}}
         return estimate_memory(psi, gpus_per_node=n, config=load_config(cfg),
                                largest_group=group)
 
@@ -266,9 +279,66 @@ def test_the_estimate_counts_the_device_buffer_by_hand(stage):
     assert ACCUM_ROW not in {i.name for i in host.items} | {i.name for i in auto.items}
     assert not place_on_device(4 * shard, budget=4 * shard - 1, room=None, plan_only=True)
     slot = min(GRAD_PIECE_NUMEL, shard) if stage == 2 else group // n
+    half = 2 * shard if mode == "auto" else 0  # the host gradient's 4 -> 2 bytes
     assert placed.gpu_bytes_per_gpu - host.gpu_bytes_per_gpu == 4 * shard
-    assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == n * 4 * STAGING_SLOTS * slot
+    assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == \
+        n * (4 * STAGING_SLOTS * slot + half)
     assert auto.cpu_bytes_per_node == host.cpu_bytes_per_node
+
+
+def _host_grad_per_param(est):
+    """Host bytes of the gradient (the model states' term and zeroio's shard) per parameter."""
+    grads = [i for i in est.items if i.tier == "cpu" and "gradient" in i.name and
+             "staging" not in i.name]
+    return sum(i.bytes_per_gpu for i in grads) / est.num_params
+
+
+def test_the_preflight_plans_the_8b_host_gradient_with_the_device_room(monkeypatch):
+    """The measured case: an 8B Llama on one H200, stage 3, offload_optimizer cpu, bf16, gas 8.
+    The buffer is 4 x 8.03e9 = 32.1 GB; "auto" places it where it fits half of the room the
+    bf16 parameter shard (16.1 GB) leaves, less the 2 GiB reserve. Then the host gradient is
+    2 bytes per parameter (beside the 12 of fp32 masters and moments); without a room
+    (``zeroio estimate``), or with 2 bytes too little, 4 (and the pinned staging slots). The
+    preflight hands the room ``DEVICE_ROOM`` reads to the estimate."""
+    from zeroio.config import load_config
+    from zeroio.config.model_shape import llama_num_params
+    from zeroio.estimate import estimate_memory
+    from zeroio.preflight import host_items
+    from zeroio.tiering import device_accum
+
+    monkeypatch.setenv("ZEROIO_CPU_ADAM", "auto")
+    psi, _ = llama_num_params(hidden=4096, intermediate=14336, layers=32, vocab=128256,
+                              kv_heads=8, heads=32)
+    assert psi == 8_030_261_248  # Llama 3 8B
+    cfg = load_config({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 8,
+                       "bf16": {"enabled": True},
+                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    buffer, params16 = 4 * psi, 2 * psi
+    fits = params16 + 2 * (buffer + RESERVE_BYTES)  # "auto": the other half to activations
+    with_room = estimate_memory(psi, config=cfg, device_room=fits)
+    short = estimate_memory(psi, config=cfg, device_room=fits - 2)
+    no_room = estimate_memory(psi, config=cfg)
+    assert {i.name: (i.tier, i.bytes_per_gpu) for i in with_room.items}[ACCUM_ROW] == \
+        ("gpu", buffer)
+    assert _host_grad_per_param(with_room) == 2
+    for est in (short, no_room):
+        assert ACCUM_ROW not in {i.name for i in est.items}
+        assert _host_grad_per_param(est) == 4
+
+    class Spec:  # the preflight's view of the model: its parameter groups
+        param_groups = [[torch.nn.Parameter(torch.empty(0))]]
+
+    monkeypatch.setattr(device_accum, "DEVICE_ROOM", lambda device: fits)
+    monkeypatch.setattr("zeroio.preflight.true_shape", lambda p: (psi,))
+    items = host_items(cfg, torch.nn.Module(), Spec(), torch.device("cuda", 0),
+                       world_size=1, local_ranks=1)
+    by = {i.name: i.bytes_per_gpu for i in items}
+    assert by == {i.name: i.bytes_per_gpu for i in with_room.items if i.tier == "cpu"}
+    monkeypatch.setattr(device_accum, "DEVICE_ROOM", lambda device: fits - 2)
+    items = host_items(cfg, torch.nn.Module(), Spec(), torch.device("cuda", 0),
+                       world_size=1, local_ranks=1)
+    assert sum(i.bytes_per_gpu for i in items) - sum(by.values()) == 2 * psi + sum(
+        i.bytes_per_gpu for i in short.items if "staging" in i.name)
 
 
 # ---- a group the boundary micro step does not reach, and a ratio ----------------------------
@@ -321,3 +391,177 @@ def test_parameters_missing_from_the_boundary_micro_step_and_a_ratio(stage, rati
     assert not ref["placed"] and got["placed"]
     assert got["losses"] == ref["losses"]
     assert got["masters"] == ref["masters"]
+
+
+# ---- 16-bit host gradients beside the device buffer -------------------------------------------
+
+def _flat_grad(engine):
+    """Every rank's host gradient shard as it stands (the boundary's, before the step), the
+    16-bit one divided by the partitioner's ``host_grad_divisor``, in float64, summed over
+    ranks into the global flat order."""
+    import torch.distributed as dist
+
+    part = engine.partitioner
+    flat = torch.zeros(part.index.total_numel, dtype=torch.float64)
+    for g in part.groups:
+        local = g.grad.double()
+        if g.grad.dtype != torch.float32:
+            local = local / part.host_grad_divisor
+        for s in g.segments:
+            flat[s.global_offset:s.global_offset + s.numel] = \
+                local[s.local_offset:s.local_offset + s.numel]
+    flat = flat.to(engine.device)  # NCCL reduces CUDA tensors only
+    dist.all_reduce(flat)
+    return flat.cpu()
+
+
+def _half_body(stage_gas_room_budget):
+    """bf16 with the one-pass CPU Adam (ZEROIO_CPU_ADAM compiled): the host gradient's dtype,
+    the first step's boundary gradient, per micro step the loss, the final masters and the
+    bytes that went device -> host."""
+    stage, gas, room, budget = stage_gas_room_budget
+    import torch.distributed as dist
+
+    import zeroio
+    from zeroio.testing.models import mlp_batch
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    cfg = r12._config(stage, 1.0, gas=gas, dtype="bf16")
+    cfg["zero_optimization"]["tiering"].update(gpu_budget_bytes=budget, step_assist=False)
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
+    part, rank, dev = engine.partitioner, dist.get_rank(), engine.device
+    grad, losses = None, []
+    for step in range(3):
+        for m in range(gas):
+            x, y = mlp_batch(step * gas + m, rank)
+            loss = torch.nn.functional.mse_loss(engine(x.to(dev, torch.bfloat16)).float(),
+                                                y.to(dev))
+            engine.backward(loss)
+            if grad is None and m == gas - 1:
+                grad = _flat_grad(engine)
+            engine.step()
+            losses.append(loss.item())
+    out = {"placed": part._accum is not None, "host_dtype": str(part.host_grad_dtype),
+           "divisor": part.host_grad_divisor, "grad": grad.tolist(), "losses": losses,
+           "masters": r12._masters(engine).tolist(),
+           "d2h": engine.stats()["bytes_moved"].get("gpu->cpu", 0),
+           "host_numel": sum(g.grad.numel() for g in part.groups)}
+    engine.close()
+    return out
+
+
+def _reference_grad(stage, world, gas):
+    """Plain torch, the first step: per micro step each rank's bf16 gradient of its loss / gas
+    (as ``engine.backward`` scales it), reduced over ranks as the stage does (stage 2 sums the
+    16-bit values, stage 3 their fp32 upcasts), times 1/world, summed over micro steps in
+    fp32 in order (float32, ``parameters()`` order)."""
+    from zeroio.testing.models import mlp_batch
+
+    model = r12.tiny_mlp().to(torch.bfloat16)
+    acc = None
+    for m in range(gas):
+        per_rank = []
+        for r in range(world):
+            model.zero_grad()
+            x, y = mlp_batch(m, r)
+            loss = torch.nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+            (loss.float() * (1.0 / gas)).backward()
+            per_rank.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        red = per_rank[0] if stage == 2 else per_rank[0].float()
+        for g in per_rank[1:]:
+            red = red + (g if stage == 2 else g.float())
+        scaled = red.float() * (1.0 / world) if world > 1 else red.float()
+        acc = scaled if acc is None else acc.add_(scaled)
+    return acc
+
+
+@needs_compiler
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("world", [1, 2])
+def test_16bit_host_gradient_beside_the_device_buffer(stage, world):
+    """With the buffer on the device (an injected room) the host gradient is bf16 (the
+    one-pass kernel steps it); without room it is the fp32 host accumulation as before. The
+    first step's boundary gradient, bit for bit: the host path's is the plain torch fp32 sum
+    over the micro steps, the device path's that sum rounded to bf16 once (stage 2 with the
+    1/world in ``host_grad_divisor``). Training then: the first step's losses are equal, and
+    the later ones and the masters stay within what one bf16 rounding of each step's
+    gradient (at most 2^-8 of it) moves AdamW: 3 steps at lr 1e-2 (3e-2 of movement) measured
+    1.9e-4 on a loss and 6.5e-5 on a master at most; asserted 1e-3 and 5e-4."""
+    gas, env = 4, {"ZEROIO_CPU_ADAM": "compiled"}
+    host = run_ranks(_half_body, world, (stage, gas, None, None), env=env, timeout=600)
+    dev = run_ranks(_half_body, world, (stage, gas, 1 << 40, None), env=env, timeout=600)
+    ref = _reference_grad(stage, world, gas).double()
+    for h, d in zip(host, dev, strict=True):
+        assert not h["placed"] and h["host_dtype"] == "torch.float32" and h["divisor"] == 1.0
+        assert d["placed"] and d["host_dtype"] == "torch.bfloat16"
+        assert d["divisor"] == (float(world) if stage == 2 else 1.0)
+        assert torch.equal(torch.tensor(h["grad"], dtype=torch.float64), ref)
+        assert torch.equal(torch.tensor(d["grad"], dtype=torch.float64),
+                           ref.to(torch.bfloat16).double())
+        assert d["losses"][:gas] == h["losses"][:gas]
+        assert max(abs(a - b) for a, b in zip(d["losses"], h["losses"], strict=True)) < 1e-3
+        diff = torch.tensor(d["masters"]) - torch.tensor(h["masters"])
+        assert diff.abs().max().item() < 5e-4
+
+
+@pytest.mark.gpu
+@needs_compiler
+@pytest.mark.parametrize("stage", [2, 3])
+def test_16bit_host_gradient_beside_the_device_buffer_on_the_gpu(stage):
+    """On the GPU ("auto" with the real room against budget 0): the cast of the fp32 sum on
+    the device (stage 2: on its side stream, stage 3: on ``d2h``) lands the same bits as the
+    host path's fp32 sum rounded once, and the gradient crosses PCIe once per step at 2 bytes
+    per element instead of every micro step at 4 (counted bytes, 3 steps)."""
+    need_cuda(1)
+    gas, env = 4, {"ZEROIO_CPU_ADAM": "compiled"}
+    (host,) = run_ranks(_half_body, 1, (stage, gas, None, 0), backend="nccl", env=env,
+                        timeout=600)
+    (dev,) = run_ranks(_half_body, 1, (stage, gas, None, None), backend="nccl", env=env,
+                       timeout=600)
+    assert not host["placed"] and host["host_dtype"] == "torch.float32"
+    assert dev["placed"] and dev["host_dtype"] == "torch.bfloat16"
+    ref = torch.tensor(host["grad"], dtype=torch.float64)
+    assert torch.equal(torch.tensor(dev["grad"], dtype=torch.float64),
+                       ref.float().to(torch.bfloat16).double())
+    assert dev["losses"][:gas] == host["losses"][:gas]
+    n = host["host_numel"]
+    grad_bytes = (host["d2h"] - 3 * gas * 4 * n, dev["d2h"] - 3 * 2 * n)
+    assert grad_bytes[0] == grad_bytes[1] >= 0  # the rest (publication etc.) the same
+
+
+def _ratio_body(stage_room):
+    """``_half_body``'s run with offload_optimizer.ratio 0.5 (the device side's gradient stays
+    fp32 on the device): placement, host gradient dtype, per step mean losses, masters."""
+    stage, room = stage_room
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(),
+                                   config=r12._config(stage, 0.5, gas=4, dtype="bf16"))
+    part = engine.partitioner
+    out = {"placed": part._accum is not None, "host_dtype": str(part.host_grad_dtype),
+           "losses": r12._train(engine, 3, 4, engine.device),
+           "masters": r12._masters(engine).tolist()}
+    engine.close()
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("stage", [2, 3])
+def test_16bit_host_gradient_beside_the_device_buffer_with_a_ratio(stage):
+    """Ratio 0.5 on 2 ranks: only the host side's gradient becomes bf16 beside the buffer, and
+    training stays within its rounding of the fp32 host path (measured 6.1e-5 on a step's
+    loss, 5.4e-5 on a master; asserted 1e-3 and 5e-4 as above)."""
+    env = {"ZEROIO_CPU_ADAM": "compiled"}
+    host = run_ranks(_ratio_body, 2, (stage, None), env=env, timeout=600)
+    dev = run_ranks(_ratio_body, 2, (stage, 1 << 40), env=env, timeout=600)
+    for h, d in zip(host, dev, strict=True):
+        assert not h["placed"] and h["host_dtype"] == "torch.float32"
+        assert d["placed"] and d["host_dtype"] == "torch.bfloat16"
+        assert max(abs(a - b) for a, b in zip(d["losses"], h["losses"], strict=True)) < 1e-3
+        diff = torch.tensor(d["masters"]) - torch.tensor(h["masters"])
+        assert diff.abs().max().item() < 5e-4

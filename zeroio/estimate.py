@@ -47,10 +47,8 @@ Two layers, reported separately in the breakdown:
    - stage 3 with ratio < 1 and offload_param: the device side's 16-bit
      values go to the host shards through one GPU staging buffer of
      PUBLISH_CHUNK_NUMEL elements (b bytes each).
-   - gradient accumulation (gradient_accumulation_steps > 1 in the config)
-     with gradients on the host: STAGING_SLOTS pinned fp32 buffers of one group's slice (4 x 3 x
-     G / N; stage 2: of one gradient piece), at most the offloaded elements, that later writes
-     cross PCIe in before the host adds them (partition/landing.py, [Note: bounded staging]).
+   - gradient accumulation (gradient_accumulation_steps > 1) with gradients on the host:
+     pinned fp32 staging, or an fp32 GPU buffer (``device_room``): config/accum_place.py.
    - offload_optimizer nvme: the fp32 masters (4 of the K bytes) stay in host
      memory, only the moments (8) go to the disk (zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU): buffer_count x
@@ -99,7 +97,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
-from zeroio.config.accum_place import accumulation_rows
+from zeroio.config.accum_place import accumulation_rows, planned_on_device
 from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
 from zeroio.config.zero import params_from_master_auto, step_assist_enabled
 from zeroio.errors import ConfigError
@@ -265,7 +263,8 @@ def estimate_memory(
     master_dtype: str | None = None,
     state_dtype: str | None = None,
     params_from_master: bool | None = None,
-    nvme_budget_bytes: int | None = None, device_room: int | None = None,
+    nvme_budget_bytes: int | None = None,
+    device_room: int | None = None,
 ) -> MemoryEstimate:
     """Estimate training-state memory for ``num_params`` parameters (see module doc).
 
@@ -283,9 +282,8 @@ def estimate_memory(
     ``params_from_master`` (default: the config's ``tiering.params_from_master`` where the
     config knows the key, "auto" on at stage 3 with offload_optimizer nvme; else off) and
     ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``, None: room for
-    every moment): module doc, 2.
-    ``device_room``: free device bytes (0: CPU; None: a plan), for config/accum_place.py.
-    """
+    every moment): module doc, 2. ``device_room``: the device's free bytes where measured
+    (0 on a CPU device), None in a plan: config/accum_place.py."""
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
     nodes = _positive(nodes, "nodes")
@@ -397,6 +395,9 @@ def estimate_memory(
     if zeroio_buffers:
         buf = "zeroio_buffer"
         gas = getattr(config, "gradient_accumulation_steps", None) or 1
+        accum_dev, hgas = planned_on_device(zero.tiering.gpu_budget_bytes, device_room, items,
+                                            stage=stage, gas=gas, grad_tier=grad_tier,
+                                            host=shard - dev)
         if dtype != "fp32":
             if stage == 0:
                 add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")
@@ -404,13 +405,13 @@ def estimate_memory(
                 # the gradient is the paper's b-byte term above plus what its fp32 shard
                 # holds beyond it; with 16-bit host gradients only the device side's is fp32
                 beyond = gshard - b
-                if host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage) == b:
+                if host_grad_bytes(dtype, opt_dev, hgas, shard - dev, stage=stage) == b:
                     add("fp32 gradient shard beyond the model states' (ratio: on GPU)", "gpu",
                         beyond * dev, buf, f"{beyond} * floor((1 - ratio) * Psi / N)")
                 else:
                     add_shard("fp32 gradient shard beyond the model states'", grad_tier, beyond,
                               buf, f"{beyond}")
-            elif host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage) == b:
+            elif host_grad_bytes(dtype, opt_dev, hgas, shard - dev, stage=stage) == b:
                 # 16-bit host gradients (module doc, 2.); the device side's stay fp32
                 add("fp32 gradient shard (ratio: on GPU)", "gpu", FP32 * dev, buf,
                     "4 * floor((1 - ratio) * Psi / N)")
@@ -457,7 +458,7 @@ def estimate_memory(
             from zeroio.shard import assist
 
             per = assist.slot_element_bytes(
-                _host_grad_dtype(dtype, opt_dev, gas, shard - dev, stage=stage),
+                _host_grad_dtype(dtype, opt_dev, hgas, shard - dev, stage=stage),
                 DTYPES[dtype] if stage == 3 else None)
             add("step assist slots (during the step)", "gpu",
                 assist.SLOTS * min(assist.SLOT_NUMEL, shard - dev) * per, buf,
@@ -466,9 +467,8 @@ def estimate_memory(
 
         accumulation_rows(add, staging=(STAGING_SLOTS, GRAD_PIECE_NUMEL), stage=stage,
                           dtype=dtype, gas=gas, grad_tier=grad_tier, host=shard - dev,
-                          grad_bytes=gshard, world=n, kind=buf,
-                          budget=zero.tiering.gpu_budget_bytes,
-                          group=(grp, gname) if stage == 3 else (0, ""), room=device_room)
+                          on_device=accum_dev, world=n, kind=buf,
+                          group=(grp, gname) if stage == 3 else (0, ""))
         if opt_dev == "nvme":
             oo = zero.offload_optimizer
             add("optimizer swap buffers (pinned)", "cpu",

@@ -414,10 +414,10 @@ def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: in
     shard = math.ceil(est.num_params / est.world_size)
     host = est.placement()["offloaded_elements_per_gpu"]
     dev = shard - host if p.optimizer != "none" else 0
-    g = host_grad_bytes(est.dtype, p.optimizer, gas, host, stage=p.stage) if host else 0
-    pfm = est.params_from_master
-    # stage 1 reduces at the boundary only; a sum on the GPU (ACCUM_ROW) lands once too
-    lands = gas if p.stage in (2, 3) and not any(i.name == ACCUM_ROW for i in est.items) else 1
+    on_dev = any(i.name == ACCUM_ROW for i in est.items)  # summed on the GPU: lands once, and
+    g = host and host_grad_bytes(est.dtype, p.optimizer, 1 if on_dev else gas, host, stage=p.stage)
+    pfm = est.params_from_master  # the host gradient is as with one micro step; stage 1 too:
+    lands = gas if p.stage in (2, 3) and not on_dev else 1  # it reduces at the boundary only
     down = g * host * lands + (b * dev if p.param != "none" and not pfm else 0)
     if pfm:  # forward and backward copy the host-side fp32 masters in, then cast
         up = 2 * 4 * host * gas

@@ -3,8 +3,12 @@
 [Note: host-memory preflight] Offloaded training state lives in host memory (fp32
 masters and Adam moments with ``offload_optimizer`` cpu, 12 bytes per parameter; the
 host gradient shard, fp32 when ``gradient_accumulation_steps`` > 1 keeps adding into
-it; swap buffers and staging). When it is more than the machine has, the kernel kills
-the process in its first step, after minutes of loading, with nothing said. So before
+it on the host; swap buffers and staging). When it is more than the machine has, the
+kernel kills the process in its first step, after minutes of loading, with nothing said.
+The device is known here, so its free memory (``DEVICE_ROOM`` of tiering/device_accum.py)
+is handed to the estimate, which plans the accumulation on the device tier as the
+partitioner will place it (and with it a 16-bit host gradient where the one-pass CPU Adam
+steps it: [Note: accumulation on the device tier]). Before
 the partitioner pins or allocates anything, ``check_host_memory`` counts what this
 placement needs in host memory with the same model as ``zeroio estimate`` and the
 planner (``zeroio.estimate.estimate_memory``: its "cpu" tier, and on a CPU device its
@@ -40,6 +44,7 @@ from zeroio.errors import CapacityError, CapacityWarning
 from zeroio.estimate import MemoryEstimate, MemoryItem, estimate_memory
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3.registry import true_shape
+from zeroio.tiering import device_accum
 
 GB = 10**9
 CGROUP = Path("/sys/fs/cgroup")
@@ -177,7 +182,8 @@ def host_items(cfg: Config, module: torch.nn.Module, spec, device: torch.device,
         per_node, nodes, stage, estimate = 1, 1, 1, None
     est = estimate if estimate is not None else estimate_memory(
         psi, gpus_per_node=per_node, nodes=nodes, stage=stage, config=cfg,
-        largest_group=largest_group(module) or None)
+        largest_group=largest_group(module) or None,
+        device_room=device_accum.DEVICE_ROOM(device))  # as the engine plans
     host_tiers = ("cpu",) if device.type != "cpu" else ("cpu", "gpu")
     items = [i for i in est.items if i.tier in host_tiers and i.kind != "activations"
              and not (i.tier == "gpu" and i.name.startswith(_HELD_OR_TRANSIENT))]
@@ -209,7 +215,8 @@ def _remedies(cfg: Config) -> list[str]:
         out.append("zero_optimization.offload_param.device nvme")
     if cfg.gradient_accumulation_steps > 1:
         out.append(f"gradient_accumulation_steps 1 (at {cfg.gradient_accumulation_steps} the host "
-                   "gradient shard is fp32, added into across micro-steps)")
+                   "gradient shard is fp32, added into across micro-steps), or GPU room for "
+                   "the sum: zero_optimization.tiering.gpu_budget_bytes (docs/tiering.md)")
     if not cfg.bf16.bf16_optimizer_states and cfg.compute_dtype == "bf16":
         out.append("bf16.bf16_optimizer_states (2-byte moments)")
     out.append("more ranks or nodes (ZeRO divides this state among them)")

@@ -74,8 +74,12 @@ the kernel upcasts them in registers, which is exact. Only the 1/world averaging
 it is not applied to the host copy, the optimizer folds it into its ``grad_scale``
 (``host_grad_divisor`` -> ``ShardedAdam.grad_divisor`` / ``SwappedAdam.grad_divisor``). The
 squared norm is still taken from the fp32, averaged piece on the GPU. Stage 2 with
-accumulation keeps fp32 host gradients (the sum of micro steps is taken in fp32), and with a
-ratio the device side's gradient stays fp32.
+accumulation keeps fp32 host gradients (the sum of micro steps is taken in fp32), unless the
+accumulation is placed on the device tier: the unaveraged 16-bit pieces are then summed in
+its fp32 buffer and the boundary casts the sum to the host's 16-bit shard ([Note:
+accumulation on the device tier] in tiering/device_accum.py; the norm is then taken from the
+host shard, divided by ``host_grad_divisor``). With a ratio the device side's gradient stays
+fp32.
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
 from zeroio.shard.host_rule import GRAD_PIECE_NUMEL
 from zeroio.tiering.copies import Copies
-from zeroio.tiering.device_accum import accumulation_on_device
+from zeroio.tiering.device_accum import accumulation_on_device, accumulation_placed
 from zeroio.tiering.stats import StallTimer, TierStats
 from zeroio.tiering.streams import DeviceStreams
 
@@ -191,10 +195,10 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self.optimizer_split: OptimizerSplit | None = None
         """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine_build.build_optimizer);
         see [Note: stage 1/2 twin placement]."""
+        self._accum_budget = gpu_budget_bytes  # _build_shards places the accumulation first
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
         self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
-            accumulates=stage == 2 and accumulation_steps > 1 and home.device.type == "cpu",
-            host_grads=[g.grad for g in self._host], device=device, budget=gpu_budget_bytes)
+            placed=self._accum_placed, host_grads=[g.grad for g in self._host], device=device)
         self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device)
         in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
         for p in module.parameters():  # frozen ones compute in the same dtype as the rest
@@ -280,13 +284,18 @@ class Stage12Partitioner(HostStep12, Partitioner):
             self._dev_len.append(min(left, base))
             left -= self._dev_len[-1]
         host_total = sum(lay[2] for lay in layouts) - sum(self._dev_len)
+        self._accum_placed = accumulation_placed(  # tiering/device_accum.py: before the dtype
+            accumulates=self.stage == 2 and self._accumulation_steps > 1 and
+            self.home.device.type == "cpu", host_numel=host_total, device=self.device,
+            budget=self._accum_budget)
         self.host_grad_dtype = host_grad_dtype(
             stage=self.stage, compute_dtype=self._compute_dtype,
             cpu_optimizer=self._cpu_optimizer or self._nvme_optimizer,
             accumulation_steps=self._accumulation_steps, host_numel=host_total,
             kernel=self._host_kernel,  # nvme: the swapper steps whole, no 16-bit output
             step_out=None if self._nvme_optimizer else self._step_out(),
-            master_dtype=self.master_dtype, state_dtype=self._state_dtype)
+            master_dtype=self.master_dtype, state_dtype=self._state_dtype,
+            device_accumulates=self._accum_placed)
         self._unaveraged = self.host_grad_dtype != torch.float32
         self.host_grad_divisor = float(self.comm_world) if self._unaveraged else 1.0
         host_grad = self.host_grad_dtype if self._unaveraged else self.master_dtype
@@ -428,12 +437,12 @@ class Stage12Partitioner(HostStep12, Partitioner):
         lo = self._local_base[b.index] + piece.slice_lo
         staged = []
         for off, dst in self._parts(b.group_index, "grad", lo, k):  # device part stays there
-            if (acc := self._accum and self._accum.view_of(dst)) is not None:  # tiering/
-                self._accum.land(scaled.narrow(0, off, dst.numel()), acc, dst, first=first,
-                                 last=self._boundary, transfers=self.transfers)  # device_accum
-                continue
             raw = self._unaveraged and dst.dtype != torch.float32  # [Note: 16-bit host gradients]
             part = (src if raw else scaled).narrow(0, off, dst.numel())
+            if (acc := self._accum and self._accum.view_of(dst)) is not None:  # tiering/
+                self._accum.land(part, acc, dst, first=first, last=self._boundary,
+                                 transfers=self.transfers)  # device_accum.py: an fp32 sum
+                continue
             if not first and raw:
                 raise DistributedError(
                     "a second backward before engine.step with 16-bit host gradients (stage 2, "

@@ -7,8 +7,12 @@ A host gradient shard is kept in the 16-bit compute dtype when
   piece reads] in optim/swap.py),
 - nothing is accumulated on the host: stage 1 (micro steps are summed in the replicated
   device gradient, the host gets the reduced total once), stages 2 and 3 with
-  ``gradient_accumulation_steps`` 1 (above it the micro steps are summed on the host, in
-  fp32),
+  ``gradient_accumulation_steps`` 1, or above it with the accumulation on the device tier
+  (``device_accumulates``: the micro steps are summed in an fp32 buffer on the GPU and the
+  boundary micro step casts the total to 16 bits there, one rounding as with one micro step;
+  [Note: accumulation on the device tier] in tiering/device_accum.py, whose placement is
+  decided first, from the fp32 buffer's size); otherwise the micro steps are summed on the
+  host, in fp32,
 - and the one-pass CPU Adam steps it (optim/cpu_adam.py, which upcasts the gradient in
   registers: exact), as the ``kernel``'s ``wanted`` decides (its ``planned`` when planning).
 float32 otherwise. How each stage makes and uses the 16-bit values: [Note: 16-bit host
@@ -49,7 +53,8 @@ def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bo
                     accumulation_steps: int, host_numel: int, kernel: OnePassKernel | None,
                     step_out: torch.dtype | None = None, plan_only: bool = False,
                     master_dtype: torch.dtype = torch.float32,
-                    state_dtype: torch.dtype = torch.float32) -> torch.dtype:
+                    state_dtype: torch.dtype = torch.float32,
+                    device_accumulates: bool = False) -> torch.dtype:
     """dtype of the host gradient shard of ``host_numel`` elements at ``stage`` (module doc).
 
     ``cpu_optimizer``: the host side is stepped by a CPU Adam (offload_optimizer cpu or nvme,
@@ -61,12 +66,14 @@ def host_grad_dtype(*, stage: int, compute_dtype: torch.dtype, cpu_optimizer: bo
     training step compiles. ``plan_only``: decide from ``kernel.planned`` alone, compiling
     nothing (zeroio.estimate). ``master_dtype`` / ``state_dtype``: the optimizer state's
     (bf16 with ``bf16.bf16_master_weights_and_grads`` / ``bf16_optimizer_states``), which
-    the kernel variant built here steps."""
+    the kernel variant built here steps. ``device_accumulates``: the accumulation buffer is
+    placed on the device (module doc)."""
     if not (cpu_optimizer and host_numel > 0) or kernel is None:
         return torch.float32
     grad = compute_dtype if host_grad_may_be_16bit(
         stage=stage, half=compute_dtype in _HALF, cpu_optimizer=cpu_optimizer,
-        accumulation_steps=accumulation_steps, host_numel=host_numel) else torch.float32
+        accumulation_steps=accumulation_steps, host_numel=host_numel,
+        device_accumulates=device_accumulates) else torch.float32
     if plan_only:
         one_pass = kernel.planned(host_numel)
     else:

@@ -12,13 +12,16 @@ goes through ([Note: bounded staging] in partition/landing.py)."""
 
 
 def host_grad_may_be_16bit(*, stage: int, half: bool, cpu_optimizer: bool,
-                           accumulation_steps: int, host_numel: int) -> bool:
+                           accumulation_steps: int, host_numel: int,
+                           device_accumulates: bool = False) -> bool:
     """Whether the host gradient shard can stay in the 16-bit compute dtype (``half``), before
     the kernel choice: a CPU Adam steps a non-empty host shard (``cpu_optimizer``:
     offload_optimizer cpu or nvme, whose swapper steps on the CPU), and nothing accumulates on the
-    host (stage 1 always; stages 2 and 3 only with one micro step). It then is 16-bit exactly
-    when the one-pass kernel steps it (shard/host_grads.py's module doc)."""
-    host_accumulates = stage != 1 and accumulation_steps > 1
+    host (stage 1 always; stages 2 and 3 with one micro step, or with the accumulation on the
+    device tier: ``device_accumulates``, decided first, [Note: accumulation on the device tier]
+    in tiering/device_accum.py). It then is 16-bit exactly when the one-pass kernel steps it
+    (shard/host_grads.py's module doc)."""
+    host_accumulates = stage != 1 and accumulation_steps > 1 and not device_accumulates
     return cpu_optimizer and host_numel > 0 and half and not host_accumulates
 
 

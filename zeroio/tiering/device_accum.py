@@ -9,14 +9,30 @@ instead keeps one buffer of the host gradient shard's size and dtype on the comp
 (``DeviceAccum``): the first micro step copies into it, later ones add into it on the GPU
 (no PCIe traffic, no staging slots), and only the boundary micro step, after its add, copies
 the sum into the host gradient shard (one D2H copy per step instead of one per micro step).
-The adds are the same adds in the same order and dtype as the host's, so the host step reads
-the same bits. Stage 3 (partition/stage3/grads.py) adds on its comm stream and copies the
-sums on ``d2h``; a group the boundary micro step did not reduce is copied at ``settle``. The
-host gradient shard keeps its fp32 (master dtype) size: the step still reads it from host
-memory.
+Stage 3 (partition/stage3/grads.py) adds on its comm stream and copies the sums on ``d2h``;
+a group the boundary micro step did not reduce is copied at ``settle``.
 
-The placement is decided once, at construction (``place_on_device``), from
-``zero_optimization.tiering.gpu_budget_bytes`` and the device's free memory then:
+The buffer is fp32 (``ACCUM_ELEMENT_BYTES`` per host gradient element), whatever the host
+gradient's dtype: the sum over micro steps is taken in fp32. Since nothing then accumulates
+on the host, the host gradient shard follows the rule of one micro step
+(``device_accumulates`` of ``host_grad_dtype`` in shard/host_grads.py): with 16-bit compute
+and the one-pass CPU Adam it is kept in the compute dtype, and the boundary micro step casts
+the fp32 sum to it on the device (``flush``) before the copy, so the host reads 2 bytes per
+element and the total is rounded to 16 bits once, as with one micro step. That is why the
+placement is decided first, from the fp32 buffer's size, before the host shards are
+allocated. The averaging follows one micro step's convention of the stage: stage 2 sums the
+unaveraged reduced values (the 1/world folded into the optimizer's ``host_grad_divisor``,
+[Note: 16-bit host gradients] in partition/stage12.py), stage 3 the averaged ones ([Note:
+16-bit host gradients at stage 3]). The cast's temporary is allocated on the stream that
+copies it and dropped after the copy is queued there: the caching allocator hands its block
+out again only behind that stream's queued work. Otherwise (fp32 compute, or the host kernel
+torch's) the host gradient is fp32 and the adds are the same adds in the same order and dtype
+as the host path's, so the host step reads the same bits. With bf16 master weights the host
+gradient is bf16 either way; its device sum is fp32, one rounding instead of one per add.
+
+The placement is decided once, at construction (``accumulation_placed``, then
+``place_on_device``), from ``zero_optimization.tiering.gpu_budget_bytes`` and the device's
+free memory then:
 
 - budget 0: never (the host path, as before);
 - a budget in bytes: when the buffer fits both the budget and the free memory less
@@ -28,10 +44,13 @@ Otherwise (and without a device distinct from the host) the host path stays. The
 registered with the GPU tier as fixed state (``GpuTier.register_fixed``): it cannot be
 evicted in the middle of an accumulation, so resident optimizer chunks yield to it (their
 room and budget are what is left beside it), and it is counted in ``engine.stats()["tiers"]
-["gpu"]``. zeroio.estimate plans it with ``place_on_device(room=None, plan_only=True)``:
-the device's free memory is unknown there, so an explicit budget that covers the buffer
-places it (a GPU row instead of the host's staging slots), and "auto" is planned as the host
-path (an upper bound of host memory, the GPU row left out).
+["gpu"]``. zeroio.estimate plans it with ``planned_on_device`` (config/accum_place.py):
+given the device's free memory (``device_room``: the host-memory preflight at initialize
+reads it with ``cuda_room``) it decides as the partitioner will; without it (``zeroio
+estimate``, ``zeroio plan``) an explicit budget that covers the buffer places it, and "auto"
+is planned as the host path (an upper bound of host memory, the GPU row left out). A buffer
+planned on the device also plans the host gradient by the rule of one micro step (16-bit
+where the one-pass kernel is planned).
 """
 
 from __future__ import annotations
@@ -40,14 +59,15 @@ from collections.abc import Callable
 
 import torch
 
-from zeroio.config.accum_place import place_on_device
+from zeroio.config.accum_place import ACCUM_ELEMENT_BYTES, place_on_device
 from zeroio.tiering.copies import Copies
 from zeroio.tiering.stats import TierStats
 
 
 def cuda_room(device: torch.device) -> int | None:
-    """Free bytes of ``device`` now (None: no device distinct from the host)."""
-    if device.type != "cuda":
+    """Free bytes of ``device`` now (None: no device distinct from the host, or no CUDA in
+    this process: a preflight asked about a device it cannot see)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return int(free)
@@ -57,25 +77,31 @@ DEVICE_ROOM: Callable[[torch.device], int | None] = cuda_room
 """How the partitioner reads the room (a test injects a stand-in device's)."""
 
 
-def accumulation_on_device(*, accumulates: bool, host_grads: list[torch.Tensor],
-                           device: torch.device, budget: int | None) -> DeviceAccum | None:
-    """The ``DeviceAccum`` of ``host_grads`` (host memory) where a partitioner that
-    ``accumulates`` them places it on ``device`` (``place_on_device`` with the room
-    ``DEVICE_ROOM`` reads), else None: the host path."""
+def accumulation_placed(*, accumulates: bool, host_numel: int, device: torch.device,
+                        budget: int | None) -> bool:
+    """Whether a partitioner that ``accumulates`` ``host_numel`` host gradient elements sums
+    them on ``device`` (``place_on_device`` of the fp32 buffer with the room ``DEVICE_ROOM``
+    reads). Asked before the host gradient's dtype, which follows it (module note)."""
+    return accumulates and place_on_device(ACCUM_ELEMENT_BYTES * host_numel, budget=budget,
+                                           room=DEVICE_ROOM(device))
+
+
+def accumulation_on_device(*, placed: bool, host_grads: list[torch.Tensor],
+                           device: torch.device) -> DeviceAccum | None:
+    """The ``DeviceAccum`` of ``host_grads`` (host memory) where ``accumulation_placed``
+    ``placed`` it, else None: the host path."""
     grads = [g for g in host_grads if g.numel() and g.device.type == "cpu"]
-    nbytes = sum(g.numel() * g.element_size() for g in grads)
-    if not accumulates or not place_on_device(nbytes, budget=budget, room=DEVICE_ROOM(device)):
-        return None
-    return DeviceAccum(grads, device)
+    return DeviceAccum(grads, device) if placed and grads else None
 
 
 class DeviceAccum:
     """Device buffers that accumulate the host gradient shards (module note): one per host
-    gradient tensor, of its size and dtype. A fixed holder of the GPU tier."""
+    gradient tensor, of its size, in fp32. A fixed holder of the GPU tier."""
 
     def __init__(self, host_grads: list[torch.Tensor], device: torch.device):
         self.host = list(host_grads)
-        self.bufs = [torch.zeros(g.numel(), dtype=g.dtype, device=device) for g in host_grads]
+        self.bufs = [torch.zeros(g.numel(), dtype=torch.float32, device=device)
+                     for g in host_grads]
         self.nbytes = sum(b.numel() * b.element_size() for b in self.bufs)
         if device.type == "cuda":  # the zeros are written before a side stream first copies in
             torch.cuda.current_stream(device).synchronize()
@@ -97,17 +123,27 @@ class DeviceAccum:
     def land(self, src: torch.Tensor, acc: torch.Tensor, host: torch.Tensor, *, first: bool,
              last: bool, transfers: TierStats | None) -> None:
         """One micro step's ``src`` into ``acc`` (``view_of(host)``): copied on the first,
-        added on the device later; on the ``last`` (the boundary) the sum goes to ``host``
-        (one ``non_blocking`` copy: the caller's host wait of the backward covers it)."""
+        added on the device later (a 16-bit ``src`` is upcast exactly); on the ``last`` (the
+        boundary) the sum goes to ``host`` (``flush``)."""
         if first:
             acc.copy_(src)
         else:
             acc.add_(src)
         if last:
-            Copies(transfers).into(host, acc, non_blocking=True)
+            self.flush(acc, host, transfers)
+
+    @staticmethod
+    def flush(acc: torch.Tensor, host: torch.Tensor, transfers: TierStats | None) -> None:
+        """The fp32 sum ``acc`` into ``host`` on the current stream: cast to a 16-bit host
+        gradient's dtype there first (one rounding; the temporary is allocated on this stream
+        and only reused behind its copy: module note), then one ``non_blocking`` copy (the
+        caller's host wait of the backward covers it)."""
+        out = acc if acc.dtype == host.dtype else acc.to(host.dtype)
+        Copies(transfers).into(host, out, non_blocking=True)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.bufs)
 
 
-__all__ = ["DEVICE_ROOM", "DeviceAccum", "accumulation_on_device", "cuda_room"]
+__all__ = ["DEVICE_ROOM", "DeviceAccum", "accumulation_on_device", "accumulation_placed",
+           "cuda_room"]

@@ -36,7 +36,10 @@ reduce-scatter, while backward goes on (the stage-2 design, stage12.py
 As at stages 1/2 (stage12.py, [Note: 16-bit host gradients]): when the
 host side is stepped by the one-pass CPU Adam (optim/cpu_adam.py), the
 compute dtype is 16-bit and nothing is accumulated on the host
-(``gradient_accumulation_steps`` 1), the host gradient shard is kept in the
+(``gradient_accumulation_steps`` 1, or above it with the accumulation on the
+device tier: the averaged fp32 pieces are summed in its fp32 buffer on the
+comm stream and the boundary casts the sum on ``d2h``, [Note: accumulation on
+the device tier] in tiering/device_accum.py), the host gradient shard is kept in the
 compute dtype; ``host_grad_dtype`` in shard/host_grads.py decides, for every stage
 (the partitioner asks it at construction, zeroio.estimate asks it to plan). The
 kernel upcasts the gradient in registers, which is exact, so the host reads
@@ -179,9 +182,9 @@ class GradLanding:
                     src = src.to(dst.dtype)
                 if not land(src, dst, first=writes == 0, transfers=self.transfers):
                     staged.append(ld)  # [Note: one landing rule] in partition/landing.py
-        with on(side):  # the boundary's sums to the host
+        with on(side):  # the boundary's sums to the host (cast there to a 16-bit host shard)
             for acc, dst in flush:
-                land(acc, dst, first=True, transfers=self.transfers)
+                self.accum.flush(acc, dst, self.transfers)
         if staged:
             with on(side):
                 self._adds.stage([(shard.narrow(0, ld.lo, ld.numel), self._dst(ld))
@@ -252,7 +255,7 @@ class GradLanding:
                 if stream is not None:
                     wait_stream(self.d2h, stream)
                 for acc, dst in (v for vs in self._dirty.values() for v in vs):
-                    land(acc, dst, first=True, transfers=self.transfers)
+                    self.accum.flush(acc, dst, self.transfers)
             self._dirty = {}
         if stream is not None and any(g.grad.device.type == "cpu" for g in self.groups):
             with StallTimer(self.transfers):  # the CPU optimizer reads these bytes next

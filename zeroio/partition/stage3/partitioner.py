@@ -43,7 +43,7 @@ from zeroio.partition.stage3.twin import (
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import host_grad_dtype
-from zeroio.tiering.device_accum import accumulation_on_device
+from zeroio.tiering.device_accum import accumulation_on_device, accumulation_placed
 from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
@@ -117,9 +117,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             device, pin=getattr(home, "pin_memory", False), transfers=self.transfers,
             d2h=self.streams.d2h)
         self._accum = self.landing.accum = accumulation_on_device(  # tiering/device_accum.py
-            accumulates=settings.accumulation_steps > 1 and getattr(home, "device", None) ==
-            torch.device("cpu"), host_grads=[sg.grad for sg in host], device=device,
-            budget=settings.tiering.gpu_budget_bytes)
+            placed=self._accum_placed, host_grads=[sg.grad for sg in host], device=device)
         if settings.accumulation_steps > 1 and self._accum is None:  # in the host budget's
             self.landing.reserve_staging()  # split (engine.py)
         self._whole = {gi: _covers_shard(self.pgroups[gi].plan, self.rank, refs)
@@ -146,8 +144,9 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         host_numel = sum(sg.master.numel() for sg in self._sides[Side.HOST])
         self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers,
                                    gpu_budget_bytes=settings.tiering.gpu_budget_bytes,
-                                   device_grads=self.host_grad_dtype
-                                   if self.host_grad_dtype.itemsize == 2 else None)
+                                   device_grads=self.host_grad_dtype  # not beside an
+                                   if self.host_grad_dtype.itemsize == 2 and  # fp32 sum
+                                   self._accum is None else None)
                         if settings.step_assist and isinstance(self.store, HostShards)
                         else None)  # [Note: step assist] in shard/assist.py
         if self._assist is not None and self._assist.device_grads is not None:
@@ -198,6 +197,11 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         homes = {Side.HOST: lambda n: self.home.empty(n, mdt), Side.DEVICE: lambda n: torch.zeros(
             n, dtype=torch.float32, device=self.device)}
         masters = {side: [homes[side](n) for n in sizes[side]] for side in Side}
+        self._accum_placed = accumulation_placed(  # tiering/device_accum.py: before the dtype
+            accumulates=self.settings.accumulation_steps > 1 and
+            getattr(self.home, "device", None) == torch.device("cpu"),
+            host_numel=sum(sizes[Side.HOST]), device=self.device,
+            budget=self.settings.tiering.gpu_budget_bytes)
         self.host_grad_dtype = host_grad_dtype(
             stage=3, compute_dtype=self.dtype,
             cpu_optimizer=self.settings.cpu_optimizer or self.settings.nvme_optimizer,
@@ -206,7 +210,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             # as run_step (nvme: the swapper's whole step, then publish_params)
             step_out=self.dtype if isinstance(self.store, HostShards) and
             not self.settings.nvme_optimizer else None,
-            master_dtype=mdt, state_dtype=sdt)
+            master_dtype=mdt, state_dtype=sdt, device_accumulates=self._accum_placed)
         """dtype of the host side's gradient shards ([Note: 16-bit host gradients at stage 3]
         in grads.py; bf16 with bf16 masters: [Note: bf16 shards] in shard/types.py); the
         device side's are fp32."""
