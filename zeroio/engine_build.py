@@ -92,7 +92,8 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, 
 
         return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, policies=policies,
                            aio=cfg.aio, grad_divisor=partitioner.host_grad_divisor,
-                           rank=comm.rank(), **(shares or {}))
+                           rank=comm.rank(), masters=getattr(partitioner, "paged", None),
+                           **(shares or {}))
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer (either) folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
