@@ -122,9 +122,12 @@ def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
             from zeroio.optim.swap_plan import min_host_bytes
 
             split = partitioner.optimizer_split
+            states = DTYPES[cfg.bf16.optimizer_state_dtype].itemsize
+            paged = getattr(partitioner, "paged", None)  # masters in the store too
             opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
-                                       zc.sub_group_size,
-                                       DTYPES[cfg.bf16.optimizer_state_dtype].itemsize)
+                                       zc.sub_group_size, states,
+                                       () if paged is None else
+                                       (paged.dtype.itemsize, states, states))
         cut = split_host_budget(zc.tiering.cpu_budget_bytes, held=held_cpu,
                                 param_floor=pstore.cpu_floor() if pstore else 0,
                                 param_ask=pstore.cpu_ask() if pstore else 0,

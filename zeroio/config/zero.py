@@ -57,6 +57,8 @@ MASTERS_PLACES = ("auto", "nvme", "host")
 
 
 def _masters(value, path):
+    if value == "auto":
+        return "auto"
     text = as_str(value, path).lower()
     if text not in MASTERS_PLACES:
         raise fail(path, value, '"auto", "nvme" or "host"')
@@ -350,12 +352,13 @@ def masters_place(zero: ZeroConfig) -> str:
 def masters_paged(place: str, *, host_numel: int, master_bytes: int, state_bytes: int,
                   cpu_budget_bytes: int | None) -> bool:
     """Whether this rank's masters page through NVMe with the moments: ``place`` is
-    ``masters_place``'s; "auto" pages them when the host budget cannot hold the masters and
-    both moments of ``host_numel`` elements (``master_bytes`` / ``state_bytes`` each). The one
-    rule the partitioner and ``zeroio.estimate`` share."""
+    ``masters_place``'s; "auto" pages them when the host budget cannot hold the masters, both
+    moments and the gradient shard of ``host_numel`` elements (``master_bytes`` each for the
+    masters and the gradient, at most; ``state_bytes`` per moment): what the host keeps of a
+    step with host masters. The one rule the partitioner and ``zeroio.estimate`` share."""
     if place != "auto":
         return place == "nvme"
-    need = host_numel * (master_bytes + 2 * state_bytes)
+    need = host_numel * (2 * master_bytes + 2 * state_bytes)
     return cpu_budget_bytes is not None and cpu_budget_bytes < need
 
 

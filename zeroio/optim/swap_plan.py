@@ -145,9 +145,12 @@ class SwapPlan:
                    itemsize=itemsize, kinds=kinds, itemsizes=itemsizes)
 
 
-def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int = 4) -> int:
+def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int = 4,
+                   itemsizes: tuple[int, ...] = ()) -> int:
     """The smallest host share the optimizer can step with: one smallest piece's two moments
-    (or all moments, when smaller), of ``itemsize`` bytes per element. What
-    ``SwapPlan.make`` needs at the least."""
-    total = sum(pair_cost(s, itemsize) for s in split(groups, sub_group_size))
-    return min(total, len(KINDS) * _PAGE)
+    (or all moments, when smaller), of ``itemsize`` bytes per element (``itemsizes``: one
+    per tensor, paged masters beside the moments). What ``SwapPlan.make`` needs at the
+    least."""
+    total = sum(pair_cost(s, itemsize, itemsizes=itemsizes)
+                for s in split(groups, sub_group_size))
+    return min(total, (len(itemsizes) or len(KINDS)) * _PAGE)
