@@ -126,7 +126,7 @@ def _training_phase(root):
     streamed = list(opt.pieces[opt.plan.resident:])
     params = _params(e)  # a collective: every rank
     per_step = [{k: b.get(k, 0) - a.get(k, 0) for k in ("nvme->cpu", "cpu->nvme")}
-                for a, b in zip(moved, moved[1:])]
+                for a, b in zip(moved, moved[1:], strict=False)]
     out = {
         "paged": e.partitioner.paged is not None,
         "kinds": list(opt._kinds),
