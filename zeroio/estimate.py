@@ -101,7 +101,7 @@ from typing import Any
 from zeroio.config import Config, OffloadDevice, ZeroConfig
 from zeroio.config.accum_place import accumulation_rows
 from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
-from zeroio.config.zero import params_from_master_auto, step_assist_enabled
+from zeroio.config.zero import masters_paged, params_from_master_auto, step_assist_enabled
 from zeroio.errors import ConfigError
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
@@ -335,6 +335,14 @@ def estimate_memory(
     n = gpus_per_node * nodes
     b = DTYPE_BYTES[dtype]
     mb, sb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype]
+    # [Note: where the masters live] in optim/swap.py: masters_paged is the engine's rule
+    place = zero.offload_optimizer.masters if opt_dev == "nvme" and stage == 3 and \
+        ratio >= 1.0 else "host"
+    paged = opt_dev == "nvme" and masters_paged(
+        place, host_numel=math.ceil(psi / n), master_bytes=mb, state_bytes=sb,
+        cpu_budget_bytes=zero.tiering.cpu_budget_bytes)
+    if paged and params_from_master is None:
+        pfm = False  # the engine turns "auto" off: the gathers would read the disk
     k_adam = mb + 2 * sb  # K: 12 for fp32 state (module doc, 4.)
     gshard = mb  # the gradient shard's bytes per element where it would be fp32
     shard = math.ceil(psi / n)
@@ -385,9 +393,10 @@ def estimate_memory(
     if stage == 0:
         add("optimizer states", "gpu", k_adam * psi, state, f"{k_adam} * Psi")
     elif opt_dev == "nvme" and zeroio_buffers:
-        # zeroio's swapper keeps the masters in host memory (optim/swap.py, [Note: masters
-        # stay on the host]); only the moments go to the disk
-        add_shard(f"optimizer {master_dtype} masters", "cpu", mb, state, f"{mb}")
+        # the masters page through NVMe with the moments, or stay in host memory
+        # ([Note: where the masters live] in optim/swap.py)
+        add_shard(f"optimizer {master_dtype} masters", "nvme" if paged else "cpu", mb, state,
+                  f"{mb}")
         add_shard("optimizer moments", "nvme", 2 * sb, state, f"{2 * sb}")
     else:
         add_shard("optimizer states", "gpu" if opt_dev == "none" else opt_dev, k_adam, state,
@@ -480,7 +489,10 @@ def estimate_memory(
 
     if opt_dev == "nvme" and zeroio_buffers and zero.tiering.cpu_budget_bytes is not None:
         nb = zero.tiering.nvme_budget_bytes if nvme_budget_bytes is None else nvme_budget_bytes
-        items = _split_moments(items, zero, shard - dev, sb, nb)
+        # paged masters swap with the moments: one piece's three tensors, (mb + 2 sb) / 2 bytes
+        # per element of a "pair"
+        items = _split_moments(items, zero, shard - dev, (mb + 2 * sb) // 2 if paged else sb,
+                               nb, masters=f"optimizer {master_dtype} masters" if paged else None)
     if activation_bytes:
         add("activations (caller's estimate)", "gpu", activation_bytes, "activations",
             "activation_bytes")
@@ -511,13 +523,21 @@ def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,
 
 
 def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, sb: int,
-                   nvme_budget: int | None) -> list[MemoryItem]:
+                   nvme_budget: int | None, masters: str | None = None) -> list[MemoryItem]:
     """The NVMe moments with an explicit CPU budget too small for them (module doc, 2.): the
     swap buffers become the window, the resident head moves to host memory where the NVMe
-    budget cannot hold every moment."""
+    budget cannot hold every moment. ``masters``: the name of the paged masters' item, which
+    swaps with the moments (``sb``: then half a piece's bytes per element)."""
     from zeroio.optim.swap_rule import moment_split, read_ahead
 
     moments = next((i for i in items if i.name == "optimizer moments"), None)
+    paged = next((i for i in items if i.name == masters), None)
+    if moments is not None and paged is not None:
+        items = [i for i in items if i is not paged]
+        moments = MemoryItem(name=moments.name, tier=moments.tier, kind=moments.kind,
+                             bytes_per_gpu=moments.bytes_per_gpu + paged.bytes_per_gpu,
+                             formula=f"{moments.formula} + masters")
+        items = [moments if i.name == "optimizer moments" else i for i in items]
     swap = next((i for i in items if i.name == "optimizer swap buffers (pinned)"), None)
     held = sum(i.bytes_per_gpu for i in items if i.tier == "cpu" and i is not swap)
     share = zero.tiering.cpu_budget_bytes - held

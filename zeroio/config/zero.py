@@ -302,7 +302,8 @@ def params_from_master_enabled(zero: ZeroConfig) -> bool:
     """Whether stage 3 derives its 16-bit shards from the masters (``zero_optimization.
     tiering.params_from_master``, "auto" resolved: on at stage 3 with ``offload_optimizer.
     device`` nvme, whatever ``offload_param.device`` says: the NVMe optimizer keeps the fp32
-    masters in host memory ([Note: masters stay on the host] in optim/swap.py), so the gathers
+    masters in host memory unless they page ([Note: where the masters live] in optim/swap.py;
+    paged masters turn "auto" off in the partitioner), so the gathers
     cast those and a 16-bit shard, on the host or in an NVMe home, would be a second copy
     (2 bytes per parameter, and with ``offload_param`` nvme its reads and write-back every
     step). True where it cannot apply is a ConfigError naming the key:

@@ -1,4 +1,4 @@
-"""Adam(W) whose moments live on NVMe, stepped over sub-groups with a read/update/write pipeline.
+"""Adam(W) with its moments (and paged masters) on NVMe, stepped over sub-groups in a pipeline.
 
 Each ShardGroup's local range is cut into sub-groups of ``sub_group_size``
 elements (DeepSpeed's unit: ``on_updated`` reports each updated sub-group), and
@@ -48,7 +48,7 @@ first step whatever the policy.
 A step is atomic (zeroio/step_guard.py): it either completes, fails with nothing
 changed, or fails after it began changing state, and then the engine refuses to
 go on until a checkpoint is loaded. Pieces are updated in place (masters in the
-partitioner's host memory, moments in the window) and a streamed piece is written
+partitioner's host memory or, paged, in the window; moments in the window) and a streamed piece is written
 back over its swap file as soon as the window needs its room, so a step that
 fails half-way cannot be undone without a pre-step copy of every piece it has
 updated: the masters alone are as large again as the master shard, and the moments
@@ -63,11 +63,35 @@ the earlier ones, and the engine refuses to go on. ``abort_step`` releases what 
 failed step acquired and forgets its failed reads, so the retry (or the checkpoint
 load) reads afresh.
 
-[Note: masters stay on the host]
-The fp32 master shard stays in the partitioner's (pinned) host memory, as with
-``device: cpu``: the 16-bit parameters are published from it right after the
-step. Only the moments (8 of the 12 bytes per parameter of optimizer state)
-go to NVMe. With ``bf16.bf16_optimizer_states`` the moments are bf16 in the store, on disk
+[Note: where the masters live]
+Decided once, when the stage-3 partitioner is built (``offload_optimizer.masters``;
+config/zero.py, ``masters_place`` and ``masters_paged``):
+
+- on the host (``host``; ``auto`` when ``tiering.cpu_budget_bytes`` is unset or holds this
+  rank's masters, both moments and the gradient shard; always at stages 1 and 2, and with
+  ``offload_optimizer.ratio`` < 1 or a rule other than Adam(W)): the fp32 master shard stays
+  in the partitioner's (pinned) host memory, as with ``device: cpu``, and the 16-bit
+  parameters are published from it right after the step. Only the moments (8 of the 12
+  bytes per parameter of optimizer state) go to NVMe.
+- paged (``nvme``; ``auto`` at stage 3 when the budget cannot hold them): each piece's
+  master is a third tensor of the store beside its moments ("master", in the master dtype),
+  homed, held, read ahead, written back and counted exactly as they are, so the host keeps
+  only the window and the resident head of all three, whatever the model's size: bytes per
+  step = 2 x (masters + moments - resident). ``ShardGroup.master`` is then a meta tensor (no
+  storage); the initial values reach the store through the partitioner's ``PagedMasters``
+  (shard/paged.py, [Note: paged masters]) without a whole fp32 shard in host memory. The
+  16-bit parameters are published from each master piece while it is in the window
+  (``PagedMasters.publish``), before the piece is put back; ``tiering.params_from_master``
+  "auto" turns off (the gathers would read the disk; true is a ConfigError naming it).
+  Checkpoints read and write kind "fp32" through the store like the moments (a save may link
+  the masters' swap files), and a load marks the masters ``stale`` so that
+  ``publish_params`` republishes every piece. The master pieces join the first window's reads
+  ([Note: reads before writes]), so a failed read there still rolls the step back.
+  Stages 1 and 2 keep their masters on the host: their publication all-gathers the whole
+  16-bit replica from every rank's host master after the step (partition/stage12_step.py),
+  which would need per-piece collectives in the swap sweep's order on every rank.
+
+With ``bf16.bf16_optimizer_states`` the moments are bf16 in the store, on disk
 and in the host window (4 bytes per element, half the swap I/O per step), and the masters
 bf16 too ([Note: bf16 optimizer state] in adam.py): 6 bytes per element in all.
 

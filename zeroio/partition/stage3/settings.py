@@ -82,7 +82,7 @@ class Stage3Settings:
     masters: str = "host"
     """``offload_optimizer.masters`` as ``masters_place`` resolved it (host, nvme, auto): the
     partitioner decides once, from its shard size, whether the masters page through NVMe
-    (``paged_masters``; [Note: where the masters live] in optim/swap.py)."""
+    (``Stage3Partitioner.paged``; [Note: where the masters live] in optim/swap.py)."""
     params_from_master_forced: bool = False
     """``tiering.params_from_master`` was set true (not "auto"): paged masters then are a
     ConfigError instead of turning it off."""
