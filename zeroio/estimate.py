@@ -51,8 +51,8 @@ Two layers, reported separately in the breakdown:
      with gradients on the host: STAGING_SLOTS pinned fp32 buffers of one group's slice (4 x 3 x
      G / N; stage 2: of one gradient piece), at most the offloaded elements, that later writes
      cross PCIe in before the host adds them (partition/landing.py, [Note: bounded staging]).
-   - offload_optimizer nvme: the fp32 masters (4 of the K bytes) stay in host
-     memory, only the moments (8) go to the disk (zeroio/optim/swap.py).
+   - offload_optimizer nvme: fp32 masters (4 of K bytes) in host memory, moments (8) on disk; or
+     all 12 paged through the disk ([Note: where the masters live] in zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU): buffer_count x
      min(sub_group_size, Psi / N) x 4 bytes. With ``tiering.cpu_budget_bytes`` and an NVMe
      budget (``nvme_budget_bytes``, or ``tiering.nvme_budget_bytes``) too small for every
@@ -101,10 +101,11 @@ from typing import Any
 from zeroio.config import Config, OffloadDevice, ZeroConfig
 from zeroio.config.accum_place import accumulation_rows
 from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
-from zeroio.config.zero import masters_paged, params_from_master_auto, step_assist_enabled
+from zeroio.config.zero import masters_paged_for, params_from_master_auto, step_assist_enabled
 from zeroio.errors import ConfigError
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
+MOMENTS = {False: "optimizer moments", True: "optimizer masters and moments"}  # paged or not
 FP32 = 4
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TIERS = ("gpu", "cpu", "nvme")
@@ -272,19 +273,17 @@ def estimate_memory(
     stage, offload_optimizer, offload_param and dtype default to the config's
     values when ``config`` is given, else to stage 3, "none", "none", "bf16".
     Bucket and swap-buffer sizes come from ``config`` (DeepSpeed defaults without one).
-    ``ratio`` (offload_optimizer.ratio, default the config's or 1.0): below 1 at stages 1-3
-    with the optimizer offloaded, the first (1 - ratio) of each shard stays on the GPU (module
-    doc).
+    ``ratio`` (offload_optimizer.ratio, default the config's or 1.0): below 1 at stages 1-3 with
+    the optimizer offloaded, the first (1 - ratio) of each shard stays on the GPU (module doc).
     ``largest_group``: elements of stage 3's largest flat group (one transformer layer), which
     sizes its gradient buckets and live parameters (None: reduce_bucket_size stands in).
     ``activation_bytes``: activation memory per GPU (e.g. ``llama_activation_bytes``).
     ``master_dtype`` / ``state_dtype``: "fp32" or "bf16", the masters' (and gradient shards')
     and the moments' (default the config's ``bf16`` switches, else fp32; module doc, 4.).
     ``params_from_master`` (default: the config's ``tiering.params_from_master`` where the
-    config knows the key, "auto" on at stage 3 with offload_optimizer nvme; else off) and
-    ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``, None: room for
-    every moment): module doc, 2.
-    """
+    config knows the key, "auto" on at stage 3 with offload_optimizer nvme unless the masters
+    page; else off) and ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``,
+    None: room for every moment): module doc, 2."""
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
     nodes = _positive(nodes, "nodes")
@@ -335,14 +334,9 @@ def estimate_memory(
     n = gpus_per_node * nodes
     b = DTYPE_BYTES[dtype]
     mb, sb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype]
-    # [Note: where the masters live] in optim/swap.py: masters_paged is the engine's rule
-    place = zero.offload_optimizer.masters if opt_dev == "nvme" and stage == 3 and \
-        ratio >= 1.0 else "host"
-    paged = opt_dev == "nvme" and masters_paged(
-        place, host_numel=math.ceil(psi / n), master_bytes=mb, state_bytes=sb,
-        cpu_budget_bytes=zero.tiering.cpu_budget_bytes)
-    if paged and params_from_master is None:
-        pfm = False  # the engine turns "auto" off: the gathers would read the disk
+    paged = masters_paged_for(zero, stage=stage, optimizer_device=opt_dev, ratio=ratio,
+                              host_numel=math.ceil(psi / n), master_bytes=mb, state_bytes=sb)
+    pfm = pfm and not (paged and params_from_master is None)  # "auto" off: they are on disk
     k_adam = mb + 2 * sb  # K: 12 for fp32 state (module doc, 4.)
     gshard = mb  # the gradient shard's bytes per element where it would be fp32
     shard = math.ceil(psi / n)
@@ -393,11 +387,9 @@ def estimate_memory(
     if stage == 0:
         add("optimizer states", "gpu", k_adam * psi, state, f"{k_adam} * Psi")
     elif opt_dev == "nvme" and zeroio_buffers:
-        # the masters page through NVMe with the moments, or stay in host memory
-        # ([Note: where the masters live] in optim/swap.py)
-        add_shard(f"optimizer {master_dtype} masters", "nvme" if paged else "cpu", mb, state,
-                  f"{mb}")
-        add_shard("optimizer moments", "nvme", 2 * sb, state, f"{2 * sb}")
+        if not paged:  # host masters ([Note: where the masters live] in optim/swap.py)
+            add_shard(f"optimizer {master_dtype} masters", "cpu", mb, state, f"{mb}")
+        add_shard(MOMENTS[paged], "nvme", 2 * sb + mb * paged, state, f"{2 * sb + mb * paged}")
     else:
         add_shard("optimizer states", "gpu" if opt_dev == "none" else opt_dev, k_adam, state,
                   f"{k_adam}")
@@ -489,10 +481,8 @@ def estimate_memory(
 
     if opt_dev == "nvme" and zeroio_buffers and zero.tiering.cpu_budget_bytes is not None:
         nb = zero.tiering.nvme_budget_bytes if nvme_budget_bytes is None else nvme_budget_bytes
-        # paged masters swap with the moments: one piece's three tensors, (mb + 2 sb) / 2 bytes
-        # per element of a "pair"
         items = _split_moments(items, zero, shard - dev, (mb + 2 * sb) // 2 if paged else sb,
-                               nb, masters=f"optimizer {master_dtype} masters" if paged else None)
+                               nb, MOMENTS[paged])  # paged: half a piece's bytes per element
     if activation_bytes:
         add("activations (caller's estimate)", "gpu", activation_bytes, "activations",
             "activation_bytes")
@@ -523,21 +513,12 @@ def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,
 
 
 def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, sb: int,
-                   nvme_budget: int | None, masters: str | None = None) -> list[MemoryItem]:
-    """The NVMe moments with an explicit CPU budget too small for them (module doc, 2.): the
-    swap buffers become the window, the resident head moves to host memory where the NVMe
-    budget cannot hold every moment. ``masters``: the name of the paged masters' item, which
-    swaps with the moments (``sb``: then half a piece's bytes per element)."""
+                   nvme_budget: int | None, name: str) -> list[MemoryItem]:
+    """The NVMe moments (item ``name``; paged masters too) with a CPU budget too small for them
+    (module doc, 2.): the buffers become the window, the resident head moves to host memory."""
     from zeroio.optim.swap_rule import moment_split, read_ahead
 
-    moments = next((i for i in items if i.name == "optimizer moments"), None)
-    paged = next((i for i in items if i.name == masters), None)
-    if moments is not None and paged is not None:
-        items = [i for i in items if i is not paged]
-        moments = MemoryItem(name=moments.name, tier=moments.tier, kind=moments.kind,
-                             bytes_per_gpu=moments.bytes_per_gpu + paged.bytes_per_gpu,
-                             formula=f"{moments.formula} + masters")
-        items = [moments if i.name == "optimizer moments" else i for i in items]
+    moments = next((i for i in items if i.name == name), None)
     swap = next((i for i in items if i.name == "optimizer swap buffers (pinned)"), None)
     held = sum(i.bytes_per_gpu for i in items if i.tier == "cpu" and i is not swap)
     share = zero.tiering.cpu_budget_bytes - held
@@ -553,12 +534,12 @@ def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, s
                           bytes_per_gpu=cut.window, kind="zeroio_buffer",
                           formula="(1 + read ahead) pieces' two moments (optim/swap_rule.py)"))
     if cut.disk < moments.bytes_per_gpu:
-        out.append(MemoryItem(name="optimizer moments resident in host memory (tiering."
+        out.append(MemoryItem(name=f"{name} resident in host memory (tiering."
                               "cpu_budget_bytes)", tier="cpu",
                               bytes_per_gpu=moments.bytes_per_gpu - cut.disk, kind="model_state",
                               formula="whole pieces of what the budget leaves past the window"))
     if cut.disk:
-        out.append(MemoryItem(name="optimizer moments", tier="nvme", bytes_per_gpu=cut.disk,
+        out.append(MemoryItem(name=name, tier="nvme", bytes_per_gpu=cut.disk,
                               kind="model_state", formula=moments.formula +
                               ("" if cut.disk == moments.bytes_per_gpu else " - resident head")))
     return out

@@ -363,6 +363,16 @@ def masters_paged(place: str, *, host_numel: int, master_bytes: int, state_bytes
     return cpu_budget_bytes is not None and cpu_budget_bytes < need
 
 
+def masters_paged_for(zero: ZeroConfig, *, stage: int, optimizer_device: str, ratio: float,
+                      host_numel: int, master_bytes: int, state_bytes: int) -> bool:
+    """``masters_paged`` for ``zeroio.estimate``, whose stage, offload device and ratio may
+    differ from ``zero``'s (keyword arguments); ``masters_place``'s rule otherwise."""
+    possible = optimizer_device == "nvme" and stage == 3 and ratio >= 1.0
+    return possible and masters_paged(
+        zero.offload_optimizer.masters, host_numel=host_numel, master_bytes=master_bytes,
+        state_bytes=state_bytes, cpu_budget_bytes=zero.tiering.cpu_budget_bytes)
+
+
 def step_assist_enabled(tiering: TieringConfig | None, device) -> bool:
     """Whether the GPU takes a share of the host optimizer step ([Note: step assist]):
     ``zero_optimization.tiering.step_assist`` as resolved by load_config
