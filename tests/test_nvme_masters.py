@@ -35,7 +35,7 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 32))
 
 
-def _config(world: int, nvme: str, masters: str, budget: int) -> dict:
+def _config(world: int, nvme: str, masters: str, budget: int, params: str = "none") -> dict:
     return {
         "train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
@@ -43,15 +43,17 @@ def _config(world: int, nvme: str, masters: str, budget: int) -> dict:
                               "stage3_param_persistence_threshold": 0,
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
                                                     "masters": masters},
+                              "offload_param": {"device": params, "nvme_path": nvme},
                               "tiering": {"cpu_budget_bytes": budget}},
     }
 
 
-def _engine(world, nvme, masters="auto", budget=None):
+def _engine(world, nvme, masters="auto", budget=None, params="none"):
     import zeroio
 
     budget = NVME_BUDGET[world] if budget is None else budget
-    engine, *_ = zeroio.initialize(model=_model(), config=_config(world, nvme, masters, budget))
+    engine, *_ = zeroio.initialize(model=_model(),
+                                   config=_config(world, nvme, masters, budget, params))
     engine.show_progress = False
     return engine
 
@@ -102,20 +104,20 @@ def _torch_adamw() -> tuple[list[float], dict[str, np.ndarray]]:
     return losses, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def _training_phase(root):
+def _training_phase(root, params):
     import torch.distributed as dist
 
     from zeroio.tiering import stats as tstats
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    host = _engine(world, os.path.join(root, f"host{rank}"), "host", HOST_BUDGET)
+    host = _engine(world, os.path.join(root, f"host{rank}"), "host", HOST_BUDGET, params)
     host_losses = [_iteration(host, i) for i in range(STEPS)]
     host_params = _params(host)
     host_held = tstats.held_bytes(host.partitioner.held_tensors()).get("cpu", 0)
     shard_bytes = sum(g.master.numel() * g.master.element_size() for g in host.partitioner.groups)
     host.close()
 
-    e = _engine(world, os.path.join(root, f"nvme{rank}"))
+    e = _engine(world, os.path.join(root, f"nvme{rank}"), params=params)
     opt = e.optimizer
     moved = []
     losses = []
@@ -141,6 +143,7 @@ def _training_phase(root):
         "streamed_bytes": opt.plan.streamed_bytes,
         "streamed_by_hand": sum(p.numel * (4 + 4 + 4) for p in streamed),
         "streamed_masters": len(streamed),
+        "largest_piece": max(p.numel * 12 for p in streamed),
         "per_step": per_step,
         "losses": losses, "host_losses": host_losses,
         "params": params, "host_params": host_params,
@@ -149,21 +152,27 @@ def _training_phase(root):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_masters_on_nvme_train_as_torch_adamw_and_as_host_masters_bit_for_bit(tmp_path, world):
-    r, *_ = run_ranks(_training_phase, world, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("world,params", [(1, "none"), (2, "none"), (1, "nvme"), (2, "nvme")])
+def test_masters_on_nvme_train_as_torch_adamw_and_as_host_masters_bit_for_bit(tmp_path, world,
+                                                                              params):
+    """``params``: offload_param.device, the 16-bit shards' home (nvme: the stage-3 NVMe
+    parameter store, which each master piece is published into)."""
+    r, *_ = run_ranks(_training_phase, world, str(tmp_path), params, timeout=300)
     assert r["paged"] and r["kinds"] == ["master", "exp_avg", "exp_avg_sq"], r["kinds"]
     # no host master: the partitioner holds the host-master run's bytes minus the master
-    # shard, plus the 16-bit shards the gathers read now
-    assert r["meta_masters"] and r["shards16"] > 0
+    # shard, plus the 16-bit shards the gathers read now (in host memory or its NVMe store)
+    assert r["meta_masters"] and (r["shards16"] > 0) == (params == "none")
     assert r["held"] - r["shards16"] == r["host_held"] - r["shard_bytes"], r
     # the optimizer's host memory is its budget share, below its masters + moments
     assert r["store_cpu_budget"] < r["optimizer_state"] / 2, r
     # every streamed piece's master and moments go through the disk once each way per step
+    # (but a piece the window's spare room still caches at the sweep's end), so far more than
+    # the moments alone (8 of the 12 bytes)
     assert r["streamed_masters"] > 0 and r["streamed_bytes"] == r["streamed_by_hand"]
+    low = max(r["streamed_bytes"] - r["largest_piece"], r["streamed_bytes"] * 8 // 12 + 1)
     for moved in r["per_step"]:
-        assert moved["nvme->cpu"] == r["streamed_bytes"], (moved, r["streamed_bytes"])
-        assert moved["cpu->nvme"] == r["streamed_bytes"], (moved, r["streamed_bytes"])
+        for way in ("nvme->cpu", "cpu->nvme"):
+            assert low <= moved[way] <= r["streamed_bytes"], (moved, r["streamed_bytes"], low)
     # bit for bit as zeroio's host masters
     assert r["losses"] == r["host_losses"]
     assert r["params"].keys() == r["host_params"].keys()

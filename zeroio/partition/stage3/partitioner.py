@@ -32,7 +32,7 @@ from zeroio.partition.stage3.master_store import MasterShards
 from zeroio.partition.stage3.prefetch import Trace
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
-from zeroio.partition.stage3.store import HostShards, make_store
+from zeroio.partition.stage3.store import DeviceShards, HostShards, make_store
 from zeroio.partition.stage3.streams import Streams, wait_stream
 from zeroio.partition.stage3.twin import (
     DevicePublish,
@@ -280,6 +280,10 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         the optimizer's window, into the 16-bit shards they belong to ([Note: paged
         masters] in shard/paged.py)."""
         hi = lo + values.numel()
+        if isinstance(self.store, DeviceShards) and self.device.type == "cuda":
+            # the window's pinned buffer is reused as soon as the piece is put back: the copy
+            # up must not read it asynchronously (a pageable 16-bit copy is staged at once)
+            values = values.to(self.dtype, copy=True)
         for gi, refs in self._pieces.items():
             for ref in refs:
                 if ref.side is not Side.HOST or ref.piece.opt_group != og:
