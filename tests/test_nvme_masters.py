@@ -302,3 +302,32 @@ def test_masters_nvme_where_it_cannot_apply_is_a_config_error():
     base["zero_optimization"]["offload_optimizer"]["masters"] = "disk"
     with pytest.raises(ConfigError, match="offload_optimizer.masters"):
         zeroio.load_config(base)
+
+
+def test_estimate_counts_paged_masters_on_the_nvme_tier():
+    """By hand: 1e9 parameters on one GPU, fp32 state: 4 GB of masters and 8 GB of moments;
+    the gradient shard takes 4 GB more on the host (fp32: no bf16)."""
+    import zeroio
+    from zeroio.estimate import estimate_memory
+
+    def tiers(budget, masters="auto"):
+        cfg = zeroio.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x",
+                                              "masters": masters},
+            "tiering": {"cpu_budget_bytes": budget}}})
+        est = estimate_memory(10**9, 1, 1, config=cfg)
+        return {i.name: (i.tier, i.bytes_per_gpu) for i in est.items}, est.params_from_master
+
+    # a budget below masters + moments + gradient shard (16 GB): the masters page
+    items, pfm = tiers(8 * 10**9)
+    assert "optimizer fp32 masters" not in items and not pfm
+    paged = {k: v for k, v in items.items() if k.startswith("optimizer masters and moments")}
+    assert sum(b for _, b in paged.values()) == 12 * 10**9, paged
+    assert items["optimizer masters and moments"][0] == "nvme"
+    # room for all of them: the masters stay in host memory, the gathers read them
+    items, pfm = tiers(64 * 10**9)
+    assert items["optimizer fp32 masters"] == ("cpu", 4 * 10**9) and pfm
+    assert items["optimizer moments"] == ("nvme", 8 * 10**9)
+    # "host" keeps them there whatever the budget
+    items, _ = tiers(8 * 10**9, "host")
+    assert items["optimizer fp32 masters"] == ("cpu", 4 * 10**9)
