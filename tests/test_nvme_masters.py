@@ -331,3 +331,33 @@ def test_estimate_counts_paged_masters_on_the_nvme_tier():
     # "host" keeps them there whatever the budget
     items, _ = tiers(8 * 10**9, "host")
     assert items["optimizer fp32 masters"] == ("cpu", 4 * 10**9)
+
+
+def _modifier_phase(root):
+    import torch.distributed as dist
+
+    import zeroio
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for masters, budget in (("host", HOST_BUDGET), ("auto", None)):
+        e = _engine(world, os.path.join(root, f"{masters}{rank}"), masters, budget)
+        losses = [_iteration(e, i) for i in range(2)]
+        weight = e.module[0].weight
+        with zeroio.zero.GatheredParameters([weight], modifier_rank=0):
+            if rank == 0:
+                weight.data.mul_(0.5)  # reaches the masters (paged: through the store)
+        losses += [_iteration(e, i) for i in range(2, 4)]
+        out[masters] = {"paged": e.partitioner.paged is not None, "losses": losses,
+                        "masters": _masters(e)}
+        e.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_gathered_parameters_modifier_writes_the_paged_masters(tmp_path, world):
+    r, *_ = run_ranks(_modifier_phase, world, str(tmp_path), timeout=300)
+    assert r["auto"]["paged"] and not r["host"]["paged"]
+    assert r["auto"]["losses"] == r["host"]["losses"]
+    for a, b in zip(r["auto"]["masters"], r["host"]["masters"], strict=True):
+        assert np.array_equal(a, b)

@@ -172,7 +172,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
     def _paged_masters(self, settings: Stage3Settings) -> PagedMasters | None:
         """The masters' handle when they page through NVMe (decided once, from this rank's
         shard size: ``masters_paged``), else None."""
-        numel = sum(pc.hi - pc.lo for gp in self.plan.groups for pc in shard_pieces(gp, self.rank))
+        # the padded shard: the same on every rank, so every rank decides alike
+        numel = sum(gp.shard_numel for gp in self.plan.groups)
         if not settings.nvme_optimizer or not masters_paged(
                 settings.masters, host_numel=numel,
                 master_bytes=DTYPES[settings.master_dtype].itemsize,
