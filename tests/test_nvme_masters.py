@@ -125,6 +125,7 @@ def _training_phase(root, params):
         losses.append(_iteration(e, i))
         opt.drain()
         moved.append(dict(opt.store.stats()["bytes_moved"]))
+    tiers = e.stats()["tiers"]
     streamed = list(opt.pieces[opt.plan.resident:])
     params = _params(e)  # a collective: every rank
     per_step = [{k: b.get(k, 0) - a.get(k, 0) for k in ("nvme->cpu", "cpu->nvme")}
@@ -147,6 +148,7 @@ def _training_phase(root, params):
         "per_step": per_step,
         "losses": losses, "host_losses": host_losses,
         "params": params, "host_params": host_params,
+        "cpu_used": tiers["cpu"]["used_bytes"], "cpu_budget": tiers["cpu"]["budget_bytes"],
     }
     e.close()
     return out
@@ -163,8 +165,10 @@ def test_masters_on_nvme_train_as_torch_adamw_and_as_host_masters_bit_for_bit(tm
     # shard, plus the 16-bit shards the gathers read now (in host memory or its NVMe store)
     assert r["meta_masters"] and (r["shards16"] > 0) == (params == "none")
     assert r["held"] - r["shards16"] == r["host_held"] - r["shard_bytes"], r
-    # the optimizer's host memory is its budget share, below its masters + moments
+    # the optimizer's host memory is its budget share, below its masters + moments, and all
+    # the host state engine.stats() counts stays within the user's budget
     assert r["store_cpu_budget"] < r["optimizer_state"] / 2, r
+    assert r["cpu_budget"] == NVME_BUDGET[world] and r["cpu_used"] <= r["cpu_budget"], r
     # every streamed piece's master and moments go through the disk once each way per step
     # (but a piece the window's spare room still caches at the sweep's end), so far more than
     # the moments alone (8 of the 12 bytes)
