@@ -83,10 +83,12 @@ config/zero.py, ``masters_place`` and ``masters_paged``):
   16-bit parameters are published from each master piece while it is in the window
   (``PagedMasters.publish``), before the piece is put back; ``tiering.params_from_master``
   "auto" turns off (the gathers would read the disk; true is a ConfigError naming it).
-  Checkpoints read and write kind "fp32" through the store like the moments (a save may link
-  the masters' swap files), and a load marks the masters ``stale`` so that
-  ``publish_params`` republishes every piece. The master pieces join the first window's reads
-  ([Note: reads before writes]), so a failed read there still rolls the step back.
+  Checkpoints read and write kind "fp32" through the store piece by piece (``read_local``,
+  ``write_local_range``: a save copies them through host memory one piece at a time and does
+  not link their swap files as it does the moments'), and a load marks the masters ``stale``
+  so that ``publish_params`` republishes every piece. The master pieces join the first
+  window's reads ([Note: reads before writes]), so a failed read there still rolls the step
+  back.
   Stages 1 and 2 keep their masters on the host: their publication all-gathers the whole
   16-bit replica from every rank's host master after the step (partition/stage12_step.py),
   which would need per-piece collectives in the swap sweep's order on every rank.

@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from zeroio.errors import ConfigError
+
 SPILL_CHUNK_ELEMS = 1 << 22
 """Elements per chunk of the initial masters' spill (16 MiB of fp32)."""
 
@@ -45,6 +47,9 @@ class PagedMasters:
         self.stale = False
         self._owner = None
         self._chunks: dict[int, list[tuple[int, int, str]]] = {}
+        if nvme_path is None and backend is None:
+            raise ConfigError('offload_optimizer.device is "nvme" but no nvme_path is set',
+                              key="zero_optimization.offload_optimizer.nvme_path")
         path = None if nvme_path is None else os.path.join(str(nvme_path),
                                                            f"zeroio-masters-init-rank{rank}")
         if path is not None:
