@@ -84,8 +84,8 @@ config/zero.py, ``masters_place`` and ``masters_paged``):
   (``PagedMasters.publish``), before the piece is put back; ``tiering.params_from_master``
   "auto" turns off (the gathers would read the disk; true is a ConfigError naming it).
   Checkpoints read and write kind "fp32" through the store piece by piece (``read_local``,
-  ``write_local_range``: a save copies them through host memory one piece at a time and does
-  not link their swap files as it does the moments'), and a load marks the masters ``stale``
+  ``write_local_range``), or a save links the masters' swap files as it does the moments'
+  (``swapped_kinds``), and a load marks the masters ``stale``
   so that ``publish_params`` republishes every piece. The master pieces join the first
   window's reads ([Note: reads before writes]), so a failed read there still rolls the step
   back.
@@ -523,6 +523,12 @@ class SwappedAdam(EngineOptimizer):
         self.drain()
         self.store.flush()
         return self.store.stats()["bytes_moved"].get("cpu->nvme", 0) - before
+
+    @property
+    def swapped_kinds(self) -> tuple[str, ...]:
+        """The checkpoint kinds this optimizer keeps in swap files (a save may link them):
+        the state kinds, and "fp32" when the masters page ([Note: where the masters live])."""
+        return (("fp32",) if self.paged is not None else ()) + tuple(self.state_kinds)
 
     def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
         kind = self._store_kind(kind)
