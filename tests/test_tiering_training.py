@@ -69,8 +69,10 @@ def _batches():
 
 def _config(stage, policy, root, budget):
     zero = {"stage": stage, "sub_group_size": 1024,
+            # HELD counts the masters in host memory: "auto" would page them at stage 3
             "offload_optimizer": {"device": "nvme", "nvme_path": os.path.join(root, "optim"),
-                                  "pipeline_read": True, "pipeline_write": True},
+                                  "pipeline_read": True, "pipeline_write": True,
+                                  "masters": "host"},
             "tiering": {"policy": policy, "cpu_budget_bytes": budget, "prefetch_depth": 1}}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,

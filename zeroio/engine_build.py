@@ -136,7 +136,8 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, 
 
         return SwappedAdam(groups, spec.hyper, decoupled=spec.decoupled, policies=policies,
                            aio=cfg.aio, grad_divisor=partitioner.host_grad_divisor,
-                           rank=comm.rank(), **(shares or {}))
+                           rank=comm.rank(), masters=getattr(partitioner, "paged", None),
+                           **(shares or {}))
     # stage 1/2's 16-bit host gradients are not averaged yet (stage12.[Note: 16-bit host
     # gradients]): the optimizer (either) folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
@@ -165,9 +166,12 @@ def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
             from zeroio.optim.swap_plan import min_host_bytes
 
             split = partitioner.optimizer_split
+            states = DTYPES[cfg.bf16.optimizer_state_dtype].itemsize
+            paged = getattr(partitioner, "paged", None)  # masters in the store too
             opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
-                                       zc.sub_group_size,
-                                       DTYPES[cfg.bf16.optimizer_state_dtype].itemsize)
+                                       zc.sub_group_size, states,
+                                       () if paged is None else
+                                       (paged.dtype.itemsize, states, states))
         cut = split_host_budget(zc.tiering.cpu_budget_bytes, held=held_cpu,
                                 param_floor=pstore.cpu_floor() if pstore else 0,
                                 param_ask=pstore.cpu_ask() if pstore else 0,

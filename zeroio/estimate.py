@@ -49,8 +49,8 @@ Two layers, reported separately in the breakdown:
      PUBLISH_CHUNK_NUMEL elements (b bytes each).
    - gradient accumulation (gradient_accumulation_steps > 1) with gradients on the host:
      pinned fp32 staging, or an fp32 GPU buffer (``device_room``): config/accum_place.py.
-   - offload_optimizer nvme: the fp32 masters (4 of the K bytes) stay in host
-     memory, only the moments (8) go to the disk (zeroio/optim/swap.py).
+   - offload_optimizer nvme: fp32 masters (4 of K bytes) in host memory, moments (8) on disk; or
+     all 12 paged through the disk ([Note: where the masters live] in zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU): buffer_count x
      min(sub_group_size, Psi / N) x 4 bytes. With ``tiering.cpu_budget_bytes`` and an NVMe
      budget (``nvme_budget_bytes``, or ``tiering.nvme_budget_bytes``) too small for every
@@ -98,11 +98,17 @@ from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
 from zeroio.config.accum_place import accumulation_rows, planned_on_device
+from zeroio.config.activations import (  # noqa: F401 (re-exported)
+    ACT_PER_TOKEN_LAYER,
+    llama_activation_bytes,
+    planned_activation_bytes,
+)
 from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
-from zeroio.config.zero import params_from_master_auto, step_assist_enabled
+from zeroio.config.zero import masters_paged_for, params_from_master_auto, step_assist_enabled
 from zeroio.errors import ConfigError
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
+MOMENTS = {False: "optimizer moments", True: "optimizer masters and moments"}  # paged or not
 FP32 = 4
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TIERS = ("gpu", "cpu", "nvme")
@@ -113,12 +119,6 @@ PUBLISH_CHUNK_NUMEL = 1 << 26
 """Elements of the GPU staging buffer through which stage 3 with ratio < 1 publishes the
 device side's 16-bit values to the host shards (``Stage3Partitioner``'s publisher; the same
 number, checked by tests/test_optim_ratio.py)."""
-ACT_PER_TOKEN_LAYER = (30, 6)
-"""Activation bytes per token and decoder layer of a Llama under bf16 without activation
-checkpointing: 30 x hidden + 6 x intermediate, fitted to zeroio stage 3 + cpu on the H200
-(1.364B, hidden 2048, intermediate 5632, 24 layers, 8 x 1024 tokens: peak 22.8 GiB, of which
-~2.7 GB live parameters and buckets, ~2.6 GB logits); the logits add 10 x vocab bytes per
-token (bf16 logits, their fp32 copy and its gradient)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,19 +271,18 @@ def estimate_memory(
     stage, offload_optimizer, offload_param and dtype default to the config's
     values when ``config`` is given, else to stage 3, "none", "none", "bf16".
     Bucket and swap-buffer sizes come from ``config`` (DeepSpeed defaults without one).
-    ``ratio`` (offload_optimizer.ratio, default the config's or 1.0): below 1 at stages 1-3
-    with the optimizer offloaded, the first (1 - ratio) of each shard stays on the GPU (module
-    doc).
+    ``ratio`` (offload_optimizer.ratio, default the config's or 1.0): below 1 at stages 1-3 with
+    the optimizer offloaded, the first (1 - ratio) of each shard stays on the GPU (module doc).
     ``largest_group``: elements of stage 3's largest flat group (one transformer layer), which
     sizes its gradient buckets and live parameters (None: reduce_bucket_size stands in).
     ``activation_bytes``: activation memory per GPU (e.g. ``llama_activation_bytes``).
     ``master_dtype`` / ``state_dtype``: "fp32" or "bf16", the masters' (and gradient shards')
     and the moments' (default the config's ``bf16`` switches, else fp32; module doc, 4.).
     ``params_from_master`` (default: the config's ``tiering.params_from_master`` where the
-    config knows the key, "auto" on at stage 3 with offload_optimizer nvme; else off) and
-    ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``, None: room for
-    every moment): module doc, 2. ``device_room``: the device's free bytes where measured
-    (0 on a CPU device), None in a plan: config/accum_place.py."""
+    config knows the key, "auto" on at stage 3 with offload_optimizer nvme unless the masters
+    page; else off) and ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``,
+    None: room for every moment): module doc, 2. ``device_room``: the device's free bytes
+    where measured (0 on a CPU device), None in a plan: config/accum_place.py."""
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
     nodes = _positive(nodes, "nodes")
@@ -334,6 +333,9 @@ def estimate_memory(
     n = gpus_per_node * nodes
     b = DTYPE_BYTES[dtype]
     mb, sb = DTYPE_BYTES[master_dtype], DTYPE_BYTES[state_dtype]
+    paged = masters_paged_for(zero, stage=stage, optimizer_device=opt_dev, ratio=ratio,
+                              host_numel=math.ceil(psi / n), master_bytes=mb, state_bytes=sb)
+    pfm = pfm and not (paged and params_from_master is None)  # "auto" off: they are on disk
     k_adam = mb + 2 * sb  # K: 12 for fp32 state (module doc, 4.)
     gshard = mb  # the gradient shard's bytes per element where it would be fp32
     shard = math.ceil(psi / n)
@@ -384,10 +386,9 @@ def estimate_memory(
     if stage == 0:
         add("optimizer states", "gpu", k_adam * psi, state, f"{k_adam} * Psi")
     elif opt_dev == "nvme" and zeroio_buffers:
-        # zeroio's swapper keeps the masters in host memory (optim/swap.py, [Note: masters
-        # stay on the host]); only the moments go to the disk
-        add_shard(f"optimizer {master_dtype} masters", "cpu", mb, state, f"{mb}")
-        add_shard("optimizer moments", "nvme", 2 * sb, state, f"{2 * sb}")
+        if not paged:  # host masters ([Note: where the masters live] in optim/swap.py)
+            add_shard(f"optimizer {master_dtype} masters", "cpu", mb, state, f"{mb}")
+        add_shard(MOMENTS[paged], "nvme", 2 * sb + mb * paged, state, f"{2 * sb + mb * paged}")
     else:
         add_shard("optimizer states", "gpu" if opt_dev == "none" else opt_dev, k_adam, state,
                   f"{k_adam}")
@@ -481,7 +482,8 @@ def estimate_memory(
 
     if opt_dev == "nvme" and zeroio_buffers and zero.tiering.cpu_budget_bytes is not None:
         nb = zero.tiering.nvme_budget_bytes if nvme_budget_bytes is None else nvme_budget_bytes
-        items = _split_moments(items, zero, shard - dev, sb, nb)
+        items = _split_moments(items, zero, shard - dev, (mb + 2 * sb) // 2 if paged else sb,
+                               nb, MOMENTS[paged])  # paged: half a piece's bytes per element
     if activation_bytes:
         add("activations (caller's estimate)", "gpu", activation_bytes, "activations",
             "activation_bytes")
@@ -512,13 +514,12 @@ def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,
 
 
 def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, sb: int,
-                   nvme_budget: int | None) -> list[MemoryItem]:
-    """The NVMe moments with an explicit CPU budget too small for them (module doc, 2.): the
-    swap buffers become the window, the resident head moves to host memory where the NVMe
-    budget cannot hold every moment."""
+                   nvme_budget: int | None, name: str) -> list[MemoryItem]:
+    """The NVMe moments (item ``name``; paged masters too) with a CPU budget too small for them
+    (module doc, 2.): the buffers become the window, the resident head moves to host memory."""
     from zeroio.optim.swap_rule import moment_split, read_ahead
 
-    moments = next((i for i in items if i.name == "optimizer moments"), None)
+    moments = next((i for i in items if i.name == name), None)
     swap = next((i for i in items if i.name == "optimizer swap buffers (pinned)"), None)
     held = sum(i.bytes_per_gpu for i in items if i.tier == "cpu" and i is not swap)
     share = zero.tiering.cpu_budget_bytes - held
@@ -534,12 +535,12 @@ def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, s
                           bytes_per_gpu=cut.window, kind="zeroio_buffer",
                           formula="(1 + read ahead) pieces' two moments (optim/swap_rule.py)"))
     if cut.disk < moments.bytes_per_gpu:
-        out.append(MemoryItem(name="optimizer moments resident in host memory (tiering."
+        out.append(MemoryItem(name=f"{name} resident in host memory (tiering."
                               "cpu_budget_bytes)", tier="cpu",
                               bytes_per_gpu=moments.bytes_per_gpu - cut.disk, kind="model_state",
                               formula="whole pieces of what the budget leaves past the window"))
     if cut.disk:
-        out.append(MemoryItem(name="optimizer moments", tier="nvme", bytes_per_gpu=cut.disk,
+        out.append(MemoryItem(name=name, tier="nvme", bytes_per_gpu=cut.disk,
                               kind="model_state", formula=moments.formula +
                               ("" if cut.disk == moments.bytes_per_gpu else " - resident head")))
     return out
@@ -569,32 +570,6 @@ def _host_grad_dtype(dtype: str, opt_dev: str, gas: int, host_numel: int, *, sta
     return host_grad_dtype(stage=stage, compute_dtype=DTYPES[dtype],
                            cpu_optimizer=opt_dev in _HOST_ADAM, accumulation_steps=gas,
                            host_numel=host_numel, kernel=cpu_adam_plan, plan_only=True)
-
-
-def llama_activation_bytes(*, hidden: int, intermediate: int, layers: int, vocab: int,
-                           seq: int, micro_batch: int) -> int:
-    """Activation bytes of one micro batch of a Llama in bf16 without activation checkpointing
-    (``ACT_PER_TOKEN_LAYER``: a fit to a measured run, not a derivation)."""
-    a, c = ACT_PER_TOKEN_LAYER
-    tokens = seq * micro_batch
-    return tokens * (layers * (a * hidden + c * intermediate) + 10 * vocab)
-
-
-def planned_activation_bytes(*, layers, hidden, vocab, intermediate, seq, micro_batch) -> int:
-    """``llama_activation_bytes`` with its inputs checked (ConfigError naming the bad one), 0
-    when the shape is not given at all (the planner's caller did not say)."""
-    given = {"layers": layers, "hidden": hidden, "vocab": vocab}
-    if all(v is None for v in given.values()):
-        return 0
-    for k, v in given.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{k} = {v!r}: activations need layers, hidden and vocab as "
-                              "positive integers (or none of them)", key=k)
-    for k, v in {"seq": seq, "micro_batch": micro_batch}.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{k} = {v!r}: expected a positive integer", key=k)
-    return llama_activation_bytes(hidden=hidden, intermediate=intermediate or 4 * hidden,
-                                  layers=layers, vocab=vocab, seq=seq, micro_batch=micro_batch)
 
 
 __all__ = ["estimate_memory", "llama_num_params", "model_shape", "ModelShape", "host_grad_bytes", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count", "planned_activation_bytes"]

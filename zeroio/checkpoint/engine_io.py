@@ -287,7 +287,8 @@ def _share(engine, kinds, comm: Comm, save_dir) -> tuple[dict[str, list[SharedFi
     Collective: all ranks share, or none does. A checkpoint directory on another file system
     than the swap files is written as chunks, through host memory, as without sharing."""
     flushed = engine.optimizer.flush_swap()
-    files = {k: _shared_files(engine, k, comm) for k in engine.optimizer.state_kinds if k in kinds}
+    swapped = getattr(engine.optimizer, "swapped_kinds", engine.optimizer.state_kinds)
+    files = {k: _shared_files(engine, k, comm) for k in swapped if k in kinds}
     ok = bool(files) and all(v is not None for v in files.values())
     first = next((f.path for fs in files.values() for f in fs or []), None)
     why = None

@@ -47,6 +47,7 @@ from zeroio.config.zero import (
     OffloadDevice,
     ZeroConfig,
     ineffective_tiering_keys,
+    masters_place,
     params_from_master_enabled,
 )
 from zeroio.errors import ConfigError, ConfigWarning
@@ -256,6 +257,7 @@ def _check_offload(cfg: Config) -> None:
     _check_bf16_state(cfg)
     check_aio(cfg.aio)
     params_from_master_enabled(zero)  # a ConfigError where it cannot apply
+    masters_place(zero)  # likewise
 
 
 def _check_bf16_state(cfg: Config) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from zeroio.config.zero import (
     EvictionPolicy,
     TieringConfig,
+    masters_place,
     overlap_step_enabled,
     params_from_master_enabled,
     step_assist_enabled,
@@ -39,6 +40,9 @@ class OffloadPolicy:
     sub_group_size: int = 1_000_000_000
     """``zero_optimization.sub_group_size``: elements the NVMe optimizer swaps as one
     sub-group."""
+    masters: str = "host"
+    """``offload_optimizer.masters`` as ``masters_place`` resolves it: host, nvme or auto
+    (stage 3 decides from the shard size: config/zero.py, ``masters_paged``)."""
 
     @property
     def cpu(self) -> bool:
@@ -219,7 +223,8 @@ def resolve_policies(zero, *, accumulation_steps: int = 1, device=None,
         device=opt_dev, ratio=1.0 if opt_dev == "none" else float(oo.ratio),
         pin_memory=bool(oo.pin_memory), nvme_path=oo.nvme_path,
         buffer_count=int(oo.buffer_count), pipeline_read=bool(oo.pipeline_read),
-        pipeline_write=bool(oo.pipeline_write), sub_group_size=int(zero.sub_group_size))
+        pipeline_write=bool(oo.pipeline_write), sub_group_size=int(zero.sub_group_size),
+        masters=masters_place(zero))
     par_dev = _device(op.device)
     param = ParamOffloadPolicy(
         device=par_dev, nvme_path=op.nvme_path, buffer_count=int(op.buffer_count),

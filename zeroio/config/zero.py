@@ -53,6 +53,18 @@ class EvictionPolicy(str, enum.Enum):
     TRACE = "trace"
 
 
+MASTERS_PLACES = ("auto", "nvme", "host")
+
+
+def _masters(value, path):
+    if value == "auto":
+        return "auto"
+    text = as_str(value, path).lower()
+    if text not in MASTERS_PLACES:
+        raise fail(path, value, '"auto", "nvme" or "host"')
+    return text
+
+
 def _path(value, path):
     return as_str(value, path)
 
@@ -82,6 +94,15 @@ class OffloadOptimizerConfig:
     gradient on the compute device and are stepped there by the fused Adam
     (zeroio/optim/twin.py); the rest lives on ``device`` (cpu, or nvme at stage 3) as
     before."""
+
+    masters: str = field("auto", coerce=lambda v, path: _masters(v, path))
+    """With ``device`` nvme: where the fp32 (or bf16) master shard lives between steps.
+    ``nvme``: in the optimizer's tiered store with the moments, paged through the same
+    window (what DeepSpeed's ZeRO-Infinity does with its NVMe optimizer); ``host``: a whole
+    tensor in (pinned) host memory; ``auto`` (the default): nvme at stage 3 when
+    ``tiering.cpu_budget_bytes`` cannot hold this rank's masters and moments, else host
+    ([Note: where the masters live] in optim/swap.py). Stages 1 and 2 keep their masters on
+    the host (the note says why)."""
 
     @property
     def pipeline(self) -> bool:
@@ -281,7 +302,8 @@ def params_from_master_enabled(zero: ZeroConfig) -> bool:
     """Whether stage 3 derives its 16-bit shards from the masters (``zero_optimization.
     tiering.params_from_master``, "auto" resolved: on at stage 3 with ``offload_optimizer.
     device`` nvme, whatever ``offload_param.device`` says: the NVMe optimizer keeps the fp32
-    masters in host memory ([Note: masters stay on the host] in optim/swap.py), so the gathers
+    masters in host memory unless they page ([Note: where the masters live] in optim/swap.py;
+    paged masters turn "auto" off in the partitioner), so the gathers
     cast those and a 16-bit shard, on the host or in an NVMe home, would be a second copy
     (2 bytes per parameter, and with ``offload_param`` nvme its reads and write-back every
     step). True where it cannot apply is a ConfigError naming the key:
@@ -302,6 +324,53 @@ def params_from_master_enabled(zero: ZeroConfig) -> bool:
                           "the step assist writes 16-bit shards, which this option removes; "
                           'set one of them to false or "auto"', key=key)
     return True
+
+
+def masters_place(zero: ZeroConfig) -> str:
+    """``offload_optimizer.masters`` resolved as far as the config allows: "host" where the
+    masters cannot page (device not nvme, stages 0-2, ``ratio`` < 1), "nvme", or "auto" (the
+    partitioner decides from this rank's shard size and ``tiering.cpu_budget_bytes``:
+    ``masters_paged``). "nvme" where it cannot apply, or beside ``tiering.params_from_master``
+    true (the gathers would read the masters from disk), is a ConfigError naming the key."""
+    oo = zero.offload_optimizer
+    want, key = oo.masters, "zero_optimization.offload_optimizer.masters"
+    possible = oo.device == "nvme" and zero.stage == 3 and float(oo.ratio) >= 1.0
+    if want == "nvme" and not possible:
+        raise ConfigError(
+            f'{key} = "nvme" needs offload_optimizer.device nvme at zero_optimization.stage 3 '
+            f"with offload_optimizer.ratio 1 (device is {oo.device}, stage {zero.stage}, ratio "
+            f'{oo.ratio}); stages 1 and 2 keep their masters on the host; set it to "auto" or '
+            '"host"', key=key)
+    if want == "nvme" and zero.tiering.params_from_master is True:
+        raise ConfigError(
+            f'{key} = "nvme" with zero_optimization.tiering.params_from_master = true: the '
+            "gathers would read the masters from disk; the 16-bit shards are published from "
+            'each master piece instead; set params_from_master to "auto" or false',
+            key="zero_optimization.tiering.params_from_master")
+    return want if possible else "host"
+
+
+def masters_paged(place: str, *, host_numel: int, master_bytes: int, state_bytes: int,
+                  cpu_budget_bytes: int | None) -> bool:
+    """Whether this rank's masters page through NVMe with the moments: ``place`` is
+    ``masters_place``'s; "auto" pages them when the host budget cannot hold the masters, both
+    moments and the gradient shard of ``host_numel`` elements (``master_bytes`` each for the
+    masters and the gradient, at most; ``state_bytes`` per moment): what the host keeps of a
+    step with host masters. The one rule the partitioner and ``zeroio.estimate`` share."""
+    if place != "auto":
+        return place == "nvme"
+    need = host_numel * (2 * master_bytes + 2 * state_bytes)
+    return cpu_budget_bytes is not None and cpu_budget_bytes < need
+
+
+def masters_paged_for(zero: ZeroConfig, *, stage: int, optimizer_device: str, ratio: float,
+                      host_numel: int, master_bytes: int, state_bytes: int) -> bool:
+    """``masters_paged`` for ``zeroio.estimate``, whose stage, offload device and ratio may
+    differ from ``zero``'s (keyword arguments); ``masters_place``'s rule otherwise."""
+    possible = optimizer_device == "nvme" and stage == 3 and ratio >= 1.0
+    return possible and masters_paged(
+        zero.offload_optimizer.masters, host_numel=host_numel, master_bytes=master_bytes,
+        state_bytes=state_bytes, cpu_budget_bytes=zero.tiering.cpu_budget_bytes)
 
 
 def step_assist_enabled(tiering: TieringConfig | None, device) -> bool:

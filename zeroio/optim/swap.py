@@ -1,4 +1,4 @@
-"""Adam(W) whose moments live on NVMe, stepped over sub-groups with a read/update/write pipeline.
+"""Adam(W) with its moments (and paged masters) on NVMe, stepped over sub-groups in a pipeline.
 
 Each ShardGroup's local range is cut into sub-groups of ``sub_group_size``
 elements (DeepSpeed's unit: ``on_updated`` reports each updated sub-group), and
@@ -48,7 +48,7 @@ first step whatever the policy.
 A step is atomic (zeroio/step_guard.py): it either completes, fails with nothing
 changed, or fails after it began changing state, and then the engine refuses to
 go on until a checkpoint is loaded. Pieces are updated in place (masters in the
-partitioner's host memory, moments in the window) and a streamed piece is written
+partitioner's host memory or, paged, in the window; moments in the window) and a streamed piece is written
 back over its swap file as soon as the window needs its room, so a step that
 fails half-way cannot be undone without a pre-step copy of every piece it has
 updated: the masters alone are as large again as the master shard, and the moments
@@ -63,11 +63,37 @@ the earlier ones, and the engine refuses to go on. ``abort_step`` releases what 
 failed step acquired and forgets its failed reads, so the retry (or the checkpoint
 load) reads afresh.
 
-[Note: masters stay on the host]
-The fp32 master shard stays in the partitioner's (pinned) host memory, as with
-``device: cpu``: the 16-bit parameters are published from it right after the
-step. Only the moments (8 of the 12 bytes per parameter of optimizer state)
-go to NVMe. With ``bf16.bf16_optimizer_states`` the moments are bf16 in the store, on disk
+[Note: where the masters live]
+Decided once, when the stage-3 partitioner is built (``offload_optimizer.masters``;
+config/zero.py, ``masters_place`` and ``masters_paged``):
+
+- on the host (``host``; ``auto`` when ``tiering.cpu_budget_bytes`` is unset or holds this
+  rank's masters, both moments and the gradient shard; always at stages 1 and 2, and with
+  ``offload_optimizer.ratio`` < 1 or a rule other than Adam(W)): the fp32 master shard stays
+  in the partitioner's (pinned) host memory, as with ``device: cpu``, and the 16-bit
+  parameters are published from it right after the step. Only the moments (8 of the 12
+  bytes per parameter of optimizer state) go to NVMe.
+- paged (``nvme``; ``auto`` at stage 3 when the budget cannot hold them): each piece's
+  master is a third tensor of the store beside its moments ("master", in the master dtype),
+  homed, held, read ahead, written back and counted exactly as they are, so the host keeps
+  only the window and the resident head of all three, whatever the model's size: bytes per
+  step = 2 x (masters + moments - resident). ``ShardGroup.master`` is then a meta tensor (no
+  storage); the initial values reach the store through the partitioner's ``PagedMasters``
+  (shard/paged.py, [Note: paged masters]) without a whole fp32 shard in host memory. The
+  16-bit parameters are published from each master piece while it is in the window
+  (``PagedMasters.publish``), before the piece is put back; ``tiering.params_from_master``
+  "auto" turns off (the gathers would read the disk; true is a ConfigError naming it).
+  Checkpoints read and write kind "fp32" through the store piece by piece (``read_local``,
+  ``write_local_range``), or a save links the masters' swap files as it does the moments'
+  (``swapped_kinds``), and a load marks the masters ``stale``
+  so that ``publish_params`` republishes every piece. The master pieces join the first
+  window's reads ([Note: reads before writes]), so a failed read there still rolls the step
+  back.
+  Stages 1 and 2 keep their masters on the host: their publication all-gathers the whole
+  16-bit replica from every rank's host master after the step (partition/stage12_step.py),
+  which would need per-piece collectives in the swap sweep's order on every rank.
+
+With ``bf16.bf16_optimizer_states`` the moments are bf16 in the store, on disk
 and in the host window (4 bytes per element, half the swap I/O per step), and the masters
 bf16 too ([Note: bf16 optimizer state] in adam.py): 6 bytes per element in all.
 
@@ -107,7 +133,7 @@ def _one_pass(groups: list[ShardGroup], state_dtype: torch.dtype) -> bool:
     as for ``ShardedAdam``; its variant without output, reading the groups' gradient dtype, is
     built now)."""
     host = [g for g in groups if g.master.numel()]
-    if not host or any(g.master.device.type != "cpu" or g.master.dtype not in
+    if not host or any(g.master.device.type not in ("cpu", "meta") or g.master.dtype not in
                        cpu_adam.STATE_DTYPES for g in host):
         return False
     grads = {g.grad.dtype for g in host}
@@ -125,12 +151,16 @@ class SwappedAdam(EngineOptimizer):
 
     compiled_kernel = True
     """Pieces may be stepped by the compiled one-pass CPU Adam (cpu_adam.py)."""
+    pages_masters = True
+    """The masters may page through the store with the state ([Note: where the masters
+    live]); a subclass whose update reads ``g.master`` directly sets it False."""
+    _window_master = None
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  cfg=None, policies: Policies | None = None, aio=None, backend=None,
                  piece_elems: int | None = None, cpu_budget_bytes: int | None = None,
                  nvme_budget_bytes: int | None = None, rank: int = 0,
-                 grad_divisor: float = 1.0):
+                 grad_divisor: float = 1.0, masters=None):
         """``policies`` (config/policy.py) and ``aio``: the resolved offload and tiering
         blocks and the I/O engine's settings, as the engine passes them; or ``cfg``, a
         ``Config`` they are resolved from. ``cpu_budget_bytes`` / ``nvme_budget_bytes``: this
@@ -139,7 +169,9 @@ class SwappedAdam(EngineOptimizer):
         DeepSpeed's buffer_count). ``rank``: this process's global rank, which names its swap
         folder (``zeroio-optim-rank<rank>`` under ``nvme_path``). ``grad_divisor``: folded into
         every step's ``grad_scale``, as ``ShardedAdam``'s (stage 1/2's unaveraged 16-bit host
-        gradients: [Note: 16-bit host gradients] in partition/stage12.py)."""
+        gradients: [Note: 16-bit host gradients] in partition/stage12.py). ``masters``: the
+        partitioner's ``PagedMasters`` when the masters page through NVMe with the moments
+        ([Note: where the masters live]); None: they are the ShardGroups' host tensors."""
         from zeroio.tiering import PolicyKind, Tier, TieredStore
 
         if policies is None:
@@ -157,6 +189,16 @@ class SwappedAdam(EngineOptimizer):
                               key="zero_optimization.offload_optimizer.nvme_path")
         self.groups = groups
         self.param_groups = param_groups
+        self.paged = masters
+        if masters is not None and not self.pages_masters:
+            raise ConfigError(f"{type(self).__name__} keeps its masters on the host: set "
+                              'offload_optimizer.masters to "host"',
+                              key="zero_optimization.offload_optimizer.masters")
+        self._kinds = (("master",) if masters is not None else ()) + tuple(self.state_kinds)
+        """The store's tensors per piece: the state kinds, and the master when paged."""
+        self._dtypes = {k: self.state_dtype for k in self.state_kinds}
+        if masters is not None:
+            self._dtypes["master"] = masters.dtype
         self.decoupled = decoupled
         self.grad_divisor = grad_divisor
         self.one_pass = self.compiled_kernel and _one_pass(groups, self.state_dtype)
@@ -173,7 +215,9 @@ class SwappedAdam(EngineOptimizer):
                                   piece_elems=piece_elems, read_ahead=tiering.prefetch_depth,
                                   hold=self.policy is PolicyKind.TRACE,
                                   itemsize=self.state_dtype.itemsize,
-                                  kinds=len(self.state_kinds))
+                                  kinds=len(self.state_kinds),
+                                  itemsizes=tuple(self._dtypes[k].itemsize for k in self._kinds)
+                                  if masters is not None else ())
         # write-behind is the trace schedule's: under lru / fifo the policy picks the victim
         self._write_behind = self.pipeline_write and self.policy is PolicyKind.TRACE
         self.pieces = list(self.plan.pieces)
@@ -195,9 +239,13 @@ class SwappedAdam(EngineOptimizer):
         head = self._host_homed_head()
         for i, piece in enumerate(self.pieces):
             home = Tier.CPU if i < head else Tier.NVME
-            for kind in self.state_kinds:
-                self.store.register(piece.name(kind), (piece.numel,), self.state_dtype,
-                                    home=home)
+            for kind in self._kinds:
+                init = None if kind != "master" else masters.read(piece.group_index, piece.start,
+                                                                   piece.numel)
+                self.store.register(piece.name(kind), (piece.numel,), self._dtypes[kind],
+                                    home=home, init=init)
+        if masters is not None:
+            masters.adopt(self)
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
         self._last_of_sub = {self._piece_index(s.group_index, s.start + s.numel - 1): s
                              for s in self.subs}
@@ -216,8 +264,8 @@ class SwappedAdam(EngineOptimizer):
         cannot hold every piece's moments, else none ([Note: resident head, streamed tail])."""
         if self.plan.fits or not self.plan.resident:
             return 0
-        disk = sum(p.numel for p in self.pieces) * len(self.state_kinds) * \
-            self.state_dtype.itemsize
+        disk = sum(p.numel for p in self.pieces) * sum(self._dtypes[k].itemsize
+                                                       for k in self._kinds)
         return self.plan.resident if disk > self.store.budgets.nvme else 0
 
     def _piece_index(self, group_index: int, element: int) -> int:
@@ -237,7 +285,7 @@ class SwappedAdam(EngineOptimizer):
                 if j not in self._pending:
                     p = self.pieces[j]
                     self._pending[j] = [self.store.acquire_async(p.name(k), self._tier)
-                                        for k in self.state_kinds]
+                                        for k in self._kinds]
             j += 1
 
     def _take(self, i: int) -> list[torch.Tensor]:
@@ -247,7 +295,7 @@ class SwappedAdam(EngineOptimizer):
         futures = self._pending.pop(i, None)
         if futures is None:
             p = self.pieces[i]
-            futures = [self.store.acquire_async(p.name(k), self._tier) for k in self.state_kinds]
+            futures = [self.store.acquire_async(p.name(k), self._tier) for k in self._kinds]
         try:
             tensors = [f.result() for f in futures]
         except BaseException:
@@ -263,7 +311,7 @@ class SwappedAdam(EngineOptimizer):
         """Release the moments of piece ``i`` whose reads landed (a failed step's pieces: the
         store must not keep them pinned)."""
         p = self.pieces[i]
-        for kind, f in zip(self.state_kinds, futures, strict=True):
+        for kind, f in zip(self._kinds, futures, strict=True):
             if f.exception() is None and i not in self._held:
                 self.store.release(p.name(kind), self._tier)
 
@@ -287,7 +335,7 @@ class SwappedAdam(EngineOptimizer):
             self._release_landed(i, futures)
         taken, self._taken = self._taken, set()
         for i in taken:
-            for kind in self.state_kinds:
+            for kind in self._kinds:
                 self.store.release(self.pieces[i].name(kind), self._tier)
 
     def clear_errors(self) -> None:
@@ -298,12 +346,12 @@ class SwappedAdam(EngineOptimizer):
 
     def _put_back(self, i: int) -> None:
         p = self.pieces[i]
-        for k in self.state_kinds:
+        for k in self._kinds:
             self.store.mark_dirty(p.name(k), self._tier)
         if i in self._held:
             return
         self._taken.discard(i)
-        for k in self.state_kinds:
+        for k in self._kinds:
             self.store.release(p.name(k), self._tier)
             if self._write_behind:
                 self.store.evict(p.name(k), self._tier)  # write behind: it is used again next step
@@ -320,8 +368,13 @@ class SwappedAdam(EngineOptimizer):
                         self._read_ahead(i, 1 + self.plan.read_ahead)
                     state = self._take(i)
                     self.touched = True
+                    if self.paged is not None:  # [Note: where the masters live]
+                        self._window_master, state = state[0], state[1:]
                     with torch.profiler.record_function("zeroio::adam_subgroup"):
                         self._update(p, *state, grad_scale, hypers)
+                    if self.paged is not None:  # published while it is in the window
+                        self.paged.publish(p.group_index, p.start, self._window_master)
+                        self._window_master = None
                     self._put_back(i)
                     sub = self._last_of_sub.get(i)
                     if sub is not None and on_updated is not None:
@@ -338,7 +391,7 @@ class SwappedAdam(EngineOptimizer):
         """Adam(W) of one piece, reading its gradient as the partitioner keeps it ([Note: the
         gradient a piece reads])."""
         g = self.groups[p.group_index]
-        master, grad = g.master.narrow(0, p.start, p.numel), g.grad.narrow(0, p.start, p.numel)
+        master, grad = self._master_of(p), g.grad.narrow(0, p.start, p.numel)
         step = self.steps[p]
         if not self.one_pass:
             adam_update(master=master, grad=grad,
@@ -357,6 +410,19 @@ class SwappedAdam(EngineOptimizer):
                             hyper=hypers[key])
         step.add_(1)  # torch's fused kernel counts it itself
 
+    def _master_of(self, p: SubGroup) -> torch.Tensor:
+        """Piece ``p``'s masters: the window's tensor when paged, else a view of the host
+        master."""
+        if self.paged is not None:
+            return self._window_master
+        return self.groups[p.group_index].master.narrow(0, p.start, p.numel)
+
+    def _store_kind(self, kind: str) -> str | None:
+        """The store's name for a checkpoint ``kind`` (None: not in the store)."""
+        if kind == "fp32":
+            return "master" if self.paged is not None else None
+        return kind
+
     # ---- state access (checkpoints) --------------------------------------------------------
 
     def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
@@ -364,9 +430,10 @@ class SwappedAdam(EngineOptimizer):
 
         Checkpoint saves use ``read_local`` instead (piece by piece, no whole copy)."""
         g = self.groups[group_index]
-        if kind == "fp32":
+        if self._store_kind(kind) is None:
             return g.master
-        out = torch.empty(g.padded_numel, dtype=self.state_dtype)  # the pieces tile it: no fill
+        kind = self._store_kind(kind)
+        out = torch.empty(g.padded_numel, dtype=self._dtypes[kind])  # the pieces tile it
         for sub in self.pieces:
             if sub.group_index == group_index:
                 with self._state_pins:
@@ -388,9 +455,10 @@ class SwappedAdam(EngineOptimizer):
         if lo < 0 or n < 0 or lo + n > g.padded_numel:
             raise IndexError(f"read_local: [{lo}, {lo + n}) outside group {group_index}'s "
                              f"{g.padded_numel} elements")
-        if kind == "fp32":
+        if self._store_kind(kind) is None:
             return g.master.narrow(0, lo, n)
-        out = torch.empty(n, dtype=self.state_dtype)
+        kind = self._store_kind(kind)
+        out = torch.empty(n, dtype=self._dtypes[kind])
         for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=False):
             out.narrow(0, at, resident.numel()).copy_(resident)
         return out
@@ -422,18 +490,24 @@ class SwappedAdam(EngineOptimizer):
         if lo < 0 or lo + n > g.padded_numel:
             raise IndexError(f"write_local_range: [{lo}, {lo + n}) outside group {group_index}'s "
                              f"{g.padded_numel} elements")
-        if kind == "fp32":
+        if self._store_kind(kind) is None:
             g.master.narrow(0, lo, n).copy_(values)
             return
+        if kind == "fp32":
+            self.paged.stale = True  # the 16-bit shards are republished from the store
+        kind = self._store_kind(kind)
         for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=True):
             resident.copy_(values.narrow(0, at, resident.numel()))
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         """Overwrite the group's local ``kind`` tensor (checkpoint load)."""
         g = self.groups[group_index]
-        if kind == "fp32":
+        if self._store_kind(kind) is None:
             g.master.copy_(values)
             return
+        if kind == "fp32":
+            self.paged.stale = True
+        kind = self._store_kind(kind)
         for sub in self.pieces:
             if sub.group_index == group_index:
                 t = self.store.acquire(sub.name(kind), self._tier)
@@ -450,8 +524,15 @@ class SwappedAdam(EngineOptimizer):
         self.store.flush()
         return self.store.stats()["bytes_moved"].get("cpu->nvme", 0) - before
 
+    @property
+    def swapped_kinds(self) -> tuple[str, ...]:
+        """The checkpoint kinds this optimizer keeps in swap files (a save may link them):
+        the state kinds, and "fp32" when the masters page ([Note: where the masters live])."""
+        return (("fp32",) if self.paged is not None else ()) + tuple(self.state_kinds)
+
     def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
-        if kind not in self.state_kinds:
+        kind = self._store_kind(kind)
+        if kind not in self._kinds:
             return None
         out = []
         for sub in self.pieces:

@@ -57,11 +57,13 @@ def pieces_of(subs: list[SubGroup], piece_elems: int) -> list[SubGroup]:
             for s in subs for o in range(s.start, s.start + s.numel, size)]
 
 
-def pair_cost(piece: SubGroup, itemsize: int = 4, kinds: int = len(KINDS)) -> int:
+def pair_cost(piece: SubGroup, itemsize: int = 4, kinds: int = len(KINDS),
+              itemsizes: tuple[int, ...] | None = None) -> int:
     """Host bytes of a piece's two moments (``kinds`` state tensors for another rule) of
     ``itemsize`` bytes per element (4: fp32, 2: bf16) in the store's CPU tier (whole pages
-    each)."""
-    return kinds * max(-(-piece.numel * itemsize // _PAGE) * _PAGE, _PAGE)
+    each); ``itemsizes``: one per tensor instead (paged masters beside the moments)."""
+    sizes = itemsizes if itemsizes else (itemsize,) * kinds
+    return sum(max(-(-piece.numel * s // _PAGE) * _PAGE, _PAGE) for s in sizes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,38 +83,47 @@ class SwapPlan:
     """Bytes per moment element: 4 (fp32) or 2 (bf16 optimizer states)."""
     kinds: int = len(KINDS)
     """State tensors per piece: Adam's two moments, or another rule's (swapped_rule.py)."""
+    itemsizes: tuple[int, ...] = ()
+    """Bytes per element of each tensor of a piece when they differ (paged masters beside
+    the moments); empty: ``kinds`` tensors of ``itemsize``."""
 
     @property
     def streamed_bytes(self) -> int:
-        """Moment bytes read from, and written to, the disk per step in steady state."""
-        return sum(p.numel * self.itemsize * self.kinds for p in self.pieces[self.resident:])
+        """Bytes (moments, and paged masters) read from, and written to, the disk per step in
+        steady state."""
+        per = sum(self.itemsizes) if self.itemsizes else self.itemsize * self.kinds
+        return sum(p.numel * per for p in self.pieces[self.resident:])
 
     @classmethod
     def make(cls, subs: list[SubGroup], *, cpu_budget: int | None, buffer_count: int,
              pipeline_read: bool, piece_elems: int | None = None, read_ahead: int | None = None,
-             hold: bool = True, itemsize: int = 4, kinds: int = len(KINDS)) -> SwapPlan:
+             hold: bool = True, itemsize: int = 4, kinds: int = len(KINDS),
+             itemsizes: tuple[int, ...] = ()) -> SwapPlan:
         """``read_ahead``: pieces read ahead (None: ``READ_AHEAD`` with ``pipeline_read``, else
         0). ``hold``: keep the head resident (the trace schedule); False: nothing is held,
         the store's eviction policy decides ([Note: resident head, streamed tail])."""
         ahead = swap_rule.read_ahead(read_ahead, pipeline_read)
-        cost = partial(pair_cost, itemsize=itemsize, kinds=max(1, kinds))
+        cost = partial(pair_cost, itemsize=itemsize, kinds=max(1, kinds), itemsizes=itemsizes)
+        # the window's element size: two tensors' worth of ``itemsize`` unless sizes are given
+        elem = sum(itemsizes) / 2 if itemsizes else itemsize
         total = sum(cost(s) for s in subs)
         if piece_elems is None:
             piece_elems = MAX_PIECE_ELEMS
             if cpu_budget is not None and cpu_budget < total:
                 # the window (current + read-ahead) takes at most a quarter of the budget
-                piece_elems = swap_rule.piece_elems_for(cpu_budget, itemsize=itemsize,
-                                                        ahead=ahead)
+                piece_elems = int(swap_rule.piece_elems_for(cpu_budget, itemsize=elem,
+                                                            ahead=ahead))
         pieces = tuple(pieces_of(subs, piece_elems))
         largest = max((cost(p) for p in pieces), default=0)
         if cpu_budget is None:
             # DeepSpeed's meaning: buffer_count host buffers of the largest sub-group's moment
-            sub_bytes = max((cost(s) // max(1, kinds) for s in subs), default=0)
+            sub_bytes = max((cost(s) // max(1, len(itemsizes) or kinds) for s in subs), default=0)
             cpu_budget = min(total, max(4, buffer_count) * sub_bytes)
             cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest))
         if cpu_budget >= total:
             return cls(pieces=pieces, resident=len(pieces) if hold else 0, read_ahead=ahead,
-                       cpu_budget=cpu_budget, fits=True, itemsize=itemsize, kinds=kinds)
+                       cpu_budget=cpu_budget, fits=True, itemsize=itemsize, kinds=kinds,
+                       itemsizes=itemsizes)
         while ahead and (1 + ahead) * largest > cpu_budget:
             ahead -= 1
         window = (1 + ahead) * largest
@@ -123,7 +134,7 @@ class SwapPlan:
                 f"zero_optimization.tiering.cpu_budget_bytes or lower sub_group_size")
         if not hold:
             return cls(pieces=pieces, resident=0, read_ahead=ahead, cpu_budget=cpu_budget,
-                       itemsize=itemsize, kinds=kinds)
+                       itemsize=itemsize, kinds=kinds, itemsizes=itemsizes)
         room, resident = cpu_budget - window, 0
         for p in pieces:
             if cost(p) > room:
@@ -131,12 +142,15 @@ class SwapPlan:
             room -= cost(p)
             resident += 1
         return cls(pieces=pieces, resident=resident, read_ahead=ahead, cpu_budget=cpu_budget,
-                   itemsize=itemsize, kinds=kinds)
+                   itemsize=itemsize, kinds=kinds, itemsizes=itemsizes)
 
 
-def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int = 4) -> int:
+def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int = 4,
+                   itemsizes: tuple[int, ...] = ()) -> int:
     """The smallest host share the optimizer can step with: one smallest piece's two moments
-    (or all moments, when smaller), of ``itemsize`` bytes per element. What
-    ``SwapPlan.make`` needs at the least."""
-    total = sum(pair_cost(s, itemsize) for s in split(groups, sub_group_size))
-    return min(total, len(KINDS) * _PAGE)
+    (or all moments, when smaller), of ``itemsize`` bytes per element (``itemsizes``: one
+    per tensor, paged masters beside the moments). What ``SwapPlan.make`` needs at the
+    least."""
+    total = sum(pair_cost(s, itemsize, itemsizes=itemsizes)
+                for s in split(groups, sub_group_size))
+    return min(total, (len(itemsizes) or len(KINDS)) * _PAGE)

@@ -33,6 +33,7 @@ from zeroio.optim.swap_plan import SubGroup
 
 class SwappedLamb(SwappedAdam):
     compiled_kernel = False
+    pages_masters = False  # its update reads the host master
 
     def __init__(self, groups, param_groups, *, norms: LambNorms, **kwargs):
         """``norms``: the groups' parameter runs and the sum over ranks (rule_build.py)."""

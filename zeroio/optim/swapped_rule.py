@@ -18,6 +18,7 @@ from zeroio.optim.swap_plan import SubGroup
 
 class SwappedRule(SwappedAdam):
     compiled_kernel = False
+    pages_masters = False  # its update reads the host master
 
     def __init__(self, groups, param_groups, *, rule: Rule, **kwargs):
         if not rule.elementwise:

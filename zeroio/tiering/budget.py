@@ -6,8 +6,9 @@
 engine splits it once, at initialize, after the partitioner has allocated its
 host state and before the NVMe optimizer plans its swap:
 
-1. state outside any store (``held``: fp32 masters, gradient shards, flat
-   16-bit buffers, staging, in-memory moments) comes first: it cannot move;
+1. state outside any store (``held``: host fp32 masters (none when they page with the
+   moments), gradient shards, flat 16-bit buffers, staging, in-memory moments) comes
+   first: it cannot move;
 2. stage 3's NVMe parameter store takes what ``offload_param`` asks
    (``buffer_count * buffer_size`` 16-bit elements of swap buffers, at most
    the NVMe shards' bytes, plus the ``max_in_cpu`` shards it keeps resident:

@@ -11,13 +11,15 @@ the optimizer of stages 1/2 steps stage 3 unchanged. The host step (``run_step``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from zeroio.config.zero import masters_paged
 from zeroio.dtypes import DTYPES
-from zeroio.errors import DistributedError
+from zeroio.errors import ConfigError, DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Partitioner, Phase, ShardGroup
 from zeroio.partition.stage3 import registry
@@ -30,7 +32,7 @@ from zeroio.partition.stage3.master_store import MasterShards
 from zeroio.partition.stage3.prefetch import Trace
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
-from zeroio.partition.stage3.store import HostShards, make_store
+from zeroio.partition.stage3.store import DeviceShards, HostShards, make_store
 from zeroio.partition.stage3.streams import Streams, wait_stream
 from zeroio.partition.stage3.twin import (
     DevicePublish,
@@ -43,6 +45,7 @@ from zeroio.partition.stage3.twin import (
 from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import host_grad_dtype
+from zeroio.shard.paged import PagedMasters
 from zeroio.tiering.device_accum import accumulation_on_device, accumulation_placed
 from zeroio.tiering.stats import TierStats
 
@@ -85,7 +88,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.store = make_store(settings, device, rank=self.rank,
                                 shard_numels={gp.index: gp.shard_numel for gp in self.plan.groups},
                                 dtype=compute_dtype, transfers=self.transfers)
-        if settings.params_from_master:  # [Note: shards read from the master]
+        self.paged = self._paged_masters(settings)  # [Note: paged masters] in shard/paged.py
+        if settings.params_from_master and self.paged is None:  # [Note: shards read from
             self.store = MasterShards(self.store, device, compute_dtype, self.transfers)
         self.streams = Streams.for_device(device)  # the device's, from tiering/streams.py
         by_id = {id(p): p for p in module.parameters()}
@@ -99,6 +103,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                                            store=self.store, pg=group, streams=self.streams))
         n_opt = len(param_groups)
         self._sides, self._pieces = self._build_shards(n_opt)
+        if self.paged is not None:
+            self.paged.publish = self._publish_piece
         host, dev = self._sides[Side.HOST], self._sides[Side.DEVICE]
         self.optimizer_split: OptimizerSplit | None = None
         """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine_build.build_optimizer)."""
@@ -147,8 +153,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                                    device_grads=self.host_grad_dtype  # not beside an
                                    if self.host_grad_dtype.itemsize == 2 and  # fp32 sum
                                    self._accum is None else None)
-                        if settings.step_assist and isinstance(self.store, HostShards)
-                        else None)  # [Note: step assist] in shard/assist.py
+                        if settings.step_assist and isinstance(self.store, HostShards) and
+                        self.paged is None else None)  # [Note: step assist] in shard/assist.py
         if self._assist is not None and self._assist.device_grads is not None:
             self.landing.router = self._assist  # [Note: resident gradients] in shard/assist.py
         self._assist_step = None
@@ -162,6 +168,29 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.hooks = HookSet(self, module, self.plan.users)
 
     # -- construction -----------------------------------------------------------------------
+    def _paged_masters(self, settings: Stage3Settings) -> PagedMasters | None:
+        """The masters' handle when they page through NVMe (decided once, from this rank's
+        shard size: ``masters_paged``), else None."""
+        # the padded shard: the same on every rank, so every rank decides alike
+        numel = sum(gp.shard_numel for gp in self.plan.groups)
+        if not settings.nvme_optimizer or not masters_paged(
+                settings.masters, host_numel=numel,
+                master_bytes=DTYPES[settings.master_dtype].itemsize,
+                state_bytes=DTYPES[settings.state_dtype].itemsize,
+                cpu_budget_bytes=settings.tiering.cpu_budget_bytes):
+            return None
+        if settings.params_from_master and settings.params_from_master_forced:
+            raise ConfigError(
+                "zero_optimization.tiering.params_from_master = true, but the masters page "
+                f"through NVMe (offload_optimizer.masters {settings.masters!r}: tiering."
+                f"cpu_budget_bytes {settings.tiering.cpu_budget_bytes} cannot hold this rank's "
+                f"{numel} elements of masters and moments): the gathers would read them from "
+                'disk; set params_from_master to "auto" or false, or offload_optimizer.masters '
+                'to "host"', key="zero_optimization.tiering.params_from_master")
+        return PagedMasters(numel, DTYPES[settings.master_dtype], tiering=settings.tiering,
+                            aio=settings.aio, nvme_path=settings.optimizer_nvme_path,
+                            rank=comm.rank())
+
     def _full_flat(self, g: ParamGroup) -> torch.Tensor:
         """The group's full padded flat in the original precision (one group at a time)."""
         dtype = next((p.dtype for p in g.params if p not in registry.INIT_SHARDS),
@@ -194,7 +223,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             by_group.setdefault(gi, []).append(ref)
             sizes[side][pc.opt_group] += pc.hi - pc.lo
         mdt, sdt = DTYPES[self.settings.master_dtype], DTYPES[self.settings.state_dtype]
-        homes = {Side.HOST: lambda n: self.home.empty(n, mdt), Side.DEVICE: lambda n: torch.zeros(
+        homes = {Side.HOST: lambda n: self.home.empty(n, mdt) if self.paged is None else
+                 torch.empty(n, dtype=mdt, device="meta"), Side.DEVICE: lambda n: torch.zeros(
             n, dtype=torch.float32, device=self.device)}
         masters = {side: [homes[side](n) for n in sizes[side]] for side in Side}
         self._accum_placed = accumulation_placed(  # tiering/device_accum.py: before the dtype
@@ -225,6 +255,9 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             flat = self._full_flat(g)
             for ref in by_group.get(g.plan.index, []):
                 src = flat.narrow(0, g.shard_lo + ref.piece.lo, ref.piece.hi - ref.piece.lo)
+                if self.paged is not None and ref.side is Side.HOST:
+                    self.paged.seed(ref.piece.opt_group, ref.base, src)
+                    continue
                 masters[ref.side][ref.piece.opt_group].narrow(0, ref.base, src.numel()).copy_(src)
             g.load_full(flat)
             del flat
@@ -246,6 +279,37 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                     grad=grad_homes[side](sizes[side][og]), numel=sum(s.numel for s in segs),
                     segments=tuple(segs), params=names))
         return groups, by_group
+
+    def _publish_piece(self, og: int, lo: int, values: torch.Tensor) -> None:
+        """Host masters [lo, lo + len(values)) of optimizer group ``og``, updated and still in
+        the optimizer's window, into the 16-bit shards they belong to ([Note: paged
+        masters] in shard/paged.py)."""
+        hi = lo + values.numel()
+        if isinstance(self.store, DeviceShards) and self.device.type == "cuda":
+            # the window's pinned buffer is reused as soon as the piece is put back: the copy
+            # up must not read it asynchronously (a pageable 16-bit copy is staged at once)
+            values = values.to(self.dtype, copy=True)
+        for gi, refs in self._pieces.items():
+            for ref in refs:
+                if ref.side is not Side.HOST or ref.piece.opt_group != og:
+                    continue
+                a, b = max(lo, ref.base), min(hi, ref.base + ref.piece.hi - ref.piece.lo)
+                if a < b:
+                    self.pgroups[gi].update_shard(ref.piece.lo + a - ref.base,
+                                                  values.narrow(0, a - lo, b - a))
+
+    def _republish_paged(self) -> None:
+        """After the step (published per piece already): re-gather the gathered groups; after
+        a write from outside the step (checkpoint load), every piece republished first."""
+        if self.paged.stale:
+            step = self.settings.step_chunk_numel
+            for og, sg in enumerate(self._sides[Side.HOST]):
+                for lo in range(0, sg.padded_numel, step):
+                    n = min(step, sg.padded_numel - lo)
+                    self._publish_piece(og, lo, self.paged.read(og, lo, n))
+            self.paged.stale = False
+        for g in self.pgroups:
+            g.refresh()
 
     def _attach_masters(self, by_group: dict[int, list[_PieceRef]], masters) -> None:
         """Bind each sharded group whose master pieces cover every element that matters to
@@ -401,6 +465,10 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.release_device_state()
         self._settle_publish()
         with torch.profiler.record_function("zeroio::stage3::publish_params"):
+            if self.paged is not None:  # published per piece in the step ([Note: paged masters])
+                self._republish_paged()
+                self.phase = Phase.IDLE
+                return
             for gi, refs in self._pieces.items():
                 pieces = [(ref.piece.lo, self._master(ref)) for ref in refs]
                 self.pgroups[gi].update_shard_pieces(pieces, whole=self._whole[gi])
@@ -423,6 +491,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.hooks.remove()
         self.landing.close()
         self.store.close()
+        if self.paged is not None:
+            self.paged.close()
 
     def host_step_timings(self) -> dict[str, float]:
         """Seconds in the host step's phases since start (step_overlap.PhaseClock)."""
@@ -444,7 +514,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         the ShardGroups' fp32 masters and gradients, shards of the device/host stores (an NVMe
         store's tensors are reported by that store), gathered groups (persistent ones), and the
         gradient landing's staging buffers."""
-        out = [t for sg in self._physical for t in (sg.master, sg.grad)]
+        out = [t for sg in self._physical for t in (sg.master, sg.grad) if not t.is_meta]
         out += self.store.held_tensors()
         out += [g.full_flat() for g in self.pgroups if g.state is not GroupState.SHARDED]
         out += self.landing.held_tensors()
@@ -474,7 +544,11 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         flat = g.full_flat()
         for ref in self._pieces.get(gi, []):
             n = ref.piece.hi - ref.piece.lo
-            self._master(ref).copy_(flat.narrow(0, g.shard_lo + ref.piece.lo, n))
+            src = flat.narrow(0, g.shard_lo + ref.piece.lo, n)
+            if self.paged is not None and ref.side is Side.HOST:
+                self.paged.write(ref.piece.opt_group, ref.base, src)
+                continue
+            self._master(ref).copy_(src)
         g.write_back_full()  # after the masters: MasterShards orders its next fetch behind it
 
     def resident_bytes(self) -> dict[str, int]:
@@ -509,6 +583,13 @@ def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.devi
     """What ``engine_build.build_partitioner`` calls for ``zero_optimization.stage: 3``; ``policies``:
     the offload and tiering blocks resolved for ``device`` (config/policy.py)."""
     settings = Stage3Settings.from_policies(policies, zero=cfg.zero_optimization, aio=cfg.aio)
+    if spec.rule != "adam" and settings.masters != "host":  # only Adam pages its masters
+        if settings.masters == "nvme":
+            raise ConfigError(f'zero_optimization.offload_optimizer.masters = "nvme" with the '
+                              f"{spec.rule} optimizer: only Adam(W) pages its masters through "
+                              'NVMe; set it to "host" or "auto"',
+                              key="zero_optimization.offload_optimizer.masters")
+        settings = dataclasses.replace(settings, masters="host")
     return Stage3Partitioner(module=module, param_groups=spec.param_groups,
                              compute_dtype=compute_dtype, device=device, home=home,
                              settings=settings, host_kernel=host_kernel)

@@ -77,6 +77,15 @@ class Stage3Settings:
     (``zero_optimization.tiering.params_from_master`` resolved; [Note: shards read from the
     master] in master_store.py)."""
 
+    optimizer_nvme_path: str | None = None
+    """``offload_optimizer.nvme_path``: where paged masters spill at construction."""
+    masters: str = "host"
+    """``offload_optimizer.masters`` as ``masters_place`` resolved it (host, nvme, auto): the
+    partitioner decides once, from its shard size, whether the masters page through NVMe
+    (``Stage3Partitioner.paged``; [Note: where the masters live] in optim/swap.py)."""
+    params_from_master_forced: bool = False
+    """``tiering.params_from_master`` was set true (not "auto"): paged masters then are a
+    ConfigError instead of turning it off."""
     master_dtype: str = "fp32"
     """fp32 or bf16 (``bf16.bf16_master_weights_and_grads``): the masters' and gradient
     shards' dtype ([Note: bf16 shards] in shard/types.py)."""
@@ -141,6 +150,9 @@ class Stage3Settings:
             aio=aio,
             step_assist=policies.tiering.step_assist,
             params_from_master=policies.tiering.params_from_master,
+            masters=policies.optimizer.masters,
+            optimizer_nvme_path=policies.optimizer.nvme_path,
+            params_from_master_forced=zero.tiering.params_from_master is True,
             master_dtype=policies.precision.master,
             state_dtype=policies.precision.states,
         )
