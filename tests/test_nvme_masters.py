@@ -117,7 +117,9 @@ def _training_phase(root, params):
     shard_bytes = sum(g.master.numel() * g.master.element_size() for g in host.partitioner.groups)
     host.close()
 
-    e = _engine(world, os.path.join(root, f"nvme{rank}"), params=params)
+    nvme = os.path.join(root, f"nvme{rank}")
+    e = _engine(world, nvme, params=params)
+    spill_left = sorted(n for n in os.listdir(nvme) if n.startswith("zeroio-masters-init"))
     opt = e.optimizer
     moved = []
     losses = []
@@ -131,7 +133,7 @@ def _training_phase(root, params):
     per_step = [{k: b.get(k, 0) - a.get(k, 0) for k in ("nvme->cpu", "cpu->nvme")}
                 for a, b in zip(moved, moved[1:], strict=False)]
     out = {
-        "paged": e.partitioner.paged is not None,
+        "paged": e.partitioner.paged is not None, "spill_left": spill_left,
         "kinds": list(opt._kinds),
         "meta_masters": all(g.master.is_meta for g in e.partitioner.groups),
         "held": tstats.held_bytes(e.partitioner.held_tensors()).get("cpu", 0),
@@ -161,6 +163,7 @@ def test_masters_on_nvme_train_as_torch_adamw_and_as_host_masters_bit_for_bit(tm
     parameter store, which each master piece is published into)."""
     r, *_ = run_ranks(_training_phase, world, str(tmp_path), params, timeout=300)
     assert r["paged"] and r["kinds"] == ["master", "exp_avg", "exp_avg_sq"], r["kinds"]
+    assert r["spill_left"] == [], r["spill_left"]  # the initial masters' folder went with it
     # no host master: the partitioner holds the host-master run's bytes minus the master
     # shard, plus the 16-bit shards the gathers read now (in host memory or its NVMe store)
     assert r["meta_masters"] and (r["shards16"] > 0) == (params == "none")

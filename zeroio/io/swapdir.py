@@ -19,6 +19,7 @@ are left alone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -159,6 +160,13 @@ def remove_stale(nvme_path: str | os.PathLike, depth: int = 2) -> list[Path]:
     for d in gone:
         shutil.rmtree(d, ignore_errors=True)
     return gone
+
+
+def remove_if_empty(path: str | os.PathLike) -> None:
+    """Remove the folder ``path`` when nothing is left in it (a per-rank folder zeroio named
+    and made, whose swap folders are gone); a folder with anything in it stays."""
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def remove(root: str | os.PathLike) -> None:

@@ -52,6 +52,7 @@ class PagedMasters:
                               key="zero_optimization.offload_optimizer.nvme_path")
         path = None if nvme_path is None else os.path.join(str(nvme_path),
                                                            f"zeroio-masters-init-rank{rank}")
+        self._path = path
         if path is not None:
             from zeroio.io import swapdir
 
@@ -104,11 +105,19 @@ class PagedMasters:
         ``write_local_range`` serve kind "fp32"); the spill is deleted."""
         self._owner = owner
         self._chunks = {}
-        self._spill.close()
+        self._close_spill()
 
     def close(self) -> None:
         if self._owner is None:
-            self._spill.close()
+            self._close_spill()
+
+    def _close_spill(self) -> None:
+        """Close the spill store (its swap folder goes) and the folder made for it."""
+        self._spill.close()
+        if self._path is not None:
+            from zeroio.io import swapdir
+
+            swapdir.remove_if_empty(self._path)
 
     def spill_stats(self) -> dict:
         return self._spill.stats()
