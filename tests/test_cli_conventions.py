@@ -17,6 +17,7 @@ import pytest
 import zeroio
 from zeroio.cli.ports import free_port
 from zeroio.testing.multirank import outside_launcher_env
+from zeroio.testing.train_cli import train_here
 
 
 def _env() -> dict[str, str]:
@@ -141,8 +142,8 @@ def test_train_config_errors_are_found_once_before_launch(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
                                "zero_optimization": {"stage": 3, "reduce_bucket_sise": 10}}))
-    proc = _zeroio("train", "--config", str(bad), "--nproc", "2", "--output",
-                   str(tmp_path / "run"), cwd=tmp_path)
+    # refused before any rank starts: the command's own main, in this process
+    proc = train_here(tmp_path / "run", ["--config", str(bad), "--nproc", "2"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
     assert len(errors) == 1 and "zero_optimization.reduce_bucket_sise" in errors[0], proc.stderr
