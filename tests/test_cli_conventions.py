@@ -17,7 +17,7 @@ import pytest
 import zeroio
 from zeroio.cli.ports import free_port
 from zeroio.testing.multirank import outside_launcher_env
-from zeroio.testing.train_cli import train_here
+from zeroio.testing.train_cli import train_here, zeroio_here
 
 
 def _env() -> dict[str, str]:
@@ -63,7 +63,7 @@ def test_report_json_states_the_machine_and_the_path(tmp_path):
 
     paths = [tmp_path] + ([Path("/dev/shm")] if Path("/dev/shm").is_dir() else [])
     for path in paths:
-        proc = _zeroio("report", "--path", str(path), "--json")
+        proc = zeroio_here(["report", "--path", str(path), "--json"])  # its main, in this process
         assert proc.returncode == 0, proc.stderr
         lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
         assert len(lines) == 1
@@ -89,12 +89,12 @@ def test_report_json_states_the_machine_and_the_path(tmp_path):
 
 
 def test_report_table_and_a_bad_path(tmp_path):
-    proc = _zeroio("report", "--path", str(tmp_path))
+    proc = zeroio_here(["report", "--path", str(tmp_path)])  # its own main, in this process
     assert proc.returncode == 0
     for word in ("torch", "pinned-memory limit", "host step threads", "CPU Adam kernel",
                  "O_DIRECT", "free space"):
         assert word in proc.stdout
-    bad = _zeroio("report", "--path", str(tmp_path / "missing"))
+    bad = zeroio_here(["report", "--path", str(tmp_path / "missing")])
     assert bad.returncode == 2 and "missing is not a directory" in bad.stderr
 
 
