@@ -17,6 +17,7 @@ import pytest
 import zeroio
 from zeroio.cli.ports import free_port
 from zeroio.testing.multirank import outside_launcher_env
+from zeroio.testing.train_cli import train_here, zeroio_here
 
 
 def _env() -> dict[str, str]:
@@ -62,7 +63,7 @@ def test_report_json_states_the_machine_and_the_path(tmp_path):
 
     paths = [tmp_path] + ([Path("/dev/shm")] if Path("/dev/shm").is_dir() else [])
     for path in paths:
-        proc = _zeroio("report", "--path", str(path), "--json")
+        proc = zeroio_here(["report", "--path", str(path), "--json"])  # its main, in this process
         assert proc.returncode == 0, proc.stderr
         lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
         assert len(lines) == 1
@@ -88,12 +89,12 @@ def test_report_json_states_the_machine_and_the_path(tmp_path):
 
 
 def test_report_table_and_a_bad_path(tmp_path):
-    proc = _zeroio("report", "--path", str(tmp_path))
+    proc = zeroio_here(["report", "--path", str(tmp_path)])  # its own main, in this process
     assert proc.returncode == 0
     for word in ("torch", "pinned-memory limit", "host step threads", "CPU Adam kernel",
                  "O_DIRECT", "free space"):
         assert word in proc.stdout
-    bad = _zeroio("report", "--path", str(tmp_path / "missing"))
+    bad = zeroio_here(["report", "--path", str(tmp_path / "missing")])
     assert bad.returncode == 2 and "missing is not a directory" in bad.stderr
 
 
@@ -141,8 +142,8 @@ def test_train_config_errors_are_found_once_before_launch(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
                                "zero_optimization": {"stage": 3, "reduce_bucket_sise": 10}}))
-    proc = _zeroio("train", "--config", str(bad), "--nproc", "2", "--output",
-                   str(tmp_path / "run"), cwd=tmp_path)
+    # refused before any rank starts: the command's own main, in this process
+    proc = train_here(tmp_path / "run", ["--config", str(bad), "--nproc", "2"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
     assert len(errors) == 1 and "zero_optimization.reduce_bucket_sise" in errors[0], proc.stderr

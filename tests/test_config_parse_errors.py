@@ -7,14 +7,11 @@ alike; never a UnicodeDecodeError, never "the last value wins".
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from zeroio.config import load_config
 from zeroio.errors import ConfigError
+from zeroio.testing.train_cli import train_here
 
 GOOD = b'{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}'
 
@@ -70,13 +67,9 @@ def test_same_key_in_different_objects_is_fine(tmp_path):
 def test_train_cli_reports_the_file_before_launching(tmp_path, content, words):
     cfg = tmp_path / "bad.json"
     cfg.write_bytes(content)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "zeroio.cli.main", "train", "--config", str(cfg),
-                           "--steps", "1", "--nproc", "2", "--output", str(out)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    # refused before any rank starts: the command's own main, in this process
+    proc = train_here(out, ["--config", str(cfg), "--steps", "1", "--nproc", "2"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "UnicodeDecodeError" not in proc.stderr, proc.stderr
     assert str(cfg) in proc.stderr and all(w in proc.stderr for w in words), proc.stderr

@@ -28,6 +28,7 @@ from zeroio.checkpoint.consolidate import write_safetensors
 from zeroio.checkpoint.engine_io import _hf_config
 from zeroio.checkpoint.state import Segment
 from zeroio.errors import CheckpointError
+from zeroio.testing.train_cli import zeroio_here
 
 SCRIPT = Path(__file__).resolve().parents[1] / "zeroio" / "io" / "recover.py"
 SINGLE, SHARDED = 10**9, 20_000  # max shard bytes: one file; several (the model is ~100 kB)
@@ -67,9 +68,9 @@ def _recover(ckpt: Path, out: Path, shard: int) -> None:
 
 
 def _cli(ckpt: Path, out: Path, shard: int) -> None:
-    proc = subprocess.run([sys.executable, "-m", "zeroio.cli.main", "consolidate", str(ckpt), str(out),
-                           "--quiet", "--max-shard-size", str(shard)], capture_output=True, text=True,
-                          timeout=300)
+    # `zeroio consolidate`: the command's own main, in this process
+    proc = zeroio_here(["consolidate", str(ckpt), str(out), "--quiet", "--max-shard-size",
+                        str(shard)])
     assert proc.returncode == 0, proc.stderr
 
 

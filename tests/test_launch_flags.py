@@ -16,6 +16,7 @@ from zeroio.cli.launch_plan import PerNodeCommands, plan_launch
 from zeroio.cli.main import build_parser
 from zeroio.errors import ConfigError
 from zeroio.testing.multirank import free_port, outside_launcher_env
+from zeroio.testing.train_cli import zeroio_here
 
 
 def _args(*flags: str, script: str = "train.py", script_args=("--lr", "1")):
@@ -87,9 +88,7 @@ def test_hostfile_of_several_nodes_prints_each_nodes_command(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         plan_launch(_args("--hostfile", str(tmp_path / "missing")), gpus=4)
     # the CLI: exit status 2 and the commands on stderr
-    proc = subprocess.run([sys.executable, "-m", "zeroio.cli.main", "launch", "--hostfile",
-                           str(hf), "t.py"], env=outside_launcher_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = zeroio_here(["launch", "--hostfile", str(hf), "t.py"])  # its own main, in this process
     assert proc.returncode == 2 and "on worker-1: zeroio launch" in proc.stderr
 
 

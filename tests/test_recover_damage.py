@@ -24,7 +24,7 @@ from zeroio.checkpoint import (
     write_safetensors,
 )
 from zeroio.checkpoint.state import Segment
-from zeroio.testing.train_cli import run_train
+from zeroio.testing.train_cli import run_train, zeroio_here
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "zeroio" / "io" / "recover.py"
@@ -43,8 +43,8 @@ def recover_alone(*args) -> subprocess.CompletedProcess:
 
 
 def consolidate_cli(ckpt: Path, out: Path, *args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "zeroio.cli.main", "consolidate", str(ckpt), str(out),
-                           "--quiet", *args], capture_output=True, text=True, timeout=300)
+    # `zeroio consolidate`: the command's own main, in this process
+    proc = zeroio_here(["consolidate", str(ckpt), str(out), "--quiet", *args])
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from zeroio.cli.train import rundir
 from zeroio.errors import ConfigError
+from zeroio.testing.train_cli import train_here
 
 ARGS = ["--steps", "1", "--seq-len", "64", "--micro-batch", "2", "--json", "--nproc", "1"]
 USER_FILE = "MY_FINETUNED_WEIGHTS.bin"
@@ -121,11 +122,12 @@ def runs(tmp_path_factory):
     res["first_files"] = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
     (out / "model" / USER_FILE).write_bytes(b"days of compute")
     (out / "notes.txt").write_text("mine")
-    res["refused"] = _train(out, *ARGS)
+    # refused before any rank starts: the command's own main, in this process
+    res["refused"] = train_here(out, ARGS)
     res["after_refusal"] = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
     lock = rundir.acquire(out)  # this test process is now "another run" on DIR
     try:
-        res["concurrent"] = _train(out, *ARGS)
+        res["concurrent"] = train_here(out, ARGS)  # a second open file: flock refuses it
     finally:
         lock.release()
     (out / "model" / USER_FILE).rename(root / USER_FILE)  # the user moves the file away

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from zeroio.testing.train_cli import train_here
+
 pytestmark = pytest.mark.slow
 ARGS = ["--steps", "4", "--seq-len", "64", "--micro-batch", "2", "--json"]
 
@@ -126,7 +128,8 @@ def test_preflight_fails_before_step_one_with_needed_and_free(runs, tmp_path, mo
     (["--stop-after", "2"], "--stop-after"),
 ])
 def test_no_checkpoint_conflicts_are_config_errors(tmp_path, extra, clash):
-    proc = _cmd(tmp_path / "run", "--no-checkpoint", *extra)
+    # refused before any rank starts: the command's own main, in this process
+    proc = train_here(tmp_path / "run", [*ARGS, "--no-checkpoint", *extra])
     assert proc.returncode == 2  # a ConfigError: bad arguments, like argparse's
     assert "--no-checkpoint" in proc.stderr and clash in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()

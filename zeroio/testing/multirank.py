@@ -39,12 +39,13 @@ a multiprocessing queue (process memory, never a file).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from zeroio.cli.ports import free_port
@@ -276,3 +277,14 @@ def outside_launcher_env(**extra: str) -> dict[str, str]:
     unbuffered output and ``extra``: for tests that start ``zeroio`` commands themselves."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+@contextlib.contextmanager
+def launcher_env_removed(*names: str) -> Iterator[None]:
+    """This process's environment without ``LAUNCH_ENV`` and ``names`` inside the block, restored
+    after: for tests that run a ``zeroio`` command's own ``main`` in this process."""
+    saved = {k: os.environ.pop(k) for k in (*LAUNCH_ENV, *names) if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

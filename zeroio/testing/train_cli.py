@@ -26,3 +26,32 @@ def run_train(out: Path, args: list[str], environ: dict[str, str], *,
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"--json must print exactly one line, got:\n{proc.stdout}"
     return json.loads(lines[0])
+
+
+def train_here(out: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """``zeroio train <args> --output out`` through the command's own ``main`` in this process,
+    for command lines refused before any rank starts (a bad option, a locked or foreign
+    --output): the exit status and what it printed, as a ``CompletedProcess``."""
+    return zeroio_here(["train", *args, "--output", str(out)])
+
+
+def zeroio_here(argv: list[str]) -> subprocess.CompletedProcess:
+    """``zeroio <argv>`` through the command's own ``main`` in this process, without the
+    launcher variables (never for a command that starts ranks): its exit status and what it
+    printed, as a ``CompletedProcess``. An exception other than the command's own exit
+    propagates (a traceback is never an answer)."""
+    import contextlib
+    import io
+
+    from zeroio.cli.main import main
+    from zeroio.cli.train import rundir
+    from zeroio.testing.multirank import launcher_env_removed
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with launcher_env_removed(rundir.ENV), contextlib.redirect_stdout(stdout), \
+            contextlib.redirect_stderr(stderr):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(argv, rc, stdout.getvalue(), stderr.getvalue())
