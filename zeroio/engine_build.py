@@ -22,6 +22,7 @@ from zeroio.optim.factory import OptimizerSpec
 from zeroio.optim.rule_build import RankSum, build_rule_optimizer
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage12 import ShardHome, Stage12Partitioner, host_home
+from zeroio.partition.stage12_paged import masters_paging
 from zeroio.placement import MachineMemory, Placement, decide_placement
 
 
@@ -97,7 +98,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             accumulation_steps=pol.accumulation_steps,
             step_assist=pol.tiering.step_assist, gpu_budget_bytes=pol.tiering.gpu_budget_bytes,
             host_kernel=cpu_adam if spec.rule == "adam" else None,
-            master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states])
+            master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states],
+            masters=masters_paging(cfg, pol, spec.rule) if off.nvme else None)
     if zc.stage == 3:
         from zeroio.partition.stage3 import build_stage3_partitioner
 

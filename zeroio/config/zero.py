@@ -99,10 +99,9 @@ class OffloadOptimizerConfig:
     """With ``device`` nvme: where the fp32 (or bf16) master shard lives between steps.
     ``nvme``: in the optimizer's tiered store with the moments, paged through the same
     window (what DeepSpeed's ZeRO-Infinity does with its NVMe optimizer); ``host``: a whole
-    tensor in (pinned) host memory; ``auto`` (the default): nvme at stage 3 when
-    ``tiering.cpu_budget_bytes`` cannot hold this rank's masters and moments, else host
-    ([Note: where the masters live] in optim/swap.py). Stages 1 and 2 keep their masters on
-    the host (the note says why)."""
+    tensor in (pinned) host memory; ``auto`` (the default): nvme at stages 1 to 3 when
+    ``tiering.cpu_budget_bytes`` cannot hold this rank's masters, moments and gradient
+    shard, else host ([Note: where the masters live] in optim/swap.py)."""
 
     @property
     def pipeline(self) -> bool:
@@ -328,19 +327,18 @@ def params_from_master_enabled(zero: ZeroConfig) -> bool:
 
 def masters_place(zero: ZeroConfig) -> str:
     """``offload_optimizer.masters`` resolved as far as the config allows: "host" where the
-    masters cannot page (device not nvme, stages 0-2, ``ratio`` < 1), "nvme", or "auto" (the
+    masters cannot page (device not nvme, stage 0, ``ratio`` < 1), "nvme", or "auto" (the
     partitioner decides from this rank's shard size and ``tiering.cpu_budget_bytes``:
     ``masters_paged``). "nvme" where it cannot apply, or beside ``tiering.params_from_master``
     true (the gathers would read the masters from disk), is a ConfigError naming the key."""
     oo = zero.offload_optimizer
     want, key = oo.masters, "zero_optimization.offload_optimizer.masters"
-    possible = oo.device == "nvme" and zero.stage == 3 and float(oo.ratio) >= 1.0
+    possible = oo.device == "nvme" and zero.stage >= 1 and float(oo.ratio) >= 1.0
     if want == "nvme" and not possible:
         raise ConfigError(
-            f'{key} = "nvme" needs offload_optimizer.device nvme at zero_optimization.stage 3 '
-            f"with offload_optimizer.ratio 1 (device is {oo.device}, stage {zero.stage}, ratio "
-            f'{oo.ratio}); stages 1 and 2 keep their masters on the host; set it to "auto" or '
-            '"host"', key=key)
+            f'{key} = "nvme" needs offload_optimizer.device nvme at zero_optimization.stage 1, '
+            f"2 or 3 with offload_optimizer.ratio 1 (device is {oo.device}, stage {zero.stage}, "
+            f'ratio {oo.ratio}); set it to "auto" or "host"', key=key)
     if want == "nvme" and zero.tiering.params_from_master is True:
         raise ConfigError(
             f'{key} = "nvme" with zero_optimization.tiering.params_from_master = true: the '
@@ -367,7 +365,7 @@ def masters_paged_for(zero: ZeroConfig, *, stage: int, optimizer_device: str, ra
                       host_numel: int, master_bytes: int, state_bytes: int) -> bool:
     """``masters_paged`` for ``zeroio.estimate``, whose stage, offload device and ratio may
     differ from ``zero``'s (keyword arguments); ``masters_place``'s rule otherwise."""
-    possible = optimizer_device == "nvme" and stage == 3 and ratio >= 1.0
+    possible = optimizer_device == "nvme" and stage >= 1 and ratio >= 1.0
     return possible and masters_paged(
         zero.offload_optimizer.masters, host_numel=host_numel, master_bytes=master_bytes,
         state_bytes=state_bytes, cpu_budget_bytes=zero.tiering.cpu_budget_bytes)

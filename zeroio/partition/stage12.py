@@ -99,6 +99,7 @@ from zeroio.partition.home import ShardHome, host_home  # noqa: F401 (imported f
 from zeroio.partition.landing import GradPiece, StagedAdds, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
 from zeroio.partition.stage3.twin import OptimizerSplit
+from zeroio.partition.stage12_paged import MastersPaging, PagedPublish12
 from zeroio.partition.stage12_step import HostStep12
 from zeroio.partition.step_overlap import StepRunner
 from zeroio.shard.assist import StepAssist
@@ -122,7 +123,7 @@ still wait for one chunk only, and the fp32 GPU landing zones (two chunks) stay 
 # GPU temporary, a 2.3 ms copy at 55 GB/s (a whole 5e8 bucket's: 2 GB, 36 ms); a staging slot.
 
 
-class Stage12Partitioner(HostStep12, Partitioner):
+class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
     """Stages 0, 1 and 2 behind the ``Partitioner`` protocol (partition/base.py)."""
 
     runs_host_step = True  # run_step: offload_optimizer cpu
@@ -161,6 +162,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         host_kernel: OnePassKernel | None = None,
         master_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype = torch.float32,
+        masters: MastersPaging | None = None,
     ):
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
@@ -169,7 +171,8 @@ class Stage12Partitioner(HostStep12, Partitioner):
         (shard/assist.py, [Note: step assist]; CUDA with host masters only), ``gpu_budget_bytes``
         of them resident (None: "auto"; [Note: resident chunks]). ``host_kernel``: the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the
         host gradients stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``:
-        of masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments."""
+        of masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments.
+        ``masters``: may they page ([Note: stage 1/2 paged masters]); None: host masters."""
         self.stage, self.master_dtype, self._state_dtype = stage, master_dtype, state_dtype
         self.host_grad_dtype = torch.float32
         """The 16-bit compute dtype where [Note: 16-bit host gradients] applies, else fp32."""
@@ -196,6 +199,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine_build.build_optimizer);
         see [Note: stage 1/2 twin placement]."""
         self._accum_budget = gpu_budget_bytes  # _build_shards places the accumulation first
+        self._paging = masters
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
         self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
             placed=self._accum_placed, host_grads=[g.grad for g in self._host], device=device)
@@ -299,7 +303,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
         self._unaveraged = self.host_grad_dtype != torch.float32
         self.host_grad_divisor = float(self.comm_world) if self._unaveraged else 1.0
         host_grad = self.host_grad_dtype if self._unaveraged else self.master_dtype
-        home = partial(self.home.empty, dtype=self.master_dtype)
+        home = self._master_home(host_total, split)  # sets self.paged
         self._dev: list[ShardGroup] = []
         self._host: list[ShardGroup] = []
         groups = []
@@ -321,15 +325,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
                 groups.append(_shard_group(gi, segments, home(base),
                                            self.home.empty(base, host_grad), slots))
                 self._host.append(groups[-1])
-            for b in buckets:
-                for s in b.slots:  # original (full precision) values, before the 16-bit cast
-                    flat = s.param.detach().reshape(-1)
-                    for seg in b.my_segments(self.rank, self.world, self._local_base[b.index]):
-                        if s.global_offset <= seg.global_offset < s.global_offset + s.numel:
-                            src = flat.narrow(0, seg.global_offset - s.global_offset, seg.numel)
-                            for off, dst in self._parts(gi, "master", seg.local_offset,
-                                                        seg.numel):
-                                dst.copy_(src.narrow(0, off, dst.numel()))
+            self._initial_masters(gi, buckets)
         if split:
             self.optimizer_split = OptimizerSplit(device=self._dev, host=self._host)
         return groups
@@ -525,6 +521,8 @@ class Stage12Partitioner(HostStep12, Partitioner):
 
     def stage_range(self, group_index: int, start: int, numel: int) -> None:
         """Publish part of a group as soon as the optimizer has updated it (local offsets)."""
+        if self.paged is not None:  # published while in the optimizer's window already
+            return
         for b in self.layout.group_buckets(group_index):
             lb, size = self._local_base[b.index], b.slice_numel(self.world)
             lo, hi = max(start, lb), min(start + numel, lb + size)
@@ -533,12 +531,14 @@ class Stage12Partitioner(HostStep12, Partitioner):
 
     def publish_params(self, staged: bool = False) -> None:
         """Masters -> this rank's slices (unless ``stage_range`` covered every group already)
-        -> in-place all-gather of every bucket."""
+        -> in-place all-gather of every bucket. Paged masters: [Note: stage 1/2 paged masters]."""
         self.release_device_state()
         with torch.profiler.record_function("zeroio::publish_params"):
+            if self.paged is not None and (self.paged.stale or not staged):
+                self._republish_paged(STEP_CHUNK_NUMEL)
             handles = []
             for b in self.layout.buckets:
-                if not staged:
+                if not staged and self.paged is None:
                     self._copy_out(b, 0, b.slice_numel(self.world))
                 if self.world > 1:
                     handles.append(comm.all_gather_inplace(self.params.narrow(0, b.start, b.numel),
@@ -581,6 +581,7 @@ class Stage12Partitioner(HostStep12, Partitioner):
     def close(self) -> None:
         self.wait_step()
         self._staged.close()
+        self._close_paged()
         _OVERLAPPED.discard(self)
         for h in self._hooks:
             h.remove()
