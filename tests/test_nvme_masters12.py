@@ -1,0 +1,186 @@
+"""Masters paged through NVMe at stages 1 and 2 ([Note: stage 1/2 paged masters] in
+zeroio/partition/stage12_paged.py; [Note: where the masters live] in zeroio/optim/swap.py).
+
+References: plain torch AdamW on an unpartitioned copy of the model (losses and final weights
+within fp32 tolerance), zeroio's own run with host masters at the same stage (bit for bit), the
+optimizer store's byte counters against the swap plan's arithmetic (every streamed piece's
+master and both moments through the disk each step), and an uninterrupted run for a
+checkpoint round trip. The model, batches and torch reference are test_nvme_masters.py's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from test_nvme_masters import HOST_BUDGET, _iteration, _masters, _model, _params, _torch_adamw
+from zeroio.testing import run_ranks
+
+STEPS = 5
+BUDGET = {1: 180_000, 2: 170_000}
+"""Per rank: the replica and its gradient buffer (fp32, on the CPU "device" here: ~50 KB each)
+and the gradient shard stay in host memory; the optimizer's share is below its masters +
+moments (~150 KB / world). At world 1 the budget is below masters + moments + gradient shard,
+so "auto" pages; at world 2 the replica alone exceeds that (only on a CPU device), so the
+runs there ask for "nvme"."""
+MASTERS = {1: "auto", 2: "nvme"}
+
+
+def _engine(stage: int, world: int, nvme: str, masters: str = "auto", budget: int | None = None,
+            rule: str = "AdamW"):
+    import zeroio
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4 // world, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": rule, "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "sub_group_size": 4096,
+                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
+                                                    "masters": masters},
+                              "tiering": {"cpu_budget_bytes": BUDGET[world] if budget is None
+                                          else budget}},
+    }
+    engine, *_ = zeroio.initialize(model=_model(), config=cfg)
+    engine.show_progress = False
+    return engine
+
+
+def _training_phase(root, stage):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    host = _engine(stage, world, os.path.join(root, f"host{rank}"), "host", HOST_BUDGET)
+    host_losses = [_iteration(host, i) for i in range(STEPS)]
+    host_params, host_masters = _params(host), _masters(host)
+    host.close()
+
+    nvme = os.path.join(root, f"nvme{rank}")
+    e = _engine(stage, world, nvme, MASTERS[world])
+    opt = e.optimizer
+    moved, losses = [], []
+    for i in range(STEPS):
+        losses.append(_iteration(e, i))
+        opt.drain()
+        moved.append(dict(opt.store.stats()["bytes_moved"]))
+    streamed = list(opt.pieces[opt.plan.resident:])
+    out = {
+        "paged": e.partitioner.paged is not None, "kinds": list(opt._kinds),
+        "meta_masters": all(g.master.is_meta for g in e.partitioner.groups),
+        "spill_left": sorted(n for n in os.listdir(nvme) if n.startswith("zeroio-masters-init")),
+        "per_step": [{k: b.get(k, 0) - a.get(k, 0) for k in ("nvme->cpu", "cpu->nvme")}
+                     for a, b in zip(moved, moved[1:], strict=False)],
+        "streamed_bytes": opt.plan.streamed_bytes,
+        "streamed_by_hand": sum(p.numel * 12 for p in streamed),
+        "largest_piece": max((p.numel * 12 for p in streamed), default=0),
+        "losses": losses, "host_losses": host_losses,
+        "params": _params(e), "host_params": host_params,
+        "masters_equal": all(np.array_equal(a, b) for a, b in zip(_masters(e), host_masters,
+                                                                    strict=True)),
+    }
+    e.close()
+    return out
+
+
+@pytest.mark.parametrize("stage,world", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_stage12_masters_on_nvme_train_as_host_masters_and_torch_adamw(tmp_path, stage, world):
+    r, *_ = run_ranks(_training_phase, world, str(tmp_path), stage, timeout=300)
+    # paged: no host master, the masters are a third tensor of every swap piece
+    assert r["paged"] and r["meta_masters"], r
+    assert r["kinds"] == ["master", "exp_avg", "exp_avg_sq"], r["kinds"]
+    assert r["spill_left"] == [], r["spill_left"]
+    # each streamed piece's master and moments go through the disk each way per step (but a
+    # piece the window still caches at the sweep's end): more than the moments' 8 of 12 bytes
+    assert r["streamed_bytes"] > 0 and r["streamed_bytes"] == r["streamed_by_hand"]
+    low = max(r["streamed_bytes"] - r["largest_piece"], r["streamed_bytes"] * 8 // 12 + 1)
+    for moved in r["per_step"]:
+        for way in ("nvme->cpu", "cpu->nvme"):
+            assert low <= moved[way] <= r["streamed_bytes"], (moved, r["streamed_bytes"], low)
+    # bit for bit as zeroio's host masters at the same stage
+    assert r["losses"] == r["host_losses"]
+    assert r["masters_equal"]
+    assert r["params"].keys() == r["host_params"].keys()
+    for k, v in r["params"].items():
+        assert np.array_equal(v, r["host_params"][k]), k
+    # and as plain torch AdamW within fp32 tolerance
+    ref_losses, ref_params = _torch_adamw()
+    np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-5, atol=1e-6)
+    for k, v in ref_params.items():
+        np.testing.assert_allclose(r["params"][k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def _checkpoint_phase(root, stage):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e = _engine(stage, world, os.path.join(root, f"a{rank}"), "nvme")
+    [_iteration(e, i) for i in range(2)]
+    e.save_checkpoint(os.path.join(root, "ckpt"), tag="t")
+    straight = [_iteration(e, i) for i in range(2, STEPS)]
+    params, masters = _params(e), _masters(e)
+    e.close()
+
+    r = _engine(stage, world, os.path.join(root, f"b{rank}"), "nvme")
+    _iteration(r, 7)  # state the load must replace, masters and 16-bit replica alike
+    r.load_checkpoint(os.path.join(root, "ckpt"), tag="t")
+    resumed = [_iteration(r, i) for i in range(2, STEPS)]
+    loaded = _params(r)
+    out = {"paged": r.partitioner.paged is not None, "straight": straight, "resumed": resumed,
+           "params_equal": {k: bool(np.array_equal(v, params[k])) for k, v in loaded.items()}
+           if rank == 0 else {"": True},
+           "masters_equal": all(np.array_equal(a, b) for a, b in zip(masters, _masters(r),
+                                                                      strict=True))}
+    r.close()
+    return out
+
+
+@pytest.mark.parametrize("stage,world", [(1, 1), (2, 2)])
+def test_a_checkpoint_of_stage12_nvme_masters_resumes_as_the_uninterrupted_run(tmp_path, stage,
+                                                                               world):
+    for r in run_ranks(_checkpoint_phase, world, str(tmp_path), stage, timeout=300):
+        assert r["paged"]
+        assert r["resumed"] == r["straight"], (r["resumed"], r["straight"])
+        assert r["masters_equal"]
+        assert r["params_equal"] and all(r["params_equal"].values()), r["params_equal"]
+
+
+def _placement_phase(root):
+    out = {}
+    for name, masters, budget in (("auto_roomy", "auto", HOST_BUDGET),
+                                  ("auto_tight", "auto", None), ("nvme_roomy", "nvme", HOST_BUDGET)):
+        e = _engine(2, 1, os.path.join(root, name), masters, budget)
+        out[name] = (e.partitioner.paged is not None,
+                     all(g.master.is_meta for g in e.partitioner.groups))
+        e.close()
+    return out
+
+
+def test_auto_pages_only_below_the_budget_and_nvme_pages_whatever_the_budget(tmp_path):
+    r, = run_ranks(_placement_phase, 1, str(tmp_path), timeout=300)
+    assert r == {"auto_roomy": (False, False), "auto_tight": (True, True),
+                 "nvme_roomy": (True, True)}, r
+
+
+def test_masters_nvme_at_stage_0_or_with_another_rule_is_a_config_error(tmp_path):
+    import zeroio
+    from zeroio.errors import ConfigError
+
+    base = {"train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 0, "offload_optimizer": {
+                "device": "nvme", "nvme_path": str(tmp_path), "masters": "nvme"}}}
+    with pytest.raises(ConfigError, match="offload_optimizer.masters"):
+        zeroio.load_config(base)
+    base["zero_optimization"]["stage"] = 2
+    assert zeroio.load_config(base).zero_optimization.offload_optimizer.masters == "nvme"
+    run_ranks(_lion_phase, 1, str(tmp_path), timeout=120)
+
+
+def _lion_phase(root):
+    from zeroio.errors import ConfigError
+
+    try:
+        _engine(2, 1, os.path.join(root, "lion"), "nvme", rule="Lion")
+    except ConfigError as exc:
+        assert "offload_optimizer.masters" in str(exc) and "lion" in str(exc).lower(), exc
+        return None
+    raise AssertionError("Lion with masters nvme at stage 2 built")
