@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 import pytest
-
 from test_nvme_masters import HOST_BUDGET, _iteration, _masters, _model, _params, _torch_adamw
+
 from zeroio.testing import run_ranks
 
 STEPS = 5
