@@ -302,7 +302,7 @@ def test_masters_nvme_where_it_cannot_apply_is_a_config_error():
     from zeroio.errors import ConfigError
 
     base = {"train_micro_batch_size_per_gpu": 1,
-            "zero_optimization": {"stage": 2, "offload_optimizer": {
+            "zero_optimization": {"stage": 0, "offload_optimizer": {
                 "device": "nvme", "nvme_path": "/tmp/x", "masters": "nvme"}}}
     with pytest.raises(ConfigError, match="offload_optimizer.masters"):
         zeroio.load_config(base)

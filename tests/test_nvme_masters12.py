@@ -184,3 +184,24 @@ def _lion_phase(root):
         assert "offload_optimizer.masters" in str(exc) and "lion" in str(exc).lower(), exc
         return None
     raise AssertionError("Lion with masters nvme at stage 2 built")
+
+
+def test_estimate_counts_stage12_paged_masters_on_the_nvme_tier():
+    """By hand: 1e9 parameters on one GPU at stage 2, fp32 state: 4 GB of masters and 8 GB of
+    moments, 4 GB of gradient shard; a budget below their 16 GB pages the masters."""
+    import zeroio
+    from zeroio.estimate import estimate_memory
+
+    def items(budget):
+        cfg = zeroio.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"},
+            "tiering": {"cpu_budget_bytes": budget}}})
+        return {i.name: (i.tier, i.bytes_per_gpu)
+                for i in estimate_memory(10**9, 1, 1, config=cfg).items}
+
+    paged = items(8 * 10**9)
+    assert "optimizer fp32 masters" not in paged
+    assert paged["optimizer masters and moments"] == ("nvme", 12 * 10**9)
+    roomy = items(64 * 10**9)
+    assert roomy["optimizer fp32 masters"] == ("cpu", 4 * 10**9)
+    assert roomy["optimizer moments"] == ("nvme", 8 * 10**9)

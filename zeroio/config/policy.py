@@ -42,7 +42,7 @@ class OffloadPolicy:
     sub-group."""
     masters: str = "host"
     """``offload_optimizer.masters`` as ``masters_place`` resolves it: host, nvme or auto
-    (stage 3 decides from the shard size: config/zero.py, ``masters_paged``)."""
+    (the partitioner decides from its shard size: config/zero.py, ``masters_paged``)."""
 
     @property
     def cpu(self) -> bool:

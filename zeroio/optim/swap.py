@@ -64,16 +64,16 @@ failed step acquired and forgets its failed reads, so the retry (or the checkpoi
 load) reads afresh.
 
 [Note: where the masters live]
-Decided once, when the stage-3 partitioner is built (``offload_optimizer.masters``;
+Decided once, when the partitioner is built (``offload_optimizer.masters``;
 config/zero.py, ``masters_place`` and ``masters_paged``):
 
 - on the host (``host``; ``auto`` when ``tiering.cpu_budget_bytes`` is unset or holds this
-  rank's masters, both moments and the gradient shard; always at stages 1 and 2, and with
+  rank's masters, both moments and the gradient shard; always at stage 0, and with
   ``offload_optimizer.ratio`` < 1 or a rule other than Adam(W)): the fp32 master shard stays
   in the partitioner's (pinned) host memory, as with ``device: cpu``, and the 16-bit
   parameters are published from it right after the step. Only the moments (8 of the 12
   bytes per parameter of optimizer state) go to NVMe.
-- paged (``nvme``; ``auto`` at stage 3 when the budget cannot hold them): each piece's
+- paged (``nvme``; ``auto`` at stages 1-3 when the budget cannot hold them): each piece's
   master is a third tensor of the store beside its moments ("master", in the master dtype),
   homed, held, read ahead, written back and counted exactly as they are, so the host keeps
   only the window and the resident head of all three, whatever the model's size: bytes per
@@ -81,17 +81,17 @@ config/zero.py, ``masters_place`` and ``masters_paged``):
   storage); the initial values reach the store through the partitioner's ``PagedMasters``
   (shard/paged.py, [Note: paged masters]) without a whole fp32 shard in host memory. The
   16-bit parameters are published from each master piece while it is in the window
-  (``PagedMasters.publish``), before the piece is put back; ``tiering.params_from_master``
-  "auto" turns off (the gathers would read the disk; true is a ConfigError naming it).
+  (``PagedMasters.publish``), before the piece is put back: at stage 3 into the 16-bit
+  shards (``tiering.params_from_master`` "auto" turns off: the gathers would read the disk;
+  true is a ConfigError naming it), at stages 1 and 2 into this rank's slices of the 16-bit
+  replica, all-gathered after the step as with host masters ([Note: stage 1/2 paged
+  masters] in partition/stage12_paged.py).
   Checkpoints read and write kind "fp32" through the store piece by piece (``read_local``,
   ``write_local_range``), or a save links the masters' swap files as it does the moments'
   (``swapped_kinds``), and a load marks the masters ``stale``
   so that ``publish_params`` republishes every piece. The master pieces join the first
   window's reads ([Note: reads before writes]), so a failed read there still rolls the step
   back.
-  Stages 1 and 2 keep their masters on the host: their publication all-gathers the whole
-  16-bit replica from every rank's host master after the step (partition/stage12_step.py),
-  which would need per-piece collectives in the swap sweep's order on every rank.
 
 With ``bf16.bf16_optimizer_states`` the moments are bf16 in the store, on disk
 and in the host window (4 bytes per element, half the swap I/O per step), and the masters

@@ -1,4 +1,4 @@
-"""Masters paged through NVMe: the handle the stage-3 partitioner and the NVMe optimizer share.
+"""Masters paged through NVMe: the handle a partitioner and the NVMe optimizer share.
 
 [Note: paged masters]
 With ``offload_optimizer.masters`` nvme (or "auto" when the host budget cannot hold masters
@@ -8,15 +8,17 @@ optimizer's tiered store, one "master" tensor per swap piece beside the piece's 
 ([Note: where the masters live] in optim/swap.py). ``PagedMasters`` is what the two sides
 exchange:
 
-- the partitioner ``seed``s the initial masters as it flattens each parameter group, chunk by
-  chunk into a spill store homed on NVMe (no full fp32 shard in host memory, ever); the
+- the partitioner (stage 3's, or stage 1/2's: [Note: stage 1/2 paged masters] in
+  partition/stage12_paged.py) ``seed``s the initial masters as it flattens each parameter
+  group, chunk by chunk into a spill store homed on NVMe (no full fp32 shard in host memory, ever); the
   optimizer's constructor registers each piece's master from ``read`` and then ``adopt``s
   the handle, which closes the spill (its files are deleted);
 - from then on ``read`` / ``write`` go to the optimizer's pieces (``read_local`` /
   ``write_local_range`` of kind "fp32"): the partitioner's ``write_back`` (a
   GatheredParameters modifier) and its republish after a checkpoint load use them;
 - the step calls ``publish`` with each updated master piece while it is in the window: the
-  partitioner casts it into the 16-bit shards there (per piece, no full host master);
+  partitioner casts it into the 16-bit shards (stage 3) or its slices of the 16-bit replica
+  (stages 1 and 2) there (per piece, no full host master);
 - ``stale``: the masters were written from outside the step (checkpoint load): the next
   ``publish_params`` republishes every piece from the store.
 """
