@@ -12,13 +12,18 @@ the flat parameter buffer, and a rank's local shard is its slices of the buckets
 - construction seeds each parameter segment's original values into the ``PagedMasters``
   spill (no fp32 shard in host memory);
 - the step publishes each updated master piece, while it is in the optimizer's window,
-  into this rank's slices of the buckets it overlaps (a cast copy into ``params``: no
-  collective inside the sweep, whose pieces differ between ranks only in their values);
-  ``stage_range`` has nothing left to do;
+  into this rank's slices of the buckets it overlaps (a cast copy into ``params``, no
+  collective inside the sweep; on CUDA the piece is cast on the host first, since the
+  window's buffer is reused once the piece is put back); ``stage_range`` has nothing left
+  to do;
 - ``publish_params(staged=True)`` then all-gathers every bucket as with host masters;
   without ``staged`` (a checkpoint load) or after the masters were written from outside the
   step (``PagedMasters.stale``), every rank first republishes its slices from the store,
   ``STEP_CHUNK_NUMEL`` elements at a time.
+
+"auto" weighs the budget against the host shard's state only (the 16-bit replica and its
+gradient buffer live on the GPU). Not with ``offload_optimizer.ratio`` < 1 (refused with
+``device: nvme`` at these stages) nor a rule other than Adam(W) (``masters_paging``).
 """
 
 from __future__ import annotations
