@@ -14,7 +14,16 @@ import os
 
 import numpy as np
 import pytest
-from test_nvme_masters import HOST_BUDGET, _iteration, _masters, _model, _params, _torch_adamw
+import torch
+from test_nvme_masters import (
+    HOST_BUDGET,
+    _batch,
+    _iteration,
+    _masters,
+    _model,
+    _params,
+    _torch_adamw,
+)
 
 from zeroio.testing import run_ranks
 
@@ -29,7 +38,7 @@ MASTERS = {1: "auto", 2: "nvme"}
 
 
 def _engine(stage: int, world: int, nvme: str, masters: str = "auto", budget: int | None = None,
-            rule: str = "AdamW"):
+            rule: str = "AdamW", bf16: bool = False):
     import zeroio
 
     cfg = {
@@ -41,6 +50,8 @@ def _engine(stage: int, world: int, nvme: str, masters: str = "auto", budget: in
                               "tiering": {"cpu_budget_bytes": BUDGET[world] if budget is None
                                           else budget}},
     }
+    if bf16:  # 16-bit replica: each master piece is cast as it is published
+        cfg["bf16"] = {"enabled": True}
     engine, *_ = zeroio.initialize(model=_model(), config=cfg)
     engine.show_progress = False
     return engine
@@ -205,3 +216,34 @@ def test_estimate_counts_stage12_paged_masters_on_the_nvme_tier():
     roomy = items(64 * 10**9)
     assert roomy["optimizer fp32 masters"] == ("cpu", 4 * 10**9)
     assert roomy["optimizer moments"] == ("nvme", 8 * 10**9)
+
+
+def _bf16_iteration(engine, i: int) -> float:
+    x, y = _batch(i)
+    loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _bf16_phase(root):
+    from zeroio.checkpoint.export16 import gather_weights
+
+    out = {}
+    for masters, budget in (("host", HOST_BUDGET), ("nvme", None)):
+        e = _engine(2, 1, os.path.join(root, masters), masters, budget, bf16=True)
+        out[masters] = {"paged": e.partitioner.paged is not None,
+                        "dtype": str(e.partitioner.params.dtype),
+                        "losses": [_bf16_iteration(e, i) for i in range(3)],
+                        "params": {n: t.float().numpy() for n, t in gather_weights(e).items()}}
+        e.close()
+    return out
+
+
+def test_a_bf16_replica_published_from_paged_masters_equals_host_masters(tmp_path):
+    r, = run_ranks(_bf16_phase, 1, str(tmp_path), timeout=300)
+    assert r["nvme"]["paged"] and not r["host"]["paged"]
+    assert r["nvme"]["dtype"] == "torch.bfloat16"
+    assert r["nvme"]["losses"] == r["host"]["losses"]
+    for k, v in r["host"]["params"].items():
+        assert np.array_equal(r["nvme"]["params"][k], v), k
