@@ -27,7 +27,8 @@ HOST_BUDGET = 1 << 22
 NVME_BUDGET = {1: 140_000, 2: 90_000}
 """Per rank: at world 1 the gradient and 16-bit shards (~100 KB) plus ~40 KB for the optimizer,
 whose masters and moments are ~150 KB; at world 2 ~75 KB held and ~15 KB for ~75 KB of
-optimizer state: well below masters + moments."""
+optimizer state: well below masters + moments. The paging tests ask for "nvme"; "auto" is
+tested on its own (``test_auto_pages_where_host_masters_leave_no_window``)."""
 
 
 def _model():
@@ -48,7 +49,7 @@ def _config(world: int, nvme: str, masters: str, budget: int, params: str = "non
     }
 
 
-def _engine(world, nvme, masters="auto", budget=None, params="none"):
+def _engine(world, nvme, masters="nvme", budget=None, params="none"):
     import zeroio
 
     budget = NVME_BUDGET[world] if budget is None else budget
@@ -351,7 +352,7 @@ def _modifier_phase(root):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for masters, budget in (("host", HOST_BUDGET), ("auto", None)):
+    for masters, budget in (("host", HOST_BUDGET), ("nvme", None)):
         e = _engine(world, os.path.join(root, f"{masters}{rank}"), masters, budget)
         losses = [_iteration(e, i) for i in range(2)]
         weight = e.module[0].weight
@@ -368,7 +369,42 @@ def _modifier_phase(root):
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_gathered_parameters_modifier_writes_the_paged_masters(tmp_path, world):
     r, *_ = run_ranks(_modifier_phase, world, str(tmp_path), timeout=300)
-    assert r["auto"]["paged"] and not r["host"]["paged"]
-    assert r["auto"]["losses"] == r["host"]["losses"]
-    for a, b in zip(r["auto"]["masters"], r["host"]["masters"], strict=True):
+    assert r["nvme"]["paged"] and not r["host"]["paged"]
+    assert r["nvme"]["losses"] == r["host"]["losses"]
+    for a, b in zip(r["nvme"]["masters"], r["host"]["masters"], strict=True):
         assert np.array_equal(a, b)
+
+
+def _auto_phase(root):
+    out = {}
+    for name, budget in (("roomy", HOST_BUDGET), ("tight", AUTO_TIGHT)):
+        e = _engine(1, os.path.join(root, name), "auto", budget)
+        numel = sum(g.master.numel() for g in e.partitioner.groups)
+        out[name] = {"paged": e.partitioner.paged is not None, "numel": numel,
+                     "loss": _iteration(e, 0)}
+        e.close()
+    return out
+
+
+AUTO_TIGHT = 120_000
+"""Below 4/3 x (4-byte masters + 4-byte gradient) of the ~12.5k elements (~133 KB), and still
+room for the 16-bit shards, the gradient and a window: "auto" pages."""
+
+
+def test_auto_pages_where_host_masters_leave_no_window(tmp_path):
+    """``masters: "auto"`` (config/zero.py ``masters_paged``, ``MASTERS_ROOM``): host masters
+    where they and the gradient take at most 3/4 of the budget, paged below; by hand."""
+    from zeroio.config.zero import MASTERS_ROOM, masters_paged
+
+    r, = run_ranks(_auto_phase, 1, str(tmp_path), timeout=300)
+    need = r["tight"]["numel"] * 2 * 4 * MASTERS_ROOM
+    assert AUTO_TIGHT < need <= HOST_BUDGET
+    assert r["tight"]["paged"] and not r["roomy"]["paged"]
+    assert r["tight"]["loss"] == r["roomy"]["loss"]  # the first step's loss: same weights
+    # the rule by hand: 3000 elements of 4 bytes -> 3000 * 8 * 4 / 3 = 32000 bytes
+    kw = {"host_numel": 3000, "master_bytes": 4, "state_bytes": 4}
+    assert masters_paged("auto", cpu_budget_bytes=31_999, **kw)
+    assert not masters_paged("auto", cpu_budget_bytes=32_000, **kw)
+    assert not masters_paged("auto", cpu_budget_bytes=None, **kw)
+    assert masters_paged("nvme", cpu_budget_bytes=None, **kw)
+    assert not masters_paged("host", cpu_budget_bytes=1, **kw)

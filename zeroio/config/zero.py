@@ -325,6 +325,12 @@ def params_from_master_enabled(zero: ZeroConfig) -> bool:
     return True
 
 
+MASTERS_ROOM = 4 / 3
+"""Host masters and the gradient shard may take at most three quarters of
+``tiering.cpu_budget_bytes`` under ``masters: "auto"``: the optimizer's window takes at most a
+quarter of its share (optim/swap_plan.py), and below that the masters page."""
+
+
 def masters_place(zero: ZeroConfig) -> str:
     """``offload_optimizer.masters`` resolved as far as the config allows: "host" where the
     masters cannot page (device not nvme, stage 0, ``ratio`` < 1), "nvme", or "auto" (the
@@ -351,13 +357,15 @@ def masters_place(zero: ZeroConfig) -> str:
 def masters_paged(place: str, *, host_numel: int, master_bytes: int, state_bytes: int,
                   cpu_budget_bytes: int | None) -> bool:
     """Whether this rank's masters page through NVMe with the moments: ``place`` is
-    ``masters_place``'s; "auto" pages them when the host budget cannot hold the masters, both
-    moments and the gradient shard of ``host_numel`` elements (``master_bytes`` each for the
-    masters and the gradient, at most; ``state_bytes`` per moment): what the host keeps of a
-    step with host masters. The one rule the partitioner and ``zeroio.estimate`` share."""
+    ``masters_place``'s; "auto" pages them when the host budget cannot keep the masters and
+    the gradient shard of ``host_numel`` elements (``master_bytes`` each, at most) with a
+    quarter of it left for the moments' window: ``MASTERS_ROOM`` x (masters + gradient). The
+    one rule the partitioner and ``zeroio.estimate`` share ([Note: where the masters live]
+    in optim/swap.py says why not sooner). ``state_bytes``: a moment's, unused by the rule."""
+    del state_bytes
     if place != "auto":
         return place == "nvme"
-    need = host_numel * (2 * master_bytes + 2 * state_bytes)
+    need = int(host_numel * 2 * master_bytes * MASTERS_ROOM)
     return cpu_budget_bytes is not None and cpu_budget_bytes < need
 
 

@@ -67,13 +67,13 @@ load) reads afresh.
 Decided once, when the partitioner is built (``offload_optimizer.masters``;
 config/zero.py, ``masters_place`` and ``masters_paged``):
 
-- on the host (``host``; ``auto`` when ``tiering.cpu_budget_bytes`` is unset or holds this
-  rank's masters, both moments and the gradient shard; always at stage 0, and with
+- on the host (``host``; ``auto`` when ``tiering.cpu_budget_bytes`` is unset or keeps this
+  rank's masters and gradient shard in three quarters of it; always at stage 0, and with
   ``offload_optimizer.ratio`` < 1 or a rule other than Adam(W)): the fp32 master shard stays
   in the partitioner's (pinned) host memory, as with ``device: cpu``, and the 16-bit
   parameters are published from it right after the step. Only the moments (8 of the 12
   bytes per parameter of optimizer state) go to NVMe.
-- paged (``nvme``; ``auto`` at stages 1-3 when the budget cannot hold them): each piece's
+- paged (``nvme``; ``auto`` at stages 1-3 when the budget cannot keep them so): each piece's
   master is a third tensor of the store beside its moments ("master", in the master dtype),
   homed, held, read ahead, written back and counted exactly as they are, so the host keeps
   only the window and the resident head of all three, whatever the model's size: bytes per
@@ -92,6 +92,14 @@ config/zero.py, ``masters_place`` and ``masters_paged``):
   so that ``publish_params`` republishes every piece. The master pieces join the first
   window's reads ([Note: reads before writes]), so a failed read there still rolls the step
   back.
+
+Why "auto" pages only when the host cannot keep the masters: with a host budget of B bytes
+for P elements, host masters leave B - 6P of it (4P masters, a 2-byte gradient) to cache the
+moments and stream the other 8P - (B - 6P) = 14P - B bytes a step; paged masters stream
+12P - (B - 2P), the same. But at stage 3 paging turns ``params_from_master`` off, so a 16-bit
+shard of 2P more lives in the budget (or on the disk) and more streams. So "auto" pages only
+where host masters would leave the window less than a quarter of the budget
+(``MASTERS_ROOM`` in config/zero.py).
 
 With ``bf16.bf16_optimizer_states`` the moments are bf16 in the store, on disk
 and in the host window (4 bytes per element, half the swap I/O per step), and the masters

@@ -3,8 +3,8 @@ methods of ``Stage12Partitioner`` (stage12.py), whose state they use.
 
 [Note: stage 1/2 paged masters]
 With ``offload_optimizer.device`` nvme and ``offload_optimizer.masters`` nvme (or "auto" when
-``tiering.cpu_budget_bytes`` cannot hold this rank's masters, moments and gradient shard:
-``masters_paged`` in config/zero.py) the host ShardGroups' ``master`` is a meta tensor and the
+``tiering.cpu_budget_bytes`` cannot keep this rank's masters and gradient shard in three
+quarters of it: ``masters_paged`` in config/zero.py) the host ShardGroups' ``master`` is a meta tensor and the
 values live in the NVMe optimizer's store beside the moments, as at stage 3 ([Note: paged
 masters] in shard/paged.py). At stages 1 and 2 every rank keeps the whole 16-bit replica in
 the flat parameter buffer, and a rank's local shard is its slices of the buckets, so:
