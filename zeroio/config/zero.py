@@ -99,9 +99,10 @@ class OffloadOptimizerConfig:
     """With ``device`` nvme: where the fp32 (or bf16) master shard lives between steps.
     ``nvme``: in the optimizer's tiered store with the moments, paged through the same
     window (what DeepSpeed's ZeRO-Infinity does with its NVMe optimizer); ``host``: a whole
-    tensor in (pinned) host memory; ``auto`` (the default): nvme at stages 1 to 3 when
-    ``tiering.cpu_budget_bytes`` cannot hold this rank's masters, moments and gradient
-    shard, else host ([Note: where the masters live] in optim/swap.py)."""
+    tensor in (pinned) host memory; ``auto`` (the default): nvme at stages 1 to 3 when this
+    rank's masters and gradient shard would take more than three quarters of
+    ``tiering.cpu_budget_bytes`` (``MASTERS_ROOM``), else host ([Note: where the masters
+    live] in optim/swap.py)."""
 
     @property
     def pipeline(self) -> bool:
