@@ -572,4 +572,6 @@ def _host_grad_dtype(dtype: str, opt_dev: str, gas: int, host_numel: int, *, sta
                            host_numel=host_numel, kernel=cpu_adam_plan, plan_only=True)
 
 
-__all__ = ["estimate_memory", "llama_num_params", "model_shape", "ModelShape", "host_grad_bytes", "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count", "planned_activation_bytes"]
+__all__ = ["estimate_memory", "llama_num_params", "model_shape", "ModelShape", "host_grad_bytes",
+           "llama_activation_bytes", "MemoryEstimate", "MemoryItem", "parse_count",
+           "planned_activation_bytes"]

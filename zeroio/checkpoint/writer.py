@@ -282,7 +282,8 @@ def _write_rank(state, tdir, dtypes, chunk_elems, opts, comm) -> list[_Piece]:
     left = defaultdict(int)  # this rank's unwritten pieces per chunk file
     for j in jobs:
         left[j[2]] += 1
-    bar = tqdm(total=sum(j[5] for j in jobs), unit="B", unit_scale=True, desc=f"save {tdir.name.removeprefix(tags.STAGING_PREFIX)}",
+    tag = tdir.name.removeprefix(tags.STAGING_PREFIX)
+    bar = tqdm(total=sum(j[5] for j in jobs), unit="B", unit_scale=True, desc=f"save {tag}",
                disable=not (opts.progress and comm.rank == 0), leave=False)
     pieces: list[_Piece] = []
     by_file = defaultdict(list)

@@ -115,9 +115,9 @@ STEP_CHUNK_NUMEL = 1 << 26
 
 Measured on the H200 machine (16 cores, benchmarks/bench_host_memory.py, 1.364e9 fp32
 elements): fused CPU AdamW takes 0.237 s over registered memory in one call, 0.298 s in
-16M-element chunks (~0.75 ms of thread start-up and cache refill per chunk). 64M cuts 82 to 21 (~15 ms of overhead left, a 64M chunk takes ~11 ms) while staying about one
-Llama layer (51M) or the embedding (65M), so the overlapped step's first forward layers
-still wait for one chunk only, and the fp32 GPU landing zones (two chunks) stay 512 MB."""
+16M-element chunks (~0.75 ms of thread start-up and cache refill per chunk). 64M cuts 82 chunks to 21 (~15 ms of
+overhead left; a 64M chunk takes ~11 ms) while staying about one Llama layer (51M) or the embedding (65M): the
+overlapped step's first forward layers wait for one chunk only, and the fp32 GPU landing zones (two chunks) stay 512 MB."""
 
 # GRAD_PIECE_NUMEL (shard/host_rule.py), [Note: gradient pieces]: 32M elements, a 128 MB fp32
 # GPU temporary, a 2.3 ms copy at 55 GB/s (a whole 5e8 bucket's: 2 GB, 36 ms); a staging slot.
@@ -167,10 +167,10 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
         gradients]. ``nvme_optimizer``: they are stepped by ``SwappedAdam`` on the CPU
-        (offload_optimizer nvme), under the same rule. ``step_assist``: the GPU steps a share of the host chunks
-        (shard/assist.py, [Note: step assist]; CUDA with host masters only), ``gpu_budget_bytes``
-        of them resident (None: "auto"; [Note: resident chunks]). ``host_kernel``: the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the
-        host gradients stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``:
+        (offload_optimizer nvme), under the same rule. ``step_assist``: the GPU steps a share of the host
+        chunks (shard/assist.py, [Note: step assist]; CUDA with host masters only), ``gpu_budget_bytes`` of them
+        resident (None: "auto"; [Note: resident chunks]). ``host_kernel``: the one-pass CPU Adam (the engine passes
+        optim/cpu_adam.py; None: the host gradients stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``:
         of masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments.
         ``masters``: may they page ([Note: stage 1/2 paged masters]); None: host masters."""
         self.stage, self.master_dtype, self._state_dtype = stage, master_dtype, state_dtype

@@ -412,7 +412,8 @@ class Mover:
             cands = [n for n, c in space.cache.items()
                      if n != for_name and c.evictable and self.entries[n].error is None]
             held = [n for n in space.cache if n not in cands]
-            victim = space.policy.victim(cands, for_name if prefetch else None, held) if cands else None  # type: ignore[union-attr]
+            wanted = for_name if prefetch else None
+            victim = space.policy.victim(cands, wanted, held) if cands else None  # type: ignore[union-attr]
             if victim is not None:
                 copy = space.cache[victim]
                 entry = self.entries[victim]

@@ -8,8 +8,9 @@ home; ``offload_param.device`` picks the class (``make_store``).
 - ``HostShards`` (cpu): shards in (pinned) host memory, copied to the device
   on the h2d stream just before the all-gather ([Note: stage-3 streams]).
 - ``TieredShards`` (nvme): shards registered in the tiered store with home
-  NVMe, except up to ``offload_param.max_in_cpu`` elements kept in host memory; ``prefetch`` asks it to bring the next groups' shards to pinned CPU
-  ahead of use (the recorded module order), ``fetch`` acquires and copies.
+  NVMe, except up to ``offload_param.max_in_cpu`` elements kept in host memory;
+  ``prefetch`` asks it to bring the next groups' shards to pinned CPU ahead of use (the
+  recorded module order), ``fetch`` acquires and copies.
 
 Every copy between host and device is counted where it is issued in the
 partitioner's ``TierStats`` (``transfers``), and every host wait on a copy is
