@@ -10,15 +10,14 @@ checkpoint round trip, and the state before a step whose first window's read fai
 
 from __future__ import annotations
 
-import errno
 import os
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 import torch
 
 from zeroio.testing import run_ranks
+from zeroio.testing.disk_faults import DiskFaults
 
 BATCH, STEPS = 4, 5
 LR, WD = 1e-2, 0.01
@@ -233,23 +232,6 @@ def test_a_checkpoint_of_nvme_masters_resumes_as_the_uninterrupted_run(tmp_path,
         assert r["params_equal"] and all(r["params_equal"].values()), r["params_equal"]
 
 
-class _FailingReads:
-    """Fails the reads of some arrays of the optimizer's swap backend (EIO) until cleared."""
-
-    def __init__(self, engine):
-        self.backend = engine.optimizer.store._backend
-        self._read = self.backend.read_into
-        self.bad: set[str] = set()
-        self.backend.read_into = self.read_into
-
-    def read_into(self, name, out):
-        if name in self.bad:
-            f = Future()
-            f.set_exception(OSError(errno.EIO, f"injected read error of {name}"))
-            return f
-        return self._read(name, out)
-
-
 def _first_window_phase(root):
     import torch.distributed as dist
 
@@ -268,15 +250,15 @@ def _first_window_phase(root):
     # on demand (no read-ahead), the first streamed piece is read in the step's first window,
     # before any piece is updated: its master fails
     bad = opt.plan.resident + opt.plan.read_ahead
-    faults = _FailingReads(e)
-    faults.bad = {opt.pieces[bad].name("master")}
+    faults = DiskFaults(e)
+    faults.fail_reads({opt.pieces[bad].name("master")})
     steps_before = e.global_steps
     err = None
     try:
         _iteration(e, 2)
     except SwapIOError as exc:
         err = f"{type(exc).__name__}: {exc}"
-    faults.bad = set()  # the disk is well again: the masters read as before the step
+    faults.clear()  # the disk is well again: the masters read as before the step
     same = all(np.array_equal(a, b) for a, b in zip(masters, _masters(e), strict=True))
     steps_after = e.global_steps
     rest = [_iteration(e, i) for i in range(2, 4)]

@@ -18,7 +18,6 @@ import torch
 from test_nvme_masters import (
     HOST_BUDGET,
     _batch,
-    _FailingReads,
     _iteration,
     _masters,
     _model,
@@ -27,6 +26,7 @@ from test_nvme_masters import (
 )
 
 from zeroio.testing import run_ranks
+from zeroio.testing.disk_faults import DiskFaults
 
 STEPS = 5
 BUDGET = {1: 180_000, 2: 170_000}
@@ -266,14 +266,14 @@ def _first_window_phase(root, stage):
     opt = e.optimizer
     # the first streamed piece (after the read-ahead) is read in the step's first window,
     # before any piece is updated: its master fails
-    faults = _FailingReads(e)
-    faults.bad = {opt.pieces[opt.plan.resident + opt.plan.read_ahead].name("master")}
+    faults = DiskFaults(e)
+    faults.fail_reads({opt.pieces[opt.plan.resident + opt.plan.read_ahead].name("master")})
     steps_before, err = e.global_steps, None
     try:
         _iteration(e, 2)
     except SwapIOError as exc:
         err = f"{type(exc).__name__}: {exc}"
-    faults.bad = set()  # the disk is well again
+    faults.clear()  # the disk is well again
     same = all(np.array_equal(a, b) for a, b in zip(masters, _masters(e), strict=True))
     steps_after = e.global_steps
     rest = [_iteration(e, i) for i in range(2, 4)]

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import errno
 import os
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 import torch
 
 from zeroio.testing import run_ranks
+from zeroio.testing.disk_faults import DiskFaults
 
 BATCH = 4
 
@@ -115,42 +115,6 @@ def _names(engine, pieces) -> set[str]:
     return {_swapped(engine).pieces[i].name(k) for i in pieces for k in ("exp_avg", "exp_avg_sq")}
 
 
-class _Faults:
-    """Fails the reads of some arrays (EIO) or every write (ENOSPC) of an optimizer's swap
-    backend, as a disk would, until ``clear``."""
-
-    def __init__(self, engine):
-        self.backend = engine.optimizer.store._backend
-        self._read, self._write = self.backend.read_into, self.backend.write
-        self.bad_reads: set[str] = set()
-        self.full = False
-        self.backend.read_into = self.read_into
-        self.backend.write = self.write
-
-    @staticmethod
-    def _failed(err: OSError) -> Future:
-        f = Future()
-        f.set_exception(err)
-        return f
-
-    def read_into(self, name, out):
-        if name in self.bad_reads:
-            return self._failed(OSError(errno.EIO, f"injected read error of {name}"))
-        return self._read(name, out)
-
-    def write(self, name, tensor):
-        if self.full:
-            from zeroio.errors import SwapIOError
-
-            return self._failed(SwapIOError(errno.ENOSPC, f"No space left on device (injected, "
-                                                          f"writing {name})"))
-        return self._write(name, tensor)
-
-    def clear(self):
-        self.bad_reads.clear()
-        self.full = False
-
-
 def _refusals(engine, save_dir) -> dict[str, str]:
     """What each call raises on an engine that must refuse (the error's type and message)."""
     from zeroio.errors import StepFailedError
@@ -189,13 +153,13 @@ def _mid_step_phase(root, stage, read_ahead, only_rank0=False):
     e = _engine(world, stage, os.path.join(root, f"nvme{rank}"), read_ahead)
     first = _train(e, range(3))
     e.save_checkpoint(os.path.join(root, "ck"), tag="base")
-    faults = _Faults(e)
+    faults = DiskFaults(e)
     n = len(e.optimizer.pieces)
     # the resident head is never read; the first window (piece ``resident`` and its read-ahead)
     # is read before any update: the pieces after it are read after earlier ones were updated
     window = e.optimizer.plan.resident + 1 + e.optimizer.plan.read_ahead
     if rank == 0 or not only_rank0:
-        faults.bad_reads = _names(e, range(window + 1, n))
+        faults.fail_reads(_names(e, range(window + 1, n)))
     before = _scalars(e)
     err = None
     try:
@@ -281,7 +245,7 @@ def _first_window_phase(root, stage, read_ahead, optimizer="adamw"):
     e = _engine(world, stage, os.path.join(root, f"nvme{rank}"), read_ahead, optimizer)
     first = _train(e, range(2))
     masters = _masters(e)
-    faults = _Faults(e)
+    faults = DiskFaults(e)
     swapped = _swapped(e)
     ahead, head = swapped.plan.read_ahead, swapped.plan.resident
     streamed = len(swapped.pieces) - 1 > head + ahead
@@ -292,7 +256,7 @@ def _first_window_phase(root, stage, read_ahead, optimizer="adamw"):
     # there, before any update.
     bad = head + ahead if optimizer == "adamw" else len(swapped.pieces) - 1
     assert bad >= head + ahead, (bad, head, ahead)
-    faults.bad_reads = _names(e, [bad])
+    faults.fail_reads(_names(e, [bad]))
     before = _scalars(e)
     err = None
     try:
@@ -365,7 +329,7 @@ def _enospc_phase(root):
     first = _train(e, range(3))
     e.save_checkpoint(os.path.join(root, "ck"), tag="t")
     mode = e.last_save["mode"], e.last_save.get("files_hardlinked")
-    faults = _Faults(e)
+    faults = DiskFaults(e)
     faults.full = True
     errors, i = [], 3
     while i < 6:  # the write-backs fail: the step that sees it raises, nothing more is accepted
