@@ -206,6 +206,39 @@ def _budget_body(cfg_room):
     return out
 
 
+def _decided_once_body(stage_rooms):
+    """The device room changes after its first read (as an allocation would change it): the
+    partitioner follows the engine's placement, made from that first read."""
+    stage, rooms = stage_rooms
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    reads = []
+
+    def room(device):
+        reads.append(device)
+        return rooms[min(len(reads), len(rooms)) - 1]
+
+    device_accum.DEVICE_ROOM = room
+    engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=r12._config(stage, 1.0, gas=2))
+    out = {"reads": len(reads), "planned": engine.placement.accumulation_on_device,
+           "placed": engine.partitioner._accum is not None,
+           "row": engine.stats()["placement"]["buffers"]["accumulation"]["tiers"]["gpu"]}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_partitioner_follows_the_placement_decided_once(stage):
+    """One decision: the room is read once at initialize; the placement's answer (its
+    accumulation row on the GPU) is the partitioner's, whatever the room reads after."""
+    (room_then_none,) = run_ranks(_decided_once_body, 1, (stage, [1 << 40, 0]), timeout=180)
+    (none_then_room,) = run_ranks(_decided_once_body, 1, (stage, [0, 1 << 40]), timeout=180)
+    assert room_then_none == {"reads": 1, "planned": True, "placed": True,
+                              "row": room_then_none["row"]} and room_then_none["row"] > 0
+    assert none_then_room == {"reads": 1, "planned": False, "placed": False, "row": 0}
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 
 def _gpu_body(stage):

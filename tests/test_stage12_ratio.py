@@ -2,7 +2,7 @@
 
 The first floor((1 - r) * n) of each rank's n local optimizer elements keep master, gradient
 shard and moments on the compute device (TwinAdam's device side); the rest is stepped by the
-host step as at ratio 1 ([Note: stage 1/2 twin placement] in zeroio/partition/stage12.py).
+host step as at ratio 1 ([Note: stage 1/2 twin placement] in zeroio/partition/split.py).
 Against plain torch AdamW + clip_grad_norm_ on ``tiny_mlp`` (435 elements: ratio 0.5 cuts the
 16x16 weight, 0.8 the first 16x6 weight): world 1 and 2, stage 1 and 2, gradient
 accumulation 2, the overlapped step on and off, fp32 (tight) and bf16 (loose vs torch, and

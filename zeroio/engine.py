@@ -103,7 +103,7 @@ class Engine:
         check_host_memory(self.config, self.module, spec, self.device, self.placement.estimate)
         self._precision = policies.precision  # bf16 optimizer state: engine.stats() sources
         self.partitioner = build_partitioner(self.config, self.module, spec, self.device,
-                                             policies)
+                                             policies, self.placement)
         self.gpu_tier = self.partitioner.gpu_tier()  # [Note: resident state yields]
         self._budgets = explicit_budgets(self.config)  # [Note: budgets in training]
         self.optimizer = None

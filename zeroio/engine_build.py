@@ -44,10 +44,9 @@ def measured_machine(device: torch.device, nvme_path: str | None) -> MachineMemo
     from zeroio.preflight import measure_host_memory
     from zeroio.tiering.device_accum import DEVICE_ROOM
 
-    gpu = free = 0
-    if device.type == "cuda":
-        gpu = int(torch.cuda.get_device_properties(device).total_memory)
-        free = int(DEVICE_ROOM(device) or 0)
+    gpu = int(torch.cuda.get_device_properties(device).total_memory) \
+        if device.type == "cuda" else 0
+    free = int(DEVICE_ROOM(device) or 0)  # 0 without a device (a test may stand one in)
     host = measure_host_memory()
     disk = 0
     if nvme_path:
@@ -77,9 +76,11 @@ def engine_placement(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: 
 
 
 def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device,
-                      policies=None):
+                      policies=None, placement: Placement | None = None):
     """The one place that maps ``zero_optimization.stage`` to a partitioner (``policies``:
-    ``resolve_engine_policies``'s, resolved here when not given)."""
+    ``resolve_engine_policies``'s, resolved here when not given; ``placement``: the engine's,
+    whose decisions the partitioner follows, None: it decides by the same rules)."""
+    accum = None if placement is None else placement.accumulation_on_device
     zc = cfg.zero_optimization
     dtype = DTYPES[cfg.compute_dtype]
     pol = policies if policies is not None else resolve_engine_policies(cfg, device)
@@ -97,6 +98,7 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             cpu_optimizer=off.cpu, nvme_optimizer=off.nvme,
             accumulation_steps=pol.accumulation_steps,
             step_assist=pol.tiering.step_assist, gpu_budget_bytes=pol.tiering.gpu_budget_bytes,
+            accumulate_on_device=accum,
             host_kernel=cpu_adam if spec.rule == "adam" else None,
             master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states],
             masters=masters_paging(cfg, pol, spec.rule) if off.nvme else None)
@@ -105,7 +107,8 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
 
         return build_stage3_partitioner(cfg=cfg, module=module, spec=spec, device=device,
                                         compute_dtype=dtype, home=home, policies=pol,
-                                        host_kernel=cpu_adam if spec.rule == "adam" else None)
+                                        host_kernel=cpu_adam if spec.rule == "adam" else None,
+                                        accumulate_on_device=accum)
     raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
                       key="zero_optimization.stage")
 

@@ -144,6 +144,13 @@ class Placement:
     def buffer(self, kind: str) -> Buffer:
         return next(b for b in self.buffers if b.kind == kind)
 
+    @property
+    def accumulation_on_device(self) -> bool:
+        """Whether the accumulating gradient shard is summed in a device-tier buffer ([Note:
+        accumulation on the device tier] in tiering/device_accum.py): the partitioner
+        follows this, it does not decide again."""
+        return self.buffer("accumulation").tiers["gpu"] > 0
+
     def tier_bytes(self, tier: str) -> int:
         """Bytes this rank holds on ``tier``: homes, and on "cpu" the windows too."""
         return sum(b.tiers[tier] + (b.window_bytes if tier == "cpu" else 0)

@@ -1,11 +1,30 @@
 """The ratio split of ``offload_optimizer.ratio``, one rule for stages 1/2 and 3: which of a
 rank's optimizer elements stay on the compute device and which go to the host
-([Note: twin placement] in stage3/twin.py, [Note: stage 1/2 twin placement] in stage12.py).
+([Note: twin placement] in stage3/twin.py, [Note: stage 1/2 twin placement] below).
 
 A rank's local optimizer elements, walked in the stage's order, keep their first
 ``device_numel(total, ratio)`` on the device; the rest are the host side. A local range is
 cut at that point by ``split_range`` (a gradient piece landing, a master being published) and a
 segment map by ``cut_segments`` (the two sides' ``ShardGroup.segments``).
+
+[Note: stage 1/2 twin placement]
+With ``offload_optimizer.ratio`` r < 1 (offload_optimizer.device cpu) the
+rule of stage 3 applies (stage3/twin.py, [Note: twin placement]):
+this rank's local shard, walked group by group (each group's buckets' slices
+in order), keeps its first ``device_numel(total, r)`` elements on the compute
+device (fp32 master and gradient shard there; their moments in the
+``TwinAdam``'s device ``ShardedAdam``, stepped by the fused Adam) and the rest
+on the host as without a ratio. Each group's device part is a prefix of its
+local layout, so the logical ``groups`` keep the layout and segments they have
+without a ratio (meta ``master``/``grad``: state goes through the optimizer)
+and ``optimizer_split`` holds both sides' physical ShardGroups. Slices are the
+same size on every rank, so every rank cuts at the same local offset and
+classifies the same buckets as all-device. Consuming a gradient piece splits
+it at the cut (the device part never leaves the device); ``run_step``
+publishes the device side first (a cast copy on the compute stream, then the
+all-gather of buckets with no host element), and the host step's chunks cover
+host elements only, so a module whose parameters are all device-side waits
+for nothing in an overlapped step.
 """
 
 from __future__ import annotations

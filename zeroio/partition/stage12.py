@@ -44,25 +44,6 @@ taken right there (on the GPU, on the side stream), so the step does not
 re-read the whole gradient shard from host memory to clip it. With stage 2
 accumulation the norm is taken from the accumulated shards.
 
-[Note: stage 1/2 twin placement]
-With ``offload_optimizer.ratio`` r < 1 (offload_optimizer.device cpu) the
-rule of stage 3 applies (partition/stage3/twin.py, [Note: twin placement]):
-this rank's local shard, walked group by group (each group's buckets' slices
-in order), keeps its first ``device_numel(total, r)`` elements on the compute
-device (fp32 master and gradient shard there; their moments in the
-``TwinAdam``'s device ``ShardedAdam``, stepped by the fused Adam) and the rest
-on the host as without a ratio. Each group's device part is a prefix of its
-local layout, so the logical ``groups`` keep the layout and segments they have
-without a ratio (meta ``master``/``grad``: state goes through the optimizer)
-and ``optimizer_split`` holds both sides' physical ShardGroups. Slices are the
-same size on every rank, so every rank cuts at the same local offset and
-classifies the same buckets as all-device. Consuming a gradient piece splits
-it at the cut (the device part never leaves the device); ``run_step``
-publishes the device side first (a cast copy on the compute stream, then the
-all-gather of buckets with no host element), and the host step's chunks cover
-host elements only, so a module whose parameters are all device-side waits
-for nothing in an overlapped step.
-
 [Note: 16-bit host gradients]
 With 16-bit parameters, a host optimizer stepped by the one-pass CPU Adam (optim/cpu_adam.py;
 offload_optimizer cpu, or nvme, whose swapper steps each piece with it: optim/swap.py;
@@ -159,6 +140,7 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         accumulation_steps: int = 1,
         step_assist: bool = False,
         gpu_budget_bytes: int | None = 0,
+        accumulate_on_device: bool | None = None,
         host_kernel: OnePassKernel | None = None,
         master_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype = torch.float32,
@@ -169,7 +151,8 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         gradients]. ``nvme_optimizer``: they are stepped by ``SwappedAdam`` on the CPU
         (offload_optimizer nvme), under the same rule. ``step_assist``: the GPU steps a share of the host
         chunks (shard/assist.py, [Note: step assist]; CUDA with host masters only), ``gpu_budget_bytes`` of them
-        resident (None: "auto"; [Note: resident chunks]). ``host_kernel``: the one-pass CPU Adam (the engine passes
+        resident (None: "auto"; [Note: resident chunks]). ``accumulate_on_device``: the engine's placement's decision
+        ([Note: accumulation on the device tier]; None: decided here by its rule). ``host_kernel``: the one-pass CPU Adam (the engine passes
         optim/cpu_adam.py; None: the host gradients stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``:
         of masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments.
         ``masters``: may they page ([Note: stage 1/2 paged masters]); None: host masters."""
@@ -197,8 +180,9 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
             module, param_groups, self.index, reduce_bucket_numel, self.world)
         self.optimizer_split: OptimizerSplit | None = None
         """Both sides' ShardGroups when offload_optimizer.ratio < 1 (engine_build.build_optimizer);
-        see [Note: stage 1/2 twin placement]."""
-        self._accum_budget = gpu_budget_bytes  # _build_shards places the accumulation first
+        see [Note: stage 1/2 twin placement] in split.py."""
+        # _build_shards places the accumulation first
+        self._accum_budget, self._accum_decided = gpu_budget_bytes, accumulate_on_device
         self._paging = masters
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
         self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
@@ -269,7 +253,7 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
 
     def _build_shards(self, n_groups: int, ratio: float) -> list[ShardGroup]:
         """The logical ShardGroups; with ``ratio`` < 1 also the physical sides ([Note: stage
-        1/2 twin placement]): ``_host``/``_dev`` and ``_dev_len`` (per group, the local
+        1/2 twin placement] in split.py): ``_host``/``_dev`` and ``_dev_len`` (per group, the local
         offset where the host part starts)."""
         self._local_base: dict[int, int] = {}
         layouts = []
@@ -291,7 +275,7 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         self._accum_placed = accumulation_placed(  # tiering/device_accum.py: before the dtype
             accumulates=self.stage == 2 and self._accumulation_steps > 1 and
             self.home.device.type == "cpu", host_numel=host_total, device=self.device,
-            budget=self._accum_budget)
+            budget=self._accum_budget, decided=self._accum_decided)
         self.host_grad_dtype = host_grad_dtype(
             stage=self.stage, compute_dtype=self._compute_dtype,
             cpu_optimizer=self._cpu_optimizer or self._nvme_optimizer,

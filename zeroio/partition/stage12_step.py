@@ -71,7 +71,7 @@ class HostStep12:
         """Buckets with no host element (world > 1): all-gathered by ``run_step`` itself."""
         for b in order:
             size, first = b.slice_numel(self.world), len(chunks)
-            h0 = self._host_start(b)  # host chunks only: [Note: stage 1/2 twin placement]
+            h0 = self._host_start(b)  # host chunks only: [Note: stage 1/2 twin placement] in split.py
             bounds = chunk_bounds(h0, size, chunk_numel)  # [Note: host-step chunks]
             chunks += [StepChunk(bucket=b, slice_lo=lo, numel=hi - lo,
                                  gather=self.world > 1 and hi == size) for lo, hi in bounds]

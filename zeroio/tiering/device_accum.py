@@ -30,9 +30,12 @@ torch's) the host gradient is fp32 and the adds are the same adds in the same or
 as the host path's, so the host step reads the same bits. With bf16 master weights the host
 gradient is bf16 either way; its device sum is fp32, one rounding instead of one per add.
 
-The placement is decided once, at construction (``accumulation_placed``, then
-``place_on_device``), from ``zero_optimization.tiering.gpu_budget_bytes`` and the device's
-free memory then:
+The placement is decided once, by the engine's placement at initialize ([Note: one
+placement] in zeroio/placement.py: its estimate plans the buffer with ``planned_on_device``
+from the device's free memory then, read once by ``engine_build.measured_machine``), and the
+partitioner follows that decision (``accumulation_placed``'s ``decided``); a partitioner built
+without an engine decides by the same rule itself. The rule (``place_on_device``), from
+``zero_optimization.tiering.gpu_budget_bytes`` and the device's free memory:
 
 - budget 0: never (the host path, as before);
 - a budget in bytes: when the buffer fits both the budget and the free memory less
@@ -45,9 +48,8 @@ registered with the GPU tier as fixed state (``GpuTier.register_fixed``): it can
 evicted in the middle of an accumulation, so resident optimizer chunks yield to it (their
 room and budget are what is left beside it), and it is counted in ``engine.stats()["tiers"]
 ["gpu"]``. zeroio.estimate plans it with ``planned_on_device`` (config/accum_place.py):
-given the device's free memory (``device_room``: the host-memory preflight at initialize
-reads it with ``cuda_room``) it decides as the partitioner will; without it (``zeroio
-estimate``, ``zeroio plan``) an explicit budget that covers the buffer places it, and "auto"
+given the device's free memory (``device_room``: the engine's measured machine) that is the
+decision; without it (``zeroio estimate``, ``zeroio plan``) an explicit budget that covers the buffer places it, and "auto"
 is planned as the host path (an upper bound of host memory, the GPU row left out). A buffer
 planned on the device also plans the host gradient by the rule of one micro step (16-bit
 where the one-pass kernel is planned).
@@ -78,12 +80,18 @@ DEVICE_ROOM: Callable[[torch.device], int | None] = cuda_room
 
 
 def accumulation_placed(*, accumulates: bool, host_numel: int, device: torch.device,
-                        budget: int | None) -> bool:
+                        budget: int | None, decided: bool | None = None) -> bool:
     """Whether a partitioner that ``accumulates`` ``host_numel`` host gradient elements sums
-    them on ``device`` (``place_on_device`` of the fp32 buffer with the room ``DEVICE_ROOM``
-    reads). Asked before the host gradient's dtype, which follows it (module note)."""
-    return accumulates and place_on_device(ACCUM_ELEMENT_BYTES * host_numel, budget=budget,
-                                           room=DEVICE_ROOM(device))
+    them on ``device``: as ``decided`` (the engine's placement: ``Placement.
+    accumulation_on_device``), or where nobody decided (a partitioner built alone) by
+    ``place_on_device`` of the fp32 buffer with the room ``DEVICE_ROOM`` reads now. Asked
+    before the host gradient's dtype, which follows it (module note)."""
+    if not accumulates or host_numel <= 0:
+        return False
+    if decided is not None:
+        return decided
+    return place_on_device(ACCUM_ELEMENT_BYTES * host_numel, budget=budget,
+                           room=DEVICE_ROOM(device))
 
 
 def accumulation_on_device(*, placed: bool, host_grads: list[torch.Tensor],

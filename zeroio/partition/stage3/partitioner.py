@@ -231,7 +231,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             accumulates=self.settings.accumulation_steps > 1 and
             getattr(self.home, "device", None) == torch.device("cpu"),
             host_numel=sum(sizes[Side.HOST]), device=self.device,
-            budget=self.settings.tiering.gpu_budget_bytes)
+            budget=self.settings.tiering.gpu_budget_bytes,
+            decided=self.settings.accumulate_on_device)
         self.host_grad_dtype = host_grad_dtype(
             stage=3, compute_dtype=self.dtype,
             cpu_optimizer=self.settings.cpu_optimizer or self.settings.nvme_optimizer,
@@ -579,10 +580,14 @@ def _covers_shard(plan, rank: int, refs: list[_PieceRef]) -> bool:
 
 def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.device,
                              compute_dtype: torch.dtype, home, policies,
-                             host_kernel=None) -> Stage3Partitioner:
+                             host_kernel=None,
+                             accumulate_on_device: bool | None = None) -> Stage3Partitioner:
     """What ``engine_build.build_partitioner`` calls for ``zero_optimization.stage: 3``; ``policies``:
-    the offload and tiering blocks resolved for ``device`` (config/policy.py)."""
-    settings = Stage3Settings.from_policies(policies, zero=cfg.zero_optimization, aio=cfg.aio)
+    the offload and tiering blocks resolved for ``device`` (config/policy.py);
+    ``accumulate_on_device``: the engine's placement's decision (``Stage3Settings``)."""
+    settings = dataclasses.replace(
+        Stage3Settings.from_policies(policies, zero=cfg.zero_optimization, aio=cfg.aio),
+        accumulate_on_device=accumulate_on_device)
     if spec.rule != "adam" and settings.masters != "host":  # only Adam pages its masters
         if settings.masters == "nvme":
             raise ConfigError(f'zero_optimization.offload_optimizer.masters = "nvme" with the '

@@ -54,6 +54,10 @@ class Stage3Settings:
     (the shards are published after the step)."""
     accumulation_steps: int = 1
     """``gradient_accumulation_steps``: above 1 the host gradients are summed in fp32."""
+    accumulate_on_device: bool | None = None
+    """The engine's placement's decision to sum them in a device-tier buffer ([Note:
+    accumulation on the device tier] in tiering/device_accum.py); None: the partitioner
+    decides by that rule itself (built without an engine)."""
     step_chunk_numel: int = 1 << 26
     """offload_optimizer cpu: most elements one CPU Adam call updates before that chunk is
     published (cast into the 16-bit shard): ``zero_optimization.tiering.step_chunk_numel``
