@@ -51,12 +51,14 @@ Two layers, reported separately in the breakdown:
      pinned fp32 staging, or an fp32 GPU buffer (``device_room``): config/accum_place.py.
    - offload_optimizer nvme: fp32 masters (4 of K bytes) in host memory, moments (8) on disk; or
      all 12 paged through the disk ([Note: where the masters live] in zeroio/optim/swap.py).
-   - NVMe optimizer swap buffers (pinned CPU): buffer_count x
-     min(sub_group_size, Psi / N) x 4 bytes. With ``tiering.cpu_budget_bytes`` and an NVMe
-     budget (``nvme_budget_bytes``, or ``tiering.nvme_budget_bytes``) too small for every
-     moment: what the state above leaves of the budget is the optimizer's share; its swap
-     window and the resident head of moments are in host memory and only the streamed tail
-     is on the disk (optim/swap_rule.py, [Note: resident head, streamed tail]).
+   - NVMe optimizer swap buffers (pinned CPU), without ``tiering.cpu_budget_bytes``:
+     buffer_count x min(sub_group_size, Psi / N) x 4 bytes (DeepSpeed's meaning). With it,
+     what the state above leaves of the budget is the optimizer's share: its swap window and
+     the head of moments it holds (whole pieces) are in host memory, as the swap plan keeps
+     them (optim/swap_rule.py, [Note: resident head, streamed tail]); the disk homes every
+     moment (the head "cached"), or, with an NVMe budget (``nvme_budget_bytes``, or
+     ``tiering.nvme_budget_bytes``) too small for every moment, only the streamed tail (the
+     head "resident").
    - ``params_from_master`` (stage 3): no 16-bit shard of the sharded parameters (a negative
      buffer item beside the paper's b Psi / N, wherever offload_param put it); the gather
      casts the fp32 master, so a host-side master is copied to the GPU first (4 bytes per
@@ -515,8 +517,9 @@ def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,
 
 def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, sb: int,
                    nvme_budget: int | None, name: str) -> list[MemoryItem]:
-    """The NVMe moments (item ``name``; paged masters too) with a CPU budget too small for them
-    (module doc, 2.): the buffers become the window, the resident head moves to host memory."""
+    """The NVMe moments (item ``name``; paged masters too) with a CPU budget (module doc, 2.):
+    the swap buffers become the window and the resident head is held in host memory; the
+    disk keeps every home (and the head's too, unless an NVMe budget leaves it out)."""
     from zeroio.optim.swap_rule import moment_split, read_ahead
 
     moments = next((i for i in items if i.name == name), None)
@@ -528,16 +531,16 @@ def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, s
     oo = zero.offload_optimizer
     cut = moment_split(host_numel, share=share, itemsize=sb, nvme_budget=nvme_budget,
                        ahead=read_ahead(zero.tiering.prefetch_depth, bool(oo.pipeline_read)))
-    if cut.disk == moments.bytes_per_gpu:  # every home on the disk: the buffers as before
-        return items
     out = [i for i in items if i is not moments and i is not swap]
-    out.append(MemoryItem(name="optimizer swap window (pinned)", tier="cpu",
-                          bytes_per_gpu=cut.window, kind="zeroio_buffer",
-                          formula="(1 + read ahead) pieces' two moments (optim/swap_rule.py)"))
-    if cut.disk < moments.bytes_per_gpu:
-        out.append(MemoryItem(name=f"{name} resident in host memory (tiering."
-                              "cpu_budget_bytes)", tier="cpu",
-                              bytes_per_gpu=moments.bytes_per_gpu - cut.disk, kind="model_state",
+    if cut.window:  # none where the budget holds every moment
+        out.append(MemoryItem(name="optimizer swap window (pinned)", tier="cpu",
+                              bytes_per_gpu=cut.window, kind="zeroio_buffer",
+                              formula="(1 + read ahead) pieces' two moments (optim/swap_rule.py)"))
+    if cut.resident:  # the head: homed in host memory, or cached there beside its disk home
+        homed = cut.disk < moments.bytes_per_gpu
+        out.append(MemoryItem(name=f"{name} {'resident' if homed else 'cached'} in host memory "
+                              "(tiering.cpu_budget_bytes)", tier="cpu",
+                              bytes_per_gpu=cut.resident, kind="model_state",
                               formula="whole pieces of what the budget leaves past the window"))
     if cut.disk:
         out.append(MemoryItem(name=name, tier="nvme", bytes_per_gpu=cut.disk,

@@ -406,8 +406,7 @@ def _notes(est: MemoryEstimate) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: int | None,
-             gas: int = 1):
+def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, gas: int = 1):
     """(bytes per step each way, resident moment bytes per node): module doc, "The step
     time"; ``gas`` micro-steps per step."""
     b = DTYPE_BYTES[est.dtype]
@@ -426,11 +425,11 @@ def _traffic(p: Placement, est: MemoryEstimate, machine: Machine, cpu_budget: in
     read = write = resident = 0
     if p.optimizer == "nvme":
         moments = MOMENT_BYTES * DTYPE_BYTES[est.state_dtype] // 4 * host
-        if _split(est):
-            resident = sum(i.bytes_per_gpu for i in est.items
-                           if i.name.startswith("optimizer moments resident"))
-        else:
-            resident = min(moments, max(0, (cpu_budget or 0) - est.per_gpu("cpu")))
+        # the head the budget keeps in host memory (homed there, or cached beside its disk
+        # home: estimate's _split_moments) is not streamed
+        resident = sum(i.bytes_per_gpu for i in est.items
+                       if i.name.startswith(("optimizer moments resident",
+                                             "optimizer moments cached")))
         read = write = moments - resident
     if p.param == "nvme" and not pfm:
         read += 2 * b * shard
@@ -508,7 +507,7 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
         est, tiers, ratio = _try(p, model, machine, budget, reasons)
         if any(t.over_bytes for t in tiers):
             continue
-        traffic, resident = _traffic(p, est, machine, budget, model.accumulation)
+        traffic, resident = _traffic(p, est, machine, model.accumulation)
         host_elems = est.placement()["offloaded_elements_per_gpu"] * machine.gpus
         nvme_budget = _disk_per_rank(machine) if _split(est) else None
         return Plan(placement=p.name, config=_config(p, model, ratio, budget, nvme_budget),
