@@ -5,7 +5,8 @@ References: plain torch AdamW on an unpartitioned copy of the model (losses and 
 within fp32 tolerance), zeroio's own run with host masters at the same stage (bit for bit), the
 optimizer store's byte counters against the swap plan's arithmetic (every streamed piece's
 master and both moments through the disk each step), an uninterrupted run for a checkpoint
-round trip and for a step whose first window's master read fails (rolled back, retried). The model, batches and torch reference are test_nvme_masters.py's.
+round trip. The model, batches and torch reference are test_nvme_masters.py's, which also
+runs the step whose first window's master read fails at stages 1 and 2.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from test_nvme_masters import (
 )
 
 from zeroio.testing import run_ranks
-from zeroio.testing.disk_faults import DiskFaults
 
 STEPS = 5
 BUDGET = {1: 180_000, 2: 170_000}
@@ -247,51 +247,3 @@ def test_a_bf16_replica_published_from_paged_masters_equals_host_masters(tmp_pat
     assert r["nvme"]["losses"] == r["host"]["losses"]
     for k, v in r["host"]["params"].items():
         assert np.array_equal(r["nvme"]["params"][k], v), k
-
-
-def _first_window_phase(root, stage):
-    import torch.distributed as dist
-
-    from zeroio.errors import SwapIOError
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ref = _engine(stage, world, os.path.join(root, f"ref{rank}"), "nvme")
-    straight = [_iteration(ref, i) for i in range(4)]
-    straight_params = _params(ref)
-    ref.close()
-
-    e = _engine(stage, world, os.path.join(root, f"e{rank}"), "nvme")
-    first = [_iteration(e, i) for i in range(2)]
-    masters = _masters(e)
-    opt = e.optimizer
-    # the first streamed piece (after the read-ahead) is read in the step's first window,
-    # before any piece is updated: its master fails
-    faults = DiskFaults(e)
-    faults.fail_reads({opt.pieces[opt.plan.resident + opt.plan.read_ahead].name("master")})
-    steps_before, err = e.global_steps, None
-    try:
-        _iteration(e, 2)
-    except SwapIOError as exc:
-        err = f"{type(exc).__name__}: {exc}"
-    faults.clear()  # the disk is well again
-    same = all(np.array_equal(a, b) for a, b in zip(masters, _masters(e), strict=True))
-    steps_after = e.global_steps
-    rest = [_iteration(e, i) for i in range(2, 4)]
-    params = _params(e)
-    e.close()
-    return {"err": err, "same_masters": same, "steps": (steps_before, steps_after),
-            "first": first, "rest": rest, "straight": straight,
-            "params_equal": {k: bool(np.array_equal(v, params[k]))
-                             for k, v in straight_params.items()} if rank == 0 else {"": True}}
-
-
-@pytest.mark.parametrize("stage,world", [(1, 1), (2, 2)])
-def test_a_master_read_failing_in_the_first_window_rolls_back_at_stages_1_and_2(tmp_path, stage,
-                                                                             world):
-    """[Note: reads before writes] in optim/swap.py with paged masters at stages 1/2: nothing
-    was changed (masters, counters), and the retried run equals the uninterrupted one."""
-    for r in run_ranks(_first_window_phase, world, str(tmp_path), stage, timeout=300):
-        assert r["err"] is not None and "injected read error" in r["err"], r["err"]
-        assert r["same_masters"] and r["steps"][0] == r["steps"][1], r
-        assert r["first"] + r["rest"] == r["straight"]
-        assert r["params_equal"] and all(r["params_equal"].values()), r["params_equal"]
