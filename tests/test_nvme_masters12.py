@@ -83,6 +83,8 @@ def _training_phase(root, stage):
         "per_step": [{k: b.get(k, 0) - a.get(k, 0) for k in ("nvme->cpu", "cpu->nvme")}
                      for a, b in zip(moved, moved[1:], strict=False)],
         "streamed_bytes": opt.plan.streamed_bytes,
+        "report": e.stats()["sources"]["optimizer"]["swap_plan"],
+        "resident": opt.plan.resident, "n_pieces": len(opt.pieces),
         "streamed_by_hand": sum(p.numel * 12 for p in streamed),
         "largest_piece": max((p.numel * 12 for p in streamed), default=0),
         "losses": losses, "host_losses": host_losses,
@@ -104,6 +106,11 @@ def test_stage12_masters_on_nvme_train_as_host_masters_and_torch_adamw(tmp_path,
     # each streamed piece's master and moments go through the disk each way per step (but a
     # piece the window still caches at the sweep's end): more than the moments' 8 of 12 bytes
     assert r["streamed_bytes"] > 0 and r["streamed_bytes"] == r["streamed_by_hand"]
+    # engine.stats() reports the plan a benchmark checks a step's disk bytes against
+    assert r["report"]["streamed_bytes_each_way"] == r["streamed_by_hand"], r["report"]
+    assert r["report"]["kinds"] == r["kinds"]
+    assert (r["report"]["pieces"], r["report"]["resident_pieces"]) == (r["n_pieces"],
+                                                                      r["resident"])
     low = max(r["streamed_bytes"] - r["largest_piece"], r["streamed_bytes"] * 8 // 12 + 1)
     for moved in r["per_step"]:
         for way in ("nvme->cpu", "cpu->nvme"):

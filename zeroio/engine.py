@@ -306,6 +306,7 @@ class Engine:
         store = self.optimizer.store
         if store is not None:
             sources["optimizer"] = store.stats()
+            sources["optimizer"]["swap_plan"] = self.optimizer.swap_plan()
         sources.update(self.partitioner.stats_sources())
         sources["gpu_tier"] = self.gpu_tier.stats()
         sources["held"] = tstats.held_source(self._held_tensors())

@@ -62,6 +62,12 @@ class EngineOptimizer:
         tiering/stats.py); default: none."""
         return []
 
+    def swap_plan(self) -> dict | None:
+        """How NVMe-resident state uses its host share (``engine.stats()["sources"]
+        ["optimizer"]["swap_plan"]``): pieces, resident head, read-ahead, bytes streamed each
+        way per step; None (default) without NVMe state."""
+        return None
+
     def drain(self) -> None:
         """Finish background work on the state (NVMe write-behind); default: none."""
 

@@ -565,6 +565,14 @@ class SwappedAdam(EngineOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine."""
 
+    def swap_plan(self) -> dict:
+        """The plan's figures ([Note: resident head, streamed tail]): what a benchmark checks
+        the disk bytes of a step against."""
+        p = self.plan
+        return {"pieces": len(p.pieces), "resident_pieces": p.resident,
+                "read_ahead": p.read_ahead, "cpu_budget_bytes": p.cpu_budget,
+                "kinds": list(self._kinds), "streamed_bytes_each_way": p.streamed_bytes}
+
     def drain(self) -> None:
         """Wait for the swap I/O in flight (read-ahead, write-behind) to land; the store's
         byte counters are exact afterwards. The read-ahead stays acquired for the next step."""

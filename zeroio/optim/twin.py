@@ -182,6 +182,9 @@ class TwinAdam(EngineOptimizer):
         """``begin_chunked_step`` works where the host side has one (a ``ShardedAdam``)."""
         return self.host.chunked_step
 
+    def swap_plan(self) -> dict | None:
+        return self.host.swap_plan()
+
     def drain(self) -> None:
         self.host.drain()
 
