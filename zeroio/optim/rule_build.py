@@ -83,7 +83,8 @@ class RankSum:
 
 def _norms(groups, partitioner, ranks: RankSum) -> LambNorms:
     return LambNorms(groups, partitioner.index, comm_device=ranks.device,
-                     all_reduce=ranks.all_reduce if partitioner.stage != 0 else None)
+                     all_reduce=ranks.all_reduce if partitioner.stage != 0 else None,
+                     transfers=partitioner.transfers)
 
 
 def _sharded(groups, spec, partitioner, ranks: RankSum, divisor: float = 1.0) -> ShardedRule:
@@ -128,7 +129,7 @@ def build_rule_optimizer(cfg, partitioner, spec, shares, policies, *, rank: int,
         return TwinAdam(device=_sharded(split.device, spec, partitioner, ranks),
                         host=_host_side(cfg, split.host, spec, partitioner, shares, policies,
                                         rank, ranks),
-                        groups=partitioner.groups)
+                        groups=partitioner.groups, transfers=partitioner.transfers)
     return _host_side(cfg, partitioner.groups, spec, partitioner, shares, policies, rank, ranks)
 
 

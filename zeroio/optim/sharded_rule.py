@@ -18,6 +18,8 @@ from zeroio.optim.interface import EngineOptimizer
 from zeroio.optim.lamb_norms import ParamRuns, reduce_sums
 from zeroio.optim.rules import LambRule, Rule
 from zeroio.shard.types import ParamIndex, ShardGroup
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import TierStats
 
 
 def state_like(master: torch.Tensor, value: float) -> torch.Tensor:
@@ -41,14 +43,17 @@ class LambNorms:
     the parameter count, and the sum over ranks ([Note: sharded trust ratio])."""
 
     def __init__(self, groups: list[ShardGroup], index: ParamIndex, *, all_reduce,
-                 comm_device: torch.device):
-        """``all_reduce``: sums a tensor in place over the ranks (None at stage 0)."""
+                 comm_device: torch.device, transfers: TierStats | None = None):
+        """``all_reduce``: sums a tensor in place over the ranks (None at stage 0);
+        ``transfers``: the partitioner's host <-> device copy stats (the sums' round trip)."""
         self.runs = {g.group_index: ParamRuns(g, index) for g in groups}
         self.count = len(index.entries)
         self.all_reduce, self.comm_device = all_reduce, comm_device
+        self.transfers = transfers
 
     def reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        return reduce_sums(sums, all_reduce=self.all_reduce, comm_device=self.comm_device)
+        return reduce_sums(sums, all_reduce=self.all_reduce, comm_device=self.comm_device,
+                           copies=Copies(self.transfers))
 
 
 class RuleChunkedStep:

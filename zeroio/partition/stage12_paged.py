@@ -96,7 +96,8 @@ class PagedPublish12:
                 cpu_budget_bytes=paging.tiering.cpu_budget_bytes):
             return None
         paged = PagedMasters(host_numel, self.master_dtype, tiering=paging.tiering,
-                             aio=paging.aio, nvme_path=paging.nvme_path, rank=comm.rank())
+                             aio=paging.aio, nvme_path=paging.nvme_path, rank=comm.rank(),
+                             transfers=self.transfers)
         paged.publish = self._publish_piece
         return paged
 

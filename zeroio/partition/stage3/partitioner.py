@@ -22,6 +22,7 @@ from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError, DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Partitioner, Phase, ShardGroup
+from zeroio.partition.grad_norm import shards_sq_norm
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
@@ -46,6 +47,7 @@ from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import host_grad_dtype
 from zeroio.shard.paged import PagedMasters
+from zeroio.tiering.copies import Copies
 from zeroio.tiering.device_accum import accumulation_on_device, accumulation_placed
 from zeroio.tiering.stats import TierStats
 
@@ -189,7 +191,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                 'to "host"', key="zero_optimization.tiering.params_from_master")
         return PagedMasters(numel, DTYPES[settings.master_dtype], tiering=settings.tiering,
                             aio=settings.aio, nvme_path=settings.optimizer_nvme_path,
-                            rank=comm.rank())
+                            rank=comm.rank(), transfers=self.transfers)
 
     def _full_flat(self, g: ParamGroup) -> torch.Tensor:
         """The group's full padded flat in the original precision (one group at a time)."""
@@ -442,14 +444,9 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         if taken is not None:
             return taken
         self._host_grads_current()
-        total = torch.zeros((), dtype=torch.float32)
-        for sg in self._physical:
-            if sg.grad.numel():  # fp32 norm (as torch's clip_grad_norm_; of a 16-bit host
-                # shard too), squared in float64; no float64 copy of the shard (that doubled
-                # host memory and took seconds)
-                total += torch.linalg.vector_norm(sg.grad, dtype=torch.float32).double().pow(
-                    2).float().cpu()
-        return total
+        # fp32 norms of 16-bit host shards too; no float64 copy of a shard (that doubled host
+        # memory and took seconds)
+        return shards_sq_norm((sg.grad for sg in self._physical), Copies(self.transfers))
 
     def _host_grads_current(self) -> None:
         """Gradients held in resident chunks' GPU buffers into the host shards (the host is
