@@ -304,5 +304,6 @@ class ShardedAdam(EngineOptimizer):
         """Gradients are owned by the engine; kept for client code calling optimizer.zero_grad()."""
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
-        """Overwrite the group's local ``kind`` tensor (checkpoint load)."""
-        self.local_tensor(group_index, kind).copy_(values)
+        """Overwrite the group's local ``kind`` tensor (checkpoint load: host values, into
+        state that may live on the device)."""
+        Copies(self.transfers).into(self.local_tensor(group_index, kind), values)

@@ -91,7 +91,8 @@ def _sharded(groups, spec, partitioner, ranks: RankSum, divisor: float = 1.0) ->
     rule = RULES[spec.rule]
     norms = None if rule.elementwise else _norms(groups, partitioner, ranks)
     return ShardedRule(groups, spec.hyper, rule=rule, grad_divisor=divisor, norms=norms,
-                       state_gate=partitioner.release_device_state)
+                       state_gate=partitioner.release_device_state,
+                       transfers=partitioner.transfers)
 
 
 def _host_side(cfg, groups, spec, partitioner, shares, policies, rank: int, ranks: RankSum):

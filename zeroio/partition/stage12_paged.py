@@ -116,7 +116,7 @@ class PagedPublish12:
                         self.paged.seed(gi, seg.local_offset, src)
                         continue
                     for off, dst in self._parts(gi, "master", seg.local_offset, seg.numel):
-                        dst.copy_(src.narrow(0, off, dst.numel()))
+                        Copies(self.transfers).into(dst, src.narrow(0, off, dst.numel()))
 
     def _publish_piece(self, gi: int, lo: int, values: torch.Tensor) -> None:
         """Masters [lo, lo + len(values)) of group ``gi`` (local offsets), updated and still in

@@ -205,7 +205,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                 dst.copy_(p.detach().reshape(-1))
                 continue
             full = torch.empty(rec.shard.numel() * rec.world, dtype=rec.dtype, device=self.device)
-            full.narrow(0, self.rank * rec.shard.numel(), rec.shard.numel()).copy_(rec.shard)
+            n = rec.shard.numel()  # zero.Init's slice, in host memory
+            Copies(self.transfers).into(full.narrow(0, self.rank * n, n), rec.shard)
             comm.all_gather_inplace(full, self.pg).wait()
             dst.copy_(full.narrow(0, 0, slot.numel))
         return flat
@@ -261,7 +262,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                 if self.paged is not None and ref.side is Side.HOST:
                     self.paged.seed(ref.piece.opt_group, ref.base, src)
                     continue
-                masters[ref.side][ref.piece.opt_group].narrow(0, ref.base, src.numel()).copy_(src)
+                Copies(self.transfers).into(
+                    masters[ref.side][ref.piece.opt_group].narrow(0, ref.base, src.numel()), src)
             g.load_full(flat)
             del flat
         for p in {id(p): p for g in self.pgroups for p in g.params}.values():
@@ -546,7 +548,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             if self.paged is not None and ref.side is Side.HOST:
                 self.paged.write(ref.piece.opt_group, ref.base, src)
                 continue
-            self._master(ref).copy_(src)
+            Copies(self.transfers).into(self._master(ref), src)
         g.write_back_full()  # after the masters: MasterShards orders its next fetch behind it
 
     def resident_bytes(self) -> dict[str, int]:
