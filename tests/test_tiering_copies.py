@@ -118,7 +118,7 @@ def test_a_device_shard_put_from_the_host_counts_its_bytes():
 def test_the_shards_norm_reads_one_counted_scalar_per_shard():
     """``shards_sq_norm``: the fp32 norms squared in float64, summed on the host, as a hand
     computation; a 16-bit shard's norm divided by ``low_divisor`` first."""
-    from zeroio.partition.grad_norm import shards_sq_norm
+    from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
 
     stats = TierStats()
     a, b = _src(torch.float32, 40), _src(torch.bfloat16, 30)
@@ -127,6 +127,12 @@ def test_the_shards_norm_reads_one_counted_scalar_per_shard():
     assert got.device.type == "cpu" and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-6)
     assert _moved(stats) == {}  # host shards: nothing crosses
+    assert not shards_overflow([a, b], Copies(stats))
+    bad = b.clone()
+    bad[7] = float("inf")
+    assert shards_overflow([a, bad], Copies(stats))
+    assert shards_overflow([torch.tensor([float("nan")])], Copies(stats))
+    assert _moved(stats) == {}
 
 
 # ---- on a GPU: both directions, their values, pinned non-blocking copies, a named stream ---

@@ -9,6 +9,22 @@ environ``, ``env = os.environ``), and ``importlib.import_module`` / ``__import__
 constant name (or an f-string's constant prefix) count as imports; a computed name below the
 package root is reported, since no rule could follow it. Exit 0 when every rule holds, 1 with
 one line per violation otherwise. ``tests/test_layers.py`` runs it.
+
+One data path: in ``shard/``, ``partition/`` and ``optim/`` (the layers that hold and move
+the step's training state: gradients, masters, moments, 16-bit shards) a tensor crosses
+between host and device only through a copy handle (``zeroio.tiering.copies.Copies``),
+which counts the bytes. A raw ``.cpu()``, ``.cuda()``, or ``.to(...)`` with an argument that
+names a device (a ``device=`` keyword; a device string; ``torch.device(...)``; a name
+assigned one; a name or attribute ending in ``device``) is refused there with its file and
+line. ``.to(dtype)`` casts and ``.to(other_tensor)`` pass (the rule cannot see a device
+there), as does ``dst.copy_(src)``, whose devices are known only at run time: those are
+kept to handles by review. The handle's own ``to`` (on ``Copies(...)``, a name assigned one,
+or a name ending in ``copies``) is the fix. Out of scope: ``tiering/`` issues the copies;
+``checkpoint/`` reads state to the host once per save or load, outside the step; the
+engine, ``deepspeed/``, ``integrations/`` and ``cli/`` hold no training state of their own
+(the engine moves the model to its device once and the norm to the collective's device).
+No exemption marker exists: a move that has no stats to count into (zero.Init, before any
+engine) goes through ``Copies(None)``.
 """
 from __future__ import annotations
 

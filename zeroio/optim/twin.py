@@ -147,8 +147,8 @@ class TwinAdam(EngineOptimizer):
                              f"{group_index}'s {d + self._host_numel(group_index)} elements")
         if lo < d:
             k = min(n, d - lo)
-            Copies(self.transfers).into(self.device.local_tensor(group_index, kind).narrow(0, lo, k),
-                                        values.narrow(0, 0, k))
+            dev = self.device.local_tensor(group_index, kind).narrow(0, lo, k)
+            Copies(self.transfers).into(dev, values.narrow(0, 0, k))
         if lo + n > d:
             a = max(lo, d)
             rest = values.narrow(0, a - lo, lo + n - a)

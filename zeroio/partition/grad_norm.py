@@ -1,9 +1,11 @@
-"""The local squared gradient norm of a rank's gradient shards, read to the host.
+"""The local squared gradient norm and overflow flag of a rank's gradient shards, read to
+the host.
 
-Stage 1/2 and stage 3 compute it the same way when the reduction did not take the norm
-parts on the fly: each shard's norm in fp32 (as torch's ``clip_grad_norm_``), squared in
-float64 without a float64 copy of the shard, and each scalar read to the host through the
-partitioner's copy handle, so its bytes are counted like every other host <-> device copy.
+Stage 1/2 and stage 3 compute them the same way: the norm, when the reduction did not take
+its parts on the fly, from each shard's norm in fp32 (as torch's ``clip_grad_norm_``),
+squared in float64 without a float64 copy of the shard; the flag from each shard's
+``isfinite``. Each scalar comes to the host through the partitioner's copy handle, so its
+bytes are counted like every other host <-> device copy.
 """
 
 from __future__ import annotations
@@ -30,4 +32,10 @@ def shards_sq_norm(grads: Iterable[torch.Tensor], copies: Copies, *,
     return total
 
 
-__all__ = ["shards_sq_norm"]
+def shards_overflow(grads: Iterable[torch.Tensor], copies: Copies) -> bool:
+    """Whether any of ``grads`` holds an inf or a NaN (one flag read per shard, stopping at the
+    first that does)."""
+    return any(not bool(copies.host(torch.isfinite(g).all())) for g in grads)
+
+
+__all__ = ["shards_overflow", "shards_sq_norm"]

@@ -76,7 +76,7 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Partitioner, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.flat import shard_group as _shard_group
-from zeroio.partition.grad_norm import shards_sq_norm
+from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
 from zeroio.partition.home import ShardHome, host_home  # noqa: F401 (imported from here)
 from zeroio.partition.landing import GradPiece, StagedAdds, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
@@ -471,7 +471,7 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
                               low_divisor=self.host_grad_divisor)
 
     def local_overflow(self) -> bool:
-        return any(not bool(torch.isfinite(g.grad).all()) for g in self._physical)
+        return shards_overflow((g.grad for g in self._physical), Copies(self.transfers))
 
     # ---- step ------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError, DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Partitioner, Phase, ShardGroup
-from zeroio.partition.grad_norm import shards_sq_norm
+from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
@@ -458,7 +458,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
 
     def local_overflow(self) -> bool:
         self._host_grads_current()
-        return any(not bool(torch.isfinite(sg.grad).all()) for sg in self._physical)
+        return shards_overflow((sg.grad for sg in self._physical), Copies(self.transfers))
 
     def publish_params(self) -> None:
         """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
