@@ -201,11 +201,11 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         for slot, p in zip(g.plan.slots, g.params, strict=True):
             rec = registry.INIT_SHARDS.get(p)
             dst = flat.narrow(0, slot.offset, slot.numel)
-            if rec is None:
-                dst.copy_(p.detach().reshape(-1))
+            if rec is None:  # on the device already when the engine moved the model there
+                Copies(self.transfers).into(dst, p.detach().reshape(-1))
                 continue
-            full = torch.empty(rec.shard.numel() * rec.world, dtype=rec.dtype, device=self.device)
             n = rec.shard.numel()  # zero.Init's slice, in host memory
+            full = torch.empty(n * rec.world, dtype=rec.dtype, device=self.device)
             Copies(self.transfers).into(full.narrow(0, self.rank * n, n), rec.shard)
             comm.all_gather_inplace(full, self.pg).wait()
             dst.copy_(full.narrow(0, 0, slot.numel))
