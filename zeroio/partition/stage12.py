@@ -188,7 +188,8 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
         self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
             placed=self._accum_placed, host_grads=[g.grad for g in self._host], device=device)
-        self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device)
+        self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device,
+                                                     Copies(self.transfers))
         in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
         for p in module.parameters():  # frozen ones compute in the same dtype as the rest
             if id(p) not in in_layout and p.is_floating_point():
