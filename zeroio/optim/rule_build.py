@@ -122,7 +122,8 @@ def build_rule_optimizer(cfg, partitioner, spec, shares, policies, *, rank: int,
 
         return ClientOnShards(spec.client, partitioner.groups,
                               grad_divisor=partitioner.host_grad_divisor,
-                              state_gate=partitioner.release_device_state)
+                              state_gate=partitioner.release_device_state,
+                              transfers=partitioner.transfers)
     split = partitioner.optimizer_split
     if split is not None:
         from zeroio.optim.twin import TwinAdam
