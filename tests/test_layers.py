@@ -119,3 +119,56 @@ def test_only_tiering_counts_copies():
                                          "count_copy(s, a, b)\ns.moved('cpu->gpu', 8)\n") == []
     assert _found("zeroio/partition/x.py", "from zeroio.tiering.copies import Copies\n"
                                            "Copies(s).into(b, a, non_blocking=True)\n") == []
+
+
+RAW_MOVES = [  # (source line, what the check names)
+    ("g = t.cpu()", ".cpu()"),
+    ("g = t.detach().cuda()", ".cuda()"),
+    ("g = t.cuda(non_blocking=True)", ".cuda()"),
+    ("g = t.to(device)", ".to(<device>)"),
+    ("g = t.to(self.device, non_blocking=True)", ".to(<device>)"),
+    ("g = t.to(master.device)", ".to(<device>)"),
+    ("g = t.to(comm_device)", ".to(<device>)"),
+    ("g = t.to('cpu', torch.float32)", ".to(<device>)"),
+    ("g = t.to('cuda:1')", ".to(<device>)"),
+    ("g = t.to(torch.device('cuda', 0))", ".to(<device>)"),
+    ("g = t.to(dtype=torch.bfloat16, device=d)", ".to(<device>)"),
+    ("g = t.to(d or 'cpu')", ".to(<device>)"),
+    ("_HOST = torch.device('cpu')\ng = t.to(_HOST)", ".to(<device>)"),
+]
+
+
+@pytest.mark.parametrize("line,move", RAW_MOVES)
+@pytest.mark.parametrize("rel", ["zeroio/partition/x.py", "zeroio/partition/stage3/x.py",
+                                 "zeroio/shard/x.py", "zeroio/optim/x.py"])
+def test_a_raw_host_device_move_is_refused_on_the_data_path(rel, line, move):
+    """``.cpu()``, ``.cuda()`` and ``.to(<device>)`` in the layers of the step's data path are
+    refused with the file, the line and the fix (a copy handle); the handle's own forms pass."""
+    text = "import torch\n" + line + "\n"
+    found = _found(rel, text)
+    at = text.count("\n")  # the move is on the last line
+    assert found == [f"{rel}:{at}: raw host<->device move {move} outside zeroio/tiering/ "
+                     f"({check_layers.RAW_MOVE_FIX})"], found
+    assert "zeroio.tiering.copies.Copies" in found[0]
+
+
+@pytest.mark.parametrize("rel", ["zeroio/partition/x.py", "zeroio/optim/x.py"])
+def test_the_copy_handle_forms_and_casts_are_allowed(rel):
+    text = ("import torch\nfrom zeroio.tiering.copies import Copies\n"
+            "a = Copies(self.transfers).host(t)\n"
+            "b = Copies(self.transfers).to(t, device, dtype=torch.bfloat16)\n"
+            "moves = Copies(stats)\nc = moves.to(t, self.device)\n"
+            "self._copies = Copies(None)\nd = self._copies.to(t, 'cuda')\n"
+            "def f(copies):\n    return copies.to(t, comm_device)\n"
+            "e = t.to(torch.float64)\nf = t.to(dtype=torch.bfloat16)\n"
+            "g = t.to(other_tensor)\nh = t.float().to(dt, copy=True)\n"
+            "i = torch.cuda.current_device()\nj = t.pin_memory()\n")
+    assert _found(rel, text) == []
+
+
+@pytest.mark.parametrize("rel", ["zeroio/tiering/x.py", "zeroio/checkpoint/x.py",
+                                 "zeroio/engine.py", "zeroio/cli/x.py"])
+def test_raw_moves_outside_the_data_path_layers_are_not_refused(rel):
+    """tiering/ issues the copies; checkpoint/ (once per save or load), the engine and the
+    command line are outside the rule's scope (tools/check_layers.py, RAW_MOVE_PREFIX)."""
+    assert _found(rel, "x = t.cpu()\ny = t.to(device)\nz = t.cuda()\n") == []

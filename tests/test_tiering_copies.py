@@ -81,6 +81,60 @@ def test_the_direction_methods_refuse_the_other_direction():
         Copies(None).to_host(src.clone(), src)
 
 
+def test_to_and_host_are_tensor_to_and_cpu_counted():
+    """``Copies.to`` / ``Copies.host`` return what ``Tensor.to`` / ``Tensor.cpu`` return (the
+    tensor itself when nothing changes) and count the source's bytes when they cross."""
+    stats = TierStats()
+    src = _src(torch.float32, 50)
+    assert Copies(stats).host(src) is src  # as src.cpu(): no copy, nothing crossed
+    assert Copies(stats).to(src, "cpu") is src
+    same = Copies(stats).to(src, torch.device("cpu"), copy=True)
+    assert same is not src and torch.equal(same, src)
+    cast = Copies(stats).to(src, "cpu", dtype=torch.bfloat16)
+    assert torch.equal(cast, src.to(torch.bfloat16))
+    assert _moved(stats) == {}
+    up = Copies(stats).to(src, torch.device("meta"), dtype=torch.bfloat16)
+    assert up.device.type == "meta" and up.dtype == torch.bfloat16 and up.shape == src.shape
+    Copies(stats).to(torch.zeros((), dtype=torch.float64), "meta")  # a scalar: its 8 bytes
+    assert _moved(stats) == {"cpu->gpu": 50 * 4 + 8}
+    Copies(None).to(src, "meta")  # no stats: moved, counted nowhere
+
+
+def test_a_device_shard_put_from_the_host_counts_its_bytes():
+    """Stage 3's device store takes a host shard through the partitioner's handle: the bytes
+    that cross are counted (a host store's put is host to host: nothing)."""
+    from zeroio.partition.stage3.store import DeviceShards, HostShards
+
+    stats = TierStats()
+    shard = _src(torch.bfloat16, 96)
+    DeviceShards(torch.device("meta"), transfers=stats).put(0, shard)
+    assert _moved(stats) == {"cpu->gpu": 96 * 2}
+    host = HostShards(torch.device("cpu"), pin=False, transfers=stats)
+    host.put(1, shard)
+    assert torch.equal(host.fetch(1, None).tensor, shard)
+    assert _moved(stats) == {"cpu->gpu": 96 * 2}
+
+
+def test_the_shards_norm_reads_one_counted_scalar_per_shard():
+    """``shards_sq_norm``: the fp32 norms squared in float64, summed on the host, as a hand
+    computation; a 16-bit shard's norm divided by ``low_divisor`` first."""
+    from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
+
+    stats = TierStats()
+    a, b = _src(torch.float32, 40), _src(torch.bfloat16, 30)
+    got = shards_sq_norm([a, torch.empty(0), b], Copies(stats), low_divisor=4.0)
+    want = (a.double().norm() ** 2 + (b.double().norm() / 4.0) ** 2).float()
+    assert got.device.type == "cpu" and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-6)
+    assert _moved(stats) == {}  # host shards: nothing crosses
+    assert not shards_overflow([a, b], Copies(stats))
+    bad = b.clone()
+    bad[7] = float("inf")
+    assert shards_overflow([a, bad], Copies(stats))
+    assert shards_overflow([torch.tensor([float("nan")])], Copies(stats))
+    assert _moved(stats) == {}
+
+
 # ---- on a GPU: both directions, their values, pinned non-blocking copies, a named stream ---
 
 @pytest.mark.parametrize("src_dtype,dst_dtype", DTYPES)

@@ -9,6 +9,22 @@ environ``, ``env = os.environ``), and ``importlib.import_module`` / ``__import__
 constant name (or an f-string's constant prefix) count as imports; a computed name below the
 package root is reported, since no rule could follow it. Exit 0 when every rule holds, 1 with
 one line per violation otherwise. ``tests/test_layers.py`` runs it.
+
+One data path: in ``shard/``, ``partition/`` and ``optim/`` (the layers that hold and move
+the step's training state: gradients, masters, moments, 16-bit shards) a tensor crosses
+between host and device only through a copy handle (``zeroio.tiering.copies.Copies``),
+which counts the bytes. A raw ``.cpu()``, ``.cuda()``, or ``.to(...)`` with an argument that
+names a device (a ``device=`` keyword; a device string; ``torch.device(...)``; a name
+assigned one; a name or attribute ending in ``device``) is refused there with its file and
+line. ``.to(dtype)`` casts and ``.to(other_tensor)`` pass (the rule cannot see a device
+there), as does ``dst.copy_(src)``, whose devices are known only at run time: those are
+kept to handles by review. The handle's own ``to`` (on ``Copies(...)``, a name assigned one,
+or a name ending in ``copies``) is the fix. Out of scope: ``tiering/`` issues the copies;
+``checkpoint/`` reads state to the host once per save or load, outside the step; the
+engine, ``deepspeed/``, ``integrations/`` and ``cli/`` hold no training state of their own
+(the engine moves the model to its device once and the norm to the collective's device).
+No exemption marker exists: a move that has no stats to count into (zero.Init, before any
+engine) goes through ``Copies(None)``.
 """
 from __future__ import annotations
 
@@ -51,7 +67,16 @@ MAX_LINES = 600
 COPY_COUNTERS = {"zeroio.tiering.stats.count_copy"}
 COUNT_METHODS = {"moved"}  # TierStats.moved: bytes counted by hand
 COPY_OWNER_PREFIX = ("zeroio/tiering/",)
+COPY_HANDLE = "zeroio.tiering.copies.Copies"
 COPY_FIX = "copy through zeroio.tiering.copies.Copies, which counts the bytes"
+#: Layers on the step's data path (gradients, masters, moments, 16-bit shards): a raw
+#: host <-> device move there (``.cpu()``, ``.cuda()``, ``.to(<device>)``) would go uncounted
+#: in engine.stats(), so it goes through a copy handle (``Copies.host`` / ``Copies.to``).
+#: checkpoint/ reads state to the host once per save or load, outside the step; cli/,
+#: deepspeed/ and integrations/ hold no training state of their own.
+RAW_MOVE_PREFIX = ("zeroio/shard/", "zeroio/partition/", "zeroio/optim/")
+RAW_MOVE_FIX = ("move through zeroio.tiering.copies.Copies, which counts the bytes: "
+                "Copies(stats).host(t) for .cpu(), Copies(stats).to(t, device) for .to/.cuda")
 
 
 def _module(rel: str) -> str:
@@ -177,6 +202,58 @@ def _import_rules(rel: str, me: str | None, line: int, name: str | None) -> list
     return out
 
 
+def _is_device(node: ast.AST, devices: set[str], names: Names) -> bool:
+    """Whether an argument of ``.to(...)`` names a device: a device string ("cpu", "cuda:0"),
+    ``torch.device(...)``, a name bound to one, or a name or attribute called ``*device``."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value.split(":")[0] in (
+            "cpu", "cuda", "meta", "mps", "xpu")
+    if isinstance(node, (ast.BoolOp, ast.IfExp)):
+        parts = node.values if isinstance(node, ast.BoolOp) else [node.body, node.orelse]
+        return any(_is_device(v, devices, names) for v in parts)
+    if isinstance(node, ast.Call):
+        return names.resolve(_dotted(node.func)) == "torch.device" or (
+            isinstance(node.func, ast.Attribute) and node.func.attr.endswith("device"))
+    dotted = _dotted(node)
+    return dotted in devices or dotted.rsplit(".", 1)[-1].lower().endswith("device")
+
+
+def _raw_move(n: ast.Call, bound: dict[str, set[str]], names: Names) -> str | None:
+    """The raw host <-> device move a call makes (``.cpu()``, ``.cuda()``, ``.to(<device>)``),
+    or None. A copy handle's own ``to`` is the fix, not a move: on ``Copies(...)``, on a name
+    bound to one (``moves = Copies(stats)``), or on a name ending in ``copies``."""
+    if not isinstance(n.func, ast.Attribute) or names.resolve(_dotted(n.func)).startswith(
+            "torch."):
+        return None
+    recv, devices = n.func.value, bound["device"]
+    if isinstance(recv, ast.Call) and names.resolve(_dotted(recv.func)) == COPY_HANDLE or \
+            _dotted(recv) in bound["copies"] or \
+            _dotted(recv).rsplit(".", 1)[-1].lower().endswith("copies"):
+        return None
+    attr = n.func.attr
+    if attr == "cpu" and not n.args:
+        return ".cpu()"
+    if attr == "cuda":
+        return ".cuda()"
+    if attr == "to" and (any(k.arg == "device" for k in n.keywords) or any(
+            _is_device(a, devices, names) for a in n.args)):
+        return ".to(<device>)"
+    return None
+
+
+def _bound_names(tree: ast.AST, names: Names) -> dict[str, set[str]]:
+    """Names (``x``, ``self.x``) assigned anywhere in the file a ``torch.device(...)``
+    ("device") or a copy handle, ``Copies(...)`` ("copies")."""
+    kinds = {"torch.device": "device", COPY_HANDLE: "copies"}
+    out: dict[str, set[str]] = {"device": set(), "copies": set()}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call):
+            kind = kinds.get(names.resolve(_dotted(n.value.func)))
+            if kind:
+                out[kind].update(_dotted(t) for t in n.targets if _dotted(t))
+    return out
+
+
 def _call_rules(rel: str, n: ast.Call, f: str) -> list[str]:
     out = []
     if f.startswith("torch.distributed.") and rel not in COLLECTIVES and not (
@@ -207,11 +284,16 @@ def check_file(rel: str, text: str) -> list[str]:
     me = _layer(mod)
     is_pkg = rel.endswith("__init__.py")
     names = Names(tree, mod, is_pkg)
+    bound = _bound_names(tree, names) if rel.startswith(RAW_MOVE_PREFIX) else {}
     for line, name in _imports(tree, mod, is_pkg, names):
         out.extend(v for v in _import_rules(rel, me, line, name) if v not in out)
     for n in ast.walk(tree):
         if isinstance(n, ast.Call):
             out.extend(_call_rules(rel, n, names.resolve(_dotted(n.func))))
+            move = _raw_move(n, bound, names) if rel.startswith(RAW_MOVE_PREFIX) else None
+            if move:
+                out.append(f"{rel}:{n.lineno}: raw host<->device move {move} outside "
+                           f"zeroio/tiering/ ({RAW_MOVE_FIX})")
         if isinstance(n, (ast.Attribute, ast.Name)) and isinstance(n.ctx, ast.Load):
             full = names.resolve(_dotted(n))
             if full in ENV_NAMES and not (rel.startswith(ENV_READERS_PREFIX) or rel in ENV_READERS):

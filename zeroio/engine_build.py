@@ -131,7 +131,7 @@ def build_optimizer(cfg, partitioner, spec: OptimizerSpec, shares: dict | None =
         return TwinAdam(device=ShardedAdam(split.device, spec.hyper, decoupled=spec.decoupled),
                         host=_offloaded_optimizer(cfg, split.host, spec, partitioner, shares,
                                                   policies),
-                        groups=partitioner.groups)
+                        groups=partitioner.groups, transfers=partitioner.transfers)
     return _offloaded_optimizer(cfg, partitioner.groups, spec, partitioner, shares, policies)
 
 
@@ -148,7 +148,8 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, 
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
                        grad_divisor=partitioner.host_grad_divisor,
                        state_dtype=DTYPES[policies.precision.states],
-                       state_gate=partitioner.release_device_state)
+                       state_gate=partitioner.release_device_state,
+                       transfers=partitioner.transfers)
 
 
 def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:

@@ -31,6 +31,8 @@ from zeroio.io.hostmem import host_zeros
 from zeroio.optim import cpu_adam
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.shard.types import ShardGroup
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import TierStats
 
 UPCAST_PIECE = 1 << 22
 """Elements of bf16 state upcast to fp32 at once ([Note: bf16 optimizer state])."""
@@ -176,7 +178,9 @@ class ChunkedStep:
         if master.device != before.device:
             key = (group_index, master.device)
             if key not in self._on_device:
-                self._on_device[key] = (before.to(master.device), scale.to(master.device))
+                moves = Copies(self._opt.transfers)
+                self._on_device[key] = (moves.to(before, master.device),
+                                        moves.to(scale, master.device))
             before, scale = self._on_device[key]
         adam_update(master=master, grad=grad,
                     state=AdamState(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
@@ -212,13 +216,15 @@ class ShardedAdam(EngineOptimizer):
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  grad_divisor: float = 1.0, state_dtype: torch.dtype = torch.float32,
-                 state_gate=None):
+                 state_gate=None, transfers: TierStats | None = None):
         """``state_dtype``: the moments' dtype, fp32 or bf16 ([Note: bf16 optimizer
         state]); the masters' is the partitioner's (``ShardGroup.master``). ``state_gate``:
         called before ``local_tensor`` hands out a tensor (the engine passes the
         partitioner's ``release_device_state``: state the step keeps on the GPU between steps
-        comes back first, [Note: resident chunks] in shard/assist.py)."""
-        self.state_gate = state_gate
+        comes back first, [Note: resident chunks] in shard/assist.py). ``transfers``: the
+        partitioner's host <-> device copy stats (the step counter and scale a chunk stepped on
+        another device needs cross once per step)."""
+        self.state_gate, self.transfers = state_gate, transfers
         self.groups = groups
         self.param_groups = param_groups
         self.decoupled = decoupled
@@ -298,5 +304,6 @@ class ShardedAdam(EngineOptimizer):
         """Gradients are owned by the engine; kept for client code calling optimizer.zero_grad()."""
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
-        """Overwrite the group's local ``kind`` tensor (checkpoint load)."""
-        self.local_tensor(group_index, kind).copy_(values)
+        """Overwrite the group's local ``kind`` tensor (checkpoint load: host values, into
+        state that may live on the device)."""
+        Copies(self.transfers).into(self.local_tensor(group_index, kind), values)

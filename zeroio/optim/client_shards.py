@@ -26,6 +26,8 @@ from zeroio.errors import CheckpointError, ConfigError
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.optim.sharded_rule import scaled_grad
 from zeroio.shard.types import ShardGroup
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import TierStats
 
 
 def _rebuild(client: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
@@ -53,12 +55,15 @@ def _probe(client: torch.optim.Optimizer) -> tuple[tuple[str, ...], tuple[str, .
 
 class ClientOnShards(EngineOptimizer):
     def __init__(self, client: torch.optim.Optimizer, groups: list[ShardGroup], *,
-                 grad_divisor: float = 1.0, state_gate=None):
+                 grad_divisor: float = 1.0, state_gate=None,
+                 transfers: TierStats | None = None):
+        """``state_gate``, ``transfers``: as ``ShardedAdam``'s."""
         if len(client.param_groups) != len(groups):
             raise ConfigError(f"client optimizer has {len(client.param_groups)} param groups, "
                               f"zeroio built {len(groups)}", key="optimizer")
         self.client, self.groups, self.param_groups = client, groups, client.param_groups
         self.grad_divisor, self.state_gate = grad_divisor, state_gate
+        self.transfers = transfers
         self.rule_name = f"client:{type(client).__name__}"
         self.state_kinds, self._scalar_keys = _probe(client)
         self._views = [g.master.detach() for g in groups]
@@ -99,8 +104,8 @@ class ClientOnShards(EngineOptimizer):
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         t = self.local_tensor(group_index, kind)
-        if t.data_ptr() != values.data_ptr():
-            t.copy_(values)
+        if t.data_ptr() != values.data_ptr():  # a checkpoint's host values, maybe device state
+            Copies(self.transfers).into(t, values)
 
     def _check_scalars(self) -> None:
         other = [k for k in self._scalar_keys if k != "step"]

@@ -19,6 +19,7 @@ import bisect
 import torch
 
 from zeroio.shard.types import ParamIndex, ShardGroup
+from zeroio.tiering.copies import Copies
 
 
 class ParamRuns:
@@ -62,16 +63,18 @@ def add_run_squares(runs, t: torch.Tensor, out: torch.Tensor) -> None:
         out[k] += torch.dot(piece, piece).double()
 
 
-def reduce_sums(sums: torch.Tensor, *, all_reduce, comm_device: torch.device) -> torch.Tensor:
+def reduce_sums(sums: torch.Tensor, *, all_reduce, comm_device: torch.device,
+                copies: Copies) -> torch.Tensor:
     """The ranks' per-parameter sums added up by ``all_reduce`` (an in-place sum over the
     partitioner's process group that the engine hands in: partition/collectives.py is the one
     caller of torch.distributed; None: every rank holds every parameter, stage 0);
-    ``comm_device``: where the collective needs the tensor. Returns a CPU tensor."""
+    ``comm_device``: where the collective needs the tensor; ``copies``: the handle the sums
+    cross host <-> device through. Returns a CPU tensor."""
     if all_reduce is None:
-        return sums.cpu()
-    t = sums.to(comm_device)
+        return copies.host(sums)
+    t = copies.to(sums, comm_device)
     all_reduce(t)
-    return t.cpu()
+    return copies.host(t)
 
 
 __all__ = ["ParamRuns", "add_run_squares", "reduce_sums"]

@@ -83,14 +83,16 @@ class RankSum:
 
 def _norms(groups, partitioner, ranks: RankSum) -> LambNorms:
     return LambNorms(groups, partitioner.index, comm_device=ranks.device,
-                     all_reduce=ranks.all_reduce if partitioner.stage != 0 else None)
+                     all_reduce=ranks.all_reduce if partitioner.stage != 0 else None,
+                     transfers=partitioner.transfers)
 
 
 def _sharded(groups, spec, partitioner, ranks: RankSum, divisor: float = 1.0) -> ShardedRule:
     rule = RULES[spec.rule]
     norms = None if rule.elementwise else _norms(groups, partitioner, ranks)
     return ShardedRule(groups, spec.hyper, rule=rule, grad_divisor=divisor, norms=norms,
-                       state_gate=partitioner.release_device_state)
+                       state_gate=partitioner.release_device_state,
+                       transfers=partitioner.transfers)
 
 
 def _host_side(cfg, groups, spec, partitioner, shares, policies, rank: int, ranks: RankSum):
@@ -120,7 +122,8 @@ def build_rule_optimizer(cfg, partitioner, spec, shares, policies, *, rank: int,
 
         return ClientOnShards(spec.client, partitioner.groups,
                               grad_divisor=partitioner.host_grad_divisor,
-                              state_gate=partitioner.release_device_state)
+                              state_gate=partitioner.release_device_state,
+                              transfers=partitioner.transfers)
     split = partitioner.optimizer_split
     if split is not None:
         from zeroio.optim.twin import TwinAdam
@@ -128,7 +131,7 @@ def build_rule_optimizer(cfg, partitioner, spec, shares, policies, *, rank: int,
         return TwinAdam(device=_sharded(split.device, spec, partitioner, ranks),
                         host=_host_side(cfg, split.host, spec, partitioner, shares, policies,
                                         rank, ranks),
-                        groups=partitioner.groups)
+                        groups=partitioner.groups, transfers=partitioner.transfers)
     return _host_side(cfg, partitioner.groups, spec, partitioner, shares, policies, rank, ranks)
 
 

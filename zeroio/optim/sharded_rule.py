@@ -18,6 +18,8 @@ from zeroio.optim.interface import EngineOptimizer
 from zeroio.optim.lamb_norms import ParamRuns, reduce_sums
 from zeroio.optim.rules import LambRule, Rule
 from zeroio.shard.types import ParamIndex, ShardGroup
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import TierStats
 
 
 def state_like(master: torch.Tensor, value: float) -> torch.Tensor:
@@ -41,14 +43,17 @@ class LambNorms:
     the parameter count, and the sum over ranks ([Note: sharded trust ratio])."""
 
     def __init__(self, groups: list[ShardGroup], index: ParamIndex, *, all_reduce,
-                 comm_device: torch.device):
-        """``all_reduce``: sums a tensor in place over the ranks (None at stage 0)."""
+                 comm_device: torch.device, transfers: TierStats | None = None):
+        """``all_reduce``: sums a tensor in place over the ranks (None at stage 0);
+        ``transfers``: the partitioner's host <-> device copy stats (the sums' round trip)."""
         self.runs = {g.group_index: ParamRuns(g, index) for g in groups}
         self.count = len(index.entries)
         self.all_reduce, self.comm_device = all_reduce, comm_device
+        self.transfers = transfers
 
     def reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        return reduce_sums(sums, all_reduce=self.all_reduce, comm_device=self.comm_device)
+        return reduce_sums(sums, all_reduce=self.all_reduce, comm_device=self.comm_device,
+                           copies=Copies(self.transfers))
 
 
 class RuleChunkedStep:
@@ -87,12 +92,14 @@ class ShardedRule(EngineOptimizer):
     """A non-Adam rule over this rank's ShardGroups (see the module docstring)."""
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, rule: Rule,
-                 grad_divisor: float = 1.0, norms: LambNorms | None = None, state_gate=None):
-        """``norms``: required for Lamb. ``state_gate``: as ``ShardedAdam``'s."""
+                 grad_divisor: float = 1.0, norms: LambNorms | None = None, state_gate=None,
+                 transfers: TierStats | None = None):
+        """``norms``: required for Lamb. ``state_gate``, ``transfers``: as ``ShardedAdam``'s."""
         if not rule.elementwise and norms is None:
             raise ValueError(f"{rule.name}: needs per-parameter norms (norms=)")
         self.rule, self.groups, self.param_groups = rule, groups, param_groups
         self.grad_divisor, self.norms, self.state_gate = grad_divisor, norms, state_gate
+        self.transfers = transfers
         self.state_kinds = rule.kinds_for(param_groups)
         self.state: list[dict[str, torch.Tensor]] = [
             {k: state_like(g.master, rule.initial(k, param_groups[g.group_index]))
@@ -186,8 +193,8 @@ class ShardedRule(EngineOptimizer):
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         t = self.local_tensor(group_index, kind)
-        if t.data_ptr() != values.data_ptr():
-            t.copy_(values)
+        if t.data_ptr() != values.data_ptr():  # a checkpoint's host values, maybe device state
+            Copies(self.transfers).into(t, values)
 
     def steps_taken(self, group_index: int) -> int:
         return self.steps[self.position[group_index]]

@@ -24,16 +24,22 @@ import torch
 from zeroio.optim.adam import ShardedAdam
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.shard.types import ShardGroup
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import TierStats
 
 
 class TwinAdam(EngineOptimizer):
     """Named for Adam; any elementwise rule's pair (``ShardedRule`` sides: [Note: elementwise
     rules] in rules.py) is stepped the same way; Lamb's sides in two passes (``_lamb_step``)."""
 
-    def __init__(self, *, device: ShardedAdam, host, groups: list[ShardGroup]):
+    def __init__(self, *, device: ShardedAdam, host, groups: list[ShardGroup],
+                 transfers: TierStats | None = None):
+        """``transfers``: the partitioner's host <-> device copy stats (Lamb's device-side
+        sums, and the device side's state read or written for checkpoints, cross here)."""
         if device.param_groups is not host.param_groups:
             raise ValueError("TwinAdam: both sides must share one param_groups list")
         self.device, self.host = device, host
+        self.transfers = transfers
         self.groups = groups
         """The logical ShardGroups (the partitioner's ``groups``)."""
         self.param_groups = device.param_groups
@@ -75,9 +81,10 @@ class TwinAdam(EngineOptimizer):
         first pass gives its sums (the host side's first: a ``SwappedLamb`` reads its NVMe
         moments there), one reduction over the ranks, then both sides apply ([Note: sharded
         trust ratio] in lamb_norms.py)."""
-        sums = self.host.lamb_sums(grad_scale).cpu()
+        moves = Copies(self.transfers)
+        sums = moves.host(self.host.lamb_sums(grad_scale))
         self.touched = True  # the device side's first pass updates its moments in place
-        sums += self.device.lamb_sums(grad_scale).cpu()
+        sums += moves.host(self.device.lamb_sums(grad_scale))
         total = self.device.norms.reduce(sums).sqrt().tolist()
         self.device.lamb_apply(total)
         self.host.lamb_apply(total)
@@ -106,8 +113,9 @@ class TwinAdam(EngineOptimizer):
             return self.host.local_tensor(group_index, kind)
         if h == 0:
             return self.device.local_tensor(group_index, kind)
-        return torch.cat([self.device.local_tensor(group_index, kind).cpu(),
-                          self.host.local_tensor(group_index, kind).cpu()])
+        moves = Copies(self.transfers)
+        return torch.cat([moves.host(self.device.local_tensor(group_index, kind)),
+                          moves.host(self.host.local_tensor(group_index, kind))])
 
     reads_ranges = True
 
@@ -121,7 +129,8 @@ class TwinAdam(EngineOptimizer):
         parts = []
         if lo < d:
             k = min(n, d - lo)
-            parts.append(self.device.local_tensor(group_index, kind).narrow(0, lo, k).cpu())
+            parts.append(Copies(self.transfers).host(
+                self.device.local_tensor(group_index, kind).narrow(0, lo, k)))
         if lo + n > d:
             a = max(lo, d) - d
             k = lo + n - max(lo, d)
@@ -138,8 +147,8 @@ class TwinAdam(EngineOptimizer):
                              f"{group_index}'s {d + self._host_numel(group_index)} elements")
         if lo < d:
             k = min(n, d - lo)
-            self.device.local_tensor(group_index, kind).narrow(0, lo, k).copy_(
-                values.narrow(0, 0, k))
+            dev = self.device.local_tensor(group_index, kind).narrow(0, lo, k)
+            Copies(self.transfers).into(dev, values.narrow(0, 0, k))
         if lo + n > d:
             a = max(lo, d)
             rest = values.narrow(0, a - lo, lo + n - a)
@@ -153,7 +162,7 @@ class TwinAdam(EngineOptimizer):
         d = self._split(group_index)
         dev = self.device.local_tensor(group_index, kind)
         if dev.data_ptr() != values.data_ptr():  # not the view local_tensor handed out
-            dev.copy_(values.narrow(0, 0, d))
+            Copies(self.transfers).into(dev, values.narrow(0, 0, d))
         self.host.write_local(group_index, kind, values.narrow(0, d, values.numel() - d))
 
     def steps_taken(self, group_index: int) -> int:

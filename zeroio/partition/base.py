@@ -17,6 +17,7 @@ import torch
 
 from zeroio.shard.types import ParamEntry, ParamIndex, Segment, ShardGroup  # noqa: F401 (re-exported)
 from zeroio.tiering.gpu_tier import GpuTier
+from zeroio.tiering.stats import TierStats
 
 if TYPE_CHECKING:
     from zeroio.partition.stage3.twin import OptimizerSplit
@@ -56,6 +57,9 @@ class Partitioner:
     optimizer_split: OptimizerSplit | None = None
     """``offload_optimizer.ratio`` < 1: the device and host sides' physical ShardGroups
     (the engine builds a ``TwinAdam`` over them); None: one optimizer over ``groups``."""
+    transfers: TierStats | None = None
+    """Its host <-> device copies' bytes (engine.stats()["bytes_moved"]); the optimizer built
+    over it counts its own crossings (Lamb's norm sums, a twin's state reads) here too."""
     _assist: StepAssist | None = None
     """The step assist (shard/assist.py) of a partitioner whose host step runs on CUDA."""
     host_grad_divisor: float = 1.0

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from zeroio.errors import DistributedError
+from zeroio.tiering.copies import Copies
 
 # backend words of a peer that stopped answering or went away (gloo and NCCL)
 _PEER_LOST = ("timed out", "timeout", "closed by peer", "reset by peer", "connection refused",
@@ -300,11 +301,12 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group=None,
     n = torch.tensor([len(mine)], dtype=torch.int64, device=device)
     broadcast(n, src, group).wait()
     buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=device)
+    moves = Copies(None)  # a checkpoint's metadata text, not training state: uncounted
     if rank() == src and mine:
-        buf.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+        moves.into(buf, torch.frombuffer(bytearray(mine), dtype=torch.uint8))
     if buf.numel():
         broadcast(buf, src, group).wait()
-    return bytes(buf.cpu().numpy())
+    return bytes(moves.host(buf).numpy())
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> CommHandle:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroio.partition.base import ParamIndex, Segment, ShardGroup
+from zeroio.tiering.copies import Copies
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -116,11 +117,12 @@ def build_layout(
 
 
 def flatten_into_views(
-    layout: FlatLayout, dtype: torch.dtype, device: torch.device
+    layout: FlatLayout, dtype: torch.dtype, device: torch.device, copies: Copies
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the flat parameter and gradient buffers and make every parameter a view.
 
-    Parameter values are copied in (cast to ``dtype``); each parameter's
+    Parameter values are copied in through ``copies`` (cast to ``dtype``; they cross only
+    when the model is not on ``device`` yet); each parameter's
     ``.data`` becomes a view of the parameter buffer and its ``.grad`` a view
     of the gradient buffer, so autograd accumulates straight into the buffer
     that the collectives read."""
@@ -129,7 +131,7 @@ def flatten_into_views(
     for b in layout.buckets:
         for s in b.slots:
             view = params.narrow(0, s.flat_offset, s.numel).view_as(s.param)
-            view.copy_(s.param.detach())
+            copies.into(view, s.param.detach())
             s.param.data = view
             s.param.grad = grad_view(grads, s)
     return params, grads

@@ -76,6 +76,7 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Partitioner, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.flat import shard_group as _shard_group
+from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
 from zeroio.partition.home import ShardHome, host_home  # noqa: F401 (imported from here)
 from zeroio.partition.landing import GradPiece, StagedAdds, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
@@ -187,11 +188,12 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
         self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
             placed=self._accum_placed, host_grads=[g.grad for g in self._host], device=device)
-        self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device)
+        self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device,
+                                                     Copies(self.transfers))
         in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
         for p in module.parameters():  # frozen ones compute in the same dtype as the rest
             if id(p) not in in_layout and p.is_floating_point():
-                p.data = p.data.to(device=device, dtype=compute_dtype)
+                p.data = Copies(self.transfers).to(p.data, device, dtype=compute_dtype)
         self._staging16: dict[int, torch.Tensor] = {}
         self._side = DeviceStreams.of(device).side  # None on CPU; tiering/streams.py
         self.phase = Phase.IDLE
@@ -460,21 +462,17 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
                                        "call engine.backward once per micro step")
 
     def local_grad_sq_norm(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
         if self.stage == 0 and comm.rank(self.group) != 0:
-            return total  # stage 0 shards are replicas: only rank 0 contributes to the sum
+            # stage 0 shards are replicas: only rank 0 contributes to the sum
+            return torch.zeros((), dtype=torch.float32)
         if len(self._norm_parts) == self._n_pieces:
-            return torch.stack(self._norm_parts).sum().float().cpu()
-        for g in self._physical:
-            if g.grad.numel():  # fp32 norm (as torch's clip_grad_norm_), squared in float64
-                norm = torch.linalg.vector_norm(g.grad, dtype=torch.float32)
-                if g.grad.dtype != torch.float32:  # [Note: 16-bit host gradients]: unaveraged
-                    norm = norm / self.host_grad_divisor
-                total += norm.double().pow(2).float().cpu()
-        return total
+            return Copies(self.transfers).host(torch.stack(self._norm_parts).sum().float())
+        # [Note: 16-bit host gradients]: their norms are unaveraged
+        return shards_sq_norm((g.grad for g in self._physical), Copies(self.transfers),
+                              low_divisor=self.host_grad_divisor)
 
     def local_overflow(self) -> bool:
-        return any(not bool(torch.isfinite(g.grad).all()) for g in self._physical)
+        return shards_overflow((g.grad for g in self._physical), Copies(self.transfers))
 
     # ---- step ------------------------------------------------------------------------------
 

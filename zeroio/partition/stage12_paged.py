@@ -96,7 +96,8 @@ class PagedPublish12:
                 cpu_budget_bytes=paging.tiering.cpu_budget_bytes):
             return None
         paged = PagedMasters(host_numel, self.master_dtype, tiering=paging.tiering,
-                             aio=paging.aio, nvme_path=paging.nvme_path, rank=comm.rank())
+                             aio=paging.aio, nvme_path=paging.nvme_path, rank=comm.rank(),
+                             transfers=self.transfers)
         paged.publish = self._publish_piece
         return paged
 
@@ -115,7 +116,7 @@ class PagedPublish12:
                         self.paged.seed(gi, seg.local_offset, src)
                         continue
                     for off, dst in self._parts(gi, "master", seg.local_offset, seg.numel):
-                        dst.copy_(src.narrow(0, off, dst.numel()))
+                        Copies(self.transfers).into(dst, src.narrow(0, off, dst.numel()))
 
     def _publish_piece(self, gi: int, lo: int, values: torch.Tensor) -> None:
         """Masters [lo, lo + len(values)) of group ``gi`` (local offsets), updated and still in

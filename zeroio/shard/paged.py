@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 
 from zeroio.errors import ConfigError
+from zeroio.tiering.copies import Copies
+from zeroio.tiering.stats import TierStats
 
 SPILL_CHUNK_ELEMS = 1 << 22
 """Elements per chunk of the initial masters' spill (16 MiB of fp32)."""
@@ -40,10 +42,12 @@ class PagedMasters:
     """See [Note: paged masters]. ``numel``: this rank's master elements (all groups)."""
 
     def __init__(self, numel: int, dtype: torch.dtype, *, tiering, aio, nvme_path: str | None,
-                 rank: int, backend=None):
+                 rank: int, backend=None, transfers: TierStats | None = None):
+        """``transfers``: the partitioner's host <-> device copy stats (masters seeded from
+        device parameters cross once, at construction)."""
         from zeroio.tiering import PolicyKind, TieredStore
 
-        self.numel, self.dtype = numel, dtype
+        self.numel, self.dtype, self.transfers = numel, dtype, transfers
         self.publish: Callable[[int, int, torch.Tensor], None] | None = None
         """The partitioner's per-piece publication: (group, local start, master values)."""
         self.stale = False
@@ -75,7 +79,8 @@ class PagedMasters:
             n = min(SPILL_CHUNK_ELEMS, values.numel() - at)
             name = f"master.g{group}.o{lo + at}"
             self._spill.register(name, (n,), self.dtype, home=Tier.NVME,
-                                 init=values.narrow(0, at, n).to("cpu", self.dtype))
+                                 init=Copies(self.transfers).to(values.narrow(0, at, n), "cpu",
+                                                                 dtype=self.dtype))
             self._chunks.setdefault(group, []).append((lo + at, n, name))
 
     def read(self, group: int, lo: int, n: int) -> torch.Tensor:

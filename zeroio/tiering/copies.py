@@ -11,7 +11,10 @@ non_blocking=...)`` with the count issued first, on the current stream unless th
 names one. It adds no synchronisation, no staging and no cast of its own; a copy between
 tensors of one device (a cast on the GPU, a host-to-host copy) is made and not counted.
 Making a handle costs one small object, so callers may build one per call from the stats
-they hold (``Copies(self.transfers).into(...)``).
+they hold (``Copies(self.transfers).into(...)``). ``to`` and ``host`` are ``Tensor.to`` and
+``Tensor.cpu`` the same way: the tensor itself when nothing changes, else the new one, with
+the crossing bytes counted; ``host`` is also how a scalar reaches the host for control flow
+(a norm, an overflow flag): its few bytes are counted like any other.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Sequence
 import torch
 
 from zeroio.tiering.stats import TierStats, count_copy, device_tier
+
+_HOST = torch.device("cpu")
 
 
 class Copies:
@@ -63,6 +68,23 @@ class Copies:
         with self._on():
             out = torch.empty(src.shape, dtype=dtype or src.dtype, device=device)
         return self.into(out, src, non_blocking=non_blocking)
+
+    def to(self, src: torch.Tensor, device: torch.device | str, *,
+           dtype: torch.dtype | None = None, non_blocking: bool = False,
+           copy: bool = False) -> torch.Tensor:
+        """``src.to(device, dtype, non_blocking=..., copy=...)`` on the handle's stream:
+        ``src`` itself when neither device nor dtype changes (unless ``copy``)."""
+        device = torch.device(device)
+        if self.stats is not None and src.device.type != device.type:  # as count_copy
+            self.stats.moved(f"{device_tier(src.device)}->{device_tier(device)}",
+                             src.numel() * src.element_size())
+        with self._on():
+            return src.to(device, dtype, non_blocking=non_blocking, copy=copy)
+
+    def host(self, src: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+        """``src.cpu()``: ``src`` itself on the host, else a new host tensor (a scalar read
+        for control flow included), its bytes counted."""
+        return self.to(src, _HOST, non_blocking=non_blocking)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
                   non_blocking: bool = False) -> torch.Tensor:

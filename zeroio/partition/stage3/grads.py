@@ -77,6 +77,7 @@ import torch
 from zeroio.partition.base import ShardGroup
 from zeroio.partition.landing import StagedAdds, land
 from zeroio.partition.stage3.streams import keep_for, on, record, wait_stream
+from zeroio.tiering.copies import Copies
 from zeroio.tiering.stats import StallTimer, TierStats
 
 
@@ -273,7 +274,7 @@ class GradLanding:
         they do not cover the final gradient (accumulation, a group written twice)."""
         if not self._norm_valid or not self._norm_parts:
             return None
-        return torch.stack(self._norm_parts).sum().float().cpu()
+        return Copies(self.transfers).host(torch.stack(self._norm_parts).sum().float())
 
     def reset(self) -> None:
         """New accumulation: nothing written yet (``zero_grad``)."""

@@ -34,6 +34,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from zeroio.partition import collectives as comm
 from zeroio.partition.stage3 import registry
+from zeroio.tiering.copies import Copies
 
 
 def partition_param(p: nn.Parameter, *, group=None, src: int = 0,
@@ -56,7 +57,7 @@ def partition_param(p: nn.Parameter, *, group=None, src: int = 0,
     shard = max(1, -(-numel // world))
     flat = data.reshape(-1)
     if world == 1 and numel > 0:
-        piece = flat.to(_HOST)
+        piece = _INIT_COPIES.to(flat, _HOST)
     else:
         piece = torch.zeros(shard, dtype=data.dtype, device=_HOST)
         lo, hi = min(numel, rank * shard), min(numel, (rank + 1) * shard)
@@ -67,12 +68,15 @@ def partition_param(p: nn.Parameter, *, group=None, src: int = 0,
 
 
 _HOST = torch.device("cpu")
+_INIT_COPIES = Copies(None)
+"""zero.Init's moves run while the model is built, before any engine holds stats to count
+them into (engine.stats() counts from the engine's start)."""
 
 
 def _collective_ready(t: torch.Tensor, group) -> torch.Tensor:
     """NCCL moves device tensors only: a host tensor goes to the current GPU for the collective."""
     if t.device.type == "cpu" and comm.world_size(group) > 1 and comm._is_nccl(group):
-        return t.to(torch.device("cuda", torch.cuda.current_device()))
+        return _INIT_COPIES.to(t, torch.device("cuda", torch.cuda.current_device()))
     return t
 
 
@@ -87,7 +91,7 @@ def gather_param(p: nn.Parameter, group=None, device: torch.device | None = None
     n = rec.shard.numel()
     device = torch.device(device) if device is not None else rec.shard.device
     if rec.world == 1:
-        return rec.shard.narrow(0, 0, rec.numel).view(rec.shape).to(device)
+        return _INIT_COPIES.to(rec.shard.narrow(0, 0, rec.numel).view(rec.shape), device)
     full = torch.empty(n * rec.world, dtype=rec.dtype, device=device)
     full.narrow(0, comm.rank(group) * n, n).copy_(rec.shard)
     full = _collective_ready(full, group)

@@ -114,7 +114,7 @@ class TieredShards(OwnCopies):
     def put(self, key, shard):
         home = Tier.CPU if key in self.resident else Tier.NVME
         placed = self.store.register(_name(key), tuple(shard.shape), shard.dtype, home=home,
-                                     init=shard.detach().cpu())
+                                     init=Copies(self.transfers).host(shard.detach()))
         if placed is not home:  # a shard_numels/put mismatch would silently swap or pin
             raise ResidencyError(f"stage 3 shard {key} ({shard.numel()} elements) was placed in "
                                  f"{placed.value}, planned {home.value}: shard sizes given to "

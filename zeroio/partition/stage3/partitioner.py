@@ -22,6 +22,7 @@ from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError, DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Partitioner, Phase, ShardGroup
+from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
@@ -46,6 +47,7 @@ from zeroio.partition.step_overlap import PhaseClock, StepRunner
 from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import host_grad_dtype
 from zeroio.shard.paged import PagedMasters
+from zeroio.tiering.copies import Copies
 from zeroio.tiering.device_accum import accumulation_on_device, accumulation_placed
 from zeroio.tiering.stats import TierStats
 
@@ -189,7 +191,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                 'to "host"', key="zero_optimization.tiering.params_from_master")
         return PagedMasters(numel, DTYPES[settings.master_dtype], tiering=settings.tiering,
                             aio=settings.aio, nvme_path=settings.optimizer_nvme_path,
-                            rank=comm.rank())
+                            rank=comm.rank(), transfers=self.transfers)
 
     def _full_flat(self, g: ParamGroup) -> torch.Tensor:
         """The group's full padded flat in the original precision (one group at a time)."""
@@ -199,11 +201,12 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         for slot, p in zip(g.plan.slots, g.params, strict=True):
             rec = registry.INIT_SHARDS.get(p)
             dst = flat.narrow(0, slot.offset, slot.numel)
-            if rec is None:
-                dst.copy_(p.detach().reshape(-1))
+            if rec is None:  # on the device already when the engine moved the model there
+                Copies(self.transfers).into(dst, p.detach().reshape(-1))
                 continue
-            full = torch.empty(rec.shard.numel() * rec.world, dtype=rec.dtype, device=self.device)
-            full.narrow(0, self.rank * rec.shard.numel(), rec.shard.numel()).copy_(rec.shard)
+            n = rec.shard.numel()  # zero.Init's slice, in host memory
+            full = torch.empty(n * rec.world, dtype=rec.dtype, device=self.device)
+            Copies(self.transfers).into(full.narrow(0, self.rank * n, n), rec.shard)
             comm.all_gather_inplace(full, self.pg).wait()
             dst.copy_(full.narrow(0, 0, slot.numel))
         return flat
@@ -259,7 +262,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                 if self.paged is not None and ref.side is Side.HOST:
                     self.paged.seed(ref.piece.opt_group, ref.base, src)
                     continue
-                masters[ref.side][ref.piece.opt_group].narrow(0, ref.base, src.numel()).copy_(src)
+                Copies(self.transfers).into(
+                    masters[ref.side][ref.piece.opt_group].narrow(0, ref.base, src.numel()), src)
             g.load_full(flat)
             del flat
         for p in {id(p): p for g in self.pgroups for p in g.params}.values():
@@ -442,14 +446,9 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         if taken is not None:
             return taken
         self._host_grads_current()
-        total = torch.zeros((), dtype=torch.float32)
-        for sg in self._physical:
-            if sg.grad.numel():  # fp32 norm (as torch's clip_grad_norm_; of a 16-bit host
-                # shard too), squared in float64; no float64 copy of the shard (that doubled
-                # host memory and took seconds)
-                total += torch.linalg.vector_norm(sg.grad, dtype=torch.float32).double().pow(
-                    2).float().cpu()
-        return total
+        # fp32 norms of 16-bit host shards too; no float64 copy of a shard (that doubled host
+        # memory and took seconds)
+        return shards_sq_norm((sg.grad for sg in self._physical), Copies(self.transfers))
 
     def _host_grads_current(self) -> None:
         """Gradients held in resident chunks' GPU buffers into the host shards (the host is
@@ -459,7 +458,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
 
     def local_overflow(self) -> bool:
         self._host_grads_current()
-        return any(not bool(torch.isfinite(sg.grad).all()) for sg in self._physical)
+        return shards_overflow((sg.grad for sg in self._physical), Copies(self.transfers))
 
     def publish_params(self) -> None:
         """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
@@ -549,7 +548,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             if self.paged is not None and ref.side is Side.HOST:
                 self.paged.write(ref.piece.opt_group, ref.base, src)
                 continue
-            self._master(ref).copy_(src)
+            Copies(self.transfers).into(self._master(ref), src)
         g.write_back_full()  # after the masters: MasterShards orders its next fetch behind it
 
     def resident_bytes(self) -> dict[str, int]:

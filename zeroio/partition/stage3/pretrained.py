@@ -50,6 +50,7 @@ from torch import nn
 from zeroio.errors import CheckpointError
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.init import param_from_file
+from zeroio.tiering.copies import Copies
 
 _ACTIVE: list = []  # zero.Init contexts entered, innermost last
 _SAVED: dict[str, object] = {}  # name -> the descriptor found in PreTrainedModel.__dict__
@@ -212,7 +213,7 @@ def load_partitioned(model, reader, plan, load_config, init):
         else:
             new = reader.read(key).to(dtype)
             if init.device is not None:
-                new = new.to(init.device)
+                new = Copies(None).to(new, init.device)  # before any engine: uncounted
         new._is_hf_initialized = True  # transformers' init leaves it alone
         for module, name in owners.get(id(ref), []):
             setattr(module, name, new)

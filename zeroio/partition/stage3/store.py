@@ -96,7 +96,7 @@ class DeviceShards(OwnCopies):
         self._written: dict[int, torch.cuda.Event | None] = {}  # last update, on compute
 
     def put(self, key, shard):
-        self._shards[key] = shard.to(self.device).contiguous()
+        self._shards[key] = Copies(self.transfers).to(shard, self.device).contiguous()
 
     def fetch(self, key, streams):
         return Fetched(self._shards[key], self._written.pop(key, None))
@@ -134,7 +134,7 @@ class HostShards(OwnCopies):
 
     def put(self, key, shard):
         host = host_empty(shard.numel(), shard.dtype, pin=self.pin).view(shard.shape)
-        host.copy_(shard)
+        Copies(self.transfers).into(host, shard)
         self._shards[key] = host
 
     def fetch(self, key, streams):
