@@ -119,3 +119,33 @@ def test_plan_counts_the_accumulation():
     assert acc.traffic["gpu->cpu"] == 16 * 4 * host and one.traffic["gpu->cpu"] == 2 * host
     with pytest.raises(ConfigError, match="accumulation = 0"):
         plan_placement(15.24e9, m, **shape, accumulation=0)
+
+
+def test_the_plan_places_the_accumulation_buffer_where_the_engine_would():
+    """The Llama-3-8B shape on the H200 machine's figures at micro batch 1, seq 2048. With 8
+    micro-steps the planner gives each candidate the GPU memory it may use as the device room
+    (the engine's measured free memory), so the rule of config/accum_place.py places the fp32
+    accumulation buffer on the GPU when it fits half of what the GPU model states leave, less
+    the 2 GiB reserve: then the host gradient is 2 bytes (one micro step's rule), nothing is
+    staged on the host, the gradient crosses PCIe once per step, and the optimizer stays on
+    the CPU (the host path's fp32 gradient sent it to NVMe)."""
+    from zeroio.config.accum_place import ACCUM_RESERVE_BYTES, ACCUM_ROW
+    from zeroio.plan import MARGIN, Machine, plan_placement
+
+    m = Machine(gpus=1, gpu_bytes=149_560_000_000, host_bytes=133_690_000_000,
+                disk_bytes=68_640_000_000, pcie_bps=52.55e9, disk_read_bps=1.83e9,
+                disk_write_bps=2.18e9, cpu_adam_elems_per_s=3.9e9, disk_mixed_bps=1.3e9)
+    shape = dict(micro_batch=1, seq=2048, layers=32, hidden=4096, vocab=128256,
+                 intermediate=14336)
+    plan = plan_placement(8.03e9, m, **shape, accumulation=8)
+    assert plan.placement == "stage 3, optimizer on the CPU"
+    host = plan.estimate.placement()["offloaded_elements_per_gpu"]
+    rows = {i.name: (i.tier, i.bytes_per_gpu) for i in plan.estimate.items}
+    assert rows[ACCUM_ROW] == ("gpu", 4 * host)
+    # the rule by hand: half of the usable GPU memory the model states leave, less the reserve
+    states = sum(i.bytes_per_gpu for i in plan.estimate.items
+                 if i.tier == "gpu" and i.kind == "model_state")
+    assert 4 * host <= (int(m.gpu_bytes * (1 - MARGIN)) - states) // 2 - ACCUM_RESERVE_BYTES
+    assert rows["gradients"] == ("cpu", 2 * host)  # 16-bit host gradient
+    assert not any("staging" in name for name in rows)
+    assert plan.traffic["gpu->cpu"] == 2 * host  # once per step, not once per micro step

@@ -90,8 +90,9 @@ class MachineMemory:
     gpus_per_node: int = 1
     """Ranks per node."""
     gpu_free_bytes: int | None = None
-    """Free device memory where measured (the running engine: 0 on a CPU device), which decides
-    the accumulation buffer's tier; None: a plan (only an explicit budget places it)."""
+    """Free device memory (the running engine's, measured: 0 on a CPU device; a plan's, the GPU
+    memory it may use), which decides the accumulation buffer's tier; None: unknown (only an
+    explicit budget places it)."""
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "host_bytes", "nvme_free_bytes", "gpus_per_node",

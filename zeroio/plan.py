@@ -299,8 +299,11 @@ def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,
 def _layout(p: Placement, model: _Model, machine: Machine, ratio: float,
             cpu_budget: int | None) -> layout.Placement:
     """Candidate ``p``'s buffers ([Note: one placement] in zeroio/placement.py)."""
+    # the device room the accumulation buffer is placed by: the GPU memory the plan may use,
+    # as the engine reads its free memory (config/accum_place.py)
     mem = layout.MachineMemory(gpu_bytes=machine.gpu_bytes, host_bytes=machine.host_bytes,
-                               nvme_free_bytes=machine.disk_bytes, gpus_per_node=machine.gpus)
+                               nvme_free_bytes=machine.disk_bytes, gpus_per_node=machine.gpus,
+                               gpu_free_bytes=int(machine.gpu_bytes * (1 - MARGIN)))
     disk = _disk_per_rank(machine) if p.optimizer == "nvme" else None
     raw = _config(p, model, ratio, cpu_budget)
     raw["zero_optimization"] = {**dict(model.buffers), **raw["zero_optimization"]}

@@ -9,8 +9,8 @@ elements, that later writes cross PCIe in before the host adds them (partition/l
 [Note: bounded staging]); or, where ``planned_on_device`` places it, one fp32 buffer of the
 offloaded elements on the GPU (4 x H) and a host gradient by the rule of one micro step
 (16-bit where the one-pass CPU Adam is planned). With the device's free bytes
-(``estimate_memory``'s ``device_room``: the host-memory preflight passes them) it decides
-as the engine will; without them (``zeroio estimate``, ``zeroio plan``) only a
+(``estimate_memory``'s ``device_room``: the engine's measured machine, or the planner's
+usable GPU memory) it decides as the engine will; without them (``zeroio estimate``) only a
 ``tiering.gpu_budget_bytes`` that covers the buffer places it, "auto" being planned as the
 host path (an upper bound of host memory)."""
 
