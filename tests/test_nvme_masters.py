@@ -176,16 +176,22 @@ def test_masters_on_nvme_train_as_torch_adamw_and_as_host_masters_bit_for_bit(tm
     # (but a piece the window's spare room still caches at the sweep's end), so far more than
     # the moments alone (8 of the 12 bytes)
     assert r["streamed_masters"] > 0 and r["streamed_bytes"] == r["streamed_by_hand"]
+    assert_streamed_and_exact(r)
+
+
+def assert_streamed_and_exact(r: dict) -> None:
+    """A paged run ``r`` against the plan's disk bytes, zeroio's host masters and torch AdamW:
+    each step moves, each way, at least what the moments alone would (8 of 12 bytes) and all
+    the streamed bytes but one piece's at most; losses and weights bit for bit as the
+    host-master run's, and as plain torch AdamW within fp32 tolerance."""
     low = max(r["streamed_bytes"] - r["largest_piece"], r["streamed_bytes"] * 8 // 12 + 1)
     for moved in r["per_step"]:
         for way in ("nvme->cpu", "cpu->nvme"):
             assert low <= moved[way] <= r["streamed_bytes"], (moved, r["streamed_bytes"], low)
-    # bit for bit as zeroio's host masters
     assert r["losses"] == r["host_losses"]
     assert r["params"].keys() == r["host_params"].keys()
     for k, v in r["params"].items():
         assert np.array_equal(v, r["host_params"][k]), k
-    # and as plain torch AdamW within fp32 tolerance
     ref_losses, ref_params = _torch_adamw()
     np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-5, atol=1e-6)
     for k, v in ref_params.items():

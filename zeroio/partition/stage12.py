@@ -150,12 +150,14 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         """``cpu_optimizer``: the host shards are stepped by ``ShardedAdam`` on the CPU
         (offload_optimizer cpu); with ``accumulation_steps`` it decides [Note: 16-bit host
         gradients]. ``nvme_optimizer``: they are stepped by ``SwappedAdam`` on the CPU
-        (offload_optimizer nvme), under the same rule. ``step_assist``: the GPU steps a share of the host
-        chunks (shard/assist.py, [Note: step assist]; CUDA with host masters only), ``gpu_budget_bytes`` of them
-        resident (None: "auto"; [Note: resident chunks]). ``accumulate_on_device``: the engine's placement's decision
-        ([Note: accumulation on the device tier]; None: decided here by its rule). ``host_kernel``: the one-pass CPU Adam (the engine passes
-        optim/cpu_adam.py; None: the host gradients stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``:
-        of masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments.
+        (offload_optimizer nvme), under the same rule. ``step_assist``: the GPU steps a
+        share of the host chunks (shard/assist.py, [Note: step assist]; CUDA with host
+        masters only), ``gpu_budget_bytes`` of them resident (None: "auto"; [Note: resident
+        chunks]). ``accumulate_on_device``: the engine's placement's decision ([Note:
+        accumulation on the device tier]; None: decided here by its rule). ``host_kernel``:
+        the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the host gradients
+        stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``: of
+        masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments.
         ``masters``: may they page ([Note: stage 1/2 paged masters]); None: host masters."""
         self.stage, self.master_dtype, self._state_dtype = stage, master_dtype, state_dtype
         self.host_grad_dtype = torch.float32
