@@ -263,6 +263,15 @@ def _large_batch_steps(part: str) -> tuple[Step, ...]:
     return (_zeroio_8b("zeroio-mb8", 1, 5, 220), _zeroio_8b("zeroio-mb8-ga8", 8, 3, 300))
 
 
+def _large_batch_pair_steps() -> tuple[Step, ...]:
+    """zeroio's accumulation row and MegaTrain's best row in one call, so the comparison is on
+    one card: zeroio first (the row the target is about), then DeepSpeed's CPU Adam for
+    MegaTrain, then MegaTrain at micro batch 64."""
+    peer = _large_batch_steps("peer")
+    return (_zeroio_8b("zeroio-mb8-ga8", 8, 3, 230), Step("ds-jit", peer[0].shell, 70),
+            _megatrain_8b(64, 3, 180))
+
+
 def _growing_steps() -> tuple[Step, ...]:
     """benchmarks/growing_batch.py at SHAPE_4B, micro batch 8: 3 steps at seq 1024 then 2 at
     4096, stages 2 and 3 with the defaults ("auto" resident chunks) beside gpu_budget_bytes 0,
@@ -360,6 +369,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("large-batch-peer", "nvidia-h200", "MegaTrain on the Llama-3-8B shape at seq 2048, "
           "micro batch 64 (its regime), after a smoke run on a small shape",
           _large_batch_steps("peer"), peers=True),
+    Suite("large-batch-pair", "nvidia-h200", "the Llama-3-8B shape at seq 2048 in one call: "
+          "zeroio at micro batch 8 x accumulation 8 (131k tokens a step), then MegaTrain at its "
+          "micro batch 64 (its CPU Adam built first)", _large_batch_pair_steps(), peers=True),
     Suite("large-batch", "nvidia-h200", "zeroio on the Llama-3-8B shape at seq 2048: micro "
           "batch 8 x accumulation 1, then x 8 (131k tokens a step)", _large_batch_steps("zeroio")),
     Suite("train-default", "nvidia-h200", "`zeroio train` with no arguments, timed", (
