@@ -63,7 +63,8 @@ DS_KEYS = frozenset({
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _PIPELINE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
-_MOE = re.compile(r"^(expp_rank_\d+_mp_rank_\d+_optim_states|(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states)\.pt$")
+_MOE = re.compile(r"^(expp_rank_\d+_mp_rank_\d+_optim_states"
+                  r"|(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states)\.pt$")
 
 
 def is_deepspeed_tag(d: Path) -> bool:
@@ -205,10 +206,14 @@ def parse_tag(d: Path) -> DeepSpeedTag:
     states = {r: _read(p) for r, p in model_files.items()}
     ms = states.get(0)
     if ms is None:
-        raise CheckpointError(f"{d}: no model states file of rank 0 ({sorted(p.name for p in model_files.values())})")
-    if ms.get("optimizer") is not None or not optim_files:
-        raise _refuse(d, "ZeRO stage 0 (the optimizer state is in the model states file)"
-                      + (" with bf16 (bf16_zero)" if bf16 else ""), [p.name for p in model_files.values()])
+        found = sorted(p.name for p in model_files.values())
+        raise CheckpointError(f"{d}: no model states file of rank 0 (found {found})")
+    if ms.get("optimizer") is not None:
+        raise _refuse(d, "ZeRO stage 0 (the optimizer state is in the model states file)",
+                      [p.name for p in model_files.values()])
+    if not optim_files:
+        raise CheckpointError(f"{d}: DeepSpeed's model states are here but its optimizer files "
+                              "(*_optim_states.pt, one per rank) are missing; restore them")
     if (ms.get("mp_world_size") or 1) != 1:
         raise _refuse(d, f"tensor/model parallel (mp_world_size {ms['mp_world_size']})", [])
     if (ms.get("num_experts") or 1) not in (1, [1]):
@@ -217,9 +222,10 @@ def parse_tag(d: Path) -> DeepSpeedTag:
     if sorted(optim_files) != list(range(len(optim_files))):
         raise CheckpointError(f"{d}: optimizer files of ranks {sorted(optim_files)}; ranks "
                               f"0..{len(optim_files) - 1} are needed: restore the missing ones")
+    if any("zero_stage" not in o for o in optim) and bf16:
+        raise _refuse(d, "bf16_zero (DeepSpeed's BF16_Optimizer, without ZeRO partitioning)",
+                      [optim_files[0].name])
     stage = _stage(optim[0], optim_files[0])
-    if stage != 3 and any("zero_stage" not in o for o in optim):
-        raise _refuse(d, "bf16_zero (DeepSpeed's BF16_Optimizer)", [optim_files[0].name])
     counts = optim[0].get("partition_count")
     world = max(counts) if isinstance(counts, list) else counts
     if world != len(optim):
@@ -256,7 +262,8 @@ def _map_params(tag: DeepSpeedTag) -> None:
         raise CheckpointError(f"{tag.path}: the model states have no param_shapes list; not a ZeRO checkpoint")
     shared = ms.get("shared_params") or {}
     tag.shared = {str(k): str(v) for k, v in shared.items()}
-    tag.frozen = {str(n): _shape(s, f"{tag.path}: frozen {n}") for n, s in (ms.get("frozen_param_shapes") or {}).items()}
+    frozen = ms.get("frozen_param_shapes") or {}
+    tag.frozen = {str(n): _shape(s, f"{tag.path}: frozen {n}") for n, s in frozen.items()}
     if tag.stage == 3:
         _map_stage3(tag, groups)
     else:
@@ -278,7 +285,8 @@ def _map_stage12(tag: DeepSpeedTag, groups: list[Mapping]) -> None:
             shape = _shape(shape, f"{tag.path}: {name}")
             numel = math.prod(shape)
             tag.shapes[str(name)] = shape
-            tag.pieces[str(name)] = _split(offset, numel, starts, [lean[r][g] for r in range(tag.world_size)], g)
+            lengths = [lean[r][g] for r in range(tag.world_size)]
+            tag.pieces[str(name)] = _split(offset, numel, starts, lengths, g)
             offset += numel + (int(paddings[g][i]) if paddings else 0)
         if offset > sum(lean[r][g] for r in range(tag.world_size)):
             raise CheckpointError(f"{tag.path}: group {g}'s parameters need {offset} elements, its fp32 "

@@ -32,7 +32,13 @@ from zeroio.checkpoint import deepspeed_layout as dsl
 from zeroio.checkpoint import layout, tags
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.reader import LoadResult
-from zeroio.checkpoint.state import LazySegment, ParamEntry, ShardedState, build_index, split_by_param
+from zeroio.checkpoint.state import (
+    LazySegment,
+    ParamEntry,
+    ShardedState,
+    build_index,
+    split_by_param,
+)
 from zeroio.errors import CheckpointError
 from zeroio.io.torch_file import Record, StorageRef, TensorRef, verify_member
 
@@ -62,8 +68,9 @@ def find(root: str | os.PathLike, tag: str | None) -> dsl.DeepSpeedTag | None:
         return None  # zeroio's: its reader reports a missing or broken tag
     ds_tags = sorted(p.name for p in root.iterdir() if dsl.is_deepspeed_tag(p))
     if ds_tags:
-        raise CheckpointError(f"{root} is a DeepSpeed checkpoint directory with tags {ds_tags}, "
-                              + (f"not {tag!r}" if tag else "and no `latest` file") + ": pass one of them as tag")
+        which = f"not {tag!r}" if tag else "and no `latest` file"
+        raise CheckpointError(f"{root} is a DeepSpeed checkpoint directory with tags {ds_tags}, {which}: "
+                              "pass one of them as tag")
     _other_layout(root)
     return None
 
@@ -338,11 +345,15 @@ def consolidate(tag: dsl.DeepSpeedTag, dtype: torch.dtype | None = None) -> dict
     module = tag.model_states.get("module") or {}
     order = [n for n in module if n in tag.shapes or n in tag.frozen]
     order += [n for n in [*tag.shapes, *tag.frozen] if n not in order]
+    runs = {name: locate(tag, "fp32", name) for name in order}
+    storages = {(r.storage.path, r.storage.member): r.storage for rs in runs.values() for _a, r, _l, _n in rs}
+    for storage in storages.values():  # a damaged file is an error, never wrong weights
+        verify_member(storage)
     out = {}
     for name in order:
         shape = tag.shapes.get(name, tag.frozen.get(name))
         flat = torch.empty(math.prod(shape), dtype=torch.float32)
-        for at, ref, ref_lo, n in locate(tag, "fp32", name):
+        for at, ref, ref_lo, n in runs[name]:
             flat[at: at + n] = ref.read(ref_lo, n)
         out[name] = flat.view(shape) if dtype is None else flat.view(shape).to(dtype)
     return out

@@ -9,9 +9,9 @@ out only callables of this module, looked up in a fixed table:
 
 - ``torch._utils._rebuild_tensor_v2`` builds a `TensorRef` (storage, offset, shape, stride):
   a description, no tensor (``_rebuild_from_type_v2``, a tensor with Python attributes, and
-  ``_rebuild_parameter`` give the same, the attributes dropped); ``torch.<T>Storage`` names a dtype; ``torch.Size`` gives a tuple;
-  ``torch.<dtype>`` gives that dtype; ``collections.OrderedDict``, ``builtins.set`` and
-  ``builtins.frozenset`` are containers.
+  ``_rebuild_parameter`` give the same, the attributes dropped); ``torch.<T>Storage`` names a
+  dtype; ``torch.Size`` gives a tuple; ``torch.<dtype>`` gives that dtype;
+  ``collections.OrderedDict``, ``builtins.set`` and ``builtins.frozenset`` are containers.
 - the plain classes the caller admits (``records``: DeepSpeed's loss scaler, its ZeRO-stage
   enum, ...) become `Record` objects holding the class name, the constructor arguments and the
   attribute state, nothing of the class itself: DeepSpeed need not be installed.
@@ -27,6 +27,7 @@ member's zip CRC-32 first, streaming it in pieces.
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import math
 import os
@@ -206,6 +207,9 @@ class _Unpickler(pickle.Unpickler):
         self._raw = raw  # the archive, opened for reading its members' local headers
 
     def find_class(self, module: str, name: str):
+        # protocol 2 writes Python 2's names (``__builtin__``): read them as Python 3's
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         try:
             return self._table[(module, name)]
         except KeyError:
@@ -253,7 +257,8 @@ def read_torch_file(path: str | os.PathLike, records: dict[str, str] | None = No
                 raise CheckpointError(f"{path} is a zip archive without one <name>/data.pkl: not a "
                                       "file torch.save wrote")
             prefix = pkl[0].split("/")[0]
-            order = z.read(f"{prefix}/byteorder").decode().strip() if f"{prefix}/byteorder" in infos else "little"
+            order_file = f"{prefix}/byteorder"
+            order = z.read(order_file).decode().strip() if order_file in infos else "little"
             if order != "little":
                 raise CheckpointError(f"{path} was written on a {order}-endian machine; zeroio reads "
                                       "little-endian torch files")
@@ -294,6 +299,8 @@ def read_elements(storage: StorageRef, lo: int, n: int) -> torch.Tensor:
         raise CheckpointError(f"{storage.path}: member {storage.member} holds {storage.nbytes} bytes, "
                               f"elements [{lo}, {lo + n}) of {storage.dtype} need {(lo + n) * size}; "
                               "the file is truncated or damaged")
+    if n == 0:
+        return torch.empty(0, dtype=storage.dtype)
     out = np.empty(n * size, dtype=np.uint8)
     try:
         with open(storage.path, "rb") as f:
