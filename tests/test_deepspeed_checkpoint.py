@@ -2,8 +2,8 @@
 
 The fixture (tests/fixtures/deepspeed_ckpt, made by make_fixture.py on real DeepSpeed 0.19.8,
 CPU, 2 gloo ranks) holds DeepSpeed's ZeRO stage 1, 2 and 3 checkpoints of a small tied
-language model after 4 steps, and the losses DeepSpeed went on to train to step 8. Here, with
-no DeepSpeed installed:
+language model after 4 steps (and stage 2 and 3 ones with its LayerNorm frozen), and the
+losses DeepSpeed went on to train to step 8. Here, with no DeepSpeed installed:
 
 - zeroio loads each checkpoint at the same world size and stage, and at another (1 rank, the
   other stage), trains steps 5-8 on the same data with the same config, and its losses equal
@@ -15,6 +15,7 @@ no DeepSpeed installed:
 - the masters, moments and step counts zeroio loaded equal DeepSpeed's tensors read
   independently (torch.load, DeepSpeed's partition rules applied here by hand), bit for bit;
   at stages 1-2 the masters also equal the module weights DeepSpeed saved (fp32 training).
+- frozen parameters (frozen_param_shapes / _fragments) come back as DeepSpeed saved them.
 - consolidate (API and CLI) gives those weights; inspect describes the checkpoint.
 - layouts zeroio does not read, and a folder of neither kind, get an error naming what was found.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zeroio.checkpoint import consolidate
 from zeroio.errors import CheckpointError
 from zeroio.testing import run_ranks
 
@@ -43,7 +45,7 @@ GLOBAL_BATCH = tiny_lm.MICRO_BATCH * 2  # the fixture's 2 ranks
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def _recorded(stage: int) -> dict:
+def _recorded(stage) -> dict:
     return json.loads((FIXTURE / f"stage{stage}" / "losses.json").read_text())
 
 
@@ -189,6 +191,57 @@ def test_weights_alone_miss_deepspeeds_losses():
     assert max(abs(a - b) for a, b in zip(got["losses"], rec["continuation_losses"], strict=True)) > 1e-3
 
 
+def _frozen_reference(stage: int) -> dict[str, torch.Tensor]:
+    """The frozen LayerNorm as DeepSpeed saved it: whole (stage 2) or a padded slice per rank (3)."""
+    tag = FIXTURE / f"stage{stage}_frozen" / "step4"
+    if stage != 3:
+        return dict(_torch_load(tag / "mp_rank_00_model_states.pt")["frozen_param_fragments"])
+    frags = [_torch_load(tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")["frozen_param_fragments"]
+             for r in range(2)]
+    return {n: torch.cat([f[n] for f in frags])[:65] for n in tiny_lm.FROZEN}
+
+
+def _resume_frozen(root: str, zero_stage: int) -> dict:
+    """As `_resume`, with the LayerNorm frozen (DeepSpeed's frozen_param_* metadata)."""
+    import torch.distributed as dist
+
+    import zeroio
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(123)
+    model = tiny_lm.freeze(tiny_lm.TinyLM())
+    engine, *_ = zeroio.initialize(model=model, config=_config(zero_stage, world),
+                                   model_parameters=tiny_lm.param_groups(model))
+    engine.load_checkpoint(root)
+    with zeroio.zero.GatheredParameters(list(model.norm.parameters())):
+        frozen = {f"norm.{n}": p.detach().clone().numpy() for n, p in model.norm.named_parameters()}
+    per, losses = GLOBAL_BATCH // world, []
+    for batch in tiny_lm.global_batches(2)[tiny_lm.SAVE_AT:]:
+        loss = engine(batch[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        t = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return {"frozen": frozen, "losses": losses}
+
+
+FROZEN_CASES = [(2, 2, 2), (3, 1, 3)]
+
+
+@pytest.mark.parametrize("ds_stage,world,zero_stage", FROZEN_CASES,
+                         ids=[f"ds{a}-to-{b}ranks-zero{c}" for a, b, c in FROZEN_CASES])
+def test_frozen_parameters_come_back_and_training_follows_deepspeed(ds_stage, world, zero_stage):
+    rec = _recorded(f"{ds_stage}_frozen")
+    got = run_ranks(_resume_frozen, world, str(FIXTURE / f"stage{ds_stage}_frozen"), zero_stage)[0]
+    for name, want in _frozen_reference(ds_stage).items():
+        assert torch.equal(torch.from_numpy(got["frozen"][name]), want), name
+    assert got["losses"] == pytest.approx(rec["continuation_losses"], rel=1e-6, abs=0)
+    weights = consolidate(FIXTURE / f"stage{ds_stage}_frozen")
+    assert set(weights) == {n for n, _ in tiny_lm.TinyLM().named_parameters()}
+    assert all(torch.equal(weights[n], w) for n, w in _frozen_reference(ds_stage).items())
+
+
 def test_stage12_masters_are_the_module_weights_deepspeed_saved():
     """fp32 training: DeepSpeed's module weights are its masters, a reference with no partition rule."""
     for stage in (1, 2):
@@ -200,7 +253,6 @@ def test_stage12_masters_are_the_module_weights_deepspeed_saved():
 def test_consolidate_gives_the_weights(tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from zeroio.checkpoint import consolidate
     from zeroio.cli.main import main
 
     for stage in (2, 3):
@@ -250,7 +302,6 @@ def _find(root, tag=None):
 
 
 def test_a_damaged_file_is_named_before_anything_is_loaded(tmp_path):
-    from zeroio.checkpoint import consolidate
     from zeroio.checkpoint.deepspeed_inspect import verify
 
     root = _copy(tmp_path)
@@ -355,8 +406,6 @@ def test_tag_folder_and_wrong_tag_say_what_to_pass(tmp_path):
 
 
 def test_a_folder_of_another_layout_says_what_it_found(tmp_path):
-    from zeroio.checkpoint import consolidate
-
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")

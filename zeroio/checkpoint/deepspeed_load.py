@@ -64,7 +64,7 @@ def find(root: str | os.PathLike, tag: str | None) -> dsl.DeepSpeedTag | None:
         return dsl.parse_tag(root / tag)
     if (root / "latest_universal").is_file():
         raise dsl._refuse(root, "a DeepSpeed universal checkpoint (latest_universal)", ["latest_universal"])
-    if tags.scan_tags(root) or tags.side_folders(root):
+    if _has_zeroio(root):
         return None  # zeroio's: its reader reports a missing or broken tag
     ds_tags = sorted(p.name for p in root.iterdir() if dsl.is_deepspeed_tag(p))
     if ds_tags:
@@ -73,6 +73,14 @@ def find(root: str | os.PathLike, tag: str | None) -> dsl.DeepSpeedTag | None:
                               "pass one of them as tag")
     _other_layout(root)
     return None
+
+
+def _has_zeroio(root: Path) -> bool:
+    """Anything of zeroio's layout in ``root`` (a tag folder, complete or not; a copy beside one)."""
+    for p in root.iterdir():
+        if p.is_dir() and ((p / "zarr.json").exists() or (p / layout.MANIFEST).exists()):
+            return True
+    return bool(tags.side_folders(root))
 
 
 def _latest(root: Path) -> str | None:
