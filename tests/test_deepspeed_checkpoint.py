@@ -399,6 +399,7 @@ def test_tag_folder_and_wrong_tag_say_what_to_pass(tmp_path):
         _find(root / "step4")
     with pytest.raises(CheckpointError, match=r"with tags \['step4'\], not 'step9'"):
         _find(root, "step9")
+    assert _find(root, "../ds") is None  # not one folder: zeroio's reader names the tag rule
     (root / "latest").unlink()
     with pytest.raises(CheckpointError, match=r"no `latest` file"):
         _find(root)

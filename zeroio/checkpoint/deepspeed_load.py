@@ -60,6 +60,8 @@ def find(root: str | os.PathLike, tag: str | None) -> dsl.DeepSpeedTag | None:
                               f"checkpoint directory: pass its parent {root.parent} and tag={root.name!r}")
     if tag is None:
         tag = _latest(root)
+    elif not _one_folder(tag):
+        return None  # zeroio's reader names the rule a tag follows
     if tag is not None and dsl.is_deepspeed_tag(root / tag):
         return dsl.parse_tag(root / tag)
     if (root / "latest_universal").is_file():
@@ -83,9 +85,15 @@ def _has_zeroio(root: Path) -> bool:
     return bool(tags.side_folders(root))
 
 
+def _one_folder(tag) -> bool:
+    """``tag`` names one folder inside the directory (DeepSpeed's tags are any such name)."""
+    return isinstance(tag, str) and bool(tag) and "/" not in tag and "\0" not in tag \
+        and tag not in (".", "..")
+
+
 def _latest(root: Path) -> str | None:
     tag = layout.read_latest(root)
-    return tag if tag and layout.valid_name(tag) else None
+    return tag if _one_folder(tag) else None
 
 
 def _other_layout(root: Path) -> None:
