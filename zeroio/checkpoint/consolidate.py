@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from zeroio.checkpoint import deepspeed_load
 from zeroio.checkpoint.layout import Manifest
 from zeroio.checkpoint.reader import ArrayReader, ChunkCursor, _Request, resolve_tag
 from zeroio.dtypes import DTYPES
@@ -68,7 +69,11 @@ def _read_params(reader: ArrayReader, kind: str, names: list[str], dtype, desc: 
 
 def consolidate(checkpoint_dir: str | os.PathLike, tag: str | None = None, *,
                 dtype: str | torch.dtype | None = None, progress: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter of checkpoint ``tag`` (default: latest) as a full tensor, in model order."""
+    """Every parameter of checkpoint ``tag`` (default: latest) as a full tensor, in model order
+    (a checkpoint DeepSpeed wrote too: deepspeed_load.py)."""
+    ds = deepspeed_load.find(checkpoint_dir, tag)
+    if ds is not None:
+        return deepspeed_load.consolidate(ds, parse_dtype(dtype))
     manifest = resolve_tag(checkpoint_dir, tag)
     reader = ArrayReader(manifest, progress=progress)
     kind = weight_kind(manifest)
@@ -283,7 +288,12 @@ def write_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     one window and its cast. Every file is renamed into place only when complete, and
     nothing is renamed when a chunk is corrupt or missing: the CheckpointError names it. The
     folder is written beside ``out_dir`` and replaces an earlier export there whole
-    ([Note: replacing an export] in zeroio/io/export_dir.py)."""
+    ([Note: replacing an export] in zeroio/io/export_dir.py). A checkpoint DeepSpeed wrote is
+    consolidated in memory (deepspeed_load.py), as DeepSpeed's zero_to_fp32 does."""
+    ds = deepspeed_load.find(checkpoint_dir, tag)
+    if ds is not None:
+        return write_folder(deepspeed_load.consolidate(ds, parse_dtype(dtype)), out_dir,
+                            max_shard_bytes=max_shard_bytes, progress=progress)
     manifest = resolve_tag(checkpoint_dir, tag)
     kind = weight_kind(manifest)
     info = manifest.arrays[kind]

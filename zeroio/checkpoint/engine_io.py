@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 
-from zeroio.checkpoint import rng
+from zeroio.checkpoint import deepspeed_load, rng
 from zeroio.checkpoint.comm import Comm
+from zeroio.checkpoint.deepspeed_load import DeepSpeedLoad
 from zeroio.checkpoint.layout import CheckpointWarning
 from zeroio.checkpoint.reader import ShardedLoad, resolve_tag
 from zeroio.checkpoint.state import (
@@ -397,14 +398,17 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     frozen = _uncovered(engine, index, comm)
     err, load, locals_, frozen_buf = None, None, {}, {}
     try:
+        ds = deepspeed_load.find(load_dir, tag)  # a tag DeepSpeed wrote, else None (zeroio's)
         if load_optimizer_states:
-            _check_rule(engine, resolve_tag(load_dir, tag, warn=False))
+            _check_rule(engine, deepspeed_load.manifest(ds) if ds else resolve_tag(load_dir, tag, warn=False))
         # every rank reads its shards (stage 0: all of them) and every frozen parameter whole
         arrays = {k: _load_segments(engine, k, locals_) for k in kinds}
         frozen_buf = {n: torch.empty(index[n].numel, dtype=torch.float32) for n in frozen}
         arrays["fp32"] += [Segment(index[n].offset, frozen_buf[n]) for n in frozen]
-        load = ShardedLoad(load_dir, tag, ShardedState(index=index, arrays=arrays), kinds=kinds,
-                           strict=strict, comm=comm, aio=engine.config.aio)
+        template = ShardedState(index=index, arrays=arrays)
+        load = DeepSpeedLoad(ds, template, kinds=kinds, strict=strict, comm=comm,
+                             micro_per_step=engine.gradient_accumulation_steps()) if ds else \
+            ShardedLoad(load_dir, tag, template, kinds=kinds, strict=strict, comm=comm, aio=engine.config.aio)
         _check_scalars(engine, load.manifest, load_optimizer_states)
         load.verify()
     except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows

@@ -109,6 +109,11 @@ def describe(root, tag=None, verify=False, progress=False) -> dict:
     check_root(root)
     if tag is not None:
         check_tag(tag)
+    from zeroio.checkpoint.deepspeed_inspect import describe as describe_deepspeed
+
+    ds = describe_deepspeed(root, tag, verify)  # a directory DeepSpeed wrote: its own report
+    if ds is not None:
+        return ds
     scan = scan_tags(root)
     latest = read_latest(root)
     if not scan and latest is None and not (root / LATEST).exists():
@@ -156,13 +161,15 @@ def run(args) -> int:
         if not t["complete"]:
             print(f"  {t['tag']}: INVALID - {t['problem']}")
             continue
-        model = t["hf_model_type"] or t["model_class"]
-        print(f"  {t['tag']}: written {t['created']} by {t['world_size']} rank(s) at stage {t['stage']}, "
+        model = t["hf_model_type"] or t["model_class"] or "the model"
+        by = f" with {t['writer']}" if t.get("writer") else ""
+        print(f"  {t['tag']}: written {t['created']}{by} by {t['world_size']} rank(s) at stage {t['stage']}, "
               f"step {t['global_steps']}; {t['parameters']} parameters ({t['numel']:,} elements) of {model}; "
               f"{_human(t['bytes'])}" + ("; verified" if t.get("verified") else ""))
         for k, a in t["arrays"].items():
             print(f"    {k:<12} {a['dtype']:<9} {a['numel']:>14,} elements  {_human(a['bytes']):>10}  "
-                  + (f"{a['chunks']} shared extent(s)" if a.get("layout") == "extents" else f"{a['chunks']} chunk(s)"))
+                  + {"extents": f"{a['chunks']} shared extent(s)", "deepspeed": f"{a['chunks']} rank file(s)"}
+                  .get(a.get("layout"), f"{a['chunks']} chunk(s)"))
         if t["client_state_keys"]:
             print(f"    client_state: {', '.join(t['client_state_keys'])}")
     for d in info["leftovers"]:
