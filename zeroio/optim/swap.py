@@ -61,7 +61,11 @@ read during forward and backward) fails the step with nothing changed, and the
 engine rolls the step back; a read of a later piece fails it after the update of
 the earlier ones, and the engine refuses to go on. ``abort_step`` releases what a
 failed step acquired and forgets its failed reads, so the retry (or the checkpoint
-load) reads afresh.
+load) reads afresh. A write-back of the previous step that failed after that step returned
+(write-behind, or a victim's write-back nobody waited for) lost nothing: the piece stays
+dirty in the window ([Note: a write-back that failed] in tiering/mover.py). The step asks
+the store for such a failure first (``check_writes``), so it fails this step with nothing
+changed, and the retry writes the piece back again.
 
 [Note: where the masters live]
 Decided once, when the partitioner is built (``offload_optimizer.masters``;
@@ -370,6 +374,7 @@ class SwappedAdam(EngineOptimizer):
         self.touched = False
         with torch.profiler.record_function("zeroio::optimizer_step_nvme"):
             try:
+                self.store.check_writes()  # [Note: reads before writes]: the last write-behind
                 self._verify_first_reads()
                 for i, p in enumerate(self.pieces):
                     if self.plan.read_ahead:  # piece i first: requests are served in order

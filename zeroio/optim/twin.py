@@ -73,6 +73,10 @@ class TwinAdam(EngineOptimizer):
         if on_updated is not None:
             raise ValueError("TwinAdam.step: on_updated is a stage 1/2 hook; stage 3 publishes "
                              "through run_step or publish_params")
+        self.touched = False
+        if self.host.store is not None:  # before the device side moves: [Note: reads before
+            self.host.store.check_writes()  # writes] in swap.py
+        self.touched = True
         self.device.step(grad_scale=grad_scale)
         self.host.step(grad_scale=grad_scale)
 
