@@ -73,9 +73,8 @@ def test_a_failed_write_behind_is_raised_to_the_demand_that_needs_its_room_and_l
 
 
 def _enospc_phase(root, stage, write_behind):
-    from zeroio.errors import StepFailedError
-
     import zeroio
+    from zeroio.errors import StepFailedError
 
     def engine(run):
         cfg = _config(1, stage, os.path.join(root, run), True)

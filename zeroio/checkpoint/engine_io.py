@@ -432,8 +432,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
 def _apply(engine, load: ShardedLoad, frozen_buf, locals_, load_optimizer_states: bool,
            load_lr_scheduler_states: bool):
     """Write a verified load into this rank's state (the only step of a load that changes it;
-    no collective, so a rank that fails here cannot leave the others waiting)."""
-    res = load.apply()
+    no collective, so a rank that fails here cannot leave the others waiting). A load of every
+    parameter writes every element of its kinds: state kept in swap pieces is replaced whole,
+    never read first ([Note: a load replaces pieces whole] in optim/swap_state.py), so a
+    missing or damaged swap file does not stop the load that replaces it."""
+    whole = set(load.template.index) <= load.names
+    with engine.optimizer.replacing(tuple(load.kinds) if whole else ()):
+        res = load.apply()
     params = _module_params(engine)
     for n, buf in frozen_buf.items():
         if n in res.loaded_names:

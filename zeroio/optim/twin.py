@@ -161,6 +161,11 @@ class TwinAdam(EngineOptimizer):
             else:
                 self.host.local_tensor(group_index, kind).narrow(0, a - d, rest.numel()).copy_(rest)
 
+    def replacing(self, kinds: tuple[str, ...]):
+        """The host side's (NVMe pieces: [Note: a load replaces pieces whole] in
+        swap_state.py); the device side's state is plain tensors."""
+        return self.host.replacing(kinds)
+
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         """Overwrite the logical local ``kind`` tensor (checkpoint load)."""
         d = self._split(group_index)

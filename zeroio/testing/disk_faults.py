@@ -56,6 +56,32 @@ class DiskFaults:
                                        f"No space left on device (injected, writing {name})"))
         return self._write(name, tensor)
 
+    def damage(self, names: set[str], how: str = "delete") -> list[str]:
+        """Damage the swap files of ``names`` on disk: ``"delete"`` removes each chunk file
+        (a user's ``rm``), ``"corrupt"`` replaces it by a copy with its first byte flipped
+        (the crc no longer matches; a new file, so a checkpoint that shares the old one by a
+        hard link keeps its bytes, as it would from any writer that replaces the file). First
+        every copy in host memory is written back and dropped, so the next use of each reads
+        the disk. Returns the damaged files' paths."""
+        if how not in ("delete", "corrupt"):
+            raise ValueError(f"damage: how is 'delete' or 'corrupt', got {how!r}")
+        self.store.flush()
+        for name in names:
+            self.store.evict(name, Tier.CPU)  # clean after the flush: dropped at once
+        self.store.drain()
+        paths = sorted({path for name in names for path, *_ in self.backend.files_of(name)})
+        for path in paths:
+            if how == "corrupt":
+                with open(path, "rb") as fh:
+                    data = bytearray(fh.read())
+                data[0] ^= 0xFF
+                with open(path + ".damaged", "wb") as fh:
+                    fh.write(data)
+                os.replace(path + ".damaged", path)
+            else:
+                os.remove(path)
+        return paths
+
     def enospc_once(self, name: str) -> list[str]:
         """The next OS write into ``name``'s swap files fails with ENOSPC (once); returns
         the folders of those files. Needs the engine's real NVMe backend (files on disk)."""
