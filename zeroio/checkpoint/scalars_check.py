@@ -14,8 +14,9 @@ will go into:
   param groups as the engine has, and each hyper-parameter the apply would set of the kind
   the engine's group holds (``like``: a number stays a finite number, a flag a flag, a tuple
   a list of that length; a learning rate of "0.1" is refused);
-- the LR scheduler (when loaded): an object whose keys are all the engine's scheduler's own,
-  each value like the live one;
+- the LR scheduler (when loaded): an object each of whose keys the engine's scheduler state
+  holds is like the live value, and none of which names an attribute that state leaves out
+  (its optimizer);
 - module buffers: a dtype from ``BUFFER_DTYPES`` (looked up, never ``getattr(torch, ...)``,
   which would hand "load" back as ``torch.load``), the live buffer's shape, and exactly that
   many elements' bytes of base64 (decoded here once, for the apply to copy);
@@ -80,7 +81,7 @@ def check_scalars(engine, manifest, rank_scalars: dict, *, load_optimizer_states
         if load_lr_scheduler_states and sched is not None and hasattr(sched, "state_dict") \
                 and s.get("lr_scheduler") is not None:
             _dict_like(s["lr_scheduler"], sched.state_dict(), "scalars.lr_scheduler",
-                       known="the engine's scheduler")
+                       owner=sched)
         checked = Checked(buffers=_buffers(s.get("buffers") or {}, engine.module))
         if rank_scalars.get("rng") is not None:
             try:
@@ -200,17 +201,19 @@ def like(saved: Any, live: Any, key: str) -> None:
         raise _Bad(key, f"is {_shown(saved)}, the engine holds {_shown(live)}")
 
 
-def _dict_like(saved: Any, live: dict, key: str, *, known: str | None = None) -> None:
-    """Each key of ``saved`` that ``live`` has is ``like`` it; ``known`` (the owner's name):
-    a key ``live`` lacks is refused too (its ``load_state_dict`` would set any key)."""
+def _dict_like(saved: Any, live: dict, key: str, *, owner: object = None) -> None:
+    """Each key of ``saved`` that ``live`` has is ``like`` it. ``owner``: the object whose
+    ``state_dict()`` ``live`` is; a key its state lacks but the object has is refused (a
+    torch scheduler's ``load_state_dict`` sets every key as an attribute, so "optimizer"
+    would replace its optimizer); other keys (an older torch's) set nothing it uses."""
     if not isinstance(saved, dict):
         raise _Bad(key, f"is {_shown(saved)}, not an object")
     for k, v in saved.items():
         if k in live:
             like(v, live[k], f"{key}.{k}")
-        elif known is not None:
-            raise _Bad(f"{key}.{k}", f"is not in the state of {known} (its keys: "
-                       f"{', '.join(sorted(live))})")
+        elif owner is not None and hasattr(owner, str(k)):
+            raise _Bad(f"{key}.{k}", f"would replace the engine's {type(owner).__name__}.{k}, "
+                       f"which its state does not hold (its keys: {', '.join(sorted(live))})")
 
 
 def _number(v: Any) -> bool:
