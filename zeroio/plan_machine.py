@@ -3,12 +3,12 @@ speeds, from a JSON file (``zeroio estimate --plan --machine``) or the caller's 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from zeroio import jsonlimits
 from zeroio.config.fields import did_you_mean
 from zeroio.errors import ConfigError
 
@@ -78,8 +78,10 @@ class Machine:
             raise ConfigError(f"--machine {p} does not exist; write a JSON object with the keys "
                               f"{', '.join(_UNITS)}", key="machine")
         try:
-            raw = json.loads(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raw = jsonlimits.loads(p.read_text(encoding="utf-8"), f"--machine {p}")
+        except jsonlimits.JSONLimitError as e:
+            raise ConfigError(str(e), key="machine") from None
+        except (UnicodeDecodeError, ValueError) as e:
             raise ConfigError(f"--machine {p} is not a JSON file: {e}", key="machine") from None
         return cls.from_dict(raw, source=str(p))
 

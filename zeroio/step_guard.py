@@ -39,6 +39,14 @@ checkpoint is loaded. ``StepGuard`` keeps that promise for ``Engine.step``:
   nothing changed, and all refuse to go on otherwise (a rank that stepped cannot undo
   it). A failure before the update phase is the same on every rank (the norm is
   global); one after the vote is local and poisons that rank.
+- A vote that fails poisons, whatever this rank's own state. Rolling back is safe only
+  where the vote proved that no rank changed anything; a vote that raised (a peer slower
+  than ``distributed.timeout_s``, a lost peer) proves nothing: the other ranks may have
+  applied the step. So the guard never votes twice (a second collective on a world whose
+  first one failed fails as well, or pairs with a peer's late first vote) and refuses to
+  go on. A collective that timed out leaves the process group unusable (gloo closes the
+  pairs, NCCL aborts the communicator): the refusal says so, and the remedy is a restart
+  that loads the checkpoint (``zeroio train --resume``).
 - An overlapped host step (``tiering.overlap_step``, zeroio/partition/step_overlap.py)
   runs on after ``step`` returns; its failure surfaces as ``HostStepError`` in the next
   forward, backward, step or synchronize. The step's scalars were already counted and
@@ -55,7 +63,7 @@ from typing import Any
 
 import torch
 
-from zeroio.errors import HostStepError, StepFailedError, ZeroIOError
+from zeroio.errors import DistributedError, HostStepError, StepFailedError, ZeroIOError
 
 LOAD_HINT = "load a checkpoint (engine.load_checkpoint) to continue"
 
@@ -65,6 +73,7 @@ class StepPhase(enum.Enum):
     PREPARING = "preparing"  # norm, overflow check: nothing changed yet
     UPDATING = "updating"  # the optimizer updates state (ranks vote after it)
     UPDATING_ALONE = "updating-alone"  # an overlapped step: no vote
+    VOTE_FAILED = "vote-failed"  # the vote itself raised: whether others applied is unknown
     AGREED = "agreed"  # every rank's update succeeded: publication, scalars
 
 
@@ -159,7 +168,11 @@ class StepGuard:
     def agree(self) -> None:
         """Every rank's update succeeded, or every rank learns that one failed (one small
         all-reduce; nothing with one rank)."""
-        any_failed, _ = self._vote(failed=False, changed=True)
+        try:
+            any_failed, _ = self._vote(failed=False, changed=True)
+        except BaseException:
+            self.phase = StepPhase.VOTE_FAILED  # poisons: [Note: atomic step]
+            raise
         self.phase = StepPhase.AGREED
         if any_failed:
             raise _PeerFailed()
@@ -185,10 +198,15 @@ class StepGuard:
         if isinstance(exc, _PeerFailed):
             raise self._poison(f"the optimizer step at global step {at} failed on another "
                                "rank after this rank's step was applied", None) from None
+        if self.phase is StepPhase.VOTE_FAILED:
+            self._vote_failed(exc, at)
         changed = self._changed()
         if self.phase is StepPhase.UPDATING:
-            _, changed = self._vote(failed=True, changed=changed)
-        cause = f"{type(exc).__name__}: {exc}"
+            try:
+                _, changed = self._vote(failed=True, changed=changed)
+            except BaseException as vote_exc:  # noqa: BLE001 - poisons, then re-raised
+                self._vote_failed(vote_exc, at, first=exc)
+        cause = _one_line(exc)
         if changed:
             err = self._poison(f"the optimizer step at global step {at} failed after it began "
                                f"changing state ({cause})", exc)
@@ -206,6 +224,21 @@ class StepGuard:
             f"({cause}); the engine is as before the step and this accumulation window's "
             "gradients are discarded: run its micro batches again, then step",
             rolled_back=True) from exc
+
+    def _vote_failed(self, vote_exc: BaseException, at: int,
+                     first: BaseException | None = None) -> None:
+        """Poison after the ranks' vote raised ([Note: atomic step]) and raise the refusal
+        (a KeyboardInterrupt or SystemExit that cut the vote keeps its type)."""
+        step = (f"failed ({_one_line(first)}) and " if first is not None else "")
+        why = (f"the optimizer step at global step {at} {step}the ranks' vote on it failed "
+               f"({_one_line(vote_exc)}): the other ranks may have applied it")
+        if isinstance(vote_exc, DistributedError):
+            why += ("; the process group is unusable after a failed collective, so restart the "
+                    "job and load the checkpoint there (zeroio train --resume)")
+        err = self._poison(why, vote_exc)
+        if not isinstance(vote_exc, Exception):
+            raise vote_exc
+        raise err from vote_exc
 
     def _changed(self) -> bool:
         if self.phase in (StepPhase.IDLE, StepPhase.PREPARING):
@@ -251,6 +284,11 @@ class StepGuard:
         if self.failure is not None:
             self._engine.partitioner.zero_grad()
         self.failure, self._cause = None, None
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as ``Type: message`` on one line (a backend's message may span several)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
 class _PeerFailed(Exception):

@@ -335,6 +335,10 @@ class DeepSpeedLoad:
         for storage in seen.values():
             verify_member(storage)
 
+    def rank_scalars(self) -> dict[str, Any]:
+        """DeepSpeed saves no per-rank scalars (no RNG state): nothing to restore per rank."""
+        return {}
+
     def apply(self) -> LoadResult:
         for reads in self.reads.values():
             for r in reads:

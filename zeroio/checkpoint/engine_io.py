@@ -47,11 +47,13 @@ from typing import Any
 
 import torch
 
+from zeroio import jsonlimits
 from zeroio.checkpoint import deepspeed_load, rng
 from zeroio.checkpoint.comm import Comm
 from zeroio.checkpoint.deepspeed_load import DeepSpeedLoad
 from zeroio.checkpoint.layout import CheckpointWarning
 from zeroio.checkpoint.reader import ShardedLoad, resolve_tag
+from zeroio.checkpoint.scalars_check import BUFFER_DTYPES, Checked, check_scalars
 from zeroio.checkpoint.state import (
     LazySegment,
     ParamEntry,
@@ -195,35 +197,39 @@ def _frozen_segments(engine, index, names, kind) -> list[Segment]:
     return out
 
 
-def _buffers(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+def _buffers(module: torch.nn.Module, *, encode: bool) -> dict[str, dict[str, Any]]:
+    """The persistent buffers as the manifest holds them (``encode``: rank 0; every rank checks
+    their dtypes, so that all refuse a save together)."""
     out = {}
     for mname, m in module.named_modules():
         for bname, b in m._buffers.items():
             if b is None or bname in m._non_persistent_buffers_set:
                 continue
+            name, dtype = f"{mname}.{bname}" if mname else bname, str(b.dtype)[len("torch."):]
+            if dtype not in BUFFER_DTYPES:  # what a load takes: [Note: verify every value ...]
+                raise CheckpointError(f"module buffer {name!r} is {dtype}, which a checkpoint "
+                                      f"does not hold (one of {sorted(BUFFER_DTYPES)}); make it "
+                                      "non-persistent (register_buffer(..., persistent=False))")
+            if not encode:
+                continue
             host = b.detach().to("cpu").contiguous()
-            out[f"{mname}.{bname}" if mname else bname] = {
-                "dtype": str(host.dtype).removeprefix("torch."), "shape": list(host.shape),
+            out[name] = {
+                "dtype": dtype, "shape": list(host.shape),
                 "data": base64.b64encode(host.reshape(-1).view(torch.uint8).numpy().tobytes()).decode(),
             }
     return out
 
 
-def _restore_buffers(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> None:
-    live = dict(module.named_buffers())
-    for name, b in saved.items():
-        if name not in live:
-            continue
-        raw = bytearray(base64.b64decode(b["data"]))
-        dtype = getattr(torch, b["dtype"])
-        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(b["shape"]) if raw else \
-            torch.empty(b["shape"], dtype=dtype)
-        live[name].data.copy_(t)
-
-
 def _jsonable(value: Any, what: str) -> Any:
+    """``value`` as a load will read it back: JSON, within zeroio's limits ([Note: bounded
+    JSON] in jsonlimits.py), so no checkpoint is written that its load would refuse."""
     try:
-        return json.loads(json.dumps(value))
+        return jsonlimits.loads(json.dumps(value), what)
+    except jsonlimits.JSONLimitError as e:
+        raise CheckpointError(f"{e}; a checkpoint holds no deeper state") from None
+    except RecursionError:  # json.dumps of a structure nested past Python's recursion limit
+        raise CheckpointError(f"{what} is nested deeper than {jsonlimits.MAX_DEPTH} levels; a "
+                              "checkpoint holds no deeper state") from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{what} is not JSON-serializable ({e}); zeroio checkpoints hold no pickles") from None
 
@@ -333,7 +339,7 @@ def build_state(engine, *, kinds=None, comm: Comm | None = None,
         "lr_scheduler": _jsonable(sched.state_dict(), "lr_scheduler.state_dict()") if sched is not None
         and hasattr(sched, "state_dict") else None,
         "loss_scaler": _jsonable(engine.loss_scaler.state_dict(), "loss_scaler.state_dict()"),
-        "buffers": _buffers(engine.module) if comm.rank == 0 else {},
+        "buffers": _buffers(engine.module, encode=comm.rank == 0),
         "frozen": frozen,
     }
     meta = {
@@ -396,7 +402,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     kinds = ("fp32", *engine.optimizer.state_kinds) if load_optimizer_states else ("fp32",)
     index = _index(engine)
     frozen = _uncovered(engine, index, comm)
-    err, load, locals_, frozen_buf = None, None, {}, {}
+    err, load, locals_, frozen_buf, checked = None, None, {}, {}, None
     try:
         ds = deepspeed_load.find(load_dir, tag)  # a tag DeepSpeed wrote, else None (zeroio's)
         if load_optimizer_states:
@@ -409,7 +415,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         load = DeepSpeedLoad(ds, template, kinds=kinds, strict=strict, comm=comm,
                              micro_per_step=engine.gradient_accumulation_steps()) if ds else \
             ShardedLoad(load_dir, tag, template, kinds=kinds, strict=strict, comm=comm, aio=engine.config.aio)
-        _check_scalars(engine, load.manifest, load_optimizer_states)
+        checked = check_scalars(engine, load.manifest, load.rank_scalars(),
+                                load_optimizer_states=load_optimizer_states,
+                                load_lr_scheduler_states=load_lr_scheduler_states)
         load.verify()
     except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
         err = e
@@ -419,7 +427,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         raise CheckpointError("checkpoint load failed on another rank (see its error); this engine "
                               "is unchanged")
     try:
-        res = _apply(engine, load, frozen_buf, locals_, load_optimizer_states, load_lr_scheduler_states)
+        res = _apply(engine, load, checked, frozen_buf, locals_, load_optimizer_states,
+                     load_lr_scheduler_states)
     except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
         err = e
     if not comm.all_ok(err is None):
@@ -433,16 +442,21 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     return str(res.path), res.client_state
 
 
-def _apply(engine, load: ShardedLoad, frozen_buf, locals_, load_optimizer_states: bool,
-           load_lr_scheduler_states: bool):
+def _apply(engine, load: ShardedLoad, checked: Checked, frozen_buf, locals_,
+           load_optimizer_states: bool, load_lr_scheduler_states: bool):
     """Write a verified load into this rank's state (the only step of a load that changes it;
-    no collective, so a rank that fails here cannot leave the others waiting)."""
-    res = load.apply()
+    no collective, so a rank that fails here cannot leave the others waiting). A load of every
+    parameter writes every element of its kinds: state kept in swap pieces is replaced whole,
+    never read first ([Note: a load replaces pieces whole] in optim/swap_state.py), so a
+    missing or damaged swap file does not stop the load that replaces it."""
+    whole = set(load.template.index) <= set(load.names)
+    with engine.optimizer.replacing(tuple(load.kinds) if whole else ()):
+        res = load.apply()
     params = _module_params(engine)
     for n, buf in frozen_buf.items():
         if n in res.loaded_names:
             params[n].data.copy_(buf.view(params[n].shape))
-    _apply_scalars(engine, res, load_optimizer_states, load_lr_scheduler_states)
+    _apply_scalars(engine, res, checked, load_optimizer_states, load_lr_scheduler_states)
     # local tensors may be copies (NVMe-resident state, or fp32 of a TwinAdam group split
     # between device and host): hand them back before publishing
     for (gi, kind), t in locals_.items():
@@ -462,33 +476,10 @@ def _check_rule(engine, manifest) -> None:
             "with load_optimizer_states=False (weights only)")
 
 
-def _check_scalars(engine, manifest, load_optimizer_states: bool) -> None:
-    """Everything `_apply_scalars` will read is there and of the right kind (before any change)."""
-    s = manifest.scalars
-
-    def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint {manifest.path}: {what}; the file is damaged or not an engine "
-                               "checkpoint")
-
-    e = s.get("engine")
-    if not isinstance(e, dict) or any(not isinstance(e.get(k), int) for k in
-                                      ("global_steps", "micro_steps", "global_samples", "skipped_steps")):
-        raise bad("scalars.engine lacks its integer counters")
-    if not isinstance(s.get("loss_scaler"), dict):
-        raise bad("scalars.loss_scaler is missing")
-    if load_optimizer_states:
-        opt = s.get("optimizer")
-        if not isinstance(opt, dict) or not isinstance(opt.get("steps"), list) or \
-                not isinstance(opt.get("param_groups"), list):
-            raise bad("scalars.optimizer is missing")
-        if len(opt["steps"]) != len(engine.partitioner.groups):
-            raise CheckpointError(
-                f"checkpoint {manifest.path} has {len(opt['steps'])} optimizer param groups, "
-                f"the engine {len(engine.partitioner.groups)}; load with load_optimizer_states=False"
-            )
-
-
-def _apply_scalars(engine, res, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
+def _apply_scalars(engine, res, checked: Checked, load_optimizer_states: bool,
+                   load_lr_scheduler_states: bool) -> None:
+    """Set what ``check_scalars`` passed ([Note: verify every value before apply] in
+    scalars_check.py)."""
     s = res.scalars
     e = s["engine"]
     engine.global_steps = int(e["global_steps"])
@@ -508,7 +499,8 @@ def _apply_scalars(engine, res, load_optimizer_states: bool, load_lr_scheduler_s
     if load_lr_scheduler_states and sched is not None and s.get("lr_scheduler") is not None:
         sched.load_state_dict(s["lr_scheduler"])
     engine.loss_scaler.load_state_dict(s["loss_scaler"])
-    if s.get("buffers"):
-        _restore_buffers(engine.module, s["buffers"])
+    live = dict(engine.module.named_buffers())
+    for name, value in checked.buffers.items():
+        live[name].data.copy_(value)
     if res.rank_scalars.get("rng"):
         rng.restore(res.rank_scalars["rng"])

@@ -396,6 +396,11 @@ class ShardedLoad:
                     raise CheckpointError(f"range [{r.src}, {r.end}) is outside array {kind!r} of {numel} "
                                           f"in {self.manifest.path}")
 
+    def rank_scalars(self) -> dict[str, Any]:
+        """This rank's per-rank scalars (RNG states): rank r of N reads those of rank r % N."""
+        ranks = self.manifest.rank_scalars
+        return ranks[self.comm.rank % len(ranks)] if ranks else {}
+
     def verify(self) -> None:
         """Every chunk this rank's ranges touch is read and its crc checked; nothing is written."""
         for kind, reqs in self.requests.items():
@@ -406,10 +411,9 @@ class ShardedLoad:
         for kind, reqs in self.requests.items():
             self.reader.read_requests(kind, reqs)
         m, index = self.manifest, self.template.index
-        ranks = m.rank_scalars
         return LoadResult(
             manifest=m, path=m.tag_dir, tag=m.tag, scalars=m.scalars,
-            rank_scalars=ranks[self.comm.rank % len(ranks)] if ranks else {},
+            rank_scalars=self.rank_scalars(),
             client_state=m.client_state,
             loaded_names=[n for n in index if n in self.names],
             skipped_names=[n for n in index if n not in self.names],

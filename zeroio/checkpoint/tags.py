@@ -27,13 +27,13 @@ checkpoint's name only: the swap store's file is untouched.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from zeroio import jsonlimits
 from zeroio.checkpoint import layout
 from zeroio.errors import CheckpointError
 from zeroio.io.files import exchange, fsync_dir, rename
@@ -84,7 +84,8 @@ def side_folders(root: Path) -> dict[str, list[Path]]:
 def owned(path: Path) -> bool:
     """True when ``path`` is a folder whose group zarr.json carries zeroio's checkpoint marker."""
     try:
-        doc = json.loads((Path(path) / "zarr.json").read_text(encoding="utf-8"))
+        doc = jsonlimits.loads((Path(path) / "zarr.json").read_text(encoding="utf-8"),
+                               f"{path}/zarr.json")
     except (OSError, ValueError):
         return False
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
@@ -264,7 +265,7 @@ def tag_status(d: Path, tag: str) -> TagStatus | None:
     problem = _group_problem(d)
     if problem is not None and not os.path.lexists(man):
         try:  # another tool's zarr group: not ours, not reported
-            json.loads((d / "zarr.json").read_text(encoding="utf-8"))
+            jsonlimits.loads((d / "zarr.json").read_text(encoding="utf-8"), f"{d}/zarr.json")
             return None
         except (OSError, ValueError):
             pass

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from zeroio import jsonlimits
 from zeroio.config import legacy, overrides
 from zeroio.config.auto import BATCH_KEYS, check_auto_values, drop_unfillable, resolve_auto
 from zeroio.config.batch import complete
@@ -196,7 +197,9 @@ def read_config(path_or_dict: Any) -> dict[str, Any]:
                 f"config file {path} is not UTF-8 text: byte {e.start} (0x{data[e.start]:02x}) "
                 f"is not valid UTF-8 ({e.reason}); save the file as UTF-8", key=None) from None
         try:
-            parsed = json.loads(text, object_pairs_hook=_pairs)
+            parsed = jsonlimits.loads(text, f"config file {path}", object_pairs_hook=_pairs)
+        except jsonlimits.JSONLimitError as e:
+            raise ConfigError(f"{e}; pass a DeepSpeed config file", key=None) from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}", key=None) from None
         if not isinstance(parsed, dict):

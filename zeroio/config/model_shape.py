@@ -3,10 +3,10 @@ plain JSON (no torch, no transformers). ``zeroio.estimate`` re-exports these."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from zeroio import jsonlimits
 from zeroio.errors import ConfigError
 
 
@@ -57,8 +57,10 @@ def model_shape(path: str) -> ModelShape:
         raise ConfigError(f"--model-config {p} does not exist; pass a config.json or the model "
                           "folder holding one", key="model_config")
     try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raw = jsonlimits.loads(p.read_text(encoding="utf-8"), f"--model-config {p}")
+    except jsonlimits.JSONLimitError as e:
+        raise ConfigError(str(e), key="model_config") from None
+    except (UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"--model-config {p} is not a JSON file: {e}", key="model_config") \
             from None
     raw = raw.get("text_config", raw) if isinstance(raw, dict) else raw  # multimodal wrappers

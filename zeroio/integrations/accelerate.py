@@ -39,12 +39,12 @@ use instead: the JSON file goes to ``TrainingArguments(deepspeed=...)``.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from zeroio import jsonlimits
 from zeroio.config.launch_env import launch_env
 from zeroio.errors import ConfigError
 from zeroio.integrations.autofill import check_no_contradictions
@@ -77,7 +77,12 @@ def initialize_from_accelerator(accelerator, model, config, **auto_values: Any):
         path = Path(config)
         if not path.is_file():
             raise ConfigError(f"config {path} does not exist", key="config")
-        raw = json.loads(path.read_text())
+        try:
+            raw = jsonlimits.loads(path.read_text(), f"config {path}")
+        except jsonlimits.JSONLimitError as e:
+            raise ConfigError(str(e), key="config") from None
+        except ValueError as e:
+            raise ConfigError(f"config {path} is not valid JSON: {e}", key="config") from None
     values = {**accelerator_values(accelerator), **auto_values}
     check_no_contradictions(raw, "the Accelerator and arguments", **values)
     cfg = zeroio.load_config(raw, **values)
@@ -119,7 +124,7 @@ def _config_processes(path: str | None) -> int | None:
         return None
     try:
         if p.suffix == ".json":
-            data = json.loads(p.read_text())
+            data = jsonlimits.loads(p.read_text(), f"accelerate config {p}")
         else:
             import yaml
 

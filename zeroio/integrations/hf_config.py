@@ -25,11 +25,11 @@ a ``ConfigError`` naming what it supports, never a silent AdamW:
 from __future__ import annotations
 
 import copy
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from zeroio import jsonlimits
 from zeroio.errors import ConfigError
 
 ADAMW_FAMILY = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused",
@@ -50,8 +50,10 @@ def read_config(config: str | os.PathLike | dict, key: str = "zeroio_config") ->
     if not path.is_file():
         raise ConfigError(f"{key} {path} does not exist", key=key)
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        raw = jsonlimits.loads(path.read_text(), f"{key} {path}")
+    except jsonlimits.JSONLimitError as e:
+        raise ConfigError(str(e), key=key) from None
+    except ValueError as e:
         raise ConfigError(f"{key} {path} is not valid JSON: {e}", key=key) from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{key} {path} holds {type(raw).__name__}, not a JSON object", key=key)

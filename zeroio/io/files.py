@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zeroio import jsonlimits
 from zeroio.errors import CheckpointError, SwapIOError
 from zeroio.io.osops import OsOps
 from zeroio.io.settings import EngineSettings
@@ -275,11 +276,15 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None =
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:
-    """Parse a JSON file; missing or malformed is a CheckpointError naming it."""
+    """Parse a JSON file within zeroio's limits ([Note: bounded JSON] in jsonlimits.py);
+    missing, malformed, too large or too deep is a CheckpointError naming it."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        jsonlimits.check_size(Path(path).stat().st_size, f"{what} {path}")
+        return jsonlimits.loads(Path(path).read_text(encoding="utf-8"), f"{what} {path}")
     except FileNotFoundError:
         raise CheckpointError(f"{what} {path} is missing") from None
+    except jsonlimits.JSONLimitError as e:
+        raise CheckpointError(f"{e}; the file is damaged or was not written by zeroio") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from zeroio import jsonlimits
 from zeroio.errors import ZeroIOError
 from zeroio.io.buffers import ALIGN, round_up
 
@@ -188,4 +189,4 @@ def metadata_json(meta: dict) -> str:
 
 def read_metadata(path: str) -> dict:
     """A ``zarr.json`` (FileNotFoundError when there is none)."""
-    return json.loads(Path(path).read_text())
+    return jsonlimits.loads(Path(path).read_text(), f"array metadata {path}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import secrets
@@ -167,6 +168,22 @@ def find_tag(ckpt: Path, tag: str | None) -> Path:
     return tdir
 
 
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|([\[{])|[\]}]')  # a string, or a bracket
+
+
+def read_json(path: Path):
+    """A JSON file nested at most 100 deep, as zeroio's reader (jsonlimits.py) takes it."""
+    try:
+        text, depth = path.read_text(encoding="utf-8"), 0
+        for m in _JSON_TOKEN.finditer(text):
+            depth += 1 if m.group(1) else -1 if m.group()[0] != '"' else 0
+            if depth > 100:
+                raise RecoverError(f"{path}: nested deeper than 100 levels, not a zeroio file")
+        return json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecoverError(f"cannot read {path}: {e}") from None
+
+
 def _int(v, what: str, path: Path, lo: int = 0) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise RecoverError(f"{path}: {what} is {v!r}, not an integer >= {lo}; the manifest is damaged")
@@ -176,10 +193,7 @@ def _int(v, what: str, path: Path, lo: int = 0) -> int:
 def read_manifest(tdir: Path) -> dict:
     """manifest.json, its version and crc checked; other keys are ignored."""
     path = tdir / "manifest.json"
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecoverError(f"cannot read {path}: {e}") from None
+    doc = read_json(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise RecoverError(f"{path} is not a zeroio checkpoint manifest")
     version = doc.get("format_version")
@@ -210,11 +224,11 @@ def parse_index(doc: dict, path: Path) -> tuple[list[tuple[str, int, tuple[int, 
         shape = tuple(_int(d, f"a dimension of {item[0]!r}", path) for d in item[2])
         index.append((item[0], _int(item[1], f"the offset of {item[0]!r}", path), shape))
     pos = 0
-    for name, off, shape in sorted(index, key=lambda e: (e[1], _numel(e[2]))):
+    for name, off, shape in sorted(index, key=lambda e: (e[1], math.prod(e[2]))):
         if off != pos:
             raise RecoverError(f"{path}: the index does not tile the array ({name!r} starts at {off}, "
                                f"the entries before it end at {pos}); the manifest is damaged")
-        pos += _numel(shape)
+        pos += math.prod(shape)
     if pos != numel:
         raise RecoverError(f"{path}: the index covers {pos} elements, model.numel is {numel}")
     return index, numel
@@ -279,12 +293,8 @@ def check_zarr_json(tdir: Path, info: dict, manifest: Path) -> None:
     """The array's zarr.json agrees with the manifest (a reader that trusts it would read a
     different shape, dtype or byte order)."""
     path = tdir / info["kind"] / "zarr.json"
-    try:
-        have = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecoverError(f"cannot read {path}: {e}") from None
-    want = _zarr_metadata(info)
-    for key, value in want.items():
+    have = read_json(path)
+    for key, value in _zarr_metadata(info).items():
         got = have.get(key) if isinstance(have, dict) else None
         if got != value:
             raise RecoverError(f"{path}: {key} is {json.dumps(got)}, the manifest {manifest} implies "
@@ -340,13 +350,6 @@ def verify_array(tdir: Path, info: dict, manifest: Path) -> None:
 # -- casting and safetensors ----------------------------------------------------------------
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _to_bf16_bits(x: np.ndarray, nan_bits: int) -> np.ndarray:
     """float32 -> bfloat16 bits, rounded to nearest even, every NaN as ``nan_bits``."""
     u = np.ascontiguousarray(x, dtype="<f4").view("<u4")
@@ -395,7 +398,7 @@ def plan_shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int,
     """Model-order runs of at most ``max_shard_bytes`` (a larger tensor alone), as zeroio's."""
     shards, cur, size = [], [], 0
     for name, shape in specs:
-        nbytes = _numel(shape) * itemsize
+        nbytes = math.prod(shape) * itemsize
         if cur and size + nbytes > max_shard_bytes:
             shards.append(cur)
             cur, size = [], 0
@@ -411,7 +414,7 @@ def _header(shard, st_dtype: str, itemsize: int) -> tuple[bytes, dict[str, int]]
     doc: dict = {"__metadata__": {"format": "pt"}}
     at, starts = 0, {}
     for name, shape in sorted(shard, key=lambda s: s[0]):
-        nbytes = _numel(shape) * itemsize
+        nbytes = math.prod(shape) * itemsize
         doc[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
         starts[name] = at
         at += nbytes
@@ -436,7 +439,7 @@ def write_export(tdir: Path, info: dict, index, target: str, max_shard_bytes: in
             f = files[fname] = open(staging / fname, "wb")  # noqa: SIM115 - closed below
             f.write(head)
             place.update({n: (f, starts[n]) for n, _ in shard})
-        runs = sorted((off, _numel(s), n) for n, off, s in index if _numel(s))
+        runs = sorted((off, math.prod(s), n) for n, off, s in index if math.prod(s))
         ce, first = info["chunk_elems"], 0
         for c, data in chunks(tdir, info):
             base, end = c * ce, (c + 1) * ce
@@ -458,7 +461,7 @@ def write_export(tdir: Path, info: dict, index, target: str, max_shard_bytes: in
             f.close()
     written = list(names)
     if len(shards) > 1:
-        total = sum(_numel(s) * itemsize for _, _, s in index)
+        total = sum(math.prod(s) * itemsize for _, _, s in index)
         weight_map = {n: fname for fname, shard in zip(names, shards, strict=True) for n, _ in shard}
         _write_text(staging / "model.safetensors.index.json",
                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
@@ -586,10 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = recover(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype,
                         max_shard_bytes=args.max_shard_size, verify=args.verify)
-    except RecoverError as e:
-        print(f"recover: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # names its file (str(e) holds filename); nothing was published
+    except (RecoverError, OSError) as e:  # an OSError names its file; nothing was published
         print(f"recover: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {len(files)} file(s) to {args.out}: {', '.join(f.name for f in files)}")

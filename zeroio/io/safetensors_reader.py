@@ -18,7 +18,6 @@ so callers and tests can see what was materialised.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from zeroio import jsonlimits
 from zeroio.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -72,7 +72,7 @@ def _parse_header(path: str, fd: int) -> dict[str, TensorEntry]:
         raise CheckpointError(f"{path} is not a safetensors file: header length {n} does not "
                               f"fit the file's {size} bytes")
     try:
-        header = json.loads(os.pread(fd, n, 8))
+        header = jsonlimits.loads(os.pread(fd, n, 8), f"safetensors header of {path}")
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON: {e}") from None
     base, out = 8 + n, {}
@@ -103,7 +103,8 @@ def checkpoint_files(folder: str | os.PathLike) -> list[str]:
     index = folder / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = jsonlimits.loads(index.read_text(encoding="utf-8"),
+                                          f"safetensors index {index}")["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
         return [str(folder / f) for f in sorted(set(weight_map.values()))]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from zeroio import jsonlimits
 from zeroio.errors import SwapIOError
 from zeroio.io.files import atomic_write_text
 
@@ -84,7 +85,8 @@ def write_marker(directory: str | os.PathLike, rec: dict, name: str = MARKER) ->
 def read_marker(directory: str | os.PathLike, name: str = MARKER) -> dict | None:
     """The owner record in ``directory/name``, or None when absent or not one of ours."""
     try:
-        rec = json.loads(Path(directory, name).read_text(encoding="utf-8"))
+        rec = jsonlimits.loads(Path(directory, name).read_text(encoding="utf-8"),
+                               f"swap folder marker {directory}/{name}")
     except (OSError, ValueError):
         return None
     return rec if isinstance(rec, dict) else None

@@ -4,6 +4,8 @@ a capability inherits, so the engine never probes with getattr/hasattr."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -36,6 +38,12 @@ class EngineOptimizer:
                           values: torch.Tensor) -> None:
         """Overwrite elements [lo, lo + len(values)) of the group's ``kind`` (``reads_ranges``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps its state as local tensors")
+
+    def replacing(self, kinds: tuple[str, ...]) -> contextlib.AbstractContextManager:
+        """Around a checkpoint load that writes every element of ``kinds``: state kept in
+        pieces may replace each piece whole instead of reading it first ([Note: a load
+        replaces pieces whole] in optim/swap_state.py); default: nothing to do."""
+        return contextlib.nullcontext()
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         """Hand a whole local ``kind`` tensor back after a checkpoint load (state kept as a

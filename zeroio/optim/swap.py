@@ -61,7 +61,9 @@ read during forward and backward) fails the step with nothing changed, and the
 engine rolls the step back; a read of a later piece fails it after the update of
 the earlier ones, and the engine refuses to go on. ``abort_step`` releases what a
 failed step acquired and forgets its failed reads, so the retry (or the checkpoint
-load) reads afresh.
+load) reads afresh. A write-back of the last step that failed after it returned lost
+nothing ([Note: a write-back that failed] in tiering/mover.py): the step asks the store for
+one first (``check_writes``), so it fails with nothing changed and the retry writes it again.
 
 [Note: where the masters live]
 Decided once, when the partitioner is built (``offload_optimizer.masters``;
@@ -133,6 +135,7 @@ from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.optim.swap_plan import SubGroup, SwapPlan, split
 from zeroio.optim.swap_rule import _PAGE, MAX_PIECE_ELEMS, READ_AHEAD  # noqa: F401 (re-exported)
+from zeroio.optim.swap_state import SwappedStateAccess
 from zeroio.shard.types import ShardGroup
 
 
@@ -152,7 +155,7 @@ def _one_pass(groups: list[ShardGroup], state_dtype: torch.dtype) -> bool:
                            state_dtype=state_dtype)
 
 
-class SwappedAdam(EngineOptimizer):
+class SwappedAdam(SwappedStateAccess, EngineOptimizer):
     """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe. A subclass
     swaps another rule's state (optim/swapped_rule.py): ``state_kinds`` names the swapped
     tensors, ``_update`` steps one piece, ``compiled_kernel`` False skips the CPU Adam kernel."""
@@ -370,6 +373,7 @@ class SwappedAdam(EngineOptimizer):
         self.touched = False
         with torch.profiler.record_function("zeroio::optimizer_step_nvme"):
             try:
+                self.store.check_writes()  # [Note: reads before writes]: the last write-behind
                 self._verify_first_reads()
                 for i, p in enumerate(self.pieces):
                     if self.plan.read_ahead:  # piece i first: requests are served in order
@@ -424,134 +428,6 @@ class SwappedAdam(EngineOptimizer):
         if self.paged is not None:
             return self._window_master
         return self.groups[p.group_index].master.narrow(0, p.start, p.numel)
-
-    def _store_kind(self, kind: str) -> str | None:
-        """The store's name for a checkpoint ``kind`` (None: not in the store)."""
-        if kind == "fp32":
-            return "master" if self.paged is not None else None
-        return kind
-
-    # ---- state access (checkpoints) --------------------------------------------------------
-
-    def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
-        """A host copy of the group's local ``kind`` tensor (moments gathered from the store).
-
-        Checkpoint saves use ``read_local`` instead (piece by piece, no whole copy)."""
-        g = self.groups[group_index]
-        if self._store_kind(kind) is None:
-            return g.master
-        kind = self._store_kind(kind)
-        out = torch.empty(g.padded_numel, dtype=self._dtypes[kind])  # the pieces tile it
-        for sub in self.pieces:
-            if sub.group_index == group_index:
-                with self._state_pins:
-                    t = self.store.acquire(sub.name(kind), self._tier)
-                    out.narrow(0, sub.start, sub.numel).copy_(t)
-                    self.store.release(sub.name(kind), self._tier)
-        return out
-
-    reads_ranges = True
-
-    def read_local(self, group_index: int, kind: str, lo: int, n: int) -> torch.Tensor:
-        """Elements [lo, lo + n) of the group's local ``kind`` tensor, as a new host tensor.
-
-        Reads only the pieces that overlap the range (from the store's CPU or
-        NVMe tier, never via a GPU), so a checkpoint writer holds one piece per
-        thread, not a copy of every moment. Safe to call from several threads.
-        """
-        g = self.groups[group_index]
-        if lo < 0 or n < 0 or lo + n > g.padded_numel:
-            raise IndexError(f"read_local: [{lo}, {lo + n}) outside group {group_index}'s "
-                             f"{g.padded_numel} elements")
-        if self._store_kind(kind) is None:
-            return g.master.narrow(0, lo, n)
-        kind = self._store_kind(kind)
-        out = torch.empty(n, dtype=self._dtypes[kind])
-        for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=False):
-            out.narrow(0, at, resident.numel()).copy_(resident)
-        return out
-
-    def _resident_pieces(self, group_index: int, kind: str, lo: int, n: int, *, dirty: bool):
-        """For each piece overlapping [lo, lo + n) of the group's ``kind`` state: its
-        overlapping slice, resident and pinned while the caller uses it, and where that slice
-        starts within the range. ``dirty``: the caller writes it (written back later)."""
-        for sub in self.pieces:
-            if sub.group_index != group_index:
-                continue
-            a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
-            if a >= b:
-                continue
-            with self._state_pins:
-                t = self.store.acquire(sub.name(kind), self._tier)
-                try:
-                    yield t.narrow(0, a - sub.start, b - a), a - lo
-                    if dirty:
-                        self.store.mark_dirty(sub.name(kind), self._tier)
-                finally:
-                    self.store.release(sub.name(kind), self._tier)
-
-    def write_local_range(self, group_index: int, kind: str, lo: int, values: torch.Tensor) -> None:
-        """Overwrite elements [lo, lo + len(values)) of the group's local ``kind`` tensor
-        (checkpoint load, chunk by chunk: no whole host copy). Safe from several threads."""
-        g = self.groups[group_index]
-        n = values.numel()
-        if lo < 0 or lo + n > g.padded_numel:
-            raise IndexError(f"write_local_range: [{lo}, {lo + n}) outside group {group_index}'s "
-                             f"{g.padded_numel} elements")
-        if self._store_kind(kind) is None:
-            g.master.narrow(0, lo, n).copy_(values)
-            return
-        if kind == "fp32":
-            self.paged.stale = True  # the 16-bit shards are republished from the store
-        kind = self._store_kind(kind)
-        for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=True):
-            resident.copy_(values.narrow(0, at, resident.numel()))
-
-    def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
-        """Overwrite the group's local ``kind`` tensor (checkpoint load)."""
-        g = self.groups[group_index]
-        if self._store_kind(kind) is None:
-            g.master.copy_(values)
-            return
-        if kind == "fp32":
-            self.paged.stale = True
-        kind = self._store_kind(kind)
-        for sub in self.pieces:
-            if sub.group_index == group_index:
-                t = self.store.acquire(sub.name(kind), self._tier)
-                t.copy_(values.narrow(0, sub.start, sub.numel))
-                self.store.mark_dirty(sub.name(kind), self._tier)
-                self.store.release(sub.name(kind), self._tier)
-
-    def flush_swap(self) -> int:
-        """Write the dirty pieces (resident head, window) to their swap files and wait; the
-        bytes written. A checkpoint then shares the files ([Note: shared chunk files] in
-        zeroio/io/store.py): each dirty moment is written once, never copied again."""
-        before = self.store.stats()["bytes_moved"].get("cpu->nvme", 0)
-        self.drain()
-        self.store.flush()
-        return self.store.stats()["bytes_moved"].get("cpu->nvme", 0) - before
-
-    @property
-    def swapped_kinds(self) -> tuple[str, ...]:
-        """The checkpoint kinds this optimizer keeps in swap files (a save may link them):
-        the state kinds, and "fp32" when the masters page ([Note: where the masters live])."""
-        return (("fp32",) if self.paged is not None else ()) + tuple(self.state_kinds)
-
-    def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
-        kind = self._store_kind(kind)
-        if kind not in self._kinds:
-            return None
-        out = []
-        for sub in self.pieces:
-            if sub.group_index != group_index:
-                continue
-            files = self.store.home_files(sub.name(kind))
-            if files is None:
-                return None
-            out += [(path, sub.start + first, n, nbytes, crc_at)
-                    for path, first, n, nbytes, crc_at in files]
-        return out
 
     def steps_taken(self, group_index: int) -> int:
         return max((int(v.item()) for s, v in self.steps.items() if s.group_index == group_index),

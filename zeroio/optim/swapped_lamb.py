@@ -64,6 +64,7 @@ class SwappedLamb(SwappedAdam):
         self.touched = False
         with torch.profiler.record_function("zeroio::lamb_norms_nvme"):
             try:
+                self.store.check_writes()  # [Note: reads before writes] in swap.py
                 for i, p in enumerate(self.pieces):
                     if self.plan.read_ahead:
                         self._read_ahead(i, 1 + self.plan.read_ahead)

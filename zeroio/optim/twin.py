@@ -73,6 +73,10 @@ class TwinAdam(EngineOptimizer):
         if on_updated is not None:
             raise ValueError("TwinAdam.step: on_updated is a stage 1/2 hook; stage 3 publishes "
                              "through run_step or publish_params")
+        self.touched = False
+        if self.host.store is not None:  # before the device side moves: [Note: reads before
+            self.host.store.check_writes()  # writes] in swap.py
+        self.touched = True
         self.device.step(grad_scale=grad_scale)
         self.host.step(grad_scale=grad_scale)
 
@@ -156,6 +160,11 @@ class TwinAdam(EngineOptimizer):
                 self.host.write_local_range(group_index, kind, a - d, rest)
             else:
                 self.host.local_tensor(group_index, kind).narrow(0, a - d, rest.numel()).copy_(rest)
+
+    def replacing(self, kinds: tuple[str, ...]):
+        """The host side's (NVMe pieces: [Note: a load replaces pieces whole] in
+        swap_state.py); the device side's state is plain tensors."""
+        return self.host.replacing(kinds)
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         """Overwrite the logical local ``kind`` tensor (checkpoint load)."""

@@ -71,7 +71,7 @@ class _Respawn(Exception):
 
 
 def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, out,
-               received, parent=None) -> None:
+               received, parent=None, collective_timeout_s=120.0) -> None:
     if parent is not None:  # forked from the forkserver: is it what a spawned rank would be?
         parent_env, parent_interpreter = parent
         why = fork_identity.differences(parent_env, parent_interpreter, late=env)
@@ -100,7 +100,7 @@ def _rank_main(fn, rank, world_size, port, backend, threads, env, args, kwargs, 
             torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        collectives.init_world(backend, 120.0, rank=rank, world_size=world_size)
+        collectives.init_world(backend, collective_timeout_s, rank=rank, world_size=world_size)
         try:
             result = fn(*args, **kwargs)
         finally:
@@ -121,6 +121,7 @@ def run_ranks(
     backend: str = "gloo",
     threads: int | None = 1,
     env: dict[str, str] | None = None,
+    collective_timeout_s: float = 120.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result, by rank.
@@ -128,11 +129,13 @@ def run_ranks(
     ``fn`` must be importable at module level (spawned processes import it).
     ``threads`` caps torch's intra-op threads per rank (None leaves torch's
     default), so several ranks on a small machine do not oversubscribe it.
+    ``collective_timeout_s``: the process group's timeout (``distributed.timeout_s`` of a
+    launched job), for tests of what a collective that outlasts it does.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     env = dict(env or {})
-    job = (fn, world_size, args, kwargs, timeout, backend, threads)
+    job = (fn, world_size, args, kwargs, timeout, backend, threads, collective_timeout_s)
     late, why = fork_identity.set_after_fork(env, dict(os.environ))
     # NCCL ranks are always spawned: nothing CUDA-related is ever inherited through a fork
     if backend != "gloo":
@@ -183,7 +186,8 @@ def _check_server_environ(parent_env: dict[str, str]) -> None:
             raise _Respawn([f"environment variable {k}" for k in why])
 
 
-def _run(fn, world_size, args, kwargs, timeout, backend, threads, env, *, forked) -> list[Any]:
+def _run(fn, world_size, args, kwargs, timeout, backend, threads, collective_timeout_s, env, *,
+         forked) -> list[Any]:
     ctx = _forkserver_context() if forked else mp.get_context("spawn")
     out = ctx.Queue()
     received = [ctx.Event() for _ in range(world_size)]
@@ -207,7 +211,7 @@ def _run(fn, world_size, args, kwargs, timeout, backend, threads, env, *, forked
             ctx.Process(
                 target=_rank_main,
                 args=(fn, r, world_size, port, backend, threads, env, args, kwargs, out,
-                      received[r], parent),
+                      received[r], parent, collective_timeout_s),
                 daemon=False,
             )
             for r in range(world_size)

@@ -20,6 +20,19 @@ holders) only when waiting cannot help: the tensor is larger than what homes
 leave of the budget, or the copies in the way are held by the calling thread
 itself (it cannot release while it waits), or the bounded wait ran out.
 
+[Note: a write-back that failed] A write-back that fails loses nothing: its copy goes back to
+DIRTY and keeps the only current bytes, so it is kept (never dropped, never a victim) until
+someone has been told. Its error is the entry's (``Entry.error``) and is listed in
+``write_failures`` until it is reported: to the caller that waits for that write-back (a
+demand that needed the room, ``flush``), to the next acquire of the tensor, or else to the
+first demand that finds no room without it (``make_room`` raises it instead of waiting
+``acquire_timeout_s`` for a release that cannot come and then blaming the budget), or to
+whoever asks (``TieredStore.check_writes``: the NVMe optimizer, as its step begins). Once
+reported, the copy is an ordinary dirty copy again and is written back anew when room is
+needed: after the disk has room again, nothing was lost. The error carries the OS's errno and
+names it with the file (the I/O layer's message), and is raised as a ``SwapIOError`` with
+that errno.
+
 [Note: unwritten homes] A tensor registered with an NVMe home and no ``init`` is zeros, and
 its preallocated array reads back as zeros (backend.py's contract), so its first load fills
 the cache copy with zeros instead of reading the disk: the first step of an optimizer whose
@@ -31,6 +44,7 @@ load moves no bytes, so it is not counted in ``bytes_moved``.
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 
@@ -58,6 +72,7 @@ class Mover:
         # write-backs on another, so a load never queues behind a write-back.
         self.streams = streams
         self.inflight: set[Move] = set()
+        self.write_failures: list[Move] = []  # [Note: a write-back that failed]
         self.local = threading.local()  # per-thread seconds spent waiting (stall accounting)
 
     # -- waiting and settling ---------------------------------------------------
@@ -90,9 +105,8 @@ class Mover:
                 if not move.read_nothing:
                     self.stats.moved(pair(src.tier, dst.tier), entry.nbytes)
             else:
-                move.error = entry.error = SwapIOError(
-                    f"tiered store: loading {entry.name!r} {pair(src.tier, dst.tier)} failed: {exc}"
-                )
+                move.error = entry.error = io_error(
+                    f"tiered store: loading {entry.name!r} {pair(src.tier, dst.tier)}", exc)
                 dst.fire(Event.LOAD_FAILED)
                 self.drop(entry, dst)
         else:
@@ -108,9 +122,9 @@ class Mover:
                 if src.evict_after and src.evictable:
                     self.drop(entry, src)
             else:
-                move.error = entry.error = SwapIOError(
-                    f"tiered store: writing back {entry.name!r} {pair(src.tier, dst.tier)} failed: {exc}"
-                )
+                move.error = entry.error = io_error(
+                    f"tiered store: writing back {entry.name!r} {pair(src.tier, dst.tier)}", exc)
+                self.write_failures.append(move)  # [Note: a write-back that failed]
                 src.fire(Event.WRITEBACK_FAILED)
                 if move.kind is MoveKind.HANDDOWN:
                     dst.move = None
@@ -124,6 +138,18 @@ class Mover:
         """Settle every move that has finished (cheap poll)."""
         for move in [m for m in self.inflight if m.transfer.done()]:
             self.settle(move)
+
+    def raise_write_failure(self, where: str, tier: Tier | None = None) -> None:
+        """Raise the oldest write-back failure (of a copy in ``tier``; any tier: None) that no
+        one was told of yet, as reported to this caller ([Note: a write-back that failed])."""
+        self.settle_done()
+        # reported elsewhere meanwhile (a waiter, an acquire, clear_errors): no longer pending
+        self.write_failures = [m for m in self.write_failures if m.entry.error is m.error]
+        for move in self.write_failures:
+            if tier is None or move.src.tier is tier:
+                self.write_failures.remove(move)
+                move.entry.error = None
+                raise reraised(move.error, where) from move.error
 
     def quiesce(self, entry: Entry | None = None) -> None:
         """Wait until no move (of ``entry``, or of any entry) is in flight."""
@@ -399,8 +425,8 @@ class Mover:
                 started.remove(failed)
                 if not prefetch:
                     failed.entry.error = None
-                    raise SwapIOError(f"{failed.error} (while making room in the "
-                                      f"{space.tier.value} tier)") from failed.error
+                    raise reraised(failed.error, f"while making room in the {space.tier.value} "
+                                   "tier") from failed.error
             if space.used + cost <= space.budget or for_name in space.cache:
                 break  # room now, or another thread brought the tensor in meanwhile
             leaving = [c for c in space.cache.values() if c.evict_after and c.move is not None]
@@ -437,6 +463,10 @@ class Mover:
             if pending:
                 self._wait_deferred(pending[0])
                 continue
+            # a copy kept for its failed write-back may be what is in the way: say so now
+            # instead of waiting for a release that cannot come ([Note: a write-back that failed])
+            self.raise_write_failure(f"while making room for {for_name!r} in the "
+                                     f"{space.tier.value} tier", space.tier)
             deadline = self._wait_release(space, cost, for_name, deadline)
         return True
 
@@ -464,4 +494,27 @@ class Mover:
         err = self.wait(move)  # type: ignore[arg-type]
         if err is not None and not prefetch:
             move.entry.error = None  # reported here, to the caller that needed the space
-            raise SwapIOError(f"{err} (while making room in the {copy.tier.value} tier)") from err
+            raise reraised(err, f"while making room in the {copy.tier.value} tier") from err
+
+
+def io_error(what: str, exc: BaseException) -> SwapIOError:
+    """``what`` failed because of ``exc``, as a ``SwapIOError`` with ``exc``'s errno, named
+    (``ENOSPC``) beside the I/O layer's message, which names the file."""
+    code = getattr(exc, "errno", None)
+    if not code:
+        return SwapIOError(f"{what} failed: {exc}")
+    name = errno.errorcode.get(code, str(code))
+    return SwapIOError(code, f"{what} failed ({name}): {_message(exc)}")
+
+
+def reraised(err: BaseException, where: str) -> SwapIOError:
+    """``err`` reported to a caller ``where`` (its errno kept)."""
+    code = getattr(err, "errno", None)
+    if not code:
+        return SwapIOError(f"{err} ({where})")
+    return SwapIOError(code, f"{_message(err)} ({where})")
+
+
+def _message(exc: BaseException) -> str:
+    """An OSError's words without the ``[Errno N]`` prefix ``str`` adds."""
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

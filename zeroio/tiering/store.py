@@ -437,6 +437,15 @@ class TieredStore:
             if errors:
                 raise errors[0]
 
+    def check_writes(self) -> None:
+        """Raise the oldest write-back failure not reported to anyone yet, as a ``SwapIOError``
+        with its errno, naming the file ([Note: a write-back that failed] in mover.py). A
+        caller whose work begins (the NVMe optimizer's step) asks first, so that a failure of
+        the write-behind of its previous step fails this one before it changes anything."""
+        with self._lock:
+            self._check_open()
+            self._mover.raise_write_failure("reported when the next step began")
+
     def clear_errors(self) -> int:
         """Forget every I/O error not yet reported to an acquirer (``Entry.error``): after the
         state they concern has been replaced (a checkpoint load) or the failed step rolled
