@@ -41,7 +41,7 @@ from zeroio.engine_build import (
 )
 from zeroio.engine_state import MicroStep
 from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError, StepFailedError
-from zeroio.optim.factory import from_client, from_config
+from zeroio.optim.factory import from_client, from_config, require_trainable
 from zeroio.optim.loss_scaler import build_loss_scaler
 from zeroio.optim.lr_schedules import build_scheduler
 from zeroio.optim.rule_build import rule_policies
@@ -93,8 +93,9 @@ class Engine:
                               f"{self.world_size} ranks are running", key="train_batch_size")
         self.device = pick_device()
         self.module = model.to(self.device)
-        spec = from_client(optimizer, self.config) if optimizer is not None else from_config(
-            self.config.optimizer, model, model_parameters)
+        spec = require_trainable(from_client(optimizer, self.config) if optimizer is not None
+                                 else from_config(self.config.optimizer, model, model_parameters),
+                                 model)
         self.client_optimizer = optimizer
         policies = rule_policies(spec, self.config,
                                  resolve_engine_policies(self.config, self.device))

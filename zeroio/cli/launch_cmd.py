@@ -141,6 +141,9 @@ def torchrun_argv(
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank} must be in 0..{nnodes - 1} for --nnodes {nnodes}",
                           key="node_rank")
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise ConfigError(f"--master_port {master_port} is not a TCP port; give one in 1..65535 "
+                          "(or drop it: one node picks a free port)", key="master_port")
     if master_port is None:
         if nnodes > 1:
             master_port = 29500  # every node must agree on it, so no random choice
@@ -261,13 +264,15 @@ def _bind_cores(args, nproc: int) -> str | None:
             raise ConfigError("--bind_core_list needs --bind_cores_to_rank", key="bind_core_list")
         return None
     from zeroio.cli.launch_cores import (
+        check_on_machine,
         cores_per_rank,
         format_core_list,
         machine_cores,
         parse_core_list,
     )
 
-    cores = parse_core_list(args.bind_core_list) if args.bind_core_list else machine_cores()
+    cores = (check_on_machine(parse_core_list(args.bind_core_list), args.bind_core_list)
+             if args.bind_core_list else machine_cores())
     os.environ["OMP_NUM_THREADS"] = str(cores_per_rank(cores, nproc))
     return format_core_list(cores)
 
@@ -283,15 +288,48 @@ def rank_options(args, cores: str | None) -> list[str]:
     return opts + (["--no-python"] if args.no_python else [])
 
 
+def check_script(args) -> None:
+    """The script exists before any rank starts: a file (or a folder with __main__.py, as
+    python runs it), or with --no_python a program on PATH. A module (-m) is found by the
+    ranks' own import path, so it is not looked up here."""
+    import shutil
+    from pathlib import Path
+
+    if args.module:
+        return
+    script = args.script
+    if args.no_python:
+        if shutil.which(script) is None:
+            raise ConfigError(f"script {script}: no such program (--no_python runs it directly: "
+                              "give its path or a name on PATH)", key="script")
+        return
+    path = Path(script)
+    if path.is_file() or (path / "__main__.py").is_file():
+        return
+    why = "is a folder without __main__.py" if path.is_dir() else "does not exist"
+    raise ConfigError(f"script {script} {why}; pass the training script (or -m MODULE)",
+                      key="script")
+
+
+def check_args(args) -> None:
+    """The flags checked before the launch plan is made (which checks the rest; the script
+    is looked for once the plan says this node runs it)."""
+    _refuse_unsupported(args)
+    if args.master_addr is not None and not args.master_addr.strip():
+        raise ConfigError("--master_addr is empty; give node 0's address, or drop the flag "
+                          "(127.0.0.1 on one node)", key="master_addr")
+
+
 def run(args) -> int:
     from zeroio.cli.launch_plan import plan_launch
 
-    _refuse_unsupported(args)
+    check_args(args)
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     plan = plan_launch(args, gpus=gpus, visible_env=os.environ.get("CUDA_VISIBLE_DEVICES"),
                        default_nproc=default_nproc())
+    check_script(args)
     if plan.note:
         print(plan.note, file=sys.stderr)
     if plan.visible_devices is not None:
