@@ -45,7 +45,9 @@ import argparse
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
+from zeroio.cli.launch_plan import LaunchPlan
 from zeroio.errors import ConfigError
 
 
@@ -256,13 +258,13 @@ def _shim_pythonpath() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(shim), *rest])
 
 
-def _bind_cores(args, nproc: int) -> str | None:
-    """The core list each rank takes its share of (``--bind_cores_to_rank``); sets the ranks'
-    ``OMP_NUM_THREADS`` to the share, as DeepSpeed does."""
+def _bind_cores(args, nproc: int) -> tuple[str | None, int | None]:
+    """(the core list each rank takes its share of, the share: the ranks' ``OMP_NUM_THREADS``,
+    as DeepSpeed sets it) with ``--bind_cores_to_rank``; (None, None) without it."""
     if not args.bind_cores_to_rank:
         if args.bind_core_list:
             raise ConfigError("--bind_core_list needs --bind_cores_to_rank", key="bind_core_list")
-        return None
+        return None, None
     from zeroio.cli.launch_cores import (
         check_on_machine,
         cores_per_rank,
@@ -273,8 +275,7 @@ def _bind_cores(args, nproc: int) -> str | None:
 
     cores = (check_on_machine(parse_core_list(args.bind_core_list), args.bind_core_list)
              if args.bind_core_list else machine_cores())
-    os.environ["OMP_NUM_THREADS"] = str(cores_per_rank(cores, nproc))
-    return format_core_list(cores)
+    return format_core_list(cores), cores_per_rank(cores, nproc)
 
 
 def rank_options(args, cores: str | None) -> list[str]:
@@ -311,36 +312,52 @@ def check_script(args) -> None:
                       key="script")
 
 
-def check_args(args) -> None:
-    """The flags checked before the launch plan is made (which checks the rest; the script
-    is looked for once the plan says this node runs it)."""
+@dataclass(frozen=True, kw_only=True)
+class CheckedLaunch:
+    """What one `zeroio launch` starts, every flag checked (``check_launch``)."""
+
+    plan: LaunchPlan
+    threads: int | None
+    """The ranks' ``OMP_NUM_THREADS`` (--bind_cores_to_rank), None to leave it."""
+    argv: list[str]
+    """The ``torch.distributed.run`` arguments."""
+
+
+def check_launch(args) -> CheckedLaunch:
+    """Every check of `zeroio launch`, in one place, before anything is launched or the
+    environment is changed: DeepSpeed flags zeroio refuses, the hosts and slots (the plan),
+    the script (once the plan says this node runs it), the core list, the per-rank flags, the
+    process counts and the port. A mistake is a ConfigError (exit 2) naming the flag."""
+    import torch
+
+    from zeroio.cli.launch_plan import plan_launch
+
     _refuse_unsupported(args)
     if args.master_addr is not None and not args.master_addr.strip():
         raise ConfigError("--master_addr is empty; give node 0's address, or drop the flag "
                           "(127.0.0.1 on one node)", key="master_addr")
-
-
-def run(args) -> int:
-    from zeroio.cli.launch_plan import plan_launch
-
-    check_args(args)
-    import torch
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     plan = plan_launch(args, gpus=gpus, visible_env=os.environ.get("CUDA_VISIBLE_DEVICES"),
                        default_nproc=default_nproc())
     check_script(args)
-    if plan.note:
-        print(plan.note, file=sys.stderr)
-    if plan.visible_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(plan.visible_devices)
+    cores, threads = _bind_cores(args, plan.nproc)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
-    cores = _bind_cores(args, plan.nproc)
-    _shim_pythonpath()
-    return launch(torchrun_argv(
+    argv = torchrun_argv(
         args.script, script_args, nproc=plan.nproc, nnodes=plan.nnodes,
         node_rank=plan.node_rank, master_addr=plan.master_addr, master_port=plan.master_port,
-        module=args.module, guard=True, rank_options=rank_options(args, cores),
-    ))
+        module=args.module, guard=True, rank_options=rank_options(args, cores))
+    return CheckedLaunch(plan=plan, threads=threads, argv=argv)
+
+
+def run(args) -> int:
+    job = check_launch(args)
+    if job.plan.note:
+        print(job.plan.note, file=sys.stderr)
+    if job.plan.visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(job.plan.visible_devices)
+    if job.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(job.threads)
+    _shim_pythonpath()
+    return launch(job.argv)
