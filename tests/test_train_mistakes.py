@@ -42,6 +42,7 @@ def files(tmp_path) -> Path:
     (d / "nothing").mkdir()
     (d / "huge-batch.json").write_text('{"train_micro_batch_size_per_gpu": 1e40}')
     (d / "a-file").write_text("x")
+    (d / "keep5.json").write_text('{"checkpoint": {"keep_last": 5}}')
     return d
 
 
@@ -69,6 +70,10 @@ def files(tmp_path) -> Path:
     (["--preset", ""], ["--preset"]),
     (["--nvme-path", "{in}/a-file"], ["--nvme-path", "a-file"]),
     (["--nproc", "0"], ["--nproc"]),
+    (["--keep-last", "0"], ["--keep-last", "0"]),
+    (["--keep-last", "2", "--no-checkpoint"], ["--no-checkpoint", "--keep-last"]),
+    (["--keep-last", "2", "--config", "{in}/keep5.json"],
+     ["--keep-last 2 contradicts checkpoint.keep_last = 5", "keep5.json"]),
 ])
 def test_a_mistake_is_found_before_launch_and_leaves_nothing(tmp_path, files, args, words):
     before = _tree(files)

@@ -407,7 +407,20 @@ class Engine:
         self._phase.check("save_checkpoint")
         self.synchronize()
         with preemption.uninterrupted():  # a checkpoint is written whole
-            return engine_io.save_checkpoint(self, save_dir, tag, client_state)
+            path = engine_io.save_checkpoint(self, save_dir, tag, client_state)
+        self._keep_last(save_dir, path.name)
+        return path
+
+    def _keep_last(self, save_dir, saved: str) -> None:
+        """checkpoint.keep_last: rank 0, which committed the tag, removes the tags beyond the
+        newest N ([Note: keeping the newest N] in zeroio/checkpoint/retention.py); the names
+        go into ``last_save["removed_tags"]`` (empty on the other ranks)."""
+        from zeroio.checkpoint.retention import prune_tags
+
+        keep = self.config.checkpoint.keep_last
+        removed = prune_tags(save_dir, keep, saved=saved) if (
+            keep is not None and self.global_rank == 0) else []
+        self.last_save = {**(self.last_save or {}), "removed_tags": removed}
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):

@@ -56,6 +56,10 @@ _OPTIONS: dict[str, dict] = {
                               "written; continue later with --resume)"),
     "--save-every": dict(type=int, default=0, metavar="N",
                          help="checkpoint every N steps (default: only at the end)"),
+    "--keep-last": dict(type=int, default=None, metavar="N",
+                        help="keep only the newest N checkpoints, removing older ones zeroio "
+                             "wrote after each save (checkpoint.keep_last; like the HF "
+                             "Trainer's save_total_limit; default: keep all)"),
     "--output": dict(default="zeroio_run", metavar="DIR",
                      help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run); one "
                           "run at a time (DIR/zeroio.lock)"),

@@ -147,7 +147,8 @@ def _preflight(opts: TrainOptions, mcfg, cfg, world: World, out: Path) -> None:
     err = None
     try:
         plan = disk.plan(out=out, mcfg=mcfg, cfg=cfg, world_size=world.world_size, start=start,
-                         end=end, save_every=opts.save_every, checkpoint=not opts.no_checkpoint,
+                         end=end, save_every=opts.save_every, keep_last=cfg.checkpoint.keep_last,
+                         checkpoint=not opts.no_checkpoint,
                          write_model=end >= opts.steps, model_dtype=opts.model_dtype,
                          fresh=not opts.resume, overwrite=opts.overwrite)
         disk.check(plan, checkpoint=not opts.no_checkpoint, model_dtype=opts.model_dtype)
@@ -182,8 +183,9 @@ def _save(engine, ckpt: Path, tag: str, losses: list[float], rank0: bool) -> Non
     if rank0:  # a save a crash interrupts is still known as zeroio's
         rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST], claim=True)
     engine.save_checkpoint(ckpt, tag=tag, client_state={"losses": losses})
-    if rank0:
-        rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST])
+    if rank0:  # what --keep-last removed is no longer listed
+        removed = [ckpt / t for t in engine.last_save.get("removed_tags", [])]
+        rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST, *removed])
 
 
 def _one_step(engine, blocks: TokenBlocks, order: ShardedOrder, step: int, gas: int,
