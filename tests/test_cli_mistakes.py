@@ -96,6 +96,7 @@ def work(tmp_path) -> Path:
       "--disk-write-gbps", "2", "--cpu-adam-gelems", "1"], ["--gpu-mem"]),
     (["consolidate", "ck", "out", "--max-shard-size", "0"], ["--max-shard-size"]),
     (["consolidate", "missing", "out"], ["missing", "does not exist"]),
+    (["consolidate", "ck", "out", "--tag", "../x"], ["--tag", "not allowed"]),
 ])
 def test_mistakes_exit_2_naming_the_flag_and_leave_nothing(work, argv, words):
     if argv[0] == "consolidate" and argv[1] == "ck":

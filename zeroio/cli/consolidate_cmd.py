@@ -39,8 +39,8 @@ def check_args(args) -> None:
     naming the flag or path); what the checkpoint holds is the checkpoint layer's to judge."""
     from pathlib import Path
 
-    from zeroio.checkpoint.tags import scan_tags
-    from zeroio.errors import ConfigError
+    from zeroio.checkpoint.tags import check_tag, scan_tags
+    from zeroio.errors import CheckpointError, ConfigError
 
     if args.max_shard_size < 1:
         raise ConfigError(f"--max-shard-size is {args.max_shard_size} bytes; it must be at least 1 "
@@ -52,6 +52,11 @@ def check_args(args) -> None:
                           "`latest` and the tag folders)", key="checkpoint")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"OUT {out} exists and is not a folder; pass a folder", key="out")
+    if args.tag is not None:
+        try:
+            check_tag(args.tag)
+        except CheckpointError as e:
+            raise ConfigError(f"--tag: {e}", key="tag") from None
     if args.tag is not None and not (ckpt / args.tag).is_dir() and not any(
             t.tag == args.tag for t in scan_tags(ckpt)):
         have = [t.tag for t in scan_tags(ckpt) if t.complete]
