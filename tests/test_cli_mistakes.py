@@ -161,6 +161,15 @@ def test_initialize_refuses_a_model_with_nothing_to_train():
         model = _frozen_model()
         zeroio.initialize(model=model, config=client,
                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    # DeepSpeed's API builds a frozen model, as DeepSpeed does (TRL's reference model)
+    import zeroio.deepspeed as deepspeed
+
+    ref = _frozen_model()
+    x = torch.randn(3, 4)
+    want = ref(x)
+    wrapped, *_ = deepspeed.initialize(model=ref, config=config)
+    assert torch.equal(wrapped(x), want)
+    wrapped.close()  # the zeroio engine under the adapter
     # one trainable parameter is enough: it trains, the frozen ones stay as they were
     model = _frozen_model()
     model[1].weight.requires_grad_(True)

@@ -82,7 +82,7 @@ class Engine:
     ``loss_scaler``, ``global_steps``, ``micro_steps``, ``global_samples``, ``skipped_steps``."""
 
     def __init__(self, *, model, config, model_parameters=None, optimizer=None,
-                 lr_scheduler=None):
+                 lr_scheduler=None, frozen_ok: bool = False):
         init_distributed(collective_timeout(config))
         self.world_size = comm.world_size()
         self.global_rank = comm.rank()
@@ -93,9 +93,10 @@ class Engine:
                               f"{self.world_size} ranks are running", key="train_batch_size")
         self.device = pick_device()
         self.module = model.to(self.device)
-        spec = require_trainable(from_client(optimizer, self.config) if optimizer is not None
-                                 else from_config(self.config.optimizer, model, model_parameters),
-                                 model)
+        spec = from_client(optimizer, self.config) if optimizer is not None else from_config(
+            self.config.optimizer, model, model_parameters)
+        if not frozen_ok:  # see ``initialize``
+            require_trainable(spec, model)
         self.client_optimizer = optimizer
         policies = rule_policies(spec, self.config,
                                  resolve_engine_policies(self.config, self.device))
@@ -493,13 +494,25 @@ def _dataloader(engine: Engine, training_data, collate_fn):
 def initialize(model=None, config=None, model_parameters=None, optimizer=None,
                lr_scheduler=None, training_data=None, collate_fn=None, config_params=None,
                **_unused):
-    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+    A model with nothing to train (every parameter frozen) is a ConfigError here; the
+    DeepSpeed facade builds it, as DeepSpeed does (a frozen reference model: ``build``)."""
+    return build(model=model, config=config, model_parameters=model_parameters,
+                 optimizer=optimizer, lr_scheduler=lr_scheduler, training_data=training_data,
+                 collate_fn=collate_fn, config_params=config_params)
+
+
+def build(*, model=None, config=None, model_parameters=None, optimizer=None, lr_scheduler=None,
+          training_data=None, collate_fn=None, config_params=None, frozen_ok: bool = False):
+    """``initialize``'s four results; ``frozen_ok``: a model whose parameters are all frozen
+    is built (DeepSpeed's facade: TRL's ``prepare_deepspeed`` wraps a frozen reference model
+    that only runs forward), not refused."""
     if model is None:
         raise ConfigError("initialize(model=...) is required", key="model")
     config = config if config is not None else config_params
     if config is None:
         raise ConfigError("initialize(config=...) is required: a path or a dict", key="config")
     engine = Engine(model=model, config=config, model_parameters=model_parameters,
-                    optimizer=optimizer, lr_scheduler=lr_scheduler)
+                    optimizer=optimizer, lr_scheduler=lr_scheduler, frozen_ok=frozen_ok)
     engine.training_dataloader = _dataloader(engine, training_data, collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
