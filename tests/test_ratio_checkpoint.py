@@ -311,7 +311,7 @@ def test_train_ratio_option(tmp_path):
 
 
 def test_ratio_option_against_a_config():
-    from zeroio.cli.train.loop import with_ratio
+    from zeroio.cli.train.run_config import with_ratio
     from zeroio.errors import ConfigError
 
     raw = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.4}}}

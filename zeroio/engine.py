@@ -41,7 +41,7 @@ from zeroio.engine_build import (
 )
 from zeroio.engine_state import MicroStep
 from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError, StepFailedError
-from zeroio.optim.factory import from_client, from_config
+from zeroio.optim.factory import from_client, from_config, require_trainable
 from zeroio.optim.loss_scaler import build_loss_scaler
 from zeroio.optim.lr_schedules import build_scheduler
 from zeroio.optim.rule_build import rule_policies
@@ -82,7 +82,7 @@ class Engine:
     ``loss_scaler``, ``global_steps``, ``micro_steps``, ``global_samples``, ``skipped_steps``."""
 
     def __init__(self, *, model, config, model_parameters=None, optimizer=None,
-                 lr_scheduler=None):
+                 lr_scheduler=None, frozen_ok: bool = False):
         init_distributed(collective_timeout(config))
         self.world_size = comm.world_size()
         self.global_rank = comm.rank()
@@ -95,6 +95,8 @@ class Engine:
         self.module = model.to(self.device)
         spec = from_client(optimizer, self.config) if optimizer is not None else from_config(
             self.config.optimizer, model, model_parameters)
+        if not frozen_ok:  # see ``initialize``
+            require_trainable(spec, model)
         self.client_optimizer = optimizer
         policies = rule_policies(spec, self.config,
                                  resolve_engine_policies(self.config, self.device))
@@ -406,7 +408,20 @@ class Engine:
         self._phase.check("save_checkpoint")
         self.synchronize()
         with preemption.uninterrupted():  # a checkpoint is written whole
-            return engine_io.save_checkpoint(self, save_dir, tag, client_state)
+            path = engine_io.save_checkpoint(self, save_dir, tag, client_state)
+        self._keep_last(save_dir, path.name)
+        return path
+
+    def _keep_last(self, save_dir, saved: str) -> None:
+        """checkpoint.keep_last: rank 0, which committed the tag, removes the tags beyond the
+        newest N ([Note: keeping the newest N] in zeroio/checkpoint/retention.py); the names
+        go into ``last_save["removed_tags"]`` (empty on the other ranks)."""
+        from zeroio.checkpoint.retention import prune_tags
+
+        keep = self.config.checkpoint.keep_last
+        removed = prune_tags(save_dir, keep, saved=saved) if (
+            keep is not None and self.global_rank == 0) else []
+        self.last_save = {**(self.last_save or {}), "removed_tags": removed}
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):
@@ -479,13 +494,25 @@ def _dataloader(engine: Engine, training_data, collate_fn):
 def initialize(model=None, config=None, model_parameters=None, optimizer=None,
                lr_scheduler=None, training_data=None, collate_fn=None, config_params=None,
                **_unused):
-    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+    A model with nothing to train (every parameter frozen) is a ConfigError here; the
+    DeepSpeed facade builds it, as DeepSpeed does (a frozen reference model: ``build``)."""
+    return build(model=model, config=config, model_parameters=model_parameters,
+                 optimizer=optimizer, lr_scheduler=lr_scheduler, training_data=training_data,
+                 collate_fn=collate_fn, config_params=config_params)
+
+
+def build(*, model=None, config=None, model_parameters=None, optimizer=None, lr_scheduler=None,
+          training_data=None, collate_fn=None, config_params=None, frozen_ok: bool = False):
+    """``initialize``'s four results; ``frozen_ok``: a model whose parameters are all frozen
+    is built (DeepSpeed's facade: TRL's ``prepare_deepspeed`` wraps a frozen reference model
+    that only runs forward), not refused."""
     if model is None:
         raise ConfigError("initialize(model=...) is required", key="model")
     config = config if config is not None else config_params
     if config is None:
         raise ConfigError("initialize(config=...) is required: a path or a dict", key="config")
     engine = Engine(model=model, config=config, model_parameters=model_parameters,
-                    optimizer=optimizer, lr_scheduler=lr_scheduler)
+                    optimizer=optimizer, lr_scheduler=lr_scheduler, frozen_ok=frozen_ok)
     engine.training_dataloader = _dataloader(engine, training_data, collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

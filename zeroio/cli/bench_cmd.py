@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -32,30 +31,29 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _aio_from_config(path: str | None) -> object | None:
-    if path is None:
-        return None
-    return json.loads(Path(path).read_text(encoding="utf-8")).get("aio") or None
+def check_args(args) -> dict:
+    """Every option of `bench io` checked before anything is written (ConfigError, exit 2,
+    naming the flag); the values ``bench_io`` takes."""
+    from zeroio.cli import io_options as opt
+
+    return dict(
+        directory=opt.directory("--path", args.path),
+        size=opt.size("--size", args.size),
+        block_size=opt.size("--block-size", args.block_size) if args.block_size else None,
+        queue_depth=opt.positive("--queue-depth", args.queue_depth),
+        threads=opt.positive("--threads", args.threads),
+        aio_cfg=opt.aio_block("--config", args.config),
+        fio=opt.executable("--fio", args.fio),
+        sustained=opt.size("--sustained", args.sustained) if args.sustained else None,
+    )
 
 
 def run(args) -> int:
-    if getattr(args, "bench_what", None) != "io":
-        raise SystemExit("usage: zeroio bench io --path DIR --size S [--json]")
-    from zeroio.io.bench import bench_io, disk_table, parse_size
+    from zeroio.io.bench import bench_io, disk_table
 
-    result = bench_io(
-        args.path,
-        parse_size(args.size),
-        block_size=parse_size(args.block_size) if args.block_size else None,
-        queue_depth=args.queue_depth,
-        threads=args.threads,
-        raw=args.raw,
-        progress=not (args.json or args.quiet),
-        aio_cfg=_aio_from_config(args.config),
-        fio=args.fio,
-        sweep=not args.no_sweep,
-        sustained=parse_size(args.sustained) if args.sustained else None,
-    )
+    values = check_args(args)
+    result = bench_io(**values, raw=args.raw, progress=not (args.json or args.quiet),
+                      sweep=not args.no_sweep)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -34,8 +34,40 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args) -> None:
+    """The command line's mistakes, before anything is read or written (ConfigError, exit 2,
+    naming the flag or path); what the checkpoint holds is the checkpoint layer's to judge."""
+    from pathlib import Path
+
+    from zeroio.checkpoint.tags import check_tag, scan_tags
+    from zeroio.errors import CheckpointError, ConfigError
+
+    if args.max_shard_size < 1:
+        raise ConfigError(f"--max-shard-size is {args.max_shard_size} bytes; it must be at least 1 "
+                          "(e.g. 5GB, 500MiB)", key="max_shard_size")
+    ckpt, out = Path(args.checkpoint), Path(args.out)
+    if not ckpt.is_dir():
+        why = "does not exist" if not ckpt.exists() else "is not a folder"
+        raise ConfigError(f"CKPT {ckpt} {why}; pass the checkpoint directory (the folder holding "
+                          "`latest` and the tag folders)", key="checkpoint")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"OUT {out} exists and is not a folder; pass a folder", key="out")
+    if args.tag is not None:
+        try:
+            check_tag(args.tag)
+        except CheckpointError as e:
+            raise ConfigError(f"--tag: {e}", key="tag") from None
+    if args.tag is not None and not (ckpt / args.tag).is_dir() and not any(
+            t.tag == args.tag for t in scan_tags(ckpt)):
+        have = [t.tag for t in scan_tags(ckpt) if t.complete]
+        raise ConfigError(f"--tag {args.tag}: no such tag in {ckpt}; complete tags there: "
+                          f"{', '.join(have) or 'none'}", key="tag")
+
+
 def run(args) -> int:
     from zeroio.checkpoint.consolidate import write_safetensors
+
+    check_args(args)
 
     files = write_safetensors(args.checkpoint, args.out, args.tag, dtype=args.dtype,
                               max_shard_bytes=args.max_shard_size,

@@ -21,6 +21,7 @@ import dataclasses
 import json
 
 from zeroio.cli import estimate_plan
+from zeroio.errors import ConfigError
 
 _GB = 1e9
 
@@ -56,11 +57,24 @@ def _gb(n: int) -> str:
     return f"{n / _GB:10.2f}"
 
 
+def check_args(args) -> None:
+    """Every option of `estimate` checked before any arithmetic (ConfigError, exit 2, naming
+    the flag); the --model-config file is checked where it is read (``model_shape``)."""
+    for name in ("gpus_per_node", "nodes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}", key=name)
+    if args.ratio is not None and not 0 < args.ratio <= 1:
+        raise ConfigError(f"--ratio {args.ratio:g}: expected a number in (0, 1] (the fraction of "
+                          "the optimizer state offloaded)", key="ratio")
+    estimate_plan.check_args(args)
+
+
 def run(args) -> int:
     from zeroio.config import load_config
     from zeroio.estimate import estimate_memory
 
-    estimate_plan.check_args(args)
+    check_args(args)
     shape = None
     if args.model_config is not None:
         from zeroio.estimate import model_shape
@@ -70,7 +84,8 @@ def run(args) -> int:
         return estimate_plan.run(args, shape)
     config = load_config(args.config) if args.config else None
     report = estimate_memory(
-        shape.num_params if shape else args.params, args.gpus_per_node or 1, args.nodes,
+        shape.num_params if shape else args.params,
+        1 if args.gpus_per_node is None else args.gpus_per_node, args.nodes,
         stage=args.stage, largest_group=shape.layer_params if shape else None,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         dtype=args.dtype, config=config, zeroio_buffers=not args.no_buffers, ratio=args.ratio)

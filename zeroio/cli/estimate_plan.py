@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from zeroio.errors import ConfigError
 
@@ -29,6 +30,8 @@ MACHINE_FLAGS = {
 OPTIONAL_FLAGS = {"disk_mixed_gbps": ("disk_mixed_bps", _GB)}
 #: estimate flags that choose a placement by hand: --plan chooses it
 _NOT_WITH_PLAN = ("stage", "offload_optimizer", "offload_param", "ratio", "config")
+#: --plan's counts (micro batch, accumulation, sequence) and their defaults
+_PLAN_COUNTS = {"micro_batch": 1, "grad_accum": 1, "seq": 2048}
 
 
 def add_arguments(p) -> None:
@@ -48,23 +51,32 @@ def add_arguments(p) -> None:
                    "(optional; without it the step time counts reads then writes)")
     g.add_argument("--cpu-adam-gelems", type=float,
                    help="CPU Adam speed, 1e9 elements per second per node")
-    g.add_argument("--micro-batch", type=int, default=1,
-                   help="micro batch per GPU for the activations (with --model-config)")
-    g.add_argument("--grad-accum", type=int, default=1, metavar="N",
+    g.add_argument("--micro-batch", type=int, default=None,
+                   help="micro batch per GPU for the activations (with --model-config; "
+                   "default 1)")
+    g.add_argument("--grad-accum", type=int, default=None, metavar="N",
                    help="micro-steps per optimizer step (gradient_accumulation_steps): host "
-                   "gradients, their staging and the per-step traffic follow it")
+                   "gradients, their staging and the per-step traffic follow it (default 1)")
     g.add_argument("--params-from-master", choices=("true", "false", "auto"), default="auto",
                    help="plan the NVMe placements with tiering.params_from_master (auto: where "
                    "this build's config takes the key)")
-    g.add_argument("--seq", type=int, default=2048,
-                   help="sequence length for the activations (with --model-config)")
+    g.add_argument("--seq", type=int, default=None,
+                   help="sequence length for the activations (with --model-config; default 2048)")
 
 
 def check_args(args) -> None:
     """Plan-only flags without --plan, or hand placement flags with it: a ConfigError."""
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    for name in (*MACHINE_FLAGS, *OPTIONAL_FLAGS):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag(name)} must be a positive number, got {value:g}", key=name)
+    for name in _PLAN_COUNTS:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag(name)} must be >= 1, got {value}", key=name)
     if not args.plan:
-        used = [n for n in ("machine", *MACHINE_FLAGS, *OPTIONAL_FLAGS)
+        used = [n for n in ("machine", *MACHINE_FLAGS, *OPTIONAL_FLAGS, *_PLAN_COUNTS)
                 if getattr(args, n) is not None]
         if used:
             raise ConfigError(f"{flag(used[0])} needs --plan", key=used[0])
@@ -94,10 +106,15 @@ def machine_from_args(args):
         raise ConfigError("--plan needs the machine: --machine machine.json, or "
                           + ", ".join("--" + n.replace("_", "-") for n in missing),
                           key="machine")
-    return Machine(gpus=args.gpus_per_node or 1,
+    return Machine(gpus=1 if args.gpus_per_node is None else args.gpus_per_node,
                    **{f: given[n] * scale for n, (f, scale) in {**MACHINE_FLAGS,
                                                                 **OPTIONAL_FLAGS}.items()
                       if n in given})
+
+
+def _count(args, name: str) -> int:
+    value = getattr(args, name, None)
+    return _PLAN_COUNTS[name] if value is None else value
 
 
 def run(args, shape) -> int:
@@ -109,8 +126,9 @@ def run(args, shape) -> int:
         kw = dict(layers=shape.layers, hidden=shape.hidden, vocab=shape.vocab,
                   intermediate=shape.intermediate, largest_group=shape.layer_params)
     plan = plan_placement(shape.num_params if shape else args.params, machine,
-                          dtype=args.dtype or "bf16", micro_batch=args.micro_batch,
-                          seq=args.seq, nodes=args.nodes, accumulation=getattr(args, "grad_accum", 1),
+                          dtype=args.dtype if args.dtype is not None else "bf16",
+                          micro_batch=_count(args, "micro_batch"), seq=_count(args, "seq"),
+                          nodes=args.nodes, accumulation=_count(args, "grad_accum"),
                           params_from_master={"true": True, "false": False}.get(
                               getattr(args, "params_from_master", "auto")), **kw)
     if args.json:

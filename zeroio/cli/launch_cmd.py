@@ -45,7 +45,9 @@ import argparse
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
+from zeroio.cli.launch_plan import LaunchPlan
 from zeroio.errors import ConfigError
 
 
@@ -141,6 +143,9 @@ def torchrun_argv(
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank} must be in 0..{nnodes - 1} for --nnodes {nnodes}",
                           key="node_rank")
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise ConfigError(f"--master_port {master_port} is not a TCP port; give one in 1..65535 "
+                          "(or drop it: one node picks a free port)", key="master_port")
     if master_port is None:
         if nnodes > 1:
             master_port = 29500  # every node must agree on it, so no random choice
@@ -253,23 +258,24 @@ def _shim_pythonpath() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(shim), *rest])
 
 
-def _bind_cores(args, nproc: int) -> str | None:
-    """The core list each rank takes its share of (``--bind_cores_to_rank``); sets the ranks'
-    ``OMP_NUM_THREADS`` to the share, as DeepSpeed does."""
+def _bind_cores(args, nproc: int) -> tuple[str | None, int | None]:
+    """(the core list each rank takes its share of, the share: the ranks' ``OMP_NUM_THREADS``,
+    as DeepSpeed sets it) with ``--bind_cores_to_rank``; (None, None) without it."""
     if not args.bind_cores_to_rank:
         if args.bind_core_list:
             raise ConfigError("--bind_core_list needs --bind_cores_to_rank", key="bind_core_list")
-        return None
+        return None, None
     from zeroio.cli.launch_cores import (
+        check_on_machine,
         cores_per_rank,
         format_core_list,
         machine_cores,
         parse_core_list,
     )
 
-    cores = parse_core_list(args.bind_core_list) if args.bind_core_list else machine_cores()
-    os.environ["OMP_NUM_THREADS"] = str(cores_per_rank(cores, nproc))
-    return format_core_list(cores)
+    cores = (check_on_machine(parse_core_list(args.bind_core_list), args.bind_core_list)
+             if args.bind_core_list else machine_cores())
+    return format_core_list(cores), cores_per_rank(cores, nproc)
 
 
 def rank_options(args, cores: str | None) -> list[str]:
@@ -283,26 +289,75 @@ def rank_options(args, cores: str | None) -> list[str]:
     return opts + (["--no-python"] if args.no_python else [])
 
 
-def run(args) -> int:
+def check_script(args) -> None:
+    """The script exists before any rank starts: a file (or a folder with __main__.py, as
+    python runs it), or with --no_python a program on PATH. A module (-m) is found by the
+    ranks' own import path, so it is not looked up here."""
+    import shutil
+    from pathlib import Path
+
+    if args.module:
+        return
+    script = args.script
+    if args.no_python:
+        if shutil.which(script) is None:
+            raise ConfigError(f"script {script}: no such program (--no_python runs it directly: "
+                              "give its path or a name on PATH)", key="script")
+        return
+    path = Path(script)
+    if path.is_file() or (path / "__main__.py").is_file():
+        return
+    why = "is a folder without __main__.py" if path.is_dir() else "does not exist"
+    raise ConfigError(f"script {script} {why}; pass the training script (or -m MODULE)",
+                      key="script")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckedLaunch:
+    """What one `zeroio launch` starts, every flag checked (``check_launch``)."""
+
+    plan: LaunchPlan
+    threads: int | None
+    """The ranks' ``OMP_NUM_THREADS`` (--bind_cores_to_rank), None to leave it."""
+    argv: list[str]
+    """The ``torch.distributed.run`` arguments."""
+
+
+def check_launch(args) -> CheckedLaunch:
+    """Every check of `zeroio launch`, in one place, before anything is launched or the
+    environment is changed: DeepSpeed flags zeroio refuses, the hosts and slots (the plan),
+    the script (once the plan says this node runs it), the core list, the per-rank flags, the
+    process counts and the port. A mistake is a ConfigError (exit 2) naming the flag."""
+    import torch
+
     from zeroio.cli.launch_plan import plan_launch
 
     _refuse_unsupported(args)
-    import torch
-
+    if args.master_addr is not None and not args.master_addr.strip():
+        raise ConfigError("--master_addr is empty; give node 0's address, or drop the flag "
+                          "(127.0.0.1 on one node)", key="master_addr")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     plan = plan_launch(args, gpus=gpus, visible_env=os.environ.get("CUDA_VISIBLE_DEVICES"),
                        default_nproc=default_nproc())
-    if plan.note:
-        print(plan.note, file=sys.stderr)
-    if plan.visible_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(plan.visible_devices)
+    check_script(args)
+    cores, threads = _bind_cores(args, plan.nproc)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
-    cores = _bind_cores(args, plan.nproc)
-    _shim_pythonpath()
-    return launch(torchrun_argv(
+    argv = torchrun_argv(
         args.script, script_args, nproc=plan.nproc, nnodes=plan.nnodes,
         node_rank=plan.node_rank, master_addr=plan.master_addr, master_port=plan.master_port,
-        module=args.module, guard=True, rank_options=rank_options(args, cores),
-    ))
+        module=args.module, guard=True, rank_options=rank_options(args, cores))
+    return CheckedLaunch(plan=plan, threads=threads, argv=argv)
+
+
+def run(args) -> int:
+    job = check_launch(args)
+    if job.plan.note:
+        print(job.plan.note, file=sys.stderr)
+    if job.plan.visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(job.plan.visible_devices)
+    if job.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(job.threads)
+    _shim_pythonpath()
+    return launch(job.argv)

@@ -39,6 +39,17 @@ def parse_core_list(text: str) -> list[int]:
     return cores
 
 
+def check_on_machine(cores: list[int], text: str) -> list[int]:
+    """``cores`` (from --bind_core_list ``text``) when this process may run on every one."""
+    allowed = machine_cores()
+    missing = sorted(set(cores) - set(allowed))
+    if missing:
+        raise ConfigError(f"--bind_core_list {text!r}: core(s) {format_core_list(missing)} are not "
+                          f"among the cores this process may use ({format_core_list(allowed)})",
+                          key="bind_core_list")
+    return cores
+
+
 def machine_cores() -> list[int]:
     """The cores this process may run on (its affinity mask), else every core."""
     if hasattr(os, "sched_getaffinity"):
@@ -75,5 +86,5 @@ def format_core_list(cores: list[int]) -> str:
     return ",".join(parts)
 
 
-__all__ = ["cores_per_rank", "format_core_list", "machine_cores", "parse_core_list",
-           "rank_cores"]
+__all__ = ["check_on_machine", "cores_per_rank", "format_core_list", "machine_cores",
+           "parse_core_list", "rank_cores"]

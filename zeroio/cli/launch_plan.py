@@ -44,6 +44,11 @@ class LaunchPlan:
     """One line to print before starting (e.g. slots that are CPU processes)."""
 
 
+def _addr(args, default: str) -> str:
+    """--master_addr, or ``default`` when it is not given (an empty one is refused earlier)."""
+    return default if args.master_addr is None else args.master_addr
+
+
 def check_launcher(name: str | None, launcher_args: str = "") -> None:
     """``--launcher``: torch's is what zeroio uses; DeepSpeed's multi-node backends are not."""
     if name is not None and name.lower() not in LAUNCHERS_OK:
@@ -72,7 +77,7 @@ def _local(args, gpus: int, visible_env: str | None, default_nproc: int) -> Laun
             nproc=args.nproc if args.nproc is not None else default_nproc,
             nnodes=args.nnodes if args.nnodes is not None else 1,
             node_rank=args.node_rank if args.node_rank is not None else 0,
-            master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port)
+            master_addr=_addr(args, "127.0.0.1"), master_port=args.master_port)
     pool = local_pool(gpus, include)
     try:
         slots = filter_pool(pool, include, exclude).get("localhost", [])
@@ -83,7 +88,7 @@ def _local(args, gpus: int, visible_env: str | None, default_nproc: int) -> Laun
         raise ConfigError(f"--exclude {exclude!r} leaves no slot on localhost", key="exclude")
     note = None if gpus else (f"zeroio launch: no CUDA on this machine: slots {slots} run as "
                               f"{len(slots)} CPU rank(s) (gloo)")
-    return LaunchPlan(nproc=len(slots), master_addr=args.master_addr or "127.0.0.1",
+    return LaunchPlan(nproc=len(slots), master_addr=_addr(args, "127.0.0.1"),
                       master_port=args.master_port, visible_devices=_visible(slots, gpus,
                                                                              visible_env),
                       note=note)
@@ -123,7 +128,7 @@ def node_command(args, *, nnodes: int, node_rank: int, nproc: int, master_addr: 
 
 def _several(args, pool: Pool, gpus: int, visible_env: str | None) -> LaunchPlan:
     hosts = list(pool)
-    addr = args.master_addr or hosts[0]
+    addr = _addr(args, hosts[0])
     port = args.master_port if args.master_port is not None else 29500
     if args.node_rank is None:
         lines = [f"  on {h}: " + node_command(
@@ -161,7 +166,7 @@ def plan_launch(args, *, gpus: int, visible_env: str | None = None,
         return _several(args, pool, gpus, visible_env)
     (host, slots), = pool.items()
     full = slots == list(range(len(slots)))
-    return LaunchPlan(nproc=len(slots), master_addr=args.master_addr or "127.0.0.1",
+    return LaunchPlan(nproc=len(slots), master_addr=_addr(args, "127.0.0.1"),
                       master_port=args.master_port,
                       visible_devices=None if full else _visible(slots, gpus, visible_env))
 

@@ -43,11 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` names: ``zeroio launch`` -> launch's, ``zeroio
+    bench io`` -> bench io's; ``parser`` itself when no command was given."""
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its subparsers only here
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            return command_parser(chosen, args) if chosen is not None else parser
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
+    args, extra = parser.parse_known_args(argv)
+    own = command_parser(parser, args)
+    if extra:  # the usage of the command that was given, not the top level's
+        own.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not getattr(args, "func", None) or own._subparsers is not None:
+        own.print_help(sys.stderr)  # no command, or one that needs its subcommand (bench io)
         return 2
     from zeroio.errors import ConfigError, ZeroIOError
 

@@ -56,6 +56,10 @@ _OPTIONS: dict[str, dict] = {
                               "written; continue later with --resume)"),
     "--save-every": dict(type=int, default=0, metavar="N",
                          help="checkpoint every N steps (default: only at the end)"),
+    "--keep-last": dict(type=int, default=None, metavar="N",
+                        help="keep only the newest N checkpoints, removing older ones zeroio "
+                             "wrote after each save (checkpoint.keep_last; like the HF "
+                             "Trainer's save_total_limit; default: keep all)"),
     "--output": dict(default="zeroio_run", metavar="DIR",
                      help="run folder: nvme/, checkpoints/, model/ (default ./zeroio_run); one "
                           "run at a time (DIR/zeroio.lock)"),
@@ -147,26 +151,45 @@ def default_nproc() -> int:
 
 def run_in_dir(args) -> int:
     """`run` holding the run directory's lock, taken once per job before any rank starts
-    ([Note: run directory] in zeroio/cli/train/rundir.py)."""
+    ([Note: run directory] in zeroio/cli/train/rundir.py), after every option, file and
+    config was checked ([Note: checked before anything is written] in
+    zeroio/cli/train/options.py): a mistake leaves nothing behind."""
     from pathlib import Path
 
-    from zeroio.cli.train import rundir
-    from zeroio.cli.train.loop import check_options
+    import torch
 
-    check_options(options(args))  # a bad option is reported before the folder is looked at
+    from zeroio.cli.train import rundir
+    from zeroio.cli.train.options import check_job
+    from zeroio.config.launch_env import launch_env
+
+    opts = options(args)
+    nproc = job_nproc(args)
+    launched = launch_env().world_size
+    mcfg, _ = check_job(opts, nproc if launched is None else launched,
+                        cuda=torch.cuda.is_available())
     with rundir.claim(Path(args.output), resume=args.resume, overwrite=args.overwrite):
-        return run(args)
+        return run(args, opts, nproc, mcfg)
+
+
+def job_nproc(args) -> int:
+    """--nproc, or one rank per visible GPU (2 gloo ranks without CUDA)."""
+    from zeroio.errors import ConfigError
+
+    nproc = args.nproc if args.nproc is not None else default_nproc()
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
+    return nproc
 
 
 def options(args):
     """The parsed command line as ``TrainOptions``."""
-    from zeroio.cli.train.loop import TrainOptions
+    from zeroio.cli.train.options import TrainOptions
 
     return TrainOptions(**{_dest(n): getattr(args, _dest(n)) for n in (*_OPTIONS, *_FLAGS)},
                         plan=args.plan, given=_given(args))
 
 
-def _job_plan(opts, nproc: int):
+def _job_plan(opts, mcfg, nproc: int):
     """The placement plan, made once per job ([Note: planned runs] in
     zeroio/cli/train/placement.py); None in a rank its launcher planned for, or unplanned."""
     from pathlib import Path
@@ -174,26 +197,23 @@ def _job_plan(opts, nproc: int):
     import torch
 
     from zeroio.cli.train import placement, rundir
-    from zeroio.cli.train.loop import check_options
 
     if "RANK" in os.environ and rundir.launched_by_holder(Path(opts.output)):
         return None
-    return placement.job_plan(opts, check_options(opts), nproc=nproc,
-                              cuda=torch.cuda.is_available())
+    return placement.job_plan(opts, mcfg, nproc=nproc, cuda=torch.cuda.is_available())
 
 
-def run(args) -> int:
-    from zeroio.cli.train.loop import check_before_launch, train
-    from zeroio.errors import ConfigError
+def run(args, opts, nproc: int, mcfg) -> int:
+    from zeroio.cli.train.loop import train
 
-    nproc = args.nproc if args.nproc is not None else default_nproc()
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {nproc}", key="nproc")
-    opts = options(args)
-    run_plan = _job_plan(opts, nproc)
+    run_plan = _job_plan(opts, mcfg, nproc)
     if "RANK" not in os.environ and nproc > 1:
-        # a typo fails here once, not on every launched rank
-        check_before_launch(opts, nproc, run_plan)
+        if run_plan is not None:  # the planned config is checked once here too, not per rank
+            import torch
+
+            from zeroio.cli.train.options import check_job
+
+            check_job(opts, nproc, cuda=torch.cuda.is_available(), zero=run_plan.zero)
         from zeroio.cli.launch_cmd import launch, torchrun_argv
         from zeroio.partition.step_overlap import cpu_share
 

@@ -4,17 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
-
-
-def _sizes(text: str) -> list[int]:
-    from zeroio.io.bench import parse_size
-
-    return [parse_size(x) for x in text.split(",") if x]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def add_parser(sub) -> None:
@@ -35,23 +24,31 @@ def add_parser(sub) -> None:
 
 def write_aio(path: str, aio: dict) -> None:
     """Put ``aio`` into the JSON config at ``path`` (other keys kept), atomically."""
+    from zeroio.config.loader import read_config
     from zeroio.io.files import atomic_write_json
 
-    config = {}
-    if os.path.exists(path):
-        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    config = read_config(path) if os.path.exists(path) else {}
     config["aio"] = aio
     atomic_write_json(path, config, indent=2)
 
 
-def run(args) -> int:
-    if getattr(args, "tune_what", None) != "io":
-        raise SystemExit("usage: zeroio tune io --path DIR --size S [--write-config FILE]")
-    from zeroio.io.bench import parse_size, tune_io
+def check_args(args) -> dict:
+    """Every option of `tune io` checked before the sweep (ConfigError, exit 2, naming the
+    flag), --write-config included: a file that cannot take the block fails now, not after
+    the sweep. The values ``tune_io`` takes."""
+    from zeroio.cli import io_options as opt
 
-    aio, rows = tune_io(args.path, parse_size(args.size), _sizes(args.block_sizes),
-                        _ints(args.queue_depths), _ints(args.threads),
-                        progress=not (args.json or args.quiet))
+    opt.writable_config("--write-config", args.write_config)
+    return dict(directory=opt.directory("--path", args.path), size=opt.size("--size", args.size),
+                block_sizes=opt.size_list("--block-sizes", args.block_sizes),
+                queue_depths=opt.int_list("--queue-depths", args.queue_depths),
+                thread_counts=opt.int_list("--threads", args.threads))
+
+
+def run(args) -> int:
+    from zeroio.io.bench import tune_io
+
+    aio, rows = tune_io(**check_args(args), progress=not (args.json or args.quiet))
     if args.write_config:
         write_aio(args.write_config, aio)
     if args.json:

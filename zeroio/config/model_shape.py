@@ -45,11 +45,14 @@ class ModelShape:
     layer_params: int
 
 
-def model_shape(path: str) -> ModelShape:
-    """Read ``config.json`` (or a folder holding one) of a Llama-style model: vocab_size,
-    hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-    num_key_value_heads, head_dim, tie_word_embeddings (default false, Llama's),
-    attention_bias, mlp_bias. Plain JSON: no torch, no transformers."""
+MODEL_TYPES = ("llama",)
+"""``model_type`` values zeroio builds (``zeroio train``: ``LlamaForCausalLM``) and counts
+(``zeroio estimate``: ``llama_num_params``); a config without one is read as Llama's."""
+
+
+def read_model_config(path: str) -> tuple[dict, ModelShape]:
+    """``(raw, shape)`` of ``config.json`` (or a folder holding one): the file's JSON object
+    and its shape, checked by ``check_model_config``. ConfigError naming --model-config."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -60,27 +63,57 @@ def model_shape(path: str) -> ModelShape:
         raw = jsonlimits.loads(p.read_text(encoding="utf-8"), f"--model-config {p}")
     except jsonlimits.JSONLimitError as e:
         raise ConfigError(str(e), key="model_config") from None
-    except (UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"--model-config {p} is not a JSON file: {e}", key="model_config") \
             from None
+    return raw, check_model_config(raw, str(p))
+
+
+def model_shape(path: str) -> ModelShape:
+    """The shape of ``config.json`` (or a folder holding one) of a Llama-style model, read as
+    plain JSON: no torch, no transformers (``read_model_config``)."""
+    return read_model_config(path)[1]
+
+
+def check_model_config(raw, source: str) -> ModelShape:
+    """The one check of a model config, used by `zeroio estimate`, `zeroio train` (planned or
+    not) alike: a JSON object (a multimodal wrapper's ``text_config``) of ``model_type``
+    "llama" (or none) with vocab_size, hidden_size, intermediate_size, num_hidden_layers and
+    num_attention_heads positive integers; hidden_size a multiple of the heads (as transformers
+    requires), num_key_value_heads (default: the heads) dividing them, head_dim (default
+    hidden / heads) and max_position_embeddings positive when given; tie_word_embeddings
+    (default false, Llama's), attention_bias, mlp_bias. Its shape, or a ConfigError naming
+    ``source`` and the key."""
     raw = raw.get("text_config", raw) if isinstance(raw, dict) else raw  # multimodal wrappers
     if not isinstance(raw, dict):
-        raise ConfigError(f"--model-config {p} must hold a JSON object", key="model_config")
+        raise ConfigError(f"--model-config {source} must hold a JSON object", key="model_config")
 
-    def need(key: str) -> int:
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"--model-config {source}: {key} is {raw.get(key)!r}; {why}",
+                           key=f"model_config.{key}")
+
+    def need(key: str, default=None) -> int:
         v = raw.get(key)
+        if v is None and default is not None:
+            return default
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"--model-config {p}: {key} is {v!r}; expected a positive "
-                              "integer (a Llama-style decoder config)", key=f"model_config.{key}")
+            raise bad(key, "expected a positive integer (a Llama-style decoder config)")
         return v
 
+    if raw.get("model_type", "llama") not in MODEL_TYPES:
+        raise bad("model_type", f"zeroio trains and estimates Llama-style decoders (model_type "
+                  f"{' or '.join(map(repr, MODEL_TYPES))}); pass such a config")
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv = raw.get("num_key_value_heads") or heads
-    hd = raw.get("head_dim") or hidden // heads
+    if hidden % heads:
+        raise bad("hidden_size", f"it must be a multiple of num_attention_heads ({heads})")
+    kv = need("num_key_value_heads", heads)
+    if heads % kv:
+        raise bad("num_key_value_heads", f"it must divide num_attention_heads ({heads})")
+    need("max_position_embeddings", 1)
     shape = dict(hidden=hidden, intermediate=need("intermediate_size"),
                  layers=need("num_hidden_layers"), vocab=need("vocab_size"), heads=heads,
-                 kv_heads=int(kv), head_dim=int(hd), tied=bool(raw.get("tie_word_embeddings",
-                                                                        False)))
+                 kv_heads=kv, head_dim=need("head_dim", hidden // heads),
+                 tied=bool(raw.get("tie_word_embeddings", False)))
     total, layer = llama_num_params(**shape, attention_bias=bool(raw.get("attention_bias")),
                                     mlp_bias=bool(raw.get("mlp_bias")))
-    return ModelShape(source=str(p), num_params=total, layer_params=layer, **shape)
+    return ModelShape(source=source, num_params=total, layer_params=layer, **shape)

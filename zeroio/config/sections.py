@@ -16,6 +16,7 @@ from zeroio.config.fields import (
     field,
     float_coercer,
     int_coercer,
+    optional,
     sub,
 )
 from zeroio.errors import ConfigError
@@ -154,6 +155,11 @@ class CheckpointConfig:
     use_node_local_storage: bool = field(False, coerce=as_bool)
     """Each node writes to its own local storage (rank 0 of each node writes shared files)."""
     parallel_write: ParallelWriteConfig = sub(ParallelWriteConfig)
+    keep_last: int | None = field(None, coerce=optional(int_coercer(ge=1)))
+    """zeroio's own key, the Hugging Face Trainer's ``save_total_limit``: after each save,
+    keep the newest N complete tags of the save directory and remove the older ones that
+    zeroio wrote; never the tag ``latest`` names, an incomplete tag or a folder zeroio did
+    not write (``zeroio.checkpoint.retention``). None (the default): keep every tag."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -220,8 +220,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         config, world_size=comm.world_size(), hidden_size=_hidden_size(model),
         client_optimizer=optimizer is not None, client_scheduler=lr_scheduler is not None,
         builds_loader=training_data is not None)
-    from zeroio.engine import initialize as zeroio_initialize
+    from zeroio.engine import build
 
-    return zeroio_initialize(model=model, config=cfg, model_parameters=model_parameters,
-                             optimizer=optimizer, lr_scheduler=lr_scheduler,
-                             training_data=training_data, collate_fn=collate_fn)
+    # a frozen model (TRL's reference model) is built, as DeepSpeed builds it
+    return build(model=model, config=cfg, model_parameters=model_parameters,
+                 optimizer=optimizer, lr_scheduler=lr_scheduler, training_data=training_data,
+                 collate_fn=collate_fn, frozen_ok=True)

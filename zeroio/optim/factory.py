@@ -40,6 +40,19 @@ class OptimizerSpec:
     """The client optimizer whose class steps the shards (rule "client")."""
 
 
+def require_trainable(spec: OptimizerSpec, module: torch.nn.Module) -> OptimizerSpec:
+    """``spec`` when it trains at least one parameter; else a ConfigError saying so (an engine
+    over a frozen model would step nothing, silently)."""
+    if any(p.requires_grad for group in spec.param_groups for p in group):
+        return spec
+    total = sum(1 for _ in module.parameters())
+    raise ConfigError(
+        f"initialize: nothing to train: the optimizer's groups hold no parameter with "
+        f"requires_grad=True (the model has {total} parameter tensor(s); frozen ones are "
+        "skipped). Unfreeze the parameters to train (p.requires_grad_(True)), or pass them as "
+        "model_parameters / in the optimizer's param_groups", key="model_parameters")
+
+
 def _hyper(d: dict) -> dict:
     return {"lr": float(d["lr"]), "betas": tuple(float(b) for b in d["betas"]),
             "eps": float(d["eps"]), "weight_decay": float(d.get("weight_decay", 0.0))}

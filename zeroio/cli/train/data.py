@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from zeroio.errors import ConfigError
 VOCAB_SIZE = 256
 # Files read from a --data folder; anything else (images, checkpoints) is skipped.
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+JOIN = b"\n\n"
+"""What joins the files of a --data folder (a blank line)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -56,17 +59,12 @@ def builtin_corpus() -> bytes:
     return resources.files("zeroio.cli.train").joinpath("corpus.txt").read_bytes()
 
 
-def read_text(path: str | Path | None) -> bytes:
-    """The raw bytes to train on: the built-in corpus, a file, or every text file under a folder.
-
-    A folder's files are read in sorted path order and joined by a blank line,
-    so the token stream (and with it the run) is the same on every machine.
-    """
-    if path is None:
-        return builtin_corpus()
+def text_files(path: str | Path) -> list[Path]:
+    """The files ``read_text`` reads for --data ``path``, in its order; a ConfigError naming
+    the path when there are none, or one cannot be read."""
     p = Path(path)
     if p.is_file():
-        data = p.read_bytes()
+        files = [p]
     elif p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
         if not files:
@@ -75,12 +73,60 @@ def read_text(path: str | Path | None) -> bytes:
                 "pass a text file or a folder of them",
                 key="data",
             )
-        data = b"\n\n".join(f.read_bytes() for f in files)
     else:
-        raise ConfigError(f"--data path {p} does not exist; pass a text file or folder", key="data")
+        why = "does not exist" if not p.exists() else "is neither a file nor a folder"
+        raise ConfigError(f"--data path {p} {why}; pass a text file or folder", key="data")
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise ConfigError(f"--data file {f} cannot be read by this process (permissions)",
+                              key="data")
+    return files
+
+
+def text_tokens(path: str | Path | None) -> int:
+    """How many tokens ``read_text(path)`` gives (one per byte), from the files' sizes alone:
+    the input checks count sequences before anything is read or written."""
+    if path is None:
+        return len(builtin_corpus())
+    files = text_files(path)
+    return sum(f.stat().st_size for f in files) + len(JOIN) * (len(files) - 1)
+
+
+def read_text(path: str | Path | None) -> bytes:
+    """The raw bytes to train on: the built-in corpus, a file, or every text file under a folder.
+
+    A folder's files are read in sorted path order and joined by a blank line,
+    so the token stream (and with it the run) is the same on every machine.
+    """
+    if path is None:
+        return builtin_corpus()
+    data = JOIN.join(f.read_bytes() for f in text_files(path))
     if not data:
-        raise ConfigError(f"--data {p} is empty; it needs some text to train on", key="data")
+        raise ConfigError(f"--data {path} is empty; it needs some text to train on", key="data")
     return data
+
+
+def check_volume(*, data: str | Path | None, seq_len: int, micro_batch: int,
+                 world_size: int, micro_batch_from: str = "--micro-batch") -> int:
+    """The sequences --data holds, when one optimizer micro-step of ``world_size`` ranks x
+    ``micro_batch`` finds that many (what ``TokenBlocks`` and ``ShardedOrder`` need); else a
+    ConfigError naming --data (an empty file or folder too), --seq-len or where the micro
+    batch came from (``micro_batch_from``)."""
+    tokens = text_tokens(data)
+    what = f"--data {data}" if data is not None else "the built-in corpus"
+    if tokens == 0:
+        raise ConfigError(f"{what} is empty; it needs some text to train on", key="data")
+    blocks = tokens // seq_len
+    if blocks == 0:
+        raise ConfigError(f"{what} holds {tokens} tokens, fewer than one sequence of --seq-len "
+                          f"{seq_len}; give more text or a shorter --seq-len", key="seq_len")
+    need = world_size * micro_batch
+    if blocks < need:
+        raise ConfigError(f"{what} holds {blocks} sequences of --seq-len {seq_len} but one "
+                          f"step over {world_size} rank(s) with micro batch {micro_batch:,} "
+                          f"({micro_batch_from}) needs {need:,}; give more text or use a smaller "
+                          "--seq-len or micro batch", key="data")
+    return blocks
 
 
 class TokenBlocks(torch.utils.data.Dataset):

@@ -1,15 +1,18 @@
 """Pre-flight disk check of `zeroio train`: everything the run will write under --output, before it trains.
 
-[Note: what the run writes] Checkpoints are never replaced or pruned: every
+[Note: what the run writes] Checkpoints are never replaced: every
 ``--save-every`` multiple and the final step get their own tag
-(``checkpoints/stepN``), so all of them are on disk together when the final
-model is exported. Before the export the run closes the optimizer, which
+(``checkpoints/stepN``). Without --keep-last all of them are on disk together
+when the final model is exported; with --keep-last N (``checkpoint.keep_last``)
+the newest N are, and N + 1 while a save is written, since the oldest goes only
+once the new tag is committed ([Note: keeping the newest N] in
+zeroio/checkpoint/retention.py). Before the export the run closes the optimizer, which
 deletes the moments' swap files (the export reads the fp32 masters, which live
 in host or GPU memory, never in the optimizer's swap). The peak is therefore
 the larger of the two phases:
 
-    training:  saves x checkpoint  +  NVMe swap files (same file system)
-    export:    saves x checkpoint  +  model export  +  NVMe swap files but the moments
+    training:  kept x checkpoint (+ 1 being saved)  +  NVMe swap files (same file system)
+    export:    kept x checkpoint  +  model export  +  NVMe swap files but the moments
 
 - checkpoint: the writer's own count (``writer.checkpoint_bytes``): the arrays
   ``engine_io.build_state`` writes (fp32 masters, exp_avg, exp_avg_sq; no
@@ -133,6 +136,8 @@ def training_checkpoint_bytes(numel: int) -> int:
 
 def num_saves(start: int, end: int, save_every: int) -> int:
     """Checkpoints a run from ``start`` to ``end`` writes: each ``save_every`` multiple, and the end."""
+    if save_every < 0:
+        raise ValueError(f"save_every must be >= 0 (0: only at the end), got {save_every}")
     if end <= start:
         return 0
     every = (end // save_every - start // save_every) if save_every else 0
@@ -165,16 +170,29 @@ def nvme_split(cfg, numel: int, world_size: int) -> tuple[int, int]:
     return moments, est.nvme_bytes_per_node - moments
 
 
+def checkpoint_items(one: int, saves: int, keep_last: int | None) -> list[DiskItem]:
+    """The run's checkpoints on disk at the peak: all ``saves`` of ``one`` byte each, or with
+    ``keep_last`` the newest N, plus the one being saved in training ([Note: what the run
+    writes])."""
+    kept = saves if keep_last is None else min(saves, keep_last)
+    items = [DiskItem(name="checkpoints", nbytes=one, count=kept)]
+    if saves > kept:
+        items.append(DiskItem(name="checkpoint being saved (--keep-last removes the oldest "
+                                   "after it)", nbytes=one, phases=("train",)))
+    return items
+
+
 def plan(*, out: Path, mcfg, cfg, world_size: int, start: int, end: int, save_every: int,
          checkpoint: bool, write_model: bool, model_dtype: str, fresh: bool,
-         overwrite: bool = False) -> DiskPlan:
-    """What a run writes under ``out``, and the free bytes it has for it ([Note: what the run writes])."""
+         overwrite: bool = False, keep_last: int | None = None) -> DiskPlan:
+    """What a run writes under ``out``, and the free bytes it has for it ([Note: what the run
+    writes]); ``keep_last``: checkpoint.keep_last (None: every checkpoint stays)."""
     specs = param_specs(mcfg, MODEL_DTYPES[model_dtype])
     numel = sum(s.numel for s in specs)
     items = []
     if checkpoint:
-        items.append(DiskItem(name="checkpoints", nbytes=training_checkpoint_bytes(numel),
-                              count=num_saves(start, end, save_every)))
+        items += checkpoint_items(training_checkpoint_bytes(numel),
+                                  num_saves(start, end, save_every), keep_last)
     if write_model:
         items.append(DiskItem(name=f"model ({model_dtype})", nbytes=export_bytes(specs),
                               phases=("export",)))
@@ -200,6 +218,8 @@ def check(p: DiskPlan, *, checkpoint: bool, model_dtype: str) -> None:
     if p.fits:
         return
     fixes = ["--output on a file system with more room"]
+    if any(i.name == "checkpoints" and i.count > 1 for i in p.items):
+        fixes.append("a smaller --keep-last N (only the newest N checkpoints stay)")
     if checkpoint:
         fixes.append("--no-checkpoint (only the final model is written, from the live engine)")
     if model_dtype != "bf16":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,76 +28,15 @@ import torch
 
 from zeroio.cli.train import disk, placement, rundir
 from zeroio.cli.train.data import ByteTokenizer, ShardedOrder, TokenBlocks, read_text
-from zeroio.cli.train.defaults import default_config
 from zeroio.cli.train.disk import MODEL_DTYPES
 from zeroio.cli.train.model import build_model
-from zeroio.cli.train.presets import llama_config, num_parameters
+from zeroio.cli.train.options import TrainOptions, check_job, check_options  # noqa: F401
+from zeroio.cli.train.presets import num_parameters
+from zeroio.cli.train.run_config import resolve_config  # noqa: F401 - callers import it here
 from zeroio.config.launch_env import launch_env
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
 from zeroio.preemption import StepBoundarySignals, stop_line
-
-SMALL_PRESETS = ("tiny", "small")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainOptions:
-    """What the command line asked for; None = the default (or the config's own value)."""
-
-    config: str | None = None
-    """DeepSpeed-schema config file; None = the built-in stage-3 NVMe config."""
-    preset: str | None = None
-    """Model preset name (presets.PRESETS); None with no model_config = tiny."""
-    model_config: str | None = None
-    """A transformers config.json (or its folder) instead of a preset."""
-    data: str | None = None
-    """Text file or folder; None = the built-in corpus."""
-    steps: int = 200
-    """Optimizer steps in total (a resumed run continues up to this number)."""
-    stop_after: int | None = None
-    """Stop this run after this step (a checkpoint is written; --resume continues)."""
-    seq_len: int = 128
-    micro_batch: int | None = None
-    """Sequences per rank per micro-step; None = the config's value, or 4."""
-    grad_accum: int | None = None
-    """Micro-steps per optimizer step (gradient_accumulation_steps); None = the config's, or 1."""
-    lr: float | None = None
-    """Peak learning rate; None = the config's value, or 3e-3 (tiny/small) / 3e-4."""
-    warmup: int | None = None
-    """Warmup steps; None = 10% of --steps."""
-    save_every: int = 0
-    """Checkpoint every N steps (0 = only at the end)."""
-    output: str = "zeroio_run"
-    resume: bool = False
-    tag: str | None = None
-    """With resume: the checkpoint tag to continue from; None = the newest complete one."""
-    overwrite: bool = False
-    """A fresh run may delete files zeroio did not write in model/, checkpoints/, nvme/."""
-    quiet: bool = False
-    json: bool = False
-    seed: int = 1234
-    ratio: float | None = None
-    """zero_optimization.offload_optimizer.ratio; None = the config's own (1 in the built-in)."""
-    no_checkpoint: bool = False
-    """Write no training checkpoint; the final model comes from the live engine."""
-    no_checkpoint_on_signal: bool = False
-    """On SIGTERM/SIGINT write no checkpoint at the step the run stops after (train_cmd.py)."""
-    model_dtype: str = "fp32"
-    """dtype of the final from_pretrained model: fp32 (the masters) or bf16."""
-    timeout: float | None = None
-    """distributed.timeout_s (seconds a collective waits); None = the config's (600 s)."""
-    progress_every: int = 0
-    """One plain stderr line per N steps on rank 0, also under --json/--quiet (0: none), so a
-    driver that reads the JSON on stdout (benchmarks/bench_train.py) still shows life."""
-    plan: bool | None = None
-    """Plan the placement for this machine (--plan / --no-plan); None: plan when the model
-    comes from --model-config without --config, or --machine is given (placement.py)."""
-    machine: str | None = None
-    """--machine FILE: the machine to plan for instead of measuring this one."""
-    nvme_path: str | None = None
-    """nvme_path of the built-in or planned config; None = --output/nvme."""
-    given: frozenset[str] = frozenset()
-    """Names of the options the user typed (only these can contradict a config)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,82 +63,6 @@ def setup_world(timeout_s: float = 600.0) -> World:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     w = comm.world()
     return World(rank=w.rank, world_size=w.world_size, local_rank=local_rank, device=device)
-
-
-def base_config(opts: TrainOptions, *, cuda: bool) -> dict:
-    """The raw built-in config (its nvme_path --nvme-path or --output/nvme) or --config's."""
-    if opts.config is None:
-        return default_config(placement.nvme_path(opts), cuda=cuda)
-    return _read_config(opts.config)
-
-
-def resolve_config(opts: TrainOptions, mcfg, *, world_size: int, cuda: bool, out: Path,
-                   zero: dict | None = None):
-    """The built-in or user config as a ``Config``, "auto" filled from the options (before the
-    process group exists: its timeout is in the config); ``zero``: the planned placement keys
-    (placement.py), applied over it."""
-    from zeroio.config import load_config
-    from zeroio.integrations.autofill import check_no_contradictions
-
-    raw = base_config(opts, cuda=cuda)
-    if zero is not None:
-        raw = placement.apply(raw, zero)
-    if opts.ratio is not None:
-        raw = with_ratio(raw, opts.ratio, "--config " + str(opts.config) if opts.config else None)
-    if opts.timeout is not None:
-        raw = with_timeout(raw, opts.timeout, "--config " + str(opts.config) if opts.config else None)
-    lr = opts.lr if opts.lr is not None else (3e-3 if (opts.preset or "tiny") in SMALL_PRESETS
-                                              and opts.model_config is None else 3e-4)
-    values = dict(
-        per_device_train_batch_size=opts.micro_batch or 4,
-        gradient_accumulation_steps=opts.grad_accum or 1,
-        learning_rate=lr, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0,
-        max_grad_norm=1.0, bf16=cuda, fp16=False, num_training_steps=opts.steps,
-        warmup_steps=opts.warmup if opts.warmup is not None else max(1, opts.steps // 10),
-    )
-    # only what the user typed can contradict the config; our defaults yield to it
-    typed = {"micro_batch": "per_device_train_batch_size", "lr": "learning_rate",
-             "grad_accum": "gradient_accumulation_steps",
-             "steps": "num_training_steps", "warmup": "warmup_steps"}
-    check_no_contradictions(raw, "the command line",
-                            **{v: values[v] for k, v in typed.items() if k in opts.given})
-    cfg = load_config(raw, world_size=world_size, hidden_size=mcfg.hidden_size, **values)
-    return cfg
-
-
-def with_timeout(raw: dict, timeout: float, source: str | None) -> dict:
-    """``raw`` with distributed.timeout_s = ``timeout`` (--timeout); a config that sets another
-    value contradicts it (ConfigError)."""
-    block = dict(raw.get("distributed") or {})
-    if source is not None and "timeout_s" in block and float(block["timeout_s"]) != timeout:
-        raise ConfigError(f"--timeout {timeout:g} contradicts distributed.timeout_s = "
-                          f"{block['timeout_s']} in {source}; drop one of them",
-                          key="distributed.timeout_s")
-    return {**raw, "distributed": {**block, "timeout_s": timeout}}
-
-
-def _read_config(config: str) -> dict:
-    """The --config file's JSON object (the config layer's reader: UTF-8, no repeated key)."""
-    from zeroio.config.loader import read_config
-
-    if not Path(config).is_file():
-        raise ConfigError(f"--config {config} does not exist", key="config")
-    return read_config(config)
-
-
-def with_ratio(raw: dict, ratio: float, source: str | None) -> dict:
-    """``raw`` with zero_optimization.offload_optimizer.ratio = ``ratio`` (--ratio). A user
-    config that sets another ratio contradicts it (ConfigError); the range and the stage are
-    checked by load_config like any config's."""
-    key = "zero_optimization.offload_optimizer.ratio"
-    zo = dict(raw.get("zero_optimization") or {})
-    off = dict(zo.get("offload_optimizer") or {})
-    if source is not None and "ratio" in off and off["ratio"] != "auto" and float(off["ratio"]) != ratio:
-        raise ConfigError(f"--ratio {ratio} contradicts {key} = {off['ratio']} in {source}; "
-                          "drop one of them", key=key)
-    off["ratio"] = ratio
-    zo["offload_optimizer"] = off
-    return {**raw, "zero_optimization": zo}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -277,49 +139,16 @@ def _resume_step(ckpt: Path, tag: str | None = None) -> int:
     return int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else 0
 
 
-def check_tag(opts: TrainOptions) -> None:
-    """--tag: with --resume, one folder name, a complete checkpoint under --output/checkpoints
-    (else a ConfigError listing the tags there)."""
-    from zeroio.checkpoint.tags import scan_tags
-
-    if opts.tag is None:
-        return
-    if not opts.resume:
-        raise ConfigError(f"--tag {opts.tag} names the checkpoint --resume continues from; add "
-                          "--resume, or drop --tag", key="tag")
-    ckpt = Path(opts.output) / "checkpoints"
-    if opts.tag in ("", ".", "..") or "/" in opts.tag or os.sep in opts.tag:
-        raise ConfigError(f"--tag {opts.tag!r} must be the name of one checkpoint folder under "
-                          f"{ckpt} (e.g. step100)", key="tag")
-    tags = scan_tags(ckpt)
-    found = next((t for t in tags if t.tag == opts.tag), None)
-    if found is not None and found.complete:
-        return
-    complete = [t.tag for t in tags if t.complete]
-    broken = [f"{t.tag} ({t.reason})" for t in tags if not t.complete]
-    have = (f"complete checkpoints there: {', '.join(complete) or 'none'}"
-            + (f"; incomplete: {'; '.join(broken)}" if broken else ""))
-    why = "is incomplete" if found is not None else "does not exist"
-    raise ConfigError(f"--resume --tag {opts.tag}: {ckpt / opts.tag} {why}; {have}. Pass one "
-                      "of those to --tag, or drop --tag for the newest", key="tag")
-
-
 def _preflight(opts: TrainOptions, mcfg, cfg, world: World, out: Path) -> None:
     """Fail before the model is built when the output folder's file system cannot take what the
     run will write ([Note: what the run writes] in disk.py). Every rank checks; all fail together."""
-    zo = cfg.zero_optimization
-    if opts.no_checkpoint and zo.stage == 3 and not zo.stage3_gather_16bit_weights_on_model_save:
-        raise ConfigError(
-            "--no-checkpoint writes the model from the live engine, which at stage 3 needs "
-            "zero_optimization.stage3_gather_16bit_weights_on_model_save true in --config "
-            f"{opts.config}; set it, or drop --no-checkpoint",
-            key="zero_optimization.stage3_gather_16bit_weights_on_model_save")
     start = _resume_step(out / "checkpoints", opts.tag) if opts.resume else 0
     end = max(start, opts.steps if opts.stop_after is None else min(opts.steps, opts.stop_after))
     err = None
     try:
         plan = disk.plan(out=out, mcfg=mcfg, cfg=cfg, world_size=world.world_size, start=start,
-                         end=end, save_every=opts.save_every, checkpoint=not opts.no_checkpoint,
+                         end=end, save_every=opts.save_every, keep_last=cfg.checkpoint.keep_last,
+                         checkpoint=not opts.no_checkpoint,
                          write_model=end >= opts.steps, model_dtype=opts.model_dtype,
                          fresh=not opts.resume, overwrite=opts.overwrite)
         disk.check(plan, checkpoint=not opts.no_checkpoint, model_dtype=opts.model_dtype)
@@ -354,8 +183,9 @@ def _save(engine, ckpt: Path, tag: str, losses: list[float], rank0: bool) -> Non
     if rank0:  # a save a crash interrupts is still known as zeroio's
         rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST], claim=True)
     engine.save_checkpoint(ckpt, tag=tag, client_state={"losses": losses})
-    if rank0:
-        rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST])
+    if rank0:  # what --keep-last removed is no longer listed
+        removed = [ckpt / t for t in engine.last_save.get("removed_tags", [])]
+        rundir.record(ckpt.parent, [ckpt / tag, ckpt / LATEST, *removed])
 
 
 def _one_step(engine, blocks: TokenBlocks, order: ShardedOrder, step: int, gas: int,
@@ -408,48 +238,6 @@ def _report(summary: dict[str, Any], stats: dict[str, Any], opts: TrainOptions) 
                   flush=True)
 
 
-def check_options(opts: TrainOptions):
-    """Validate what can be checked without a process group; the model config on success."""
-    if opts.stop_after is not None and opts.stop_after < 1:
-        raise ConfigError(f"--stop-after must be >= 1, got {opts.stop_after}", key="stop_after")
-    if opts.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {opts.steps}", key="steps")
-    if opts.grad_accum is not None and opts.grad_accum < 1:
-        raise ConfigError(f"--grad-accum must be >= 1, got {opts.grad_accum}", key="grad_accum")
-    if opts.timeout is not None and not opts.timeout > 0:
-        raise ConfigError(f"--timeout must be > 0 seconds, got {opts.timeout:g}", key="timeout")
-    if opts.model_dtype not in MODEL_DTYPES:
-        raise ConfigError(f"--model-dtype {opts.model_dtype!r}: choose one of {', '.join(MODEL_DTYPES)}",
-                          key="model_dtype")
-    if opts.no_checkpoint:
-        clash = [flag for flag, on in (("--resume", opts.resume), ("--save-every", opts.save_every),
-                                       ("--stop-after", opts.stop_after is not None)) if on]
-        if clash:
-            raise ConfigError(f"--no-checkpoint writes no checkpoint, so it cannot be combined with "
-                              f"{' or '.join(clash)} (they read or write checkpoints); drop one of them",
-                              key="no_checkpoint")
-    # not UTF-8, not JSON, a repeated key: fail before launching
-    placement.check_options(opts, _read_config(opts.config) if opts.config is not None else None)
-    if opts.data is not None and not Path(opts.data).exists():
-        raise ConfigError(f"--data path {opts.data} does not exist; pass a text file or folder",
-                          key="data")
-    check_tag(opts)
-    mcfg = llama_config(opts.preset, opts.model_config)
-    if opts.seq_len > mcfg.max_position_embeddings:
-        raise ConfigError(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
-                          f"{mcfg.max_position_embeddings}", key="seq_len")
-    return mcfg
-
-
-def check_before_launch(opts: TrainOptions, world_size: int,
-                        run_plan: placement.RunPlan | None = None) -> None:
-    """Every argument and config error, found once before any rank starts (each rank repeats
-    the same checks, deterministic for the same world size)."""
-    mcfg = check_options(opts)
-    resolve_config(opts, mcfg, world_size=world_size, cuda=torch.cuda.is_available(),
-                   out=Path(opts.output), zero=run_plan.zero if run_plan else None)
-
-
 def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None,
           signals: StepBoundarySignals | None = None) -> dict[str, Any]:
     """Run the job on this rank; rank 0 returns (and prints) the summary, others return {}.
@@ -460,13 +248,13 @@ def train(opts: TrainOptions, run_plan: placement.RunPlan | None = None,
 
     import zeroio
 
-    mcfg = check_options(opts)
     out = Path(opts.output)
     if run_plan is None and placement.planning(opts):
         run_plan = placement.read(out)
-    cfg = resolve_config(opts, mcfg, world_size=launch_env().world_size or 1,
-                         cuda=torch.cuda.is_available(), out=out,
-                         zero=run_plan.zero if run_plan else None)
+    launched = launch_env().world_size
+    # [Note: checked before anything is written] in options.py: again in each rank
+    mcfg, cfg = check_job(opts, 1 if launched is None else launched,
+                          cuda=torch.cuda.is_available(), zero=run_plan.zero if run_plan else None)
     world = setup_world(cfg.distributed.timeout_s)
     rank0 = world.rank == 0
     show = rank0 and not opts.json and not opts.quiet

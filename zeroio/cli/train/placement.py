@@ -212,8 +212,8 @@ def make(opts, mcfg, *, gpus: int, nodes: int, cuda: bool,
          outside_world: int | None = None) -> RunPlan:
     """Plan this job: the machine, ``plan_placement`` for the model and the run's micro batch
     and sequence, the applied keys and the printed block. CapacityError when nothing fits."""
-    from zeroio.cli.train.loop import base_config
     from zeroio.cli.train.presets import num_parameters
+    from zeroio.cli.train.run_config import DEFAULT_GRAD_ACCUM, DEFAULT_MICRO_BATCH, base_config
     from zeroio.plan import plan_placement
 
     raw = base_config(opts, cuda=cuda)
@@ -221,14 +221,16 @@ def make(opts, mcfg, *, gpus: int, nodes: int, cuda: bool,
     n = num_parameters(mcfg)
     layers = mcfg.num_hidden_layers
     emb = mcfg.vocab_size * mcfg.hidden_size * (1 if mcfg.tie_word_embeddings else 2)
+    micro_batch = _typed_or_config(opts.micro_batch, raw, "train_micro_batch_size_per_gpu",
+                                   DEFAULT_MICRO_BATCH)
+    accumulation = _typed_or_config(opts.grad_accum, raw, "gradient_accumulation_steps",
+                                    DEFAULT_GRAD_ACCUM)
     try:
-        plan = plan_placement(n, machine, dtype=_dtype(raw, cuda), micro_batch=_typed_or_config(
-                                  opts.micro_batch, raw, "train_micro_batch_size_per_gpu", 4),
+        plan = plan_placement(n, machine, dtype=_dtype(raw, cuda), micro_batch=micro_batch,
                               seq=opts.seq_len, layers=layers, hidden=mcfg.hidden_size,
                               vocab=mcfg.vocab_size, intermediate=mcfg.intermediate_size,
                               largest_group=(n - emb - mcfg.hidden_size) // layers, nodes=nodes,
-                              accumulation=_typed_or_config(
-                                  opts.grad_accum, raw, "gradient_accumulation_steps", 1),
+                              accumulation=accumulation,
                               buffers=buffer_keys(raw, hidden=mcfg.hidden_size))
     except CapacityError as e:
         raise CapacityError(f"--plan: the model ({n:,} parameters) does not fit the machine "

@@ -10,7 +10,6 @@ subset of it).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from zeroio.errors import ConfigError
@@ -30,25 +29,23 @@ MAX_POSITIONS = 2048
 
 
 def llama_config(preset: str | None = None, model_config: str | Path | None = None):
-    """A ``LlamaConfig`` for a preset name or a config.json path (exactly one, or neither = tiny)."""
-    from transformers import AutoConfig, LlamaConfig
+    """A ``LlamaConfig`` for a preset name or a config.json path (exactly one, or neither = tiny).
+    A config.json is checked by ``check_model_config`` first, the check `zeroio estimate`
+    makes, then built by transformers; either one's refusal is a ConfigError naming the file."""
+    from transformers import LlamaConfig
+
+    from zeroio.config.model_shape import read_model_config
 
     if preset is not None and model_config is not None:
         raise ConfigError("give --preset or --model-config, not both", key="preset")
     if model_config is not None:
-        path = Path(model_config)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"--model-config {path} does not exist; pass a config.json", key="model_config")
+        raw, shape = read_model_config(str(model_config))
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--model-config {path} is not valid JSON: {e}", key="model_config") from e
-        if raw.get("model_type", "llama") == "llama":
-            return LlamaConfig.from_dict(raw)
-        return AutoConfig.for_model(**raw)
-    name = preset or DEFAULT_PRESET
+            return LlamaConfig.from_dict(raw.get("text_config", raw))
+        except (ValueError, TypeError) as e:  # what transformers' own checks refuse
+            raise ConfigError(f"--model-config {shape.source}: transformers refuses it: "
+                              f"{str(e).strip().splitlines()[-1]}", key="model_config") from None
+    name = DEFAULT_PRESET if preset is None else preset
     try:
         hidden, layers, inter, heads, vocab = PRESETS[name]
     except KeyError:

@@ -43,6 +43,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from zeroio import jsonlimits
 from zeroio.config.launch_env import RUN_LOCK, export, launch_env
 from zeroio.errors import ConfigError
 from zeroio.io.files import atomic_write_text, open_lock_file, read_fd, rewrite_fd
@@ -79,7 +80,7 @@ class RunLock:
 
 def _holder(fd: int) -> dict:
     try:
-        rec = json.loads(read_fd(fd).decode("utf-8"))
+        rec = jsonlimits.loads(read_fd(fd).decode("utf-8"), "the run lock")
     except ValueError:
         return {}
     return rec if isinstance(rec, dict) else {}
@@ -156,7 +157,7 @@ def launched_by_holder(out: Path) -> bool:
         return False
     try:
         want = json.loads(env)
-        rec = json.loads((out / LOCK).read_text(encoding="utf-8"))
+        rec = jsonlimits.loads((out / LOCK).read_text(encoding="utf-8"), str(out / LOCK))
     except (OSError, ValueError):
         return False
     return (isinstance(want, dict) and isinstance(rec, dict)
@@ -188,7 +189,7 @@ def claim(out: Path, *, resume: bool, overwrite: bool) -> Iterator[RunLock | Non
 
 def _read_written(out: Path) -> dict[str, list[int]]:
     try:
-        doc = json.loads((out / WRITTEN).read_text(encoding="utf-8"))
+        doc = jsonlimits.loads((out / WRITTEN).read_text(encoding="utf-8"), str(out / WRITTEN))
     except (OSError, ValueError):
         return {}
     files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == _FORMAT else None
