@@ -12,7 +12,8 @@ DeepSpeed is installed (see [Note: activating the facade] in facade.py).
 Importing ``zeroio`` alone patches nothing.
 
 Layout:
-- ``api``: ``initialize``, ``add_config_arguments``, ``init_distributed``.
+- ``api``: ``add_config_arguments``, ``init_distributed``, and the engine build under
+  ``initialize`` (``facade.initialize``: every route returns the same ``DeepSpeedEngine``).
 - ``zero``: ``Init`` (DeepSpeed's keyword arguments) and ``GatheredParameters``.
 - ``facade``: activation, and the functions the ``_shim/deepspeed`` modules forward to.
 - ``engine_adapter``: the ``DeepSpeedEngine`` that transformers/accelerate/TRL call.
@@ -24,11 +25,12 @@ Layout:
 from __future__ import annotations
 
 from zeroio.deepspeed import zero
-from zeroio.deepspeed.api import add_config_arguments, init_distributed, initialize
-from zeroio.deepspeed.facade import install, shim_dir
+from zeroio.deepspeed.api import add_config_arguments, init_distributed
+from zeroio.deepspeed.engine_adapter import DeepSpeedEngine
+from zeroio.deepspeed.facade import initialize, install, shim_dir
 from zeroio.deepspeed.version import FOLLOWS as __version__
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "shim_dir",
-           "install", "__version__"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "DeepSpeedEngine",
+           "shim_dir", "install", "__version__"]
 
 install()

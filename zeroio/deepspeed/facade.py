@@ -165,8 +165,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         # scheduler without an optimizer; its "auto" step count is then 0
         cfg.pop("scheduler", None)
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}  # zeroio's engine needs one
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = scheduler_factory(lr_scheduler)  # transformers' lr_scheduler_type
+    if optimizer is None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        # transformers' lr_scheduler_type over the config's optimizer (a client optimizer is
+        # what the callable gets: api._client_scheduler)
+        lr_scheduler = scheduler_factory(lr_scheduler)
     # api.initialize reads args too (args.local_rank, a config given twice); a config read
     # from args is passed as args alone unless it had to be rewritten (a dict)
     from_args = given is None
