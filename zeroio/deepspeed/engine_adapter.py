@@ -29,6 +29,7 @@ import logging
 import torch
 
 from zeroio.config.launch_env import launch_env
+from zeroio.deepspeed import accessors
 from zeroio.deepspeed.client_state import decode, encode
 from zeroio.deepspeed.engine_queries import EngineQueries
 from zeroio.deepspeed.state_dict import consolidated_state_dict
@@ -80,6 +81,7 @@ class DeepSpeedEngine(EngineQueries, torch.nn.Module):
         object.__setattr__(self, "_ds_config", dict(config or {}))
         self._boundary: bool | None = None
         self._warn_sharded_save = False
+        accessors.register(engine)  # deepspeed.utils.safe_get_full_* find the engine
 
     def __getattr__(self, name):
         try:
