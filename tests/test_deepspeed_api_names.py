@@ -242,8 +242,14 @@ def test_fused_lamb_and_cpu_lion_step_as_deepspeeds_rules(run):
             assert got == pytest.approx(losses[step], rel=1e-5), (name, step)
 
 
-def test_log_dist_and_see_memory_usage_log_on_rank_0_only(run):
+def test_log_dist_see_memory_usage_and_banner_on_rank_0_only(run):
     out = run["stdout"]
+    banners = [ln for ln in out.splitlines() if ln.startswith("[zeroio] zeroio ")]
+    assert len(banners) == 3  # one per engine (AdamW at stage 3, Lamb, Lion), rank 0 only
+    assert " | ZeRO stage 3, 2 rank(s), fp32 | offload optimizer none, params none | " \
+        in banners[0]
+    assert " | ZeRO stage 2, 2 rank(s), fp32 | offload optimizer cpu, params none | " \
+        in banners[2]
     assert out.count("[Rank 0] log_dist says hello") == 1
     assert "[Rank 1] log_dist" not in out
     assert out.count("see_memory_usage after training") == 1

@@ -148,6 +148,8 @@ def _run(cmd: list[str], tmp: Path) -> dict:
     proc = subprocess.run(cmd, cwd=tmp, env=outside_launcher_env(PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    # Lightning sets the DeepSpeed logger to WARNING: zeroio's banner is silenced with it
+    assert "[zeroio] zeroio" not in proc.stdout
     return json.loads((tmp / "losses.json").read_text())
 
 

@@ -82,7 +82,7 @@ def attribute_error(name: str) -> AttributeError:
     """What ``deepspeed.<name>`` raises when the facade has no such name."""
     why = ATTRIBUTES.get(name)
     if why is None:
-        why = (f"zeroio's deepspeed facade does not serve it; docs/deepspeed.md lists the "
+        why = ("zeroio's deepspeed facade does not serve it; docs/deepspeed.md lists the "
                "DeepSpeed names zeroio serves")
     return NotServedAttributeError(f"deepspeed.{name}: {why}")
 
