@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zeroio.engine_state import Phase
 from zeroio.errors import EngineStateError
 from zeroio.partition import collectives
 
@@ -145,8 +144,7 @@ def get_full_state(param, kind: str) -> torch.Tensor | None:
 def get_full_grad(param) -> torch.Tensor | None:
     """The averaged gradient the next optimizer step uses, full (collective)."""
     engine, name = _owner(param)
-    if engine._phase.phase is not Phase.BACKWARD_DONE or \
-            not engine.is_gradient_accumulation_boundary():
+    if not engine.step_gradients_ready():
         raise EngineStateError(
             "safe_get_full_grad: the gradient exists between engine.backward(loss) at the "
             "accumulation boundary and engine.step() (is_gradient_accumulation_boundary() "
