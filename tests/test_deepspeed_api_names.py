@@ -4,7 +4,8 @@ One run of tests/scripts/ds_api_names.py (a plain DeepSpeed-style script: ``deep
 ``DeepSpeedConfig``, ``deepspeed.checkpointing``, the ``safe_get_full_*`` /
 ``safe_set_full_fp32_param`` accessors, ``zero_to_fp32``, the ZeRO-2/3 estimators,
 ``see_memory_usage``, ``log_dist``, ``DeepSpeedOptimizer``, ``FusedLamb``,
-``DeepSpeedCPULion``) under ``zeroio launch`` on 2 gloo ranks at ZeRO stage 3, held to
+``DeepSpeedCPULion``) under ``zeroio launch`` on 2 gloo ranks at ZeRO stage 3 (and, on a GPU
+machine, on one GPU with optimizer and parameters offloaded), held to
 independent references: plain PyTorch on the full batch (losses, every step's gradients,
 the weights and torch AdamW's moments), the safetensors file read back by ``safetensors``,
 Lamb and Lion written out here from DeepSpeed's formulas, the collectives' and the
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zeroio.testing.cuda import need_cuda
 from zeroio.testing.multirank import free_port, outside_launcher_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "ds_api_names.py"
@@ -116,24 +118,37 @@ def _lion(p, g, st, t, lr=LR, wd=0.1, b1=0.9, b2=0.999):
     m.mul_(b2).add_(g, alpha=1 - b2)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ds_api_names")
+_ZERO = {
+    # 2 gloo ranks, everything on the compute device
+    "cpu": {"stage": 3},
+    # one GPU with the optimizer and parameters offloaded: the step assist's resident chunks,
+    # stage 3's resident gradients and pinned host shards are where the accessors read
+    "gpu": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+}
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def run(request, tmp_path_factory):
+    world = 2 if request.param == "cpu" else 1
+    if request.param == "gpu":
+        need_cuda(1)
+    tmp = tmp_path_factory.mktemp(f"ds_api_names_{request.param}")
     cfg = tmp / "ds.json"
     cfg.write_text(json.dumps({
         "train_batch_size": BATCH, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": _ZERO[request.param],
         "activation_checkpointing": {"cpu_checkpointing": True}}))
-    cmd = [sys.executable, "-m", "zeroio.cli.main", "launch", "--nproc", "2", "--master_port",
-           str(free_port()), str(SCRIPT), "--deepspeed", "--deepspeed_config", str(cfg),
-           "--save_dir", str(tmp / "ckpt"), "--steps", str(STEPS)]
+    cmd = [sys.executable, "-m", "zeroio.cli.main", "launch", "--nproc", str(world),
+           "--master_port", str(free_port()), str(SCRIPT), "--deepspeed", "--deepspeed_config",
+           str(cfg), "--save_dir", str(tmp / "ckpt"), "--steps", str(STEPS)]
     proc = subprocess.run(cmd, cwd=tmp, env=outside_launcher_env(PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(ln.split("RESULT ", 1)[1]) for ln in proc.stdout.splitlines()
             if "RESULT " in ln]
-    return {"rows": sorted(rows, key=lambda r: r["rank"]), "stdout": proc.stdout, "tmp": tmp}
+    return {"rows": sorted(rows, key=lambda r: r["rank"]), "stdout": proc.stdout, "tmp": tmp,
+            "world": world, "offload": request.param == "gpu"}
 
 
 def _close(a, b, tol=1e-5):
@@ -142,23 +157,26 @@ def _close(a, b, tol=1e-5):
 
 
 def test_comm_collectives_and_getters(run):
+    w = run["world"]
     for r in run["rows"]:
         rank = r["rank"]
-        assert r["world"] == 2 and r["local_rank"] == rank
+        assert r["world"] == w and r["local_rank"] == rank
         c = r["comm"]
-        assert c["all_reduce"] == 1 + 2
-        assert c["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 10.0]
-        # input arange(4) + rank on each rank: the sum is 2 * arange(4) + 1, split by rank
-        assert c["reduce_scatter_tensor"] == [[1.0, 3.0], [5.0, 7.0]][rank]
-        assert c["broadcast"] == 1 * 7 + 3
-        assert c["all_gather"] == [0.0, 2.0]
-        assert c["avg"] == 0.5
-        assert c["ranks"] == [0, 1]
+        assert c["all_reduce"] == w * (w + 1) / 2  # ranks contribute 1, 2, ..., w
+        assert c["all_gather_into_tensor"] == [v for q in range(w) for v in (q, 10.0 * q)]
+        # rank q's input is arange(2w) + q: the sum is w * arange(2w) + w(w-1)/2, split by rank
+        total = [w * i + w * (w - 1) / 2 for i in range(2 * w)]
+        assert c["reduce_scatter_tensor"] == total[2 * rank:2 * rank + 2]
+        assert c["broadcast"] == (w - 1) * 7 + 3
+        assert c["all_gather"] == [2.0 * q for q in range(w)]
+        assert c["avg"] == (w - 1) / 2
+        assert c["ranks"] == list(range(w))
 
 
 def test_deepspeed_config_reads_the_batch_for_this_world(run):
     for r in run["rows"]:
-        assert r["config"] == {"micro": BATCH // 2, "gas": 1, "stage": 3, "optimizer": "adamw",
+        assert r["config"] == {"micro": BATCH // run["world"], "gas": 1, "stage": 3,
+                               "optimizer": "adamw",
                                "same_class": True}
         assert r["optimizer_is_ds"] is True
 
@@ -166,7 +184,7 @@ def test_deepspeed_config_reads_the_batch_for_this_world(run):
 def test_training_with_checkpointed_block_equals_pytorch(run):
     ref = _adamw_reference()
     for step in range(STEPS):
-        mean = sum(r["losses"][step] for r in run["rows"]) / 2
+        mean = sum(r["losses"][step] for r in run["rows"]) / run["world"]
         assert mean == pytest.approx(ref["losses"][step], rel=1e-5)
 
 
@@ -200,13 +218,14 @@ def test_set_full_fp32_param_reaches_the_next_forward(run):
     x = list(_batches(STEPS + 1))[-1][0]
     for r in run["rows"]:
         assert r["set_bias"] == [0.25, -0.5]
-        mine = x[r["rank"] * 4:(r["rank"] + 1) * 4]
+        per = BATCH // run["world"]
+        mine = x[r["rank"] * per:(r["rank"] + 1) * per]
         assert r["after_set"] == pytest.approx(_flat(_forward(fc1, fc2, mine)), rel=1e-5,
                                                abs=1e-6)
 
 
 def test_estimators_count_zeroio_model_states(run):
-    psi, largest, n, b, k = 6 * 16 + 16 + 16 * 2 + 2, 6 * 16 + 16, 2, 2, 12
+    psi, largest, n, b, k = 6 * 16 + 16 + 16 * 2 + 2, 6 * 16 + 16, run["world"], 2, 12
     live = 2 * b * largest  # the largest layer gathered: 16-bit values and gradient
     whole = 4 * psi * n     # without zero.Init: each rank's fp32 model on the node
 
@@ -238,7 +257,7 @@ def test_fused_lamb_and_cpu_lion_step_as_deepspeeds_rules(run):
         for r in run["rows"]:
             _close(r[name]["params"], params)
         for step in range(2):
-            got = sum(r[name]["losses"][step] for r in run["rows"]) / 2
+            got = sum(r[name]["losses"][step] for r in run["rows"]) / run["world"]
             assert got == pytest.approx(losses[step], rel=1e-5), (name, step)
 
 
@@ -246,9 +265,10 @@ def test_log_dist_see_memory_usage_and_banner_on_rank_0_only(run):
     out = run["stdout"]
     banners = [ln for ln in out.splitlines() if ln.startswith("[zeroio] zeroio ")]
     assert len(banners) == 3  # one per engine (AdamW at stage 3, Lamb, Lion), rank 0 only
-    assert " | ZeRO stage 3, 2 rank(s), fp32 | offload optimizer none, params none | " \
+    offload = "cpu, params cpu" if run["offload"] else "none, params none"
+    assert f" | ZeRO stage 3, {run['world']} rank(s), fp32 | offload optimizer {offload} | " \
         in banners[0]
-    assert " | ZeRO stage 2, 2 rank(s), fp32 | offload optimizer cpu, params none | " \
+    assert f" | ZeRO stage 2, {run['world']} rank(s), fp32 | offload optimizer cpu, params none" \
         in banners[2]
     assert out.count("[Rank 0] log_dist says hello") == 1
     assert "[Rank 1] log_dist" not in out

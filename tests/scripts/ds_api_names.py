@@ -15,6 +15,7 @@ import sys
 import deepspeed
 import deepspeed.comm as dist
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.lamb import FusedLamb
 from deepspeed.ops.lion import DeepSpeedCPULion
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
@@ -64,18 +65,23 @@ def as_list(t):
 
 
 def collectives(rank, world):
-    t = torch.tensor([float(rank + 1)])
+    device = get_accelerator().current_device_name()  # NCCL wants the rank's GPU
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    t = tensor([rank + 1.0])
     dist.all_reduce(t)
-    out = torch.zeros(2 * world)
-    dist.all_gather_into_tensor(out, torch.tensor([float(rank), 10.0 * rank]))
-    mine = torch.zeros(2)
-    dist.reduce_scatter_tensor(mine, torch.arange(2.0 * world) + rank)
-    b = torch.tensor([float(rank * 7 + 3)])
+    out = torch.zeros(2 * world, device=device)
+    dist.all_gather_into_tensor(out, tensor([float(rank), 10.0 * rank]))
+    mine = torch.zeros(2, device=device)
+    dist.reduce_scatter_tensor(mine, torch.arange(2.0 * world, device=device) + rank)
+    b = tensor([rank * 7 + 3.0])
     dist.broadcast(b, src=world - 1)
-    parts = [torch.zeros(1) for _ in range(world)]
-    handle = dist.all_gather(parts, torch.tensor([rank * 2.0]), async_op=True)
+    parts = [torch.zeros(1, device=device) for _ in range(world)]
+    handle = dist.all_gather(parts, tensor([rank * 2.0]), async_op=True)
     handle.wait()
-    avg = torch.tensor([float(rank)])
+    avg = tensor([float(rank)])
     dist.all_reduce(avg, op=dist.ReduceOp.AVG)
     return {"all_reduce": t.item(), "all_gather_into_tensor": as_list(out),
             "reduce_scatter_tensor": as_list(mine), "broadcast": b.item(),
@@ -87,7 +93,7 @@ def train(engine, data, rank, per, grads=None):
     losses = []
     for x, y in data:
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-        loss = torch.nn.functional.mse_loss(engine(x), y)
+        loss = torch.nn.functional.mse_loss(engine(x.to(engine.device)), y.to(engine.device))
         engine.backward(loss)
         if grads is not None:  # between backward and step: the gradient the step will use
             grads.append({n: as_list(safe_get_full_grad(p))
@@ -161,7 +167,7 @@ def main():
     safe_set_full_fp32_param(named["fc2.bias"], torch.tensor([0.25, -0.5]))
     out["set_bias"] = as_list(safe_get_full_fp32_param(named["fc2.bias"]))
     x = data[-1][0][rank * per:(rank + 1) * per]
-    out["after_set"] = as_list(engine(x))
+    out["after_set"] = as_list(engine(x.to(engine.device)))
 
     log_dist("log_dist says hello", ranks=[0])
     see_memory_usage("see_memory_usage after training", force=True)
