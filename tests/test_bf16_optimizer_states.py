@@ -118,7 +118,7 @@ def test_sharded_adam_bf16_state_is_bitwise_the_reference(chunked, monkeypatch):
     group = _group(n, 1)
     ref = Reference(group.master, HYPER)
     opt = ShardedAdam([group], [dict(HYPER)], decoupled=True, state_dtype=BF)
-    assert opt.state[0].exp_avg.dtype == BF and opt.state[0].exp_avg_sq.dtype == BF
+    assert opt.group_states[0].exp_avg.dtype == BF and opt.group_states[0].exp_avg_sq.dtype == BF
     for i, grad in enumerate(_grads(n, 10)):
         divisor = 1.0 + 0.37 * i  # loss scale over a clip coefficient that bites
         group.grad.copy_(grad)
@@ -129,8 +129,8 @@ def test_sharded_adam_bf16_state_is_bitwise_the_reference(chunked, monkeypatch):
         ref.step(grad, divisor)
     assert group.master.dtype == BF
     assert torch.equal(group.master, ref.master)
-    assert torch.equal(opt.state[0].exp_avg, ref.exp_avg)
-    assert torch.equal(opt.state[0].exp_avg_sq, ref.exp_avg_sq)
+    assert torch.equal(opt.group_states[0].exp_avg, ref.exp_avg)
+    assert torch.equal(opt.group_states[0].exp_avg_sq, ref.exp_avg_sq)
     assert opt.steps_taken(0) == 10
     moved = (ref.master.float() - _group(n, 1).master.float()).abs()
     assert (moved > 0).float().mean() > 0.5  # the weights did move in bf16

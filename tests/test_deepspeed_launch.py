@@ -74,7 +74,7 @@ def _reference() -> tuple[list[float], float]:
     return losses, sum(float(p.detach().double().sum()) for p in params)
 
 
-def _check(rows: list[dict], world: int) -> None:
+def _check(rows: list[dict], world: int, stage: int) -> None:
     ref_losses, ref_checksum = _reference()
     assert [r["rank"] for r in rows] == list(range(world))
     mean = [sum(r["losses"][i] for r in rows) / world for i in range(STEPS)]
@@ -85,12 +85,19 @@ def _check(rows: list[dict], world: int) -> None:
         assert r["again"] == pytest.approx(r["losses"][SAVE_AT:], rel=1e-6, abs=1e-7)
         assert r["client_state"] == {"step": SAVE_AT}
         assert r["checksum"] == pytest.approx(ref_checksum, rel=1e-5, abs=1e-5)
+        # one engine for every route: `import deepspeed` under zeroio launch and the one
+        # import line under torchrun give DeepSpeed's engine interface, answering from the run
+        assert r["engine"] == {
+            "type": "zeroio.deepspeed.engine_adapter.DeepSpeedEngine", "is_ds_engine": True,
+            "stage": stage, "local_rank": True,
+            "train_batch_size": BATCH, "gas": 1, "boundary": True, "lr": [0.01],
+            "has_optimizer": True}
 
 
 @pytest.mark.parametrize("stage", [3, 2])
 def test_deepspeed_script_runs_unchanged_under_zeroio_launch(tmp_path, stage):
     rows, _ = _rows(_start(tmp_path, ["--nproc", "2"], stage, "s"))
-    _check(rows, 2)
+    _check(rows, 2, stage)
     # DeepSpeed's launcher passes --local_rank=N to the script
     assert [r["local_rank_arg"] for r in rows] == [0, 1]
 
@@ -98,7 +105,7 @@ def test_deepspeed_script_runs_unchanged_under_zeroio_launch(tmp_path, stage):
 def test_include_on_cpu_and_no_local_rank(tmp_path):
     rows, err = _rows(_start(tmp_path, ["--include", "localhost:0,1", "--no_local_rank"],
                              2, "i"))
-    _check(rows, 2)
+    _check(rows, 2, 2)
     assert "no CUDA on this machine: slots [0, 1] run as 2 CPU rank(s)" in err
     assert [r["local_rank_arg"] for r in rows] == [-1, -1]  # not passed
     assert [r["args_local_rank"] for r in rows] == [0, 1]  # initialize sets it, as DeepSpeed
@@ -110,7 +117,7 @@ def test_two_nodes_on_one_machine_train_as_one_four_rank_world(tmp_path):
                                      "--master_addr", "127.0.0.1", "--master_port", str(port)],
                     3, "nodes") for n in (0, 1)]  # one checkpoint of 4 ranks
     multi, _ = _rows(*nodes)
-    _check(multi, 4)
+    _check(multi, 4, 3)
     assert sorted(r["local_rank_arg"] for r in multi) == [0, 0, 1, 1]
     single, _ = _rows(_start(tmp_path, ["--nproc", "4"], 3, "one"))
     for a, b in zip(multi, single, strict=True):
@@ -132,5 +139,5 @@ def test_one_import_line_runs_it_under_torchrun(tmp_path):
            "--save_at", str(SAVE_AT)]
     rows, _ = _rows(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True))
-    _check(rows, 2)
+    _check(rows, 2, 3)
     assert [r["local_rank_arg"] for r in rows] == [-1, -1]  # torchrun passes none

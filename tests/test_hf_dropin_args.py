@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from zeroio.errors import ConfigError
+from zeroio.testing import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -307,3 +308,31 @@ def test_check_launch_compares_requested_processes_with_world_size(tmp_path):
     with pytest.raises(ConfigError, match="distributed_type: DEEPSPEED") as err:
         check_launch({"ACCELERATE_USE_DEEPSPEED": "true"}, [])
     assert "TrainingArguments(deepspeed=...)" in str(err.value)
+
+
+def _resize_partitioned(folder: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from zeroio.integrations.transformers import TrainingArguments, deactivate_zero3
+
+    args = TrainingArguments(output_dir=f"{folder}/out", deepspeed=STAGE3, report_to=[],
+                             use_cpu=True)
+    model = AutoModelForCausalLM.from_pretrained(f"{folder}/pretrained")  # partitioned
+    try:
+        model.resize_token_embeddings(80)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        deactivate_zero3()
+        del args
+    return "resized"
+
+
+def test_resize_of_a_partitioned_embedding_says_what_works(tmp_path, saved):
+    """Stock run_clm.py resizes the embeddings; with zeroio's own classes at stage 3 the model
+    is partitioned outside transformers' ZeRO-3 path, where transformers' resize cannot work:
+    a ConfigError names the facade instead of transformers' 'not enough values to unpack'."""
+    (msg,) = run_ranks(_resize_partitioned, 1, str(tmp_path))
+    assert msg.startswith("resize_token_embeddings on a model zeroio's TrainingArguments loaded "
+                          "partitioned (stage 3)")
+    assert "import zeroio.integrations.transformers" in msg

@@ -39,7 +39,7 @@ from zeroio.engine_build import (
     fit_budgets,
     resolve_engine_policies,
 )
-from zeroio.engine_state import MicroStep
+from zeroio.engine_state import MicroStep, Phase
 from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError, StepFailedError
 from zeroio.optim.factory import from_client, from_config, require_trainable
 from zeroio.optim.loss_scaler import build_loss_scaler
@@ -204,6 +204,11 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def step_gradients_ready(self) -> bool:
+        """Whether the gradients the next optimizer step uses are final: ``backward`` has run at
+        the accumulation boundary and ``step`` has not (``deepspeed.utils.safe_get_full_grad``)."""
+        return self._phase.phase is Phase.BACKWARD_DONE and self.is_gradient_accumulation_boundary()
 
     def synchronize(self) -> None:
         """Wait for an overlapped optimizer step (``zero_optimization.tiering.overlap_step``);

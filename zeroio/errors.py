@@ -104,6 +104,15 @@ class EngineClosedError(EngineStateError):
     """A call on an engine after ``engine.close()``."""
 
 
+class NotServedImportError(ZeroIOError, ImportError):
+    """A ``deepspeed`` module the facade does not serve (MoE, pipeline, inference, ...); the
+    message names what zeroio offers instead (zeroio/deepspeed/unsupported.py)."""
+
+
+class NotServedAttributeError(ZeroIOError, AttributeError):
+    """A ``deepspeed`` name the facade does not serve; the message names what zeroio offers."""
+
+
 __all__ = [
     "ZeroIOError",
     "ConfigError",
@@ -121,4 +130,6 @@ __all__ = [
     "RankFailedError",
     "EngineStateError",
     "EngineClosedError",
+    "NotServedImportError",
+    "NotServedAttributeError",
 ]

@@ -10,6 +10,7 @@ and trains the same steps again. Prints one JSON line per rank.
 
 import argparse
 import json
+import os
 import sys
 
 import deepspeed
@@ -84,7 +85,18 @@ def main():
 
     with deepspeed.zero.GatheredParameters(list(model_engine.module.parameters())):
         checksum = sum(float(p.detach().double().sum()) for p in model_engine.module.parameters())
+    engine = {"type": f"{type(model_engine).__module__}.{type(model_engine).__qualname__}",
+              "is_ds_engine": isinstance(model_engine, deepspeed.DeepSpeedEngine),
+              "stage": model_engine.zero_optimization_stage(),
+              "local_rank": model_engine.local_rank == int(os.environ["LOCAL_RANK"]),
+              "train_batch_size": model_engine.train_batch_size(),
+              "gas": model_engine.gradient_accumulation_steps(),
+              "boundary": model_engine.is_gradient_accumulation_boundary(),
+              "lr": model_engine.get_lr(), "has_optimizer": model_engine.optimizer is not None}
+    with model_engine.no_sync():
+        pass
     line = json.dumps({"rank": rank, "world_size": world, "local_rank_arg": local_rank_arg,
+                       "engine": engine,
                        "args_local_rank": cmd_args.local_rank, "losses": losses, "again": again,
                        "client_state": client_state, "checksum": checksum,
                        "steps": model_engine.global_steps})

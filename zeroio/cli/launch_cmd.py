@@ -23,7 +23,9 @@ DeepSpeed's other flags (docs/train.md has the table): ``--hostfile``,
 ``--local_rank=N`` first, as DeepSpeed's launcher passes it), ``--no_python``,
 ``--module``. The ranks find zeroio's ``deepspeed`` package first on their
 ``PYTHONPATH`` (``zeroio.deepspeed.shim_dir()``), so ``import deepspeed`` in the
-script is zeroio; a DeepSpeed installation is shadowed only here.
+script is zeroio; a DeepSpeed installation is shadowed only here. With accelerate's
+``--config_file`` the ranks are started by accelerate's launcher instead
+(launch_accelerate.py).
 
 Each rank is started through ``zeroio.cli.rank``, which makes it die with this
 launcher (rank.[Note: ranks die with their launcher]) and applies the per-rank
@@ -83,6 +85,9 @@ def add_parser(sub) -> None:
     p.add_argument("--bind_core_list", "--bind-core-list", default=None,
                    help="the cores to share out, e.g. 0-15,32-47 (default: all this launcher "
                    "may use)")
+    p.add_argument("--config_file", "--config-file", default=None,
+                   help="an accelerate config file: launch through accelerate's launcher with "
+                   "zeroio's deepspeed package (launch_accelerate.py)")
     p.add_argument("--no_local_rank", "--no-local-rank", action="store_true",
                    help="do not pass --local_rank=N to the script")
     p.add_argument("--no_python", "--no-python", action="store_true",
@@ -278,6 +283,10 @@ def _bind_cores(args, nproc: int) -> tuple[str | None, int | None]:
     return format_core_list(cores), cores_per_rank(cores, nproc)
 
 
+def _script_args(args) -> list[str]:
+    return args.script_args[1:] if args.script_args[:1] == ["--"] else list(args.script_args)
+
+
 def rank_options(args, cores: str | None) -> list[str]:
     """``zeroio.cli.rank``'s options for DeepSpeed's per-rank flags."""
     if args.no_python and args.module:
@@ -341,9 +350,7 @@ def check_launch(args) -> CheckedLaunch:
                        default_nproc=default_nproc())
     check_script(args)
     cores, threads = _bind_cores(args, plan.nproc)
-    script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
+    script_args = _script_args(args)
     argv = torchrun_argv(
         args.script, script_args, nproc=plan.nproc, nnodes=plan.nnodes,
         node_rank=plan.node_rank, master_addr=plan.master_addr, master_port=plan.master_port,
@@ -352,6 +359,12 @@ def check_launch(args) -> CheckedLaunch:
 
 
 def run(args) -> int:
+    if args.config_file is not None:  # launch_accelerate.[Note: accelerate config files ...]
+        from zeroio.cli.launch_accelerate import run_accelerate
+
+        check_script(args)
+        _shim_pythonpath()
+        return run_accelerate(args, _script_args(args))
     job = check_launch(args)
     if job.plan.note:
         print(job.plan.note, file=sys.stderr)

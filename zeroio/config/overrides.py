@@ -10,8 +10,8 @@ Each override is documented in docs/config.md ("Environment overrides"). Two kin
   model's config (the CPU Adam kernel, shared by every engine of the process and
   by ``zeroio estimate``; the host step's CPU threads, a property of how the
   launcher bound the ranks to cores; the host memory the ranks may use, a property
-  of the machine that initialize's preflight measures). Its reader here is what the
-  code below calls.
+  of the machine that initialize's preflight measures; whether the ``deepspeed``
+  facade prints its start-up line). Its reader here is what the code below calls.
 
 Every override that is set when a config is loaded is listed in
 ``Config.to_dict()["env_overrides"]`` (variable -> ``{"value", "key"}``; key
@@ -84,6 +84,15 @@ def _host_memory(raw: str, name: str) -> int | str:
     return int(n)
 
 
+def _on_off(raw: str, name: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected 1 or 0 (unset it for the default)", key=name)
+
+
 @dataclass(frozen=True)
 class Override:
     env: str
@@ -103,7 +112,9 @@ CPU_ADAM = Override("ZEROIO_CPU_ADAM", None, _cpu_adam)
 STEP_THREADS = Override("ZEROIO_STEP_THREADS", None,
                         _positive("CPU threads for the host optimizer step", "8"))
 HOST_MEMORY = Override("ZEROIO_HOST_MEMORY", None, _host_memory)
-OVERRIDES = (OVERLAP_STEP, STEP_ASSIST, STEP_CHUNK_NUMEL, CPU_ADAM, STEP_THREADS, HOST_MEMORY)
+BANNER = Override("ZEROIO_BANNER", None, _on_off)
+OVERRIDES = (OVERLAP_STEP, STEP_ASSIST, STEP_CHUNK_NUMEL, CPU_ADAM, STEP_THREADS, HOST_MEMORY,
+             BANNER)
 
 
 def _raw(o: Override, environ: Mapping[str, str] | None) -> str:
@@ -133,6 +144,13 @@ def host_memory(environ: Mapping[str, str] | None = None) -> int | str | None:
     return value(HOST_MEMORY, environ)
 
 
+def banner(environ: Mapping[str, str] | None = None) -> bool:
+    """``ZEROIO_BANNER``: 0 silences the start-up line the ``deepspeed`` facade prints on rank 0
+    (zeroio/deepspeed/banner.py); unset or 1: printed unless a log level silences it."""
+    v = value(BANNER, environ)
+    return True if v is None else bool(v)
+
+
 def apply(raw: dict, environ: Mapping[str, str] | None = None) -> tuple[dict, dict[str, dict]]:
     """``raw`` (a config's JSON object) with each set key override written into its key, and
     what was set: variable -> {"value": parsed value, "key": key path or None}. The input is
@@ -159,6 +177,6 @@ def apply(raw: dict, environ: Mapping[str, str] | None = None) -> tuple[dict, di
     return raw, applied
 
 
-__all__ = ["CPU_ADAM", "CPU_ADAM_MODES", "HOST_MEMORY", "OVERLAP_STEP", "OVERRIDES", "Override", "STEP_ASSIST",
-           "STEP_CHUNK_NUMEL", "STEP_THREADS", "apply", "cpu_adam_mode", "host_memory", "host_step_threads",
-           "value"]
+__all__ = ["BANNER", "CPU_ADAM", "CPU_ADAM_MODES", "HOST_MEMORY", "OVERLAP_STEP", "OVERRIDES",
+           "Override", "STEP_ASSIST", "STEP_CHUNK_NUMEL", "STEP_THREADS", "apply", "banner",
+           "cpu_adam_mode", "host_memory", "host_step_threads", "value"]

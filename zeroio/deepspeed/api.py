@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from zeroio.config.accelerate_launch import fewer_than_asked
 from zeroio.config.launch_env import launch_env
 from zeroio.config.legacy import ConfigWarning
 from zeroio.config.loader import collective_timeout
@@ -89,6 +90,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     MPI discovery; zeroio does not, ``auto_mpi_discovery`` and ``distributed_port``
     are accepted for their signature). ``config`` (DeepSpeed's comms settings) is
     not read."""
+    _check_accelerate_count()
     if comm.is_initialized():
         return
     if dist_init_required is False:
@@ -111,6 +113,24 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         comm.init_world(backend, seconds, **kwargs)
     else:
         comm.init_local_world(seconds)
+
+
+def _check_accelerate_count() -> None:
+    """``accelerate launch --num_processes N`` with no config starts one process ([Note: the
+    process count accelerate was asked for] in zeroio/config/accelerate_launch.py): refuse to
+    train that one rank as if it were the world."""
+    mismatch = fewer_than_asked()
+    if mismatch is None:
+        return
+    asked, started = mismatch
+    what = "more than one process" if asked == 0 else f"{asked} processes"
+    n = asked or "N"
+    raise ConfigError(
+        f"accelerate launch was asked for {what} but started {started}: without a config whose "
+        "distributed_type starts several processes (or --multi_gpu) accelerate runs one process. "
+        f"Run `zeroio launch --nproc {n} SCRIPT ...`, or `zeroio launch --config_file CFG.yaml "
+        "SCRIPT ...` with an accelerate config (distributed_type: DEEPSPEED, num_processes: "
+        f"{n}): docs/transformers.md, \"accelerate\"", key="num_processes")
 
 
 def _args_config(args) -> Any:

@@ -28,6 +28,10 @@ import logging
 
 import torch
 
+from zeroio.config.launch_env import launch_env
+from zeroio.deepspeed import accessors
+from zeroio.deepspeed.client_state import decode, encode
+from zeroio.deepspeed.engine_queries import EngineQueries
 from zeroio.deepspeed.state_dict import consolidated_state_dict
 
 logger = logging.getLogger("zeroio.deepspeed")
@@ -54,12 +58,20 @@ class ParamGroupsView(torch.optim.Optimizer):
         return None
 
 
+def _counter(name: str) -> property:
+    """A counter of the zeroio engine, read and written through (``engine.global_steps = n``
+    changes the engine's, as on DeepSpeed's)."""
+    return property(lambda self: getattr(self.zeroio_engine, name),
+                    lambda self, value: setattr(self.zeroio_engine, name, value),
+                    doc=f"The zeroio engine's ``{name}``.")
+
+
 def scheduler_factory(factory):
     """DeepSpeed's ``lr_scheduler=callable(optimizer)``, given a view torch accepts."""
     return lambda optimizer: factory(ParamGroupsView(optimizer))
 
 
-class DeepSpeedEngine(torch.nn.Module):
+class DeepSpeedEngine(EngineQueries, torch.nn.Module):
     """DeepSpeed's engine interface over a zeroio ``Engine`` (see the module docstring)."""
 
     def __init__(self, engine, config: dict | None = None):
@@ -69,6 +81,7 @@ class DeepSpeedEngine(torch.nn.Module):
         object.__setattr__(self, "_ds_config", dict(config or {}))
         self._boundary: bool | None = None
         self._warn_sharded_save = False
+        accessors.register(engine)  # deepspeed.utils.safe_get_full_* find the engine
 
     def __getattr__(self, name):
         try:
@@ -91,6 +104,45 @@ class DeepSpeedEngine(torch.nn.Module):
     def lr_scheduler(self):
         return self.zeroio_engine.lr_scheduler
 
+    @lr_scheduler.setter
+    def lr_scheduler(self, value) -> None:
+        """Lightning sets it to None to step the schedule itself: the engine then does not."""
+        self.zeroio_engine.lr_scheduler = value
+
+    @property
+    def training_dataloader(self):
+        return self.zeroio_engine.training_dataloader
+
+    @property
+    def client_optimizer(self):
+        return self.zeroio_engine.client_optimizer
+
+    global_steps = _counter("global_steps")
+    global_samples = _counter("global_samples")
+    micro_steps = _counter("micro_steps")
+    skipped_steps = _counter("skipped_steps")
+
+    @property
+    def global_rank(self) -> int:
+        return self.zeroio_engine.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.zeroio_engine.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks: every rank on zeroio."""
+        return self.zeroio_engine.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return launch_env().local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.zeroio_engine.device
+
     def forward(self, *args, **kwargs):
         return self.zeroio_engine(*args, **kwargs)
 
@@ -99,11 +151,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.zeroio_engine.train(mode)
         return self
 
-    def zero_optimization_stage(self) -> int:
-        return self.zeroio_engine.config.zero_optimization.stage
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
+    def eval(self):
+        return self.train(False)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         zo = self.zeroio_engine.config.zero_optimization
@@ -111,20 +160,33 @@ class DeepSpeedEngine(torch.nn.Module):
         self._warn_sharded_save = zo.stage == 3 and not gather
         return gather
 
-    def gradient_accumulation_steps(self) -> int:
-        return self.zeroio_engine.gradient_accumulation_steps()
-
-    def train_batch_size(self) -> int:
-        return self.zeroio_engine.train_batch_size()
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.zeroio_engine.train_micro_batch_size_per_gpu()
-
     def get_global_grad_norm(self):
         return self.zeroio_engine.last_grad_norm
 
     def get_lr(self) -> list[float]:
         return self.zeroio_engine.get_lr()
+
+    def was_step_applied(self) -> bool:
+        return self.zeroio_engine.was_step_applied()
+
+    def zero_grad(self) -> None:
+        """Gradients are cleared after every optimizer step (kept for DeepSpeed-style loops)."""
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False):
+        """The module's ``state_dict()`` (at stage 3 the parameters are this rank's shards, as
+        in DeepSpeed; ``_zero3_consolidated_16bit_state_dict`` gathers them)."""
+        out = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    out.pop(prefix + name, None)
+        return out
+
+    def destroy(self) -> None:
+        """DeepSpeed's teardown: zeroio stops the engine's threads and removes its swap
+        folders (``Engine.close``)."""
+        self.zeroio_engine.close()
 
     # ---- the step (see [Note: the accumulation boundary under accelerate]) ---------------
 
@@ -156,7 +218,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
-        out = self.zeroio_engine.save_checkpoint(save_dir, tag, client_state or {})
+        out = self.zeroio_engine.save_checkpoint(save_dir, tag, encode(client_state or {}))
         if self._warn_sharded_save:
             self._warn_sharded_save = False
             logger.warning(
@@ -168,14 +230,17 @@ class DeepSpeedEngine(torch.nn.Module):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
-        return self.zeroio_engine.load_checkpoint(
+        path, client_state = self.zeroio_engine.load_checkpoint(
             load_dir, tag, load_optimizer_states and not load_module_only,
             load_lr_scheduler_states and not load_module_only)
+        return path, decode(client_state)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         self.zeroio_engine.save_16bit_model(save_dir)
         return True
+
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         return consolidated_state_dict(self.module, self.zeroio_engine.global_rank,

@@ -14,7 +14,9 @@ on ``sys.path`` answers both lookups, so activation is one of:
   (it wins over an installed DeepSpeed there: that is what the launcher is for);
 - ``install()`` (run by ``import zeroio.deepspeed`` and
   ``import zeroio.integrations.transformers``) puts it first on ``sys.path`` of
-  this process, unless a real DeepSpeed is installed, which is then left alone.
+  this process, unless a real DeepSpeed is installed, which is then left alone and
+  named in a WARNING on rank 0 ([Note: a DeepSpeed installation beside the import line]
+  in banner.py).
 
 ``import zeroio`` alone installs nothing. transformers picks the base class of
 its ``HfDeepSpeedConfig`` when ``transformers.integrations.deepspeed`` is first
@@ -28,18 +30,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-import logging
 import sys
 from pathlib import Path
 
-from zeroio.deepspeed import api, cpu_backend, params
+from zeroio.deepspeed import api, banner, cpu_backend, params
 from zeroio.deepspeed import zero as _zero
 from zeroio.deepspeed.ds_config import for_zeroio
 from zeroio.deepspeed.engine_adapter import as_deepspeed_engine, scheduler_factory
 from zeroio.errors import ConfigError
 from zeroio.partition.zero import register_external_parameter
-
-logger = logging.getLogger("zeroio.deepspeed")
 
 GatheredParameters = _zero.GatheredParameters
 
@@ -67,6 +66,27 @@ def active() -> bool:
     return spec is not None and _is_ours(spec.origin or "")
 
 
+def _real_deepspeed() -> tuple[str | None, str]:
+    """(version, where) of the DeepSpeed that ``import deepspeed`` gives in this process."""
+    mod = sys.modules.get("deepspeed")
+    if mod is not None:
+        return getattr(mod, "__version__", None), str(getattr(mod, "__file__", "") or mod)
+    try:
+        dist = importlib.metadata.distribution("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None, "on the import path"
+    return dist.version, str(dist.locate_file("deepspeed"))
+
+
+_WARNED: list[bool] = []
+
+
+def _warn_once() -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        banner.warn_real_deepspeed(*_real_deepspeed())
+
+
 def real_deepspeed_installed() -> bool:
     """A ``deepspeed`` distribution other than the facade's is importable."""
     try:
@@ -88,8 +108,7 @@ def install() -> bool:
         _refresh_transformers()
         return True
     if "deepspeed" in sys.modules or real_deepspeed_installed():
-        logger.info("a DeepSpeed installation is present and left in place; run the script "
-                    "under `zeroio launch` to train it on zeroio")
+        _warn_once()  # [Note: a DeepSpeed installation beside the import line]
         return False
     sys.path.insert(0, str(shim_dir()))
     importlib.invalidate_caches()
@@ -165,8 +184,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         # scheduler without an optimizer; its "auto" step count is then 0
         cfg.pop("scheduler", None)
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}  # zeroio's engine needs one
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = scheduler_factory(lr_scheduler)  # transformers' lr_scheduler_type
+    if optimizer is None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        # transformers' lr_scheduler_type over the config's optimizer (a client optimizer is
+        # what the callable gets: api._client_scheduler)
+        lr_scheduler = scheduler_factory(lr_scheduler)
     # api.initialize reads args too (args.local_rank, a config given twice); a config read
     # from args is passed as args alone unless it had to be rewritten (a dict)
     from_args = given is None
@@ -177,6 +198,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn,
         config=None if from_args and not isinstance(cfg, dict) else cfg, mesh_param=mesh_param)
     shown = cfg if isinstance(cfg, dict) else _read_json(cfg)
+    banner.announce(engine)  # [Note: the start-up banner]
     return as_deepspeed_engine(engine, shown), opt, loader, sched
 
 

@@ -16,19 +16,10 @@ The engine then owns backward and step (``engine.backward(loss); engine.step()``
 do not also ``accelerator.prepare`` the model or optimizer, which would wrap
 them in DDP a second time.
 
-[Note: the process count accelerate was asked for]
-``accelerate launch --num_processes 2 script.py`` without ``--multi_gpu`` (or a
-config whose ``distributed_type`` is not ``MULTI_GPU``) starts *one* process
-and says nothing. ``check_launch`` (run by zeroio's ``TrainingArguments``,
-``Trainer`` and ``initialize_from_accelerator``) finds the count that was
-asked for in the launching ``accelerate launch`` command line (the parent
-process: ``--num_processes``, else the ``--config_file``'s or the default
-config's ``num_processes``) and compares it with ``WORLD_SIZE``; a mismatch is
-a ``ConfigError`` naming the accelerate config to use
-(configs/accelerate-zeroio.yaml). Where the parent's command line cannot be
-read, a process that accelerate's single-process launcher started with a
-``MASTER_ADDR`` (which it sets only for more than one process) but no
-``WORLD_SIZE`` is the same error.
+``check_launch`` (run by zeroio's ``TrainingArguments``, ``Trainer`` and
+``initialize_from_accelerator``) raises a ``ConfigError`` naming the accelerate config to use
+(configs/accelerate-zeroio.yaml) when accelerate started fewer processes than it was asked
+for ([Note: the process count accelerate was asked for] in zeroio/config/accelerate_launch.py).
 
 ``distributed_type: DEEPSPEED`` makes accelerate start the DeepSpeed launcher,
 which needs the ``deepspeed`` package; a process that still arrives with
@@ -39,12 +30,12 @@ use instead: the JSON file goes to ``TrainingArguments(deepspeed=...)``.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from zeroio import jsonlimits
+from zeroio.config.accelerate_launch import fewer_than_asked, requested_processes  # noqa: F401
 from zeroio.config.launch_env import launch_env
 from zeroio.errors import ConfigError
 from zeroio.integrations.autofill import check_no_contradictions
@@ -92,70 +83,6 @@ def initialize_from_accelerator(accelerator, model, config, **auto_values: Any):
 ACCELERATE_CONFIG = "configs/accelerate-zeroio.yaml"
 
 
-def _parent_argv() -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def _option(argv: Sequence[str], *names: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg.endswith(".py") or arg == "-m":  # the training script: its own options follow
-            return None
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                return argv[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
-
-
-def _config_processes(path: str | None) -> int | None:
-    if path is None:
-        try:
-            from accelerate.commands.config import default_config_file
-        except ImportError:
-            return None
-        path = default_config_file
-    p = Path(path)
-    if not p.is_file():
-        return None
-    try:
-        if p.suffix == ".json":
-            data = jsonlimits.loads(p.read_text(), f"accelerate config {p}")
-        else:
-            import yaml
-
-            data = yaml.safe_load(p.read_text())
-        n = data.get("num_processes") if isinstance(data, dict) else None
-    except (ValueError, ImportError, OSError, AttributeError):
-        return None
-    return n if isinstance(n, int) and n > 0 else None
-
-
-def requested_processes(environ: Mapping[str, str] | None = None,
-                        parent_argv: Sequence[str] | None = None) -> int | None:
-    """The process count ``accelerate launch`` was asked for, when it started this process.
-
-    None when this process was not started by ``accelerate launch`` or the count is
-    unknown; 0 when it is known to be more than one but not how many (see the note).
-    """
-    env = launch_env().variables if environ is None else environ
-    if "ACCELERATE_MIXED_PRECISION" not in env:  # set by every accelerate launcher
-        return None
-    argv = _parent_argv() if parent_argv is None else list(parent_argv)
-    if argv and "launch" in argv and any("accelerate" in a for a in argv[:3]):
-        n = _option(argv, "--num_processes", "--num-processes")
-        if n is not None:
-            return int(n) if n.isdigit() else None
-        return _config_processes(_option(argv, "--config_file", "--config-file"))
-    if not argv and "MASTER_ADDR" in env and "WORLD_SIZE" not in env:
-        return 0
-    return None
-
-
 def check_launch(environ: Mapping[str, str] | None = None,
                  parent_argv: Sequence[str] | None = None) -> None:
     """Raise ``ConfigError`` when accelerate started a different number of processes than asked,
@@ -170,12 +97,10 @@ def check_launch(environ: Mapping[str, str] | None = None,
             "or --deepspeed; or keep the DEEPSPEED config and use transformers' own Trainer and "
             "TrainingArguments, which run on zeroio through the deepspeed facade "
             "(docs/transformers.md)", key="distributed_type")
-    requested = requested_processes(env, parent_argv)
-    if requested is None:
+    mismatch = fewer_than_asked(env, parent_argv)
+    if mismatch is None:
         return
-    world = int(env.get("WORLD_SIZE", "1"))
-    if requested == world:
-        return
+    requested, world = mismatch
     asked = "more than one process" if requested == 0 else f"{requested} processes"
     raise ConfigError(
         f"accelerate launch was asked for {asked} but started {world} (WORLD_SIZE="

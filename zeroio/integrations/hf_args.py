@@ -102,6 +102,37 @@ def _install_hook() -> None:
 
     from_pretrained._zeroio_hook = True
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    _refuse_partitioned_resize(PreTrainedModel)
+
+
+def _refuse_partitioned_resize(model_cls) -> None:
+    """[Note: resizing a partitioned embedding] transformers resizes embeddings that zero.Init
+    partitioned only on its own ZeRO-3 path (``is_deepspeed_zero3_enabled()``), which zeroio's
+    classes leave off; its plain path would read an empty shard ("not enough values to
+    unpack"). So a resize of such a model says what works instead."""
+    original = model_cls.resize_token_embeddings
+    if getattr(original, "_zeroio_hook", False):
+        return
+
+    @functools.wraps(original)
+    def resize_token_embeddings(self, *args, **kwargs):
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        from zeroio.partition.stage3.registry import INIT_SHARDS
+
+        emb = self.get_input_embeddings()
+        if emb is not None and emb.weight in INIT_SHARDS and not is_deepspeed_zero3_enabled():
+            raise ConfigError(
+                "resize_token_embeddings on a model zeroio's TrainingArguments loaded "
+                "partitioned (stage 3): transformers resizes a partitioned embedding only on "
+                "its own ZeRO-3 path. Use transformers' Trainer and TrainingArguments with "
+                "`import zeroio.integrations.transformers` (the deepspeed facade: "
+                "docs/transformers.md), or stage 1/2 with zeroio's classes",
+                key="zero_optimization.stage")
+        return original(self, *args, **kwargs)
+
+    resize_token_embeddings._zeroio_hook = True
+    model_cls.resize_token_embeddings = resize_token_embeddings
 
 
 def _stage(raw: dict[str, Any]) -> Any:

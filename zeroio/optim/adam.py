@@ -144,7 +144,7 @@ class ChunkedStep:
         self._scale: dict[int, torch.Tensor] = {}
         self._one_pass: dict[int, torch.Tensor] = {}
         self._on_device: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-        for g, st in zip(opt.groups, opt.state, strict=True):
+        for g, st in zip(opt.groups, opt.group_states, strict=True):
             self._hyper[g.group_index] = dict(opt.param_groups[g.group_index])
             self._state[g.group_index] = st
             self._before[g.group_index] = st.step.clone()
@@ -231,7 +231,7 @@ class ShardedAdam(EngineOptimizer):
         self.grad_divisor = grad_divisor
         """Folded into every step's ``grad_scale`` ([Note: grad_scale])."""
         self.state_dtype = state_dtype
-        self.state: list[AdamState] = [AdamState.zeros_like(g.master, state_dtype)
+        self.group_states: list[AdamState] = [AdamState.zeros_like(g.master, state_dtype)
                                        for g in groups]
         self.groups_by_index = {g.group_index: g for g in groups}
         host = [g.master for g in groups if g.master.numel()]
@@ -283,7 +283,7 @@ class ShardedAdam(EngineOptimizer):
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Moments and step counters: plain tensors, outside any tiered store."""
-        return [t for st in self.state for t in (st.exp_avg, st.exp_avg_sq, st.step)]
+        return [t for st in self.group_states for t in (st.exp_avg, st.exp_avg_sq, st.step)]
 
     def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
         """The local 1-D tensor of ``kind`` ("fp32" | "exp_avg" | "exp_avg_sq") of a group
@@ -292,13 +292,13 @@ class ShardedAdam(EngineOptimizer):
             self.state_gate()
         if kind == "fp32":
             return self.groups[group_index].master
-        return getattr(self.state[group_index], kind)
+        return getattr(self.group_states[group_index], kind)
 
     def steps_taken(self, group_index: int) -> int:
-        return int(self.state[group_index].step.item())
+        return int(self.group_states[group_index].step.item())
 
     def set_steps(self, group_index: int, steps: int) -> None:
-        self.state[group_index].step.fill_(float(steps))
+        self.group_states[group_index].step.fill_(float(steps))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine; kept for client code calling optimizer.zero_grad()."""

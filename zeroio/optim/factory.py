@@ -6,7 +6,9 @@ the update rule (``torch.optim.AdamW`` -> decoupled decay, ``torch.optim.Adam``
 -> L2 decay, ``decoupled_weight_decay=True`` honoured). zeroio then steps its
 own sharded equivalent, sharing the client's group dicts so that a client
 scheduler bound to the client optimizer still drives the learning rate. Other
-classes are stepped as themselves on the shards (``from_client``).
+classes are stepped as themselves on the shards (``from_client``), except a class that names
+zeroio's rule for it in a ``zeroio_rule`` attribute (one of ``RULE_TYPES``: the facade's
+``FusedLamb``, ``DeepSpeedCPULion``, ...), whose groups are that rule's hyperparameters.
 """
 
 from __future__ import annotations
@@ -130,6 +132,9 @@ def from_client(optimizer: torch.optim.Optimizer, cfg=None) -> OptimizerSpec:
         # the same update as zeroio's Adam, whatever the flag says (accelerate sets it false
         # beside its own DeepSpeedCPUAdam, and Adam's hyperparameters carry over exactly)
         return _client_adam(optimizer)
+    rule = getattr(type(optimizer), "zeroio_rule", None)
+    if rule in RULE_TYPES:  # a class that names zeroio's rule for it (deepspeed.ops' classes)
+        return _client_rule(optimizer, rule)
     if offload and force:
         raise ConfigError(f"client optimizer {name} with offload_optimizer: zeroio steps its own "
                           "CPU optimizer there (DeepSpeed's rule); configure optimizer.type in "
@@ -140,6 +145,20 @@ def from_client(optimizer: torch.optim.Optimizer, cfg=None) -> OptimizerSpec:
         param_groups=[[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups],
         hyper=optimizer.param_groups, decoupled=False, type_name=name, rule="client",
         client=optimizer)
+
+
+def _client_rule(optimizer, rule: str) -> OptimizerSpec:
+    """A client optimizer whose class declares ``zeroio_rule`` (one of ``RULE_TYPES``): its
+    groups (shared, so a scheduler's lr reaches the step) are that rule's hyperparameters."""
+    name = type(optimizer).__name__
+    for g in optimizer.param_groups:
+        if float(g.get("max_grad_norm", 0.0)):
+            raise ConfigError(f"client {name}(max_grad_norm={g['max_grad_norm']}): zeroio clips "
+                              "by gradient_clipping; pass max_grad_norm=0 and set "
+                              "gradient_clipping to the norm", key="gradient_clipping")
+    return OptimizerSpec(
+        param_groups=[[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups],
+        hyper=optimizer.param_groups, decoupled=False, type_name=name, rule=rule)
 
 
 def _client_adam(optimizer) -> OptimizerSpec:

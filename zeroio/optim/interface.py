@@ -5,6 +5,8 @@ a capability inherits, so the engine never probes with getattr/hasattr."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -23,6 +25,41 @@ class EngineOptimizer:
     chunked_step: bool = False
     """Whether ``begin_chunked_step`` is available (host masters stepped chunk by chunk by
     the partitioner's ``run_step``)."""
+
+    @property
+    def state(self) -> Mapping:
+        """torch's ``Optimizer.state`` for clients that walk it (Lightning's teardown moves each
+        entry's tensors to the CPU): empty. zeroio keeps its state per ShardGroup, flat and
+        perhaps off-host (``group_states`` where it is in memory; ``local_tensor`` /
+        ``read_local`` for every kind), not per parameter."""
+        return MappingProxyType({})
+
+    def state_dict(self) -> dict:
+        """torch's ``Optimizer.state_dict()`` shape for clients that call it (Lightning's
+        checkpoint dump; DeepSpeed's strategies then drop it): each group's hyperparameters
+        (``params`` as positions, as torch), and no ``state``: masters and moments are saved
+        by ``engine.save_checkpoint``, sharded."""
+        groups, first = [], 0
+        for group in self.param_groups:
+            n = len(group.get("params", ()))
+            hyper = {k: v for k, v in group.items() if k != "params" and not callable(v)}
+            groups.append({**hyper, "params": list(range(first, first + n))})
+            first += n
+        return {"state": {}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The hyperparameters of ``state_dict()``'s groups back into ``param_groups``; state
+        (moments) comes from ``engine.load_checkpoint`` only."""
+        if state_dict.get("state"):
+            raise ValueError("load_state_dict: zeroio's optimizer state (masters, moments) is "
+                             "loaded by engine.load_checkpoint from a checkpoint "
+                             "engine.save_checkpoint wrote, not from a state dict")
+        saved = state_dict.get("param_groups", [])
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: {len(saved)} param groups, the optimizer has "
+                             f"{len(self.param_groups)}")
+        for live, old in zip(self.param_groups, saved, strict=True):
+            live.update({k: v for k, v in old.items() if k != "params"})
 
     reads_ranges: bool = False
     """Whether ``read_local`` / ``write_local_range`` exist: state kept off-host or split

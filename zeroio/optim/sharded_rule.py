@@ -77,7 +77,7 @@ class RuleChunkedStep:
         """The rule on elements [lo, lo + numel) of the group; ``out`` gets the new values."""
         opt = self._opt
         g = opt.groups_by_index[group_index]
-        state = opt.state[opt.position[group_index]]
+        state = opt.group_states[opt.position[group_index]]
         with torch.profiler.record_function(f"zeroio::{opt.rule.name}_chunk"):
             master = g.master.narrow(0, lo, numel)
             opt.rule.update(master=master,
@@ -101,13 +101,13 @@ class ShardedRule(EngineOptimizer):
         self.grad_divisor, self.norms, self.state_gate = grad_divisor, norms, state_gate
         self.transfers = transfers
         self.state_kinds = rule.kinds_for(param_groups)
-        self.state: list[dict[str, torch.Tensor]] = [
+        self.group_states: list[dict[str, torch.Tensor]] = [
             {k: state_like(g.master, rule.initial(k, param_groups[g.group_index]))
              for k in self.state_kinds} for g in groups]
         self.steps = [0 for _ in groups]
         self.groups_by_index = {g.group_index: g for g in groups}
         self.position = {g.group_index: i for i, g in enumerate(groups)}
-        """group_index -> position in ``groups``, ``state`` and ``steps``."""
+        """group_index -> position in ``groups``, ``group_states`` and ``steps``."""
         self._directions: list[torch.Tensor | None] = []  # Lamb: between its two passes
 
     @property
@@ -157,7 +157,7 @@ class ShardedRule(EngineOptimizer):
                 self._directions.append(None)
                 continue
             u = LambRule.moments(master=g.master, grad=scaled_grad(g.grad, grad_scale),
-                                 state=self.state[i], hyper=self.param_groups[g.group_index])
+                                 state=self.group_states[i], hyper=self.param_groups[g.group_index])
             runs = self.norms.runs[g.group_index]
             runs.add_squares(g.master, sums[0])
             runs.add_squares(u, sums[1])
@@ -189,7 +189,7 @@ class ShardedRule(EngineOptimizer):
             self.state_gate()
         if kind == "fp32":
             return self.groups_by_index[group_index].master
-        return self.state[self.position[group_index]][kind]
+        return self.group_states[self.position[group_index]][kind]
 
     def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
         t = self.local_tensor(group_index, kind)
@@ -203,7 +203,7 @@ class ShardedRule(EngineOptimizer):
         self.steps[self.position[group_index]] = int(steps)
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [t for st in self.state for t in st.values()]
+        return [t for st in self.group_states for t in st.values()]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine."""

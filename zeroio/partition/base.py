@@ -127,6 +127,12 @@ class Partitioner:
         if self._assist is not None:
             self._assist.release()
 
+    def grads_to_host(self) -> None:
+        """Make every ``ShardGroup.grad`` (each side's, with a ratio split) hold this step's
+        gradient before something other than the step reads it (``deepspeed.utils.
+        safe_get_full_grad``): gradients kept elsewhere are copied in. Default: they always
+        are there."""
+
     def gpu_tier(self) -> GpuTier:
         """The GPU tier of the state kept on the GPU between steps (the step assist's resident
         chunks; an empty one without an assist), its evictions behind ``wait_step``

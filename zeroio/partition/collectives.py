@@ -321,3 +321,120 @@ def barrier(group=None) -> None:
     """Wait for every rank (a lost peer is named, as for every collective here)."""
     if world_size(group) > 1:
         _guarded("barrier", lambda: dist.barrier(group=group))
+
+
+# ---- collectives a client script calls (deepspeed.comm) ------------------------------------
+#
+# [Note: client collectives]
+# A script written for DeepSpeed calls ``deepspeed.comm.all_reduce(t)`` and friends on its own
+# tensors (a loss to average, a metric to sum). They are torch.distributed's collectives with
+# torch's signatures; they pass through here so that this module stays the one caller of
+# torch.distributed, a lost peer is named as for zeroio's own collectives, and gloo gets what
+# it lacks: ``reduce_scatter_tensor`` / ``reduce_scatter`` (an all-reduce of the whole input,
+# this rank's part copied out), ``all_gather_into_tensor`` (a list gather into views of the
+# output) and ``ReduceOp.AVG`` (a sum, divided by the group's size). ``async_op=True`` returns
+# a ``CommHandle`` (``wait()``), else the call has finished when it returns.
+
+ReduceOp = dist.ReduceOp
+CLIENT_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+              "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all",
+              "gather", "scatter", "send", "recv", "barrier", "all_gather_object",
+              "broadcast_object_list")
+"""The torch.distributed collectives ``client_op`` runs."""
+
+
+def _finish(work, op: str, async_op: bool, after: Callable[[], None] | None = None):
+    handle = CommHandle(work, after=after, op=op)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _is_avg(op) -> bool:
+    return op is dist.ReduceOp.AVG or op == dist.ReduceOp.AVG or op == "avg"
+
+
+def _gloo_avg(name: str, args: tuple, kwargs: dict, group) -> tuple[tuple, dict, object]:
+    """(args, kwargs, op) with AVG turned into SUM where gloo runs the reduction; the caller
+    divides the result by the group's size."""
+    op = kwargs.get("op", dist.ReduceOp.SUM)
+    if not _is_avg(op) or _is_nccl(group):
+        return args, kwargs, None
+    return args, dict(kwargs, op=dist.ReduceOp.SUM), op
+
+
+def _reduce_scatter_gloo(output: torch.Tensor, chunks: list[torch.Tensor], op, group,
+                         async_op: bool):
+    """gloo has no reduce-scatter: all-reduce a concatenation, copy this rank's chunk out."""
+    whole = torch.cat([c.reshape(-1) for c in chunks])
+    work = _guarded("reduce_scatter", lambda: dist.all_reduce(
+        whole, op=_op(op), group=group, async_op=True))
+    lo = sum(c.numel() for c in chunks[:rank(group)])
+
+    def copy_out() -> None:
+        output.copy_(whole.narrow(0, lo, output.numel()).view_as(output))
+    return _finish(work, "reduce_scatter", async_op, copy_out)
+
+
+def client_op(name: str, *args, async_op: bool = False, **kwargs):
+    """``torch.distributed.<name>(*args, **kwargs)`` for a client script ([Note: client
+    collectives]); ``name`` one of ``CLIENT_OPS``."""
+    if name not in CLIENT_OPS:
+        raise ValueError(f"collective {name!r}: expected one of {', '.join(CLIENT_OPS)}")
+    group = kwargs.get("group")
+    if not is_initialized():
+        raise DistributedError(f"deepspeed.comm.{name}: no process group is joined; call "
+                               "deepspeed.init_distributed() first")
+    if name in ("reduce_scatter_tensor", "reduce_scatter") and not _is_nccl(group):
+        output, source = args[0], args[1]
+        chunks = list(source.chunk(world_size(group))) if name == "reduce_scatter_tensor" \
+            else list(source)
+        op = kwargs.get("op", dist.ReduceOp.SUM)
+        avg = _is_avg(op)
+        out = _reduce_scatter_gloo(output, chunks, dist.ReduceOp.SUM if avg else op, group,
+                                   async_op=False)
+        if avg:
+            output.div_(world_size(group))
+        return CommHandle(None) if async_op else out
+    if name == "all_gather_into_tensor" and not _is_nccl(group):
+        output, source = args[0], args[1]
+        views = list(output.reshape(-1).chunk(world_size(group)))
+        work = _guarded(name, lambda: dist.all_gather(views, source.reshape(-1).clone(),
+                                                       group=group, async_op=True))
+        return _finish(work, name, async_op)
+    args, kwargs, avg = _gloo_avg(name, args, kwargs, group)
+    fn = getattr(dist, name)
+    if name in ("all_gather_object", "broadcast_object_list"):  # no async form in torch
+        _guarded(name, lambda: fn(*args, **kwargs))
+        return CommHandle(None) if async_op else None
+    work = _guarded(name, lambda: fn(*args, **kwargs, async_op=True))
+    after = (lambda: args[0].div_(world_size(group))) if avg is not None else None
+    return _finish(work, name, async_op, after)
+
+
+def new_group(ranks=None, **kwargs):
+    """``torch.distributed.new_group`` (every rank of the world calls it)."""
+    return dist.new_group(ranks, **kwargs)
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group``'s member ``group_rank``."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def group_ranks(group=None) -> list[int]:
+    """The global ranks in ``group`` (None: the world)."""
+    if group is None or not is_initialized():
+        return list(range(world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def world_group():
+    """The default process group (``dist.group.WORLD``)."""
+    return dist.group.WORLD
+
+
+def destroy_group(group) -> None:
+    """Leave one process group (``destroy_world`` leaves them all)."""
+    dist.destroy_process_group(group)

@@ -445,19 +445,19 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         taken = self.landing.sq_norm()  # [Note: landing reduced gradients]
         if taken is not None:
             return taken
-        self._host_grads_current()
+        self.grads_to_host()
         # fp32 norms of 16-bit host shards too; no float64 copy of a shard (that doubled host
         # memory and took seconds)
         return shards_sq_norm((sg.grad for sg in self._physical), Copies(self.transfers))
 
-    def _host_grads_current(self) -> None:
+    def grads_to_host(self) -> None:
         """Gradients held in resident chunks' GPU buffers into the host shards (the host is
         about to read them: [Note: resident gradients] in shard/assist.py)."""
         if self.landing.router is not None:
             self.landing.router.grads_to_host()
 
     def local_overflow(self) -> bool:
-        self._host_grads_current()
+        self.grads_to_host()
         return shards_overflow((sg.grad for sg in self._physical), Copies(self.transfers))
 
     def publish_params(self) -> None:

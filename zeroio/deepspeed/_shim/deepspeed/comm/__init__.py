@@ -1,7 +1,9 @@
-"""``deepspeed.comm``: rank, world size and start-up of the process group, on zeroio."""
+"""``deepspeed.comm``: DeepSpeed's collectives (``all_reduce``, ``broadcast``, ``all_gather``,
+``reduce_scatter_tensor``, ...) and getters (``get_rank``, ``get_world_size``, ...) over
+torch.distributed, through zeroio's collectives module."""
 
-from zeroio.deepspeed.facade import init_distributed
-from zeroio.deepspeed.ranks import barrier, get_local_rank, get_rank, get_world_size, is_initialized
+from deepspeed.comm import comm
+from deepspeed.comm.comm import *  # noqa: F403
+from deepspeed.comm.comm import __all__ as _names
 
-__all__ = ["init_distributed", "get_rank", "get_world_size", "get_local_rank", "is_initialized",
-           "barrier"]
+__all__ = [*_names, "comm"]

@@ -1,5 +1,6 @@
-"""``deepspeed.ops``: the optimizers accelerate maps torch's onto (``ops.adam``)."""
+"""``deepspeed.ops``: the optimizer classes (``adam``, ``lamb``, ``lion``, ``adagrad``), run by
+zeroio's sharded optimizers."""
 
-from deepspeed.ops import adam
+from deepspeed.ops import adagrad, adam, lamb, lion
 
-__all__ = ["adam"]
+__all__ = ["adam", "lamb", "lion", "adagrad"]
