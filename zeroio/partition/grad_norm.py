@@ -18,16 +18,15 @@ from zeroio.tiering.copies import Copies
 
 
 def shards_sq_norm(grads: Iterable[torch.Tensor], copies: Copies, *,
-                   low_divisor: float | None = None) -> torch.Tensor:
-    """Sum of the squared norms of ``grads`` as a host fp32 scalar; ``low_divisor``: what a
-    16-bit gradient's norm is divided by first (stage 1/2's unaveraged 16-bit host gradients;
-    None: nothing)."""
+                   divisor: float = 1.0) -> torch.Tensor:
+    """Sum of the squared norms of ``grads`` as a host fp32 scalar; ``divisor``: what each
+    norm is divided by first (stage 1/2's unaveraged host gradients: the world size)."""
     total = torch.zeros((), dtype=torch.float32)
     for g in grads:
         if g.numel():
             norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-            if low_divisor is not None and g.dtype != torch.float32:
-                norm = norm / low_divisor
+            if divisor != 1.0:
+                norm = norm / divisor
             total += copies.host(norm.double().pow(2).float())
     return total
 
