@@ -12,6 +12,12 @@ windows, a second full copy of parameters or gradient only where it fits and is 
   accumulation 1 and 8, with the gradient kept on the (injected) device and without; the
   placement dropping the 16-bit shards when the host is short; training equal to plain torch
   AdamW in every layout.
+- ``-m gpu`` (one GPU): the same on the real device, where the window's copies run on their
+  CUDA stream and the step assist reads the gradient on the GPU: the gradient kept on the
+  GPU against ``gpu_budget_bytes: 0`` (the host path), bit for bit, with the gradient
+  crossing PCIe once per step, and host allocations within 5% of the placement.
+
+On the GPU machine:  python -m pytest -q -m gpu tests/test_host_floor.py
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from zeroio.config import load_config
 from zeroio.config.accum_place import ACCUM_ROW, WINDOW_ROW, WINDOW_SLOTS
 from zeroio.placement import HOST_MARGIN, MachineMemory, decide_placement
 from zeroio.testing import run_ranks
+from zeroio.testing.markers import needs_compiler
 
 GB, GiB = 10**9, 1 << 30
 CHUNK = 1 << 26  # the host step's chunk (tiering.step_chunk_numel's default)
@@ -174,10 +181,10 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def _config(stage: int, gas: int) -> dict:
+def _config(stage: int, gas: int, tiering: dict | None = None) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 1 << 16,
             "offload_optimizer": {"device": "cpu"},
-            "tiering": {"overlap_step": False, "step_chunk_numel": 1 << 14}}
+            "tiering": {"overlap_step": False, "step_chunk_numel": 1 << 14, **(tiering or {})}}
     if stage == 3:  # a group per block; two blocks gathered at most
         zero["offload_param"] = {"device": "cpu"}
         zero.update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=1 << 17)
@@ -207,10 +214,11 @@ def _reference(steps: int, gas: int) -> tuple[list[float], torch.Tensor]:
     return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _engine_body(args):
-    """Initialize with ``room`` standing in for the device's free memory (None: a CPU device's
-    none) and ``host`` for the host's; the host bytes zeroio allocated in ``initialize``, the
-    placement's host tier and its decisions, then 3 steps' losses and final parameters."""
+def _engine_body(args, tiering=None):
+    """Initialize with ``room`` standing in for the device's free memory (None: the device's
+    own: a CPU device has none) and ``host`` for the host's; the host bytes zeroio allocated in
+    ``initialize``, the placement's host tier and its decisions, then 3 steps' losses and
+    final parameters (and the bytes that went device -> host in them)."""
     stage, gas, room, host = args
     import os
 
@@ -225,25 +233,28 @@ def _engine_body(args):
     model = _Blocks()
     psi = sum(p.numel() for p in model.parameters())
     before = hostmem.live_bytes()
-    engine, *_ = zeroio.initialize(model=model, config=_config(stage, gas))
+    engine, *_ = zeroio.initialize(model=model, config=_config(stage, gas, tiering))
     allocated = hostmem.live_bytes() - before
     part, placed = engine.partitioner, engine.placement
+    d2h = engine.stats()["bytes_moved"].get("gpu->cpu", 0)
     losses = []
     for micro in _batches(3, gas):
         for x in micro:
-            loss = engine(x).pow(2).mean()
+            loss = engine(x.to(engine.device)).pow(2).mean()
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
     with zeroio.zero.GatheredParameters(list(model.parameters())):
         params = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    engine.synchronize()
     out = {"allocated": allocated, "placed_cpu": placed.tier_bytes("cpu"),
+           "d2h": engine.stats()["bytes_moved"].get("gpu->cpu", 0) - d2h,
            "streamed": part.grads_streamed, "planned": placed.gradient_on_device,
            "from_master": placed.params_from_master, "decisions": placed.decisions,
            "store": type(part.store).__name__ if stage == 3 else None,
            "psi": psi,
            "host_need": placed.host_bytes_per_node(),
-           "losses": losses, "params": params.tolist()}
+           "losses": losses, "params": params.cpu().tolist()}
     engine.close()
     return out
 
@@ -309,3 +320,96 @@ def test_a_short_host_drops_the_16bit_shards():
     assert abs(short["allocated"] - floor) <= 0.05 * floor, short
     assert short["losses"] == roomy["losses"] and short["params"] == roomy["params"]
     _check_training(short, 1)
+
+
+def _gpu_body(stage, gas):
+    out = {}
+    for mode, budget in (("device", None), ("host", 0)):
+        # the step assist off: the two runs differ only in where the gradient lives
+        out[mode] = _engine_body((stage, gas, None, None), tiering={
+            "gpu_budget_bytes": budget, "step_assist": False, "overlap_step": True})
+    out["assist"] = _engine_body((stage, gas, None, None), tiering={"overlap_step": True})
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("gas", [1, 4])
+def test_the_floor_on_the_gpu(stage, gas):
+    """One GPU, fp32, the overlapped host step: the gradient kept on the GPU and read through
+    the window equals the host path (``gpu_budget_bytes: 0``): bit for bit with one micro
+    step; with 4 the clip norm of the summed gradient is taken on the GPU instead of the host
+    (another summation order: the clipping coefficient may differ in its last bits); the
+    gradient
+    crosses PCIe once per step instead of once per micro step at stages 2/3 (3 steps, 4 bytes
+    an element); host allocations are the placement's host tier within 5%; with the step
+    assist (which reads the gradient on the GPU) training stays plain AdamW's."""
+    from zeroio.testing.cuda import need_cuda
+
+    need_cuda(1)
+    (out,) = run_ranks(_gpu_body, 1, stage, gas, backend="nccl", timeout=600)
+    dev, host = out["device"], out["host"]
+    assert dev["streamed"] and dev["planned"] and not host["streamed"] and not host["planned"]
+    if gas == 1:
+        assert dev["losses"] == host["losses"] and dev["params"] == host["params"]
+    else:
+        assert dev["losses"] == pytest.approx(host["losses"], rel=1e-6)
+        diff = torch.tensor(dev["params"]) - torch.tensor(host["params"])
+        assert diff.abs().max().item() < 1e-6
+    grad = 4 * dev["psi"]
+    lands = gas if stage > 1 else 1
+    assert host["d2h"] - dev["d2h"] == 3 * (lands - 1) * grad
+    for r in (dev, host, out["assist"]):
+        assert abs(r["allocated"] - r["placed_cpu"]) <= 0.05 * r["placed_cpu"], r
+    ref_losses, ref_params = _reference(3, gas)
+    for r in (dev, out["assist"]):
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
+        assert (torch.tensor(r["params"]) - ref_params).abs().max().item() < 1e-4
+
+
+def _fp16_body(stage):
+    """fp16, 2 micro steps, the gradient kept on the (injected) device as an fp32 sum that the
+    host step reads in fp16: a sum beyond fp16's range is an overflow, the step is skipped."""
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    device_accum.DEVICE_ROOM = lambda device: 1 << 40
+    cfg = _config(stage, 2)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    engine, *_ = zeroio.initialize(model=_Blocks(), config=cfg)
+    part = engine.partitioner
+    out = {"streamed": part.grads_streamed, "read": str(part.grad_read_dtype),
+           "home": str(part.groups[0].grad.dtype if stage < 3 else
+                       part.optimizer_split.host[0].grad.dtype if part.optimizer_split
+                       else part.groups[0].grad.dtype)}
+    masters = [engine.optimizer.local_tensor(g.group_index, "fp32").clone() for g in part.groups]
+    for m, x in enumerate(_batches(1, 2)[0]):
+        engine.backward(engine(x.half()).float().pow(2).mean())
+        if m == 1:  # the boundary: the sum, finite in fp32, past fp16's range in one element
+            part.groups[0].grad.view(-1)[3] = 7e4
+        engine.step()
+    out["skipped"] = engine.skipped_steps
+    out["same"] = all(torch.equal(a, engine.optimizer.local_tensor(g.group_index, "fp32"))
+                      for a, g in zip(masters, part.groups, strict=True))
+    engine.close()
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_sum_past_fp16_range_where_it_is_read_is_an_overflow(stage):
+    (out,) = run_ranks(_fp16_body, 1, stage, env={"ZEROIO_CPU_ADAM": "compiled"},
+                       timeout=600)
+    assert out["streamed"] and out["read"] == "torch.float16" and out["home"] == "torch.float32"
+    assert out["skipped"] == 1 and out["same"]
+
+
+def test_cast_overflows_by_hand():
+    from zeroio.partition.grad_norm import cast_overflows
+    from zeroio.tiering.copies import Copies
+
+    ok, big = torch.full((10,), 6.5e4), torch.tensor([1.0, 7e4, 2.0])
+    assert not cast_overflows([ok], torch.float16, Copies(None))  # rounds to 65504
+    assert cast_overflows([ok, big], torch.float16, Copies(None))
+    assert not cast_overflows([big], torch.bfloat16, Copies(None))  # bf16 has fp32's range
+    assert not cast_overflows([big.half().float()[:1]], torch.float16, Copies(None))

@@ -77,7 +77,7 @@ from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Partitioner, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.flat import shard_group as _shard_group
-from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
+from zeroio.partition.grad_norm import cast_overflows, shards_overflow, shards_sq_norm
 from zeroio.partition.home import ShardHome, host_home  # noqa: F401 (imported from here)
 from zeroio.partition.landing import GradPiece, StagedAdds, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
@@ -501,6 +501,8 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         if self.stage == 0 and comm.rank(self.group) != 0:
             # stage 0 shards are replicas: only rank 0 contributes to the sum
             return torch.zeros((), dtype=torch.float32)
+        if self._read_overflows():
+            return torch.tensor(float("inf"))
         if len(self._norm_parts) == self._n_pieces:
             return Copies(self.transfers).host(torch.stack(self._norm_parts).sum().float())
         # [Note: 16-bit host gradients]: the host side's are unaveraged (16-bit, or their fp32
@@ -511,7 +513,14 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
             shards_sq_norm((g.grad for g in self._dev), copies)
 
     def local_overflow(self) -> bool:
-        return shards_overflow((g.grad for g in self._physical), Copies(self.transfers))
+        return self._read_overflows() or shards_overflow((g.grad for g in self._physical),
+                                                         Copies(self.transfers))
+
+    def _read_overflows(self) -> bool:
+        """A gradient kept on the device as an fp32 sum overflows where the host step reads
+        it in fp16 (``cast_overflows``)."""
+        return self.grads_streamed and self.grad_read_dtype == torch.float16 and \
+            cast_overflows((g.grad for g in self._host), torch.float16, Copies(self.transfers))
 
     # ---- step ------------------------------------------------------------------------------
 

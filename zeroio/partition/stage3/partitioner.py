@@ -22,7 +22,7 @@ from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError, DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Partitioner, Phase, ShardGroup
-from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
+from zeroio.partition.grad_norm import cast_overflows, shards_overflow, shards_sq_norm
 from zeroio.partition.host_plan import chunk_bounds
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
@@ -495,6 +495,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         # the engine's step starts here: a fetch since finalize_gradients (GatheredParameters)
         # may still read masters the optimizer is about to write
         self._settle_master_reads()
+        if self._read_overflows():
+            return torch.tensor(float("inf"))
         taken = self.landing.sq_norm()  # [Note: landing reduced gradients]
         if taken is not None:
             return taken
@@ -511,7 +513,15 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
 
     def local_overflow(self) -> bool:
         self._host_grads_current()
-        return shards_overflow((sg.grad for sg in self._physical), Copies(self.transfers))
+        return self._read_overflows() or shards_overflow((sg.grad for sg in self._physical),
+                                                         Copies(self.transfers))
+
+    def _read_overflows(self) -> bool:
+        """A gradient kept on the device as an fp32 sum overflows where the host step reads
+        it in fp16 (``cast_overflows`` in partition/grad_norm.py)."""
+        return self.grads_streamed and self.grad_read_dtype == torch.float16 and \
+            cast_overflows((sg.grad for sg in self._sides[Side.HOST]), torch.float16,
+                           Copies(self.transfers))
 
     def publish_params(self) -> None:
         """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
