@@ -413,3 +413,30 @@ def test_cast_overflows_by_hand():
     assert cast_overflows([ok, big], torch.float16, Copies(None))
     assert not cast_overflows([big], torch.bfloat16, Copies(None))  # bf16 has fp32's range
     assert not cast_overflows([big.half().float()[:1]], torch.float16, Copies(None))
+
+
+def _short_host_gpu_body(_):
+    off = {"step_assist": False, "overlap_step": True}
+    roomy = _engine_body((3, 4, None, None), tiering=off)
+    short = _engine_body((3, 4, None, int(roomy["host_need"] / (1 - HOST_MARGIN)) - 1),
+                         tiering=off)
+    return roomy, short
+
+
+@pytest.mark.gpu
+def test_a_short_host_drops_the_16bit_shards_on_the_gpu():
+    """One GPU, stage 3, 4 micro steps, the overlapped step: a host too small for the shards
+    beside the rest makes the placement cast each gather from the host masters (an H2D copy
+    of fp32 on the h2d stream, then the cast), beside the gradient kept on the GPU and read
+    through the window; bit for bit the run that keeps the shards, and nothing of them is
+    allocated in host memory."""
+    from zeroio.testing.cuda import need_cuda
+
+    need_cuda(1)
+    (out,) = run_ranks(_short_host_gpu_body, 1, None, backend="nccl", timeout=600)
+    roomy, short = out
+    assert not roomy["from_master"] and short["from_master"] and short["store"] == "MasterShards"
+    assert roomy["streamed"] and short["streamed"]
+    assert short["losses"] == roomy["losses"] and short["params"] == roomy["params"]
+    assert roomy["placed_cpu"] - short["placed_cpu"] == 4 * roomy["psi"]  # fp32 shards
+    assert abs(short["allocated"] - short["placed_cpu"]) <= 0.05 * short["placed_cpu"]
