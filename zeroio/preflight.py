@@ -50,10 +50,12 @@ from zeroio.tiering import device_accum
 
 GB = 10**9
 CGROUP = Path("/sys/fs/cgroup")
-# device-tier items that cost no new host memory on a CPU device: the module's parameters
-# already exist; the live-gather bound is not state the engine allocates; the step assist
-# runs on CUDA devices only
-_HELD_OR_TRANSIENT = ("parameters", "live gathered parameters (upper bound)", "step assist slots")
+# items that cost no new host memory on a CPU device: the module's parameters already exist
+# there (its 16-bit parameters, or stage 3's shards of them wherever offload_param puts
+# them, and so the shards params_from_master does not keep); the live-gather bound is not
+# state the engine allocates; the step assist runs on CUDA devices only
+_HELD_OR_TRANSIENT = ("parameters", "16-bit parameter shard not held",
+                      "live gathered parameters (upper bound)", "step assist slots")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +190,7 @@ def host_items(cfg: Config, module: torch.nn.Module, spec, device: torch.device,
         device_room=device_accum.DEVICE_ROOM(device))  # as the engine plans
     host_tiers = ("cpu",) if device.type != "cpu" else ("cpu", "gpu")
     items = [i for i in est.items if i.tier in host_tiers and i.kind != "activations"
-             and not (i.tier == "gpu" and i.name.startswith(_HELD_OR_TRANSIENT))]
+             and not (device.type == "cpu" and i.name.startswith(_HELD_OR_TRANSIENT))]
     budget, on_disk = cfg.zero_optimization.tiering.cpu_budget_bytes, est.per_gpu("nvme")
     if budget is not None and on_disk:
         # the NVMe stores keep what the rest leaves of the budget resident in host memory
