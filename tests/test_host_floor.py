@@ -448,3 +448,37 @@ def test_a_short_host_drops_the_16bit_shards_on_the_gpu():
     assert short["losses"] == roomy["losses"] and short["params"] == roomy["params"]
     assert roomy["placed_cpu"] - short["placed_cpu"] == 4 * roomy["psi"]  # fp32 shards
     assert abs(short["allocated"] - short["placed_cpu"]) <= 0.05 * short["placed_cpu"]
+
+
+def _nvme_shards_body(args):
+    gas, room, path = args
+    import zeroio
+    from zeroio.tiering import device_accum
+
+    if room is not None:
+        device_accum.DEVICE_ROOM = lambda device: room
+    cfg = _config(3, gas)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": path,
+                                                 "max_in_cpu": 0}
+    engine, *_ = zeroio.initialize(model=_Blocks(), config=cfg)
+    streamed = engine.partitioner.grads_streamed
+    losses = []
+    for micro in _batches(3, gas):
+        for x in micro:
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    engine.close()
+    return streamed, losses
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_nvme_parameter_shards_step_through_the_window_too(tmp_path, gas):
+    """Stage 3 with the parameter shards on NVMe steps whole groups on the training thread
+    (then publishes): with the gradient kept on the device it reads it through the window
+    chunk by chunk, bit for bit the host path."""
+    (ref,) = run_ranks(_nvme_shards_body, 1, (gas, None, str(tmp_path / "a")), timeout=300)
+    (got,) = run_ranks(_nvme_shards_body, 1, (gas, 1 << 40, str(tmp_path / "b")), timeout=300)
+    assert not ref[0] and got[0]
+    assert got[1] == ref[1]
