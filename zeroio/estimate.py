@@ -25,7 +25,8 @@ Two layers, reported separately in the breakdown:
      shard exists. The model states keep the paper's b Psi / N gradient term
      (so they read 16 Psi / N at stage 3, as the paper's figure 1) and the buffer
      is the (4 - b) bytes per element the fp32 shard holds beyond it; the sum is
-     the bytes training holds. With
+     the bytes training holds. At stages 1/2 with the optimizer offloaded likewise:
+     one host shard, the partition term and what it holds beyond it. With
      offload_optimizer cpu or nvme (both step the host shard with a CPU Adam; nvme's
      swapper piece by piece), nothing accumulated on the host (stage 1, or stages
      2/3 with gradient_accumulation_steps 1) and the one-pass CPU Adam
@@ -49,6 +50,13 @@ Two layers, reported separately in the breakdown:
      PUBLISH_CHUNK_NUMEL elements (b bytes each).
    - gradient accumulation (gradient_accumulation_steps > 1) with gradients on the host:
      pinned fp32 staging, or an fp32 GPU buffer (``device_room``): config/accum_place.py.
+   - the gradient kept on the device (offload_optimizer cpu with Adam, ``grad_streams``;
+     [Note: the gradient's home] in config/accum_place.py): the model states' gradient
+     partition and the shard's rest beyond it move to the GPU tier (the accumulation buffer
+     above is the home instead where it is placed), and the host holds the host step's
+     window (``WINDOW_SLOTS`` pinned slots of one ``step_chunk_numel`` chunk); at stages
+     1/2 the host step's pinned 16-bit publication slots are counted too (2, or 4 beside the
+     step assist). That is the host floor: [Note: the host floor] in zeroio/placement.py.
    - offload_optimizer nvme: fp32 masters (4 of K bytes) in host memory, moments (8) on disk; or
      all 12 paged through the disk ([Note: where the masters live] in zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU), without ``tiering.cpu_budget_bytes``:

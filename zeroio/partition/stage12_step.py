@@ -123,7 +123,9 @@ class HostStep12:
                 self._assist.release()
             self._assist.begin_step()
         if self._window is not None:  # [Note: the gradient window] in tiering/grad_window.py
-            ready = self._window.begin([self._host_grad(c) for c in self._chunks])
+            skip = [self._assist is not None and self._assist.holds(*self._host_key(c))
+                    for c in self._chunks]  # resident chunks are stepped on the GPU
+            ready = self._window.begin([self._host_grad(c) for c in self._chunks], skip)
             if self._assist is not None:  # the GPU's chunks read the gradient there too
                 self._assist.after(ready)
         if self.optimizer_split is not None:
@@ -137,11 +139,16 @@ class HostStep12:
             self.wait_step()
         self.phase = Phase.IDLE
 
+    def _host_key(self, c: StepChunk) -> tuple[int, int, int]:
+        """(group, host-side local offset, elements) of chunk ``c``: how the assist knows it."""
+        b = c.bucket
+        return (b.group_index,
+                self._local_base[b.index] + c.slice_lo - self._dev_len[b.group_index], c.numel)
+
     def _host_grad(self, c: StepChunk) -> torch.Tensor:
         """Chunk ``c``'s gradient on the host side (where it lives: host or device)."""
-        b = c.bucket
-        hlo = self._local_base[b.index] + c.slice_lo - self._dev_len[b.group_index]
-        return self._host[b.group_index].grad.narrow(0, hlo, c.numel)
+        gi, hlo, n = self._host_key(c)
+        return self._host[gi].grad.narrow(0, hlo, n)
 
     def _make_landing(self) -> None:
         if self.params.dtype == torch.float32 or not self._chunks:

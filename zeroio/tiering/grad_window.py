@@ -12,13 +12,16 @@ chunk's gradient through ``GradWindow``: ``WINDOW_SLOTS`` pinned slots of the la
   the engine's step ordered after every write of the gradient (the landing streams, the
   norm); every copy below waits for it.
 - ``read(k)`` (the worker, before it steps chunk k): queues chunk k's copy if it is not
-  queued yet and chunk k+1's behind it, then waits for chunk k's alone. So chunk k+1
-  crosses PCIe while the CPU updates chunk k. A copy casts on the device first where the
+  queued yet and the next chunk's behind it, then waits for chunk k's alone. So the next
+  chunk crosses PCIe while the CPU updates chunk k. The next chunk is the next one the CPU
+  will step as far as ``begin``'s ``skip`` knows: chunks resident on the GPU (the step
+  assist's, [Note: resident chunks] in shard/assist.py) are stepped there, from the
+  gradient where it is, so no copy is made for them. A copy casts on the device first where the
   home's dtype is not the one the CPU Adam reads (an fp32 sum read as 16 bits: the one
   rounding a boundary copy to a 16-bit host shard made; the temporary is allocated on the
   copy's stream, so the caching allocator reuses it only behind that copy).
-- a slot is written again two chunks later; by then the worker has stepped the chunk it
-  held (a chunk the step assist took instead was copied ahead for nothing and is never
+- a slot is written again two copies later; by then the worker has stepped the chunk it
+  held (a chunk the step assist took after all was copied ahead for nothing and is never
   read: the next copy into its slot queues behind it on the same stream).
 - ``finish()`` (``wait_step``): host wait for the last copy queued, so the next backward
   never writes a gradient that a copy still reads.
@@ -57,8 +60,10 @@ class GradWindow:
         self.slots = [host_empty(numel, dtype, pin=pin) for _ in range(slots)]
         self.stream = DeviceStreams.of(device).grad_window  # None on a CPU device
         self._sources: list[torch.Tensor] = []
+        self._skip: list[bool] = []
         self._events: dict[int, torch.cuda.Event | None] = {}
-        self._queued = -1
+        self._slot_of: dict[int, int] = {}
+        self._copies = 0
         self._ready: torch.cuda.Event | None = None
         self._last: torch.cuda.Event | None = None
 
@@ -66,44 +71,50 @@ class GradWindow:
     def numel(self) -> int:
         return self.slots[0].numel()
 
-    def begin(self, sources: list[torch.Tensor]) -> torch.cuda.Event | None:
+    def begin(self, sources: list[torch.Tensor],
+              skip: list[bool] | None = None) -> torch.cuda.Event | None:
         """A new step over ``sources`` (1-D device views, each at most ``numel`` long), read in
-        this order; the copies follow what the current stream queued so far, the event
-        returned (None on a CPU device), which other readers of the gradient wait on too."""
+        this order, none ahead of its turn where ``skip`` says the CPU will not step it; the
+        copies follow what the current stream queued so far, the event returned (None on a
+        CPU device), which other readers of the gradient wait on too."""
         too_long = [s.numel() for s in sources if s.numel() > self.numel]
         if too_long:
             raise ValueError(f"a gradient chunk of {too_long[0]} elements exceeds the window's "
                              f"{self.numel}")
         self.finish()
-        self._sources, self._events, self._queued = list(sources), {}, -1
+        self._sources, self._events, self._slot_of = list(sources), {}, {}
+        self._skip = list(skip) if skip is not None else [False] * len(sources)
         self._ready = record(torch.cuda.current_stream(self.stream.device)) \
             if self.stream is not None else None
         return self._ready
 
     def read(self, k: int) -> torch.Tensor:
-        """Chunk ``k``'s gradient in host memory (a slot view, valid until ``read(k + 2)``), in
-        ``dtype``; chunk ``k + 1``'s copy is queued behind it."""
+        """Chunk ``k``'s gradient in host memory (a slot view, valid until the next read's
+        copy after it), in ``dtype``; the next chunk's copy is queued behind it."""
         self._queue(k)
-        self._queue(k + 1)
+        nxt = next((j for j in range(k + 1, len(self._sources)) if not self._skip[j]), None)
+        if nxt is not None:
+            self._queue(nxt)
         event = self._events.pop(k, None)
         if event is not None:
             with StallTimer(self.transfers):
                 event.synchronize()
-        return self.slots[k % len(self.slots)].narrow(0, 0, self._sources[k].numel())
+        return self.slots[self._slot_of[k]].narrow(0, 0, self._sources[k].numel())
 
     def _queue(self, k: int) -> None:
-        """Chunk ``k``'s copy into its slot, unless it is queued already (or there is none)."""
-        if k <= self._queued or k >= len(self._sources):
+        """Chunk ``k``'s copy into the next slot, unless it is queued already."""
+        if k in self._slot_of:
             return
+        self._slot_of[k] = slot = self._copies % len(self.slots)
+        self._copies += 1
         src = self._sources[k]
-        dst = self.slots[k % len(self.slots)].narrow(0, 0, src.numel())
+        dst = self.slots[slot].narrow(0, 0, src.numel())
         with on(self.stream):
             wait_event(self.stream, self._ready)
             if src.dtype != dst.dtype and src.device.type != "cpu":
                 src = src.to(dst.dtype)  # the cast on the device (module note)
             Copies(self.transfers).into(dst, src, non_blocking=self.stream is not None)
             self._events[k] = self._last = record(self.stream)
-        self._queued = k
 
     def finish(self) -> None:
         """Host wait until no copy reads the gradient any more (``wait_step``)."""

@@ -116,7 +116,9 @@ class Stage3HostStep:
         after the same event."""
         if self._window is None:
             return
-        ready = self._window.begin(self._window_sources(groups))
+        sources, keys = self._window_sources(groups)
+        skip = [self._assist is not None and self._assist.holds(*k) for k in keys]
+        ready = self._window.begin(sources, skip)  # resident chunks are stepped on the GPU
         if self._assist is not None:
             self._assist.after(ready)
 

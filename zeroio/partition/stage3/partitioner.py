@@ -309,28 +309,31 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                     segments=tuple(segs), params=names))
         return groups, by_group
 
-    def _window_sources(self, groups: list[int]) -> list[torch.Tensor]:
+    def _window_sources(self, groups: list[int]):
         """The host pieces' gradients of ``groups``, chunk by chunk, in the order the host
-        step steps them (``_step_group``); ``self._window_base`` records where each group's
-        chunks start."""
+        step steps them (``_step_group``), and each chunk's (optimizer group, local offset,
+        elements); ``self._window_base`` records where each group's chunks start."""
         out: list[torch.Tensor] = []
+        keys: list[tuple[int, int, int]] = []
         self._window_base = {}
         for gi in groups:
             self._window_base[gi] = len(out)
             for ref in self._pieces.get(gi, []):
                 if ref.side is Side.DEVICE:
                     continue
-                grad = self._sides[Side.HOST][ref.piece.opt_group].grad
-                out += [grad.narrow(0, ref.base + lo, hi - lo) for lo, hi in
-                        chunk_bounds(0, ref.piece.hi - ref.piece.lo,
-                                     self.settings.step_chunk_numel)]
-        return out
+                og = ref.piece.opt_group
+                grad = self._sides[Side.HOST][og].grad
+                for lo, hi in chunk_bounds(0, ref.piece.hi - ref.piece.lo,
+                                           self.settings.step_chunk_numel):
+                    out.append(grad.narrow(0, ref.base + lo, hi - lo))
+                    keys.append((og, ref.base + lo, hi - lo))
+        return out, keys
 
     def _gradient_window(self) -> GradWindow | None:
         """The host step's window onto the device-homed gradient, of the largest chunk."""
         if not self.grads_streamed:
             return None
-        chunks = self._window_sources(sorted(self._pieces))
+        chunks, _ = self._window_sources(sorted(self._pieces))
         if not chunks:
             return None
         return GradWindow(numel=max(c.numel() for c in chunks), dtype=self.grad_read_dtype,
