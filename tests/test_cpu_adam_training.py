@@ -15,9 +15,13 @@ must be within 3e-2, and the mean master drift within 15 %.
 
 16-bit host gradients (stage12.[Note: 16-bit host gradients]): bf16 at stage 2 with
 gradient_accumulation_steps 1, and at stage 1, hand the kernel bf16 host gradient shards (the
-1/world folded into its grad_scale), stage 2 with accumulation fp32 ones; at world 1 and 2
-(so the folding is checked), and with offload_optimizer.ratio 0.5 (device side fp32). Each
-case asserts the host shard's dtype, so the test fails if the path is not taken.
+1/world folded into its grad_scale), stage 2 with accumulation fp32 ones where the micro steps
+are summed on the host (a CPU device) and bf16 where the placement sums them on the GPU
+(``Placement.accumulation_on_device``: nothing accumulates on the host); at world 1 and 2 (so
+the folding is checked), and with offload_optimizer.ratio 0.5 (device side fp32). Each case
+asserts the dtype the host step's CPU Adam reads and where the gradient lives (a host shard,
+or on a GPU the device home the host step streams it from: [Note: the gradient's home] in
+zeroio/config/accum_place.py), so the test fails if the path is not taken.
 
 On the GPU machine:  .venv/bin/python -m pytest -q -m gpu tests/test_cpu_adam_training.py
 """
@@ -141,6 +145,8 @@ def _grad_info(engine):
     sq = collectives.all_reduce_scalar(part.shard_sq_norm_seen.double().to(engine.device))
     return {"shard_norm": float(torch.sqrt(sq)), "last_norm": engine.last_grad_norm,
             "one_pass": bool(host_opt.one_pass), "grad_divisor": host_opt.grad_divisor,
+            "read": str(part.grad_read_dtype), "streamed": part.grads_streamed,
+            "accum_dev": engine.placement.accumulation_on_device,
             "host_grads": sorted({str(g.grad.dtype) for g in part._host if g.grad.numel()}),
             "device_grads": sorted({str(g.grad.dtype) for g in part._dev if g.grad.numel()}),
             "pinned_slots": len(part._stage_slots),
@@ -175,9 +181,16 @@ def _grad_body(tmpdir, cuda):
 
 def _check_grads(results, cuda):
     for rank_results in results:
-        for r, (_, _, ratio, host_dtype) in zip(rank_results, GRAD_CASES, strict=True):
+        for r, (stage, gas, ratio, host_dtype) in zip(rank_results, GRAD_CASES, strict=True):
             assert r["one_pass"], r
-            assert r["host_grads"] == [host_dtype], r  # the path under test was taken (or not)
+            # the placement's decision: stage 2's sum on the device reads as one micro step's
+            summed_on_device = stage == 2 and gas > 1 and r["accum_dev"]
+            if summed_on_device:
+                host_dtype = "torch.bfloat16"
+            assert r["read"] == host_dtype, r  # the path under test was taken (or not)
+            assert r["host_grads"] == ["torch.float32" if summed_on_device else host_dtype], r
+            # a CPU device has no room: the host path; a GPU keeps the gradient
+            assert r["streamed"] == cuda and r["accum_dev"] == (cuda and stage == 2 and gas > 1)
             assert r["device_grads"] == ([] if ratio is None else ["torch.float32"]), r
             low = host_dtype != "torch.float32"
             assert r["grad_divisor"] == (float(r["world"]) if low else 1.0), r

@@ -1,19 +1,24 @@
 """Gradient accumulation placed on the device tier ([Note: accumulation on the device tier] in
-zeroio/tiering/device_accum.py).
+zeroio/tiering/device_accum.py), and the gradient kept there ([Note: the gradient's home] in
+zeroio/config/accum_place.py): with offload_optimizer cpu and Adam the accumulation buffer is
+the gradient's home and the host step reads it through a pinned window ([Note: the gradient
+window] in zeroio/tiering/grad_window.py); with one micro step a device shard of the host
+gradient's dtype is the home.
 
 CPU (here): the "device" is the CPU, so the placement is forced with an injected device room
-(``device_accum.DEVICE_ROOM``): the accumulation buffers are then separate tensors standing in
-for the GPU's. Against the host accumulation of the same run (no room: today's path), bit for
+(``device_accum.DEVICE_ROOM``): the device buffers are then separate tensors standing in for
+the GPU's. Against the host path of the same run (no room: the host gradient shard), bit for
 bit: losses and masters at stages 2 and 3, 1 and 2 ranks, fp32 and bf16, accumulation 1/2/4,
-with a ratio, and with parameters the boundary micro step does not reach; the host gradient
-shard is written only by the boundary micro step (NaN-poisoned between steps), no staging slot
-is allocated, and the buffer is counted in ``engine.stats()["tiers"]["gpu"]``; a budget too
-small falls back to the host path; the decision, the GPU tier's fixed state and the estimate's
-rows by hand. With bf16 and the one-pass CPU Adam (compiled), the buffer placed keeps the host
-gradient bf16: the boundary gradient is the plain torch fp32 sum over micro steps rounded
-once, bit for bit (the host path's: that sum unrounded), and training stays within that
-rounding; the estimate and the preflight plan the 8B case's host gradient at 2 bytes per
-parameter with a device room that fits the buffer, 4 without.
+with a ratio, and with parameters the boundary micro step does not reach; the host path writes
+its host shard every micro step, the device path reaches host memory (the window) only at the
+step (NaN-poisoned between steps), no staging slot is allocated, and the home is counted in
+``engine.stats()["tiers"]["gpu"]``; a budget too small falls back to the host path; the
+decision, the GPU tier's fixed state and the estimate's rows by hand. With bf16 and the
+one-pass CPU Adam (compiled), the host step reads bf16: the boundary gradient it reads is the
+plain torch fp32 sum over micro steps rounded once, bit for bit (the host path's: that sum
+unrounded), and training stays within that rounding; the estimate and the preflight plan the
+8B case with no host gradient shard at all (the window) with a device room that fits the
+buffer, 4 bytes per parameter without.
 
 GPU (``-m gpu``, stages 2 and 3): device accumulation against ``gpu_budget_bytes: 0`` on a
 small model, bit for bit, with the gradient crossing PCIe once per step instead of per micro
@@ -73,8 +78,15 @@ def test_fixed_state_counts_and_resident_chunks_get_the_rest():
     assert tier.step_budget() == 0
 
 
+def _on_device(part):
+    """The partitioner sums the micro steps on the device: the accumulation buffer beside a
+    host shard, or the gradient's device home itself (streamed through the window)."""
+    return part._accum is not None or part.grads_streamed
+
+
 def _host_grads(part):
-    """The host gradient shards (stage 1/2's host side, stage 3's)."""
+    """The host side's gradient shards (stage 1/2's host side, stage 3's): in host memory, or
+    on the device where the gradient is streamed."""
     if hasattr(part, "_sides"):
         from zeroio.partition.split import Side
 
@@ -98,15 +110,14 @@ def _body(stage_world_dtype_gas_room):
     cfg = r12._config(stage, 1.0, gas=gas, dtype=dtype)
     engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
     part = engine.partitioner
-    accum = part._accum
     host = _host_grads(part)
     losses = r12._train(engine, 2, gas, engine.device)
     stats = engine.stats()
     out = {"losses": list(losses),
            "masters": r12._masters(engine).tolist(),
-           "placed": accum is not None,
-           "host_bytes": sum(g.numel() * g.element_size() for g in host),
-           "accum_bytes": accum.nbytes if accum is not None else 0,
+           "placed": engine.placement.accumulation_on_device, "summed": _on_device(part),
+           "streamed": part.grads_streamed,
+           "grad_bytes": sum(g.numel() * g.element_size() for g in host),
            "staging": len(_staging(part)),
            "tiers_gpu": stats["tiers"].get("gpu"),
            "host_dtype": str(host[0].dtype)}
@@ -126,23 +137,23 @@ def test_device_accumulation_equals_host_accumulation(stage, world, dtype, gas):
     ref = _run(stage, world, dtype, gas, None)
     got = _run(stage, world, dtype, gas, 1 << 40)
     for r, g in zip(ref, got, strict=True):
-        assert not r["placed"]
-        assert g["placed"] == (gas > 1)
+        assert not r["placed"] and not r["summed"] and not r["streamed"]
+        assert g["placed"] == (gas > 1) and g["summed"] and g["streamed"]
         assert g["losses"] == r["losses"]
         assert g["masters"] == r["masters"]
-        if gas > 1:
-            # the buffer mirrors the host gradient shard on the device, in fp32 (here the host
-            # gradient is fp32 too: torch's kernel steps the tiny shard)
-            assert g["host_dtype"] == "torch.float32"
-            assert g["accum_bytes"] == g["host_bytes"] > 0
-            assert g["staging"] == 0  # no staged adds: no pinned staging slots
-            assert g["tiers_gpu"]["used_bytes"] == g["accum_bytes"]
-            assert r["tiers_gpu"] is None
+        # the gradient's home on the device, as large as the host path's shard, in fp32
+        # (torch's kernel steps the tiny shard, so the host path's is fp32 too)
+        assert g["host_dtype"] == "torch.float32"
+        assert g["grad_bytes"] == r["grad_bytes"] > 0
+        assert g["staging"] == 0  # no staged adds: no pinned staging slots
+        assert g["tiers_gpu"]["used_bytes"] == g["grad_bytes"]  # the GPU tier's fixed state
+        assert r["tiers_gpu"] is None
 
 
 def _writes_body(stage_gas_room):
-    """NaN-poison the host gradient shard after each step; per micro step, whether it was
-    written (no longer all NaN) after that micro step's backward."""
+    """NaN-poison the host memory the gradient reaches (the host gradient shard, or the host
+    step's window) after each step; per micro step, whether it was written (no longer all
+    NaN) after that micro step's backward, and per step whether after the step."""
     stage, gas, room = stage_gas_room
     import zeroio
     from zeroio.testing.models import mlp_batch
@@ -151,10 +162,11 @@ def _writes_body(stage_gas_room):
     if room is not None:
         device_accum.DEVICE_ROOM = lambda device: room
     engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=r12._config(stage, 1.0, gas=gas))
-    host = _host_grads(engine.partitioner)
+    part = engine.partitioner
+    host = part._window.slots if part.grads_streamed else _host_grads(part)
     for g in host:
         g.fill_(float("nan"))
-    touched = []
+    touched, stepped = [], []
     for step in range(2):
         for m in range(gas):
             x, y = mlp_batch(step * gas + m, 0)
@@ -162,19 +174,22 @@ def _writes_body(stage_gas_room):
             touched.append(not all(bool(g.isnan().all()) for g in host))
             engine.step()
         engine.synchronize()
+        stepped.append(not all(bool(g.isnan().all()) for g in host))
         for g in host:
             g.fill_(float("nan"))
     engine.close()
-    return touched
+    return touched, stepped
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("gas", [2, 4])
-def test_host_gradient_written_once_per_step(stage, gas):
+def test_host_memory_gets_the_gradient_once_per_step(stage, gas):
+    """The host path writes its host shard every micro step; with the gradient's home on the
+    device no backward writes host memory: the window gets it once, in the step."""
     (ref,) = run_ranks(_writes_body, 1, (stage, gas, None), timeout=180)
     (got,) = run_ranks(_writes_body, 1, (stage, gas, 1 << 40), timeout=180)
-    assert ref == [True] * (2 * gas)  # the host path writes every micro step
-    assert got == ([False] * (gas - 1) + [True]) * 2  # the boundary's sum only
+    assert ref == ([True] * (2 * gas), [True, True])
+    assert got == ([False] * (2 * gas), [True, True])
 
 
 def test_a_budget_too_small_falls_back_to_the_host_path():
@@ -199,7 +214,7 @@ def _budget_body(cfg_room):
 
     device_accum.DEVICE_ROOM = lambda device: room
     engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
-    placed = engine.partitioner._accum is not None
+    placed = _on_device(engine.partitioner)
     losses = r12._train(engine, 2, 2, engine.device)
     out = {"placed": placed, "losses": list(losses), "masters": r12._masters(engine).tolist()}
     engine.close()
@@ -222,7 +237,7 @@ def _decided_once_body(stage_rooms):
     device_accum.DEVICE_ROOM = room
     engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=r12._config(stage, 1.0, gas=2))
     out = {"reads": len(reads), "planned": engine.placement.accumulation_on_device,
-           "placed": engine.partitioner._accum is not None,
+           "placed": _on_device(engine.partitioner),
            "row": engine.stats()["placement"]["buffers"]["accumulation"]["tiers"]["gpu"]}
     engine.close()
     return out
@@ -253,7 +268,7 @@ def _gpu_body(stage):
         cfg["zero_optimization"]["tiering"]["step_assist"] = False
         torch.manual_seed(0)
         engine, *_ = zeroio.initialize(model=r12.tiny_mlp(), config=cfg)
-        placed = engine.partitioner._accum is not None
+        placed = _on_device(engine.partitioner)
         losses = r12._train(engine, 2, 4, engine.device)
         stats = engine.stats()
         out[mode] = {"placed": placed, "losses": list(losses),
@@ -282,14 +297,19 @@ def test_device_accumulation_on_the_gpu_equals_the_host_path(stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("mode", ["auto", "torch"])
-def test_the_estimate_counts_the_device_buffer_by_hand(stage, mode, monkeypatch):
+@pytest.mark.parametrize("streams", [True, False])
+def test_the_estimate_counts_the_device_buffer_by_hand(stage, mode, streams, monkeypatch):
     """bf16, optimizer cpu, 4 GPUs, gas 4: a budget that covers the 4-byte buffer of the
     200M-element shard puts it on the GPU and takes the host's pinned staging slots away;
     budget 0 and "auto" plan the host path (the free memory is unknown to the estimate).
     With the buffer on the device nothing accumulates on the host, so where the one-pass
-    CPU Adam is planned (ZEROIO_CPU_ADAM auto: the 2e8 shard compiles) the host gradient is
-    2 bytes per element instead of 4; with torch's kernel it stays fp32."""
+    CPU Adam is planned (ZEROIO_CPU_ADAM auto: the 2e8 shard compiles) the gradient the host
+    reads is 2 bytes per element instead of 4; with torch's kernel it stays fp32. Where the
+    optimizer steps its shard chunk by chunk (``streams``: Adam) the buffer is the gradient's
+    home and host memory holds only the window (2 slots of one 64M-element chunk); otherwise
+    (another rule) a host shard of that dtype gets the sum once per step."""
     from zeroio.config import load_config
+    from zeroio.config.accum_place import WINDOW_ROW, WINDOW_SLOTS
     from zeroio.estimate import estimate_memory
     from zeroio.shard.host_rule import GRAD_PIECE_NUMEL, STAGING_SLOTS
 
@@ -304,7 +324,7 @@ def test_the_estimate_counts_the_device_buffer_by_hand(stage, mode, monkeypatch)
                                      "tiering": {"gpu_budget_bytes": budget,
                                                  "step_assist": False}}}
         return estimate_memory(psi, gpus_per_node=n, config=load_config(cfg),
-                               largest_group=group)
+                               largest_group=group, grad_streams=streams)
 
     placed, host, auto = est(4 * shard), est(0), est(None)
     rows = {i.name: (i.tier, i.bytes_per_gpu) for i in placed.items}
@@ -312,15 +332,26 @@ def test_the_estimate_counts_the_device_buffer_by_hand(stage, mode, monkeypatch)
     assert ACCUM_ROW not in {i.name for i in host.items} | {i.name for i in auto.items}
     assert not place_on_device(4 * shard, budget=4 * shard - 1, room=None, plan_only=True)
     slot = min(GRAD_PIECE_NUMEL, shard) if stage == 2 else group // n
-    half = 2 * shard if mode == "auto" else 0  # the host gradient's 4 -> 2 bytes
-    assert placed.gpu_bytes_per_gpu - host.gpu_bytes_per_gpu == 4 * shard
-    assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == \
-        n * (4 * STAGING_SLOTS * slot + half)
-    assert auto.cpu_bytes_per_node == host.cpu_bytes_per_node
+    read = 2 if mode == "auto" else 4  # the gradient the CPU Adam reads, bytes per element
+    # the host path: the 2-byte partition and 2 beyond it (an fp32 sum on the host)
+    assert host.cpu_bytes_per_node - auto.cpu_bytes_per_node == 0
+    if streams:
+        window = WINDOW_SLOTS * min(1 << 26, shard) * read
+        assert rows[WINDOW_ROW] == ("cpu", window)
+        # the host-side gradient row (2 bytes) leaves the host for the buffer's 4 on the GPU
+        assert placed.gpu_bytes_per_gpu - host.gpu_bytes_per_gpu == 4 * shard
+        assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == \
+            n * (4 * STAGING_SLOTS * slot + 4 * shard - window)
+    else:
+        assert WINDOW_ROW not in rows
+        assert placed.gpu_bytes_per_gpu - host.gpu_bytes_per_gpu == 4 * shard
+        assert host.cpu_bytes_per_node - placed.cpu_bytes_per_node == \
+            n * (4 * STAGING_SLOTS * slot + 4 * shard - read * shard)
 
 
 def _host_grad_per_param(est):
-    """Host bytes of the gradient (the model states' term and zeroio's shard) per parameter."""
+    """Host bytes of the gradient (the model states' term and zeroio's shard, or the host
+    step's window) per parameter."""
     grads = [i for i in est.items if i.tier == "cpu" and "gradient" in i.name and
              "staging" not in i.name]
     return sum(i.bytes_per_gpu for i in grads) / est.num_params
@@ -329,11 +360,14 @@ def _host_grad_per_param(est):
 def test_the_preflight_plans_the_8b_host_gradient_with_the_device_room(monkeypatch):
     """The measured case: an 8B Llama on one H200, stage 3, offload_optimizer cpu, bf16, gas 8.
     The buffer is 4 x 8.03e9 = 32.1 GB; "auto" places it where it fits half of the room the
-    bf16 parameter shard (16.1 GB) leaves, less the 2 GiB reserve. Then the host gradient is
-    2 bytes per parameter (beside the 12 of fp32 masters and moments); without a room
-    (``zeroio estimate``), or with 2 bytes too little, 4 (and the pinned staging slots). The
-    preflight hands the room ``DEVICE_ROOM`` reads to the estimate."""
+    bf16 parameter shard (16.1 GB) leaves, less the 2 GiB reserve. Then it is the gradient's
+    home and the host holds only the host step's window (2 slots of 64M bf16 elements) beside
+    the 12 bytes per parameter of fp32 masters and moments; without a room (``zeroio
+    estimate``), or with 2 bytes too little, the host gradient is 4 bytes per parameter (and
+    the pinned staging slots). The preflight hands the room ``DEVICE_ROOM`` reads to the
+    estimate."""
     from zeroio.config import load_config
+    from zeroio.config.accum_place import WINDOW_SLOTS
     from zeroio.config.model_shape import llama_num_params
     from zeroio.estimate import estimate_memory
     from zeroio.preflight import host_items
@@ -353,7 +387,8 @@ def test_the_preflight_plans_the_8b_host_gradient_with_the_device_room(monkeypat
     no_room = estimate_memory(psi, config=cfg)
     assert {i.name: (i.tier, i.bytes_per_gpu) for i in with_room.items}[ACCUM_ROW] == \
         ("gpu", buffer)
-    assert _host_grad_per_param(with_room) == 2
+    window = WINDOW_SLOTS * (1 << 26) * 2
+    assert _host_grad_per_param(with_room) == window / psi
     for est in (short, no_room):
         assert ACCUM_ROW not in {i.name for i in est.items}
         assert _host_grad_per_param(est) == 4
@@ -370,7 +405,7 @@ def test_the_preflight_plans_the_8b_host_gradient_with_the_device_room(monkeypat
     monkeypatch.setattr(device_accum, "DEVICE_ROOM", lambda device: fits - 2)
     items = host_items(cfg, torch.nn.Module(), Spec(), torch.device("cuda", 0),
                        world_size=1, local_ranks=1)
-    assert sum(i.bytes_per_gpu for i in items) - sum(by.values()) == 2 * psi + sum(
+    assert sum(i.bytes_per_gpu for i in items) - sum(by.values()) == 4 * psi - window + sum(
         i.bytes_per_gpu for i in short.items if "staging" in i.name)
 
 
@@ -401,7 +436,7 @@ def _branches_body(stage_room_ratio):
     cfg = r12._config(stage, ratio, gas=2)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # a group per module
     engine, *_ = zeroio.initialize(model=_TwoBranches(), config=cfg)
-    placed = engine.partitioner._accum is not None
+    placed = _on_device(engine.partitioner)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(3):
@@ -429,16 +464,18 @@ def test_parameters_missing_from_the_boundary_micro_step_and_a_ratio(stage, rati
 # ---- 16-bit host gradients beside the device buffer -------------------------------------------
 
 def _flat_grad(engine):
-    """Every rank's host gradient shard as it stands (the boundary's, before the step), the
-    16-bit one divided by the partitioner's ``host_grad_divisor``, in float64, summed over
-    ranks into the global flat order."""
+    """Every rank's gradient as the host step reads it (the boundary's, before the step: the
+    host shard, or the device home cast to what the window hands the CPU Adam), the 16-bit
+    one divided by the partitioner's ``host_grad_divisor``, in float64, summed over ranks into
+    the global flat order."""
     import torch.distributed as dist
 
     part = engine.partitioner
     flat = torch.zeros(part.index.total_numel, dtype=torch.float64)
     for g in part.groups:
-        local = g.grad.double()
-        if g.grad.dtype != torch.float32:
+        read = part.grad_read_dtype
+        local = g.grad.to(read).double()
+        if read != torch.float32:
             local = local / part.host_grad_divisor
         for s in g.segments:
             flat[s.global_offset:s.global_offset + s.numel] = \
@@ -476,7 +513,7 @@ def _half_body(stage_gas_room_budget):
                 grad = _flat_grad(engine)
             engine.step()
             losses.append(loss.item())
-    out = {"placed": part._accum is not None, "host_dtype": str(part.host_grad_dtype),
+    out = {"placed": _on_device(part), "host_dtype": str(part.host_grad_dtype),
            "divisor": part.host_grad_divisor, "grad": grad.tolist(), "losses": losses,
            "masters": r12._masters(engine).tolist(),
            "d2h": engine.stats()["bytes_moved"].get("gpu->cpu", 0),
@@ -576,7 +613,7 @@ def _ratio_body(stage_room):
     engine, *_ = zeroio.initialize(model=r12.tiny_mlp(),
                                    config=r12._config(stage, 0.5, gas=4, dtype="bf16"))
     part = engine.partitioner
-    out = {"placed": part._accum is not None, "host_dtype": str(part.host_grad_dtype),
+    out = {"placed": _on_device(part), "host_dtype": str(part.host_grad_dtype),
            "losses": r12._train(engine, 3, 4, engine.device),
            "masters": r12._masters(engine).tolist()}
     engine.close()

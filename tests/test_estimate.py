@@ -158,9 +158,11 @@ def _cli(*args):
 
 @pytest.mark.parametrize("mode,grad_bytes", [("auto", 2), ("torch", 4)])
 def test_cli_json_output(monkeypatch, mode, grad_bytes):
-    """Per node: fp16 gradient partition, optimizer state and the host gradient shard: 2
-    bytes under the one-pass CPU Adam (``auto``, the default: the 117M-element shard is
-    above its threshold), 4 under torch's kernel."""
+    """Per node: optimizer state and the host gradient shard, which is the fp16 gradient
+    partition itself (one shard, as the partitioner allocates it): 2 bytes under the one-pass
+    CPU Adam (``auto``, the default: the 117M-element shard is above its threshold), 4 under
+    torch's kernel (the partition's 2 and 2 beyond it); and the host step's 4 pinned fp16
+    slots of one 64M-element chunk (4 with the step assist: [Note: step publication])."""
     monkeypatch.setenv("ZEROIO_CPU_ADAM", mode)  # the CLI's process inherits it
     out = _cli("--params", "7.5B", "--gpus-per-node", "8", "--nodes", "8", "--stage", "2",
                "--offload-optimizer", "cpu", "--dtype", "fp16", "--json")
@@ -169,7 +171,8 @@ def test_cli_json_output(monkeypatch, mode, grad_bytes):
     r = estimate_memory(7.5e9, 8, 8, stage=2, offload_optimizer="cpu", dtype="fp16")
     assert d == r.to_dict()
     assert d["gpu_bytes_per_gpu"] == r.gpu_bytes_per_gpu
-    assert d["cpu_bytes_per_node"] == 8 * (2 + 12 + grad_bytes) * (7_500_000_000 // 64)
+    assert d["cpu_bytes_per_node"] == 8 * ((12 + grad_bytes) * (7_500_000_000 // 64) +
+                                           4 * 2 * (1 << 26))
     assert d["nvme_bytes_per_node"] == 0
     paper = json.loads(_cli("--params", "7.5e9", "--gpus-per-node", "64", "--stage", "1",
                             "--no-buffers", "--json").stdout)
@@ -239,8 +242,10 @@ def test_stage12_host_gradients_by_hand(monkeypatch, stage, ratio, mode):
     """Stages 1/2, optimizer on cpu, bf16, gas 1 (shard/host_grads.py): the host gradient
     shard is 2 bytes per host element under the one-pass CPU Adam (``auto``: the 100M-element
     host part is above its threshold), 4 under torch's kernel; with a ratio the device side's
-    stays 4 bytes on the GPU. Every byte by hand (no config: 5e8-element buckets, one reduce
-    bucket below stage 3)."""
+    stays 4 bytes on the GPU. One shard each, as the partitioner allocates them: the model
+    states' 2-byte gradient partition and what the shard holds beyond it. Every byte by hand
+    (no config: 5e8-element buckets, one reduce bucket below stage 3; no device room: the
+    gradient is planned in host memory, [Note: the gradient's home])."""
     monkeypatch.setenv("ZEROIO_CPU_ADAM", mode)
     psi, n = 800_000_000, 4
     shard = psi // n                       # 200M
@@ -251,21 +256,26 @@ def test_stage12_host_gradients_by_hand(monkeypatch, stage, ratio, mode):
                         dtype="bf16", ratio=ratio)
     gpu = (2 * psi                         # bf16 parameters
            + (2 * psi if stage == 1 else 0)  # stage 1: the replicated bf16 gradients
-           + (2 + 12 + 4) * dev            # device side: gradient partition, state, fp32 grad
+           + (12 + 4) * dev                # device side: state, fp32 gradient shard
            + 2 * 500_000_000               # one reduce bucket (bf16)
            + 2 * 500_000_000               # all-gather bucket
            # step assist ("auto", any world): 4 slots of 16M elements, fp32 master, moments
            # and gradient (16 B), + the 16-bit host gradient's landing (2 B) when it is 16-bit
            + 4 * (1 << 24) * (16 + (2 if g == 2 else 0)))
-    cpu = (2 + 12 + g) * host              # gradient partition, state, host gradient shard
+    cpu = ((12 + g) * host                 # state, host gradient shard
+           + 4 * 2 * min(1 << 26, host))   # the step's pinned bf16 slots (4: the assist)
     assert r.gpu_bytes_per_gpu == gpu
     assert r.cpu_bytes_per_node == n * cpu
-    grads = {(i.name, i.tier): i.bytes_per_gpu for i in r.items if "gradient shard" in i.name
-             and "CPU optimizer" not in i.name}
-    want = {(f"{g}-byte gradient shard (one-pass CPU Adam)" if g == 2 else
-             "fp32 gradient shard", "cpu"): g * host}
+    part = "gradient shard for the CPU optimizer" if stage == 1 else "gradients"
+    grads = {(i.name, i.tier): i.bytes_per_gpu for i in r.items
+             if "gradient shard" in i.name or i.name.startswith("gradients (")
+             or (i.name == "gradients" and stage == 2)}
+    want = {(part, "cpu"): 2 * host}
+    if g == 4:
+        want[("fp32 gradient shard beyond the model states'", "cpu")] = 2 * host
     if dev:
-        want[("fp32 gradient shard (ratio: on GPU)", "gpu")] = 4 * dev
+        want[(f"{part} (ratio: on GPU)", "gpu")] = 2 * dev
+        want[("fp32 gradient shard beyond the model states' (ratio: on GPU)", "gpu")] = 2 * dev
     assert grads == want
 
 
@@ -285,16 +295,17 @@ def test_stage12_fp32_host_gradients_where_the_rule_says(monkeypatch, stage, gas
     r = estimate_memory(psi, gpus_per_node=n, stage=stage, offload_optimizer=opt, dtype=dtype,
                         config=cfg)
     names = {i.name: i.bytes_per_gpu for i in r.items}
-    assert not any("one-pass" in k for k in names), names
-    if dtype != "fp32":
-        assert names["fp32 gradient shard"] == 4 * psi // n
+    host = sum(b for k, b in names.items() if k in ("gradients",
+                                                     "fp32 gradient shard beyond the model states'"))
+    assert host == 4 * psi // n  # fp32: the 2-byte partition and 2 beyond it, or 4 bytes
     cfg1 = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
                         "zero_optimization": {"stage": 1}})
     for opt1 in ("cpu", "nvme"):
         s1 = estimate_memory(psi, gpus_per_node=n, stage=1, offload_optimizer=opt1,
                              dtype="bf16", config=cfg1)
-        assert {i.name: i.bytes_per_gpu for i in s1.items}[
-            "2-byte gradient shard (one-pass CPU Adam)"] == 2 * psi // n
+        rows = {i.name: i.bytes_per_gpu for i in s1.items}
+        assert rows["gradient shard for the CPU optimizer"] == 2 * psi // n
+        assert "fp32 gradient shard beyond the model states'" not in rows
 
 
 def test_llama_activation_bytes_by_hand():

@@ -41,7 +41,8 @@ def test_each_rule_reports_its_violation():
     assert any("os.environ" in v for v in
                _found("zeroio/partition/x.py", "import os\nos.environ.get('A')\n"))
     assert _found("zeroio/config/x.py", "import os\nos.environ.get('A')\n") == []
-    assert any("lines" in v for v in _found("zeroio/x.py", "x = 1\n" * 601))
+    # no line count: a file is split where it holds two jobs, never squeezed to a number
+    assert _found("zeroio/x.py", "x = 1\n" * 1000) == []
     # docstrings and comments naming the things do not count
     assert _found("zeroio/engine.py", '"""torch.distributed, open(), os.environ"""\n# open(x)\n') == []
 

@@ -78,12 +78,11 @@ def _estimated(engine, stage, cfg):
     world = engine.world_size
     est = estimate_memory(engine.partitioner.index.total_numel, gpus_per_node=world,
                           config=zeroio.load_config(cfg, world_size=world))
-    # stage 3: the model states' 2-byte term and the fp32 shard's rest beyond it (nothing, with
-    # 16-bit gradients) are the gradient shard; stages 1/2: the buffer term is (the model
-    # states keep the paper's gradient partition beside it, estimate.py's module doc)
-    grads = sum(i.bytes_per_gpu for i in est.items if i.tier == "cpu" and (
-        "gradient shard" in i.name and "CPU optimizer" not in i.name
-        or stage == 3 and i.name == "gradients"))
+    # every stage: the model states' 2-byte gradient partition and what the shard holds
+    # beyond it (nothing, with 16-bit gradients) are the one host gradient shard
+    grads = sum(i.bytes_per_gpu for i in est.items if i.tier == "cpu" and i.name in (
+        "gradients", "gradient shard for the CPU optimizer",
+        "fp32 gradient shard beyond the model states'"))
     masters = sum(i.bytes_per_gpu for i in est.items if i.name == "optimizer fp32 masters")
     return {"grads": grads, "masters": masters, "shard": -(-est.num_params // world)}
 

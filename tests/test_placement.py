@@ -27,6 +27,7 @@ from zeroio.placement import BUFFERS, MachineMemory, buffer_of, decide_placement
 GB = 10**9
 G = 200_000_000  # stage 3's largest flat group
 SLOTS, PIECE = 3, 1 << 25
+PUBLISH = 2 * 2 * (1 << 26)  # stage 1/2's pinned 16-bit publish staging: 2 chunks of 64M
 # made-up machines (per node)
 SMALL = dict(gpu_bytes=24 * GB, host_bytes=64 * GB, nvme_free_bytes=2000 * GB)
 LARGE = dict(gpu_bytes=80 * GB, host_bytes=1000 * GB, nvme_free_bytes=0)
@@ -82,14 +83,16 @@ def test_stage2_cpu_offload_accumulation_on_the_small_machine(gas):
             "tiering": {"step_assist": False}}
     p = decide_placement(num_params=psi, config=_cfg(zero, gas), world_size=1,
                          machine=MachineMemory(**SMALL))
-    # stage 2 host gradient: fp32 (4) whatever the accumulation (16-bit host gradients are a
-    # stage-3 / stage-1 rule only where nothing accumulates: here gas 1 takes the 2-byte one)
-    grad_host = 2 * psi + (2 if gas == 1 else 4) * psi
+    # stage 2's host gradient shard (one, the 2-byte partition and what it holds beyond):
+    # 16-bit with one micro step (the one-pass CPU Adam), fp32 summed over several; the plan
+    # knows no device room, so the gradient is in host memory ([Note: the gradient's home])
+    grad_host = (2 if gas == 1 else 4) * psi
     want = {"param16": _tiers(gpu=2 * psi), "master": _tiers(cpu=4 * psi),
             "moments": _tiers(cpu=8 * psi), "grad": _tiers(cpu=grad_host),
             "comm": _tiers(gpu=2 * 10**9)}
+    want["staging"] = _tiers(cpu=PUBLISH)  # [Note: publishing] in partition/stage12.py
     if gas > 1:  # the plan does not know the room: the host path's pinned staging
-        want["staging"] = _tiers(cpu=4 * SLOTS * PIECE)
+        want["staging"] = _tiers(cpu=4 * SLOTS * PIECE + PUBLISH)
     _check(p, want)
     assert p.accumulation_steps == gas and p.resident_chunks["enabled"] is False
 
@@ -105,10 +108,12 @@ def test_measured_room_decides_the_accumulation_buffer(machine, on_gpu):
     p = decide_placement(num_params=psi, config=_cfg(zero, 8), world_size=1,
                          machine=MachineMemory(**machine, gpu_free_bytes=free))
     acc, staging = p.buffer("accumulation"), p.buffer("staging")
-    if on_gpu:
-        assert acc.tiers == _tiers(gpu=4 * psi) and staging.tiers == _tiers()
+    if on_gpu:  # the gradient's home: the host reads it through the window
+        assert acc.tiers == _tiers(gpu=4 * psi) and staging.tiers == _tiers(cpu=PUBLISH)
+        assert p.gradient_on_device and p.buffer("grad").tiers == _tiers()
     else:
-        assert acc.tiers == _tiers() and staging.tiers == _tiers(cpu=4 * SLOTS * PIECE)
+        assert acc.tiers == _tiers() and staging.tiers == _tiers(cpu=4 * SLOTS * PIECE + PUBLISH)
+        assert not p.gradient_on_device and p.buffer("grad").tiers == _tiers(cpu=4 * psi)
     # a CPU device (room 0) never takes it; an explicit budget that covers it does in a plan
     cpu = decide_placement(num_params=psi, config=_cfg(zero, 8), world_size=1,
                            machine=MachineMemory(**machine, gpu_free_bytes=0))

@@ -51,11 +51,14 @@ def test_small_model_on_a_big_gpu_stays_on_the_gpu():
 
 def test_optimizer_that_fits_only_the_host_goes_to_the_cpu():
     # GPU: the 16-bit shard 2 Psi + buffers = 28 GB <= 0.9 x 32 GB; 1% more on the GPU would
-    # add 16 bytes (Adam 12, gradient 2 + its fp32 rest 2) x 1e8 = 1.6 GB: over
+    # add 16 bytes (Adam 12, gradient 2 + its fp32 rest 2) x 1e8 = 1.6 GB: over. A CPU Adam of
+    # 20 G elements/s makes the link the bound (0.8 s): offloading the parameters too would
+    # copy 2 x 2 Psi up per step (1.6 s), slower, so this placement is the fastest that fits
     gpu = 32 * GB
     fixed = 2 * PSI + STAGE3_BUFFERS
     assert fixed <= (1 - MARGIN) * gpu < fixed + 16 * PSI // 100
-    plan = plan_placement(PSI, machine(gpu_bytes=gpu), micro_batch=1, seq=1024)
+    plan = plan_placement(PSI, machine(gpu_bytes=gpu, cpu_adam_elems_per_s=20 * GB),
+                          micro_batch=1, seq=1024)
     assert plan.placement == "stage 3, optimizer on the CPU"
     zero = plan.config["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu", "ratio": 1.0}
@@ -63,6 +66,10 @@ def test_optimizer_that_fits_only_the_host_goes_to_the_cpu():
     assert plan.tiers[0].need_bytes == fixed
     assert plan.tiers[1].need_bytes == (12 + 2) * PSI  # Adam + 16-bit host gradients
     assert len(plan.reasons) == 3 and "GPU memory" in plan.reasons[1]
+    assert plan.step_s == pytest.approx(2 * PSI / (25 * GB)) and plan.bound == "pcie_s"
+    params = next(c for c in plan.compared
+                  if c.startswith("stage 3, optimizer and parameters on the CPU"))
+    assert "predicted 1.600 s per step (bound by pcie_s); slower than the chosen 0.800" in params
     load_config(plan.config)  # the block it prints loads
 
 
@@ -71,7 +78,7 @@ def test_gpu_share_is_the_largest_whole_percent_that_fits():
     fixed = 2 * PSI + STAGE3_BUFFERS
     k = max(k for k in range(100) if fixed + 16 * (PSI * k // 100) <= (1 - MARGIN) * gpu)
     assert k == 5  # 36.9 GB usable, 8.9 GB spare: 5.56% of 1e10 elements at 16 bytes
-    m = machine(gpu_bytes=gpu)
+    m = machine(gpu_bytes=gpu, cpu_adam_elems_per_s=20 * GB)  # the link bounds: as above
     plan = plan_placement(PSI, m, micro_batch=1, seq=1024)
     assert plan.placement == "stage 3, optimizer on the CPU"
     assert plan.config["zero_optimization"]["offload_optimizer"]["ratio"] == pytest.approx(
@@ -86,7 +93,31 @@ def test_gpu_share_is_the_largest_whole_percent_that_fits():
     assert plan.traffic["cpu->gpu"] == pytest.approx(2 * host, abs=2)
     assert plan.times["cpu_adam_s"] == pytest.approx(host / m.cpu_adam_elems_per_s, rel=1e-9)
     assert plan.times["pcie_s"] == pytest.approx(2 * host / m.pcie_bps, rel=1e-9)
-    assert plan.bound == "cpu_adam_s"
+    assert plan.bound == "pcie_s"
+
+
+def test_the_plan_takes_the_shortest_predicted_step():
+    """Not the first placement that fits: on the 41 GB GPU with a CPU Adam of 2 G elements/s
+    the optimizer on the CPU (5% of it kept on the GPU) is bound by CPU Adam over 0.95e10
+    elements, 4.75 s; offloading the 16-bit parameters as well frees 2 Psi of GPU memory for a
+    larger share of the optimizer state, so CPU Adam steps fewer elements and the step is
+    shorter, though the shards cross PCIe forward and backward (4e10 bytes: 1.6 s). The plan
+    says so: the placement it passed over is listed with its prediction."""
+    m = machine(gpu_bytes=41 * GB)
+    plan = plan_placement(PSI, m, micro_batch=1, seq=1024)
+    assert plan.placement == "stage 3, optimizer and parameters on the CPU"
+    host = plan.estimate.placement()["offloaded_elements_per_gpu"]
+    assert host < 0.95 * PSI and plan.bound == "cpu_adam_s"
+    assert plan.step_s == pytest.approx(host / m.cpu_adam_elems_per_s)
+    assert plan.times["pcie_s"] == pytest.approx(2 * 2 * PSI / m.pcie_bps)
+    assert plan.step_s < 4.75
+    cpu = next(c for c in plan.compared if c.startswith("stage 3, optimizer on the CPU:"))
+    assert f"predicted 4.750 s per step (bound by cpu_adam_s); slower than the chosen " \
+           f"{plan.step_s:.3f} s" in cpu
+    # the placements tried before it that do not fit are the reasons, as before
+    assert [r.split(":")[0] for r in plan.reasons][:2] == ["stage 2, all on the GPU",
+                                                            "stage 3, all on the GPU"]
+    assert plan.to_dict()["compared"] == list(plan.compared)
 
 
 def test_model_bigger_than_host_memory_streams_its_moments_from_nvme():

@@ -6,7 +6,10 @@ offload_optimizer cpu, bf16, ZEROIO_CPU_ADAM=compiled, on 1 and 2 gloo ranks:
 
 - gradient_accumulation_steps 1, with and without tiering.overlap_step, and with
   offload_optimizer.ratio 0.5: the host gradient shard is bf16 (the device side's fp32);
-- gradient_accumulation_steps 2: fp32;
+- gradient_accumulation_steps 2: fp32 where the micro steps are summed on the host (a CPU
+  device: no device room); on a GPU the placement puts the sum on the device
+  (``Placement.accumulation_on_device``, config/accum_place.py), so nothing accumulates on
+  the host and the host step reads bf16 as with one micro step;
 - each bf16 case is run a second time with the rule patched to fp32 host gradients (what
   stage 3 did before). At world 1 the two runs must be bit-equal (losses, masters, the
   last gradient norm): every value of the fp32 bucket is one bf16 gradient, so the cast
@@ -22,8 +25,13 @@ bf16 host gradients load under the torch kernel (fp32 ones) and the other way ro
 state comes back bit for bit and training goes on within the reference's tolerances.
 The estimate counts 2 bytes per host gradient element in that mode (hand computation).
 
+Each run records the dtype the host step's CPU Adam reads (``grad_read_dtype``) and where the
+gradient lives (``ShardGroup.grad``: a host shard, or on a GPU the device home it is streamed
+from: [Note: the gradient's home] in zeroio/config/accum_place.py), and both are checked
+against what the engine's placement decided.
+
 On the GPU machine:  .venv/bin/python -m pytest -q -m gpu tests/test_stage3_16bit_grads.py
-(there also: the gradient bytes that cross PCIe halve).
+(there also: the gradient bytes that cross PCIe halve, and the gradient stays on the GPU).
 """
 
 from __future__ import annotations
@@ -78,7 +86,9 @@ def _info(engine):
     part.landing._norm_valid = False  # the norm from the shards as they stand (the fallback)
     return {"one_pass": bool(host_opt.one_pass),
             "grad_divisor": getattr(host_opt, "grad_divisor", 1.0),
-            "rule": str(part.host_grad_dtype),
+            "rule": str(part.host_grad_dtype), "read": str(part.grad_read_dtype),
+            "streamed": part.grads_streamed,
+            "accum_dev": engine.placement.accumulation_on_device,
             "host_grads": sorted({str(g.grad.dtype) for g in host if g.grad.numel()}),
             "device_grads": sorted({str(g.grad.dtype) for g in dev if g.grad.numel()}),
             "host_numel": sum(g.grad.numel() for g in host),
@@ -142,10 +152,19 @@ def _check(results, world, cuda):
         for r in rank_results:
             gas, ratio, _ = r["case"]
             want = next(c[3] for c in CASES if c[:3] == r["case"])
+            # the placement's decision: a sum on the device reads as one micro step's
+            summed_on_device = gas > 1 and r["accum_dev"]
+            if summed_on_device:
+                want = "torch.bfloat16"
             if r["fp32_grads"]:
                 want = "torch.float32"
             assert r["one_pass"], r  # the compiled kernel stepped the host masters
-            assert r["rule"] == want and r["host_grads"] == [want], r
+            assert r["rule"] == want and r["read"] == want, r
+            # where the gradient lives: a host shard of that dtype, or the fp32 device sum
+            assert r["host_grads"] == ["torch.float32" if summed_on_device else want], r
+            # a CPU device has no room: the host path; a GPU keeps the gradient (the engine
+            # runs the path the placement decided: the window onto the device gradient)
+            assert r["streamed"] == cuda and r["accum_dev"] == (cuda and gas > 1), r
             assert r["device_grads"] == ([] if ratio is None else ["torch.float32"]), r
             assert r["grad_divisor"] == 1.0, r  # the 1/world is applied on the device
             # the last step's norm again, from the host shards as they stand (bf16 ones

@@ -122,11 +122,15 @@ def test_cpu_engine_has_no_assist(monkeypatch):
 STEPS = 3
 MODES = {"all": (1 << 40, 0), "mixed": (64, 0), "off": (None, 0),
          "resident": (1 << 40, None), "part": (64, "half"), "shrink": (1 << 40, None),
-         "fallback": (1 << 40, None)}
+         "fallback": (1 << 40, None), "streamed": (1 << 40, None)}
 """mode -> (the assist's backlog, None: assist off; ``gpu_budget_bytes``: 0 none resident,
 None "auto", "half": 12 bytes for half the host elements). "fallback": resident, and the
 norm is taken over the host gradients (as when a group is reduced twice), which resident
-gradients on the GPU must reach first ([Note: resident gradients] in shard/assist.py)."""
+gradients on the GPU must reach first ([Note: resident gradients] in shard/assist.py).
+Where the GPU has room the placement keeps the whole gradient there and the host step
+reads it through a window ([Note: the gradient's home] in zeroio/config/accum_place.py):
+"streamed" runs so; the other modes with room keep the gradient in host memory (the rule
+patched off), so the resident chunks' own gradient buffers are what they test."""
 
 
 def _config(stage, dtype, budget=0):
@@ -157,9 +161,13 @@ def _gpu_body(stage, dtype, tmpdir):
     os.environ["ZEROIO_STEP_CHUNK_NUMEL"] = "64"
     assist.SLOT_NUMEL = 32
     os.environ["ZEROIO_CPU_ADAM"] = "compiled" if dtype == "bf16" else "torch"
+    from zeroio import estimate
+
+    rule = estimate.gradient_on_device
     host_numel = sum(p.numel() for p in tiny_mlp().parameters())  # one rank holds at most
     out = {}
     for mode, (backlog, budget) in MODES.items():
+        estimate.gradient_on_device = rule if mode == "streamed" else (lambda *a, **k: False)
         os.environ["ZEROIO_STEP_ASSIST"] = "0" if backlog is None else "1"
         assist.BACKLOG_NUMEL = backlog or 1
         if budget == "half":
@@ -179,6 +187,7 @@ def _gpu_body(stage, dtype, tmpdir):
         counts = next((v for k, v in stats["sources"].items() if k.endswith("step_assist")),
                       None)
         res = {"losses": losses, "counts": dict(counts) if counts else None,
+               "streamed": engine.partitioner.grads_streamed,
                "moved": {k: v - built.get(k, 0) for k, v in stats["bytes_moved"].items()},
                "budget": budget,
                "host_numel": sum(g.master.numel() for g in engine.partitioner.groups)}
@@ -259,6 +268,14 @@ def test_step_assist_matches_reference(tmp_path, stage, dtype, world):
                         grads_down) + 4 * STEPS, (got["moved"], c)
             if mode == "fallback":  # the gradients went back down before the host read them
                 assert c["numel_resident"] == c["numel_gpu"] and c["numel_grad_gpu"] == 0, c
+            assert got["streamed"] == (mode == "streamed"), mode
+            if mode == "streamed":  # resident as above, the gradient read on the GPU: no
+                # buffer of its own per chunk, and no gradient crosses PCIe up at all
+                assert c["numel_resident"] == c["numel_gpu"] and c["numel_grad_gpu"] == 0, c
+                assert c["resident_bytes"] == 12 * per_step, c
+                ups = 1 if grads_here else STEPS  # the resident mode's gradients up
+                assert got["moved"]["cpu->gpu"] <= \
+                    out["resident"]["moved"]["cpu->gpu"] - ups * grad_bytes * per_step
             if mode == "part":  # capped: only what 12 bytes per element of it allow
                 assert 0 < c["resident_bytes"] <= got["budget"], c
                 assert c["numel_resident"] < c["numel_gpu"] + c["numel_cpu"], c

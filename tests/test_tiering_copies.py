@@ -117,13 +117,16 @@ def test_a_device_shard_put_from_the_host_counts_its_bytes():
 
 def test_the_shards_norm_reads_one_counted_scalar_per_shard():
     """``shards_sq_norm``: the fp32 norms squared in float64, summed on the host, as a hand
-    computation; a 16-bit shard's norm divided by ``low_divisor`` first."""
+    computation; with ``divisor`` (unaveraged host gradients) every norm divided by it first,
+    whatever the shard's dtype (an fp32 sum of unaveraged values too)."""
     from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
 
     stats = TierStats()
     a, b = _src(torch.float32, 40), _src(torch.bfloat16, 30)
-    got = shards_sq_norm([a, torch.empty(0), b], Copies(stats), low_divisor=4.0)
-    want = (a.double().norm() ** 2 + (b.double().norm() / 4.0) ** 2).float()
+    got = shards_sq_norm([a, torch.empty(0), b], Copies(stats), divisor=4.0)
+    want = ((a.double().norm() / 4.0) ** 2 + (b.double().norm() / 4.0) ** 2).float()
+    assert torch.allclose(shards_sq_norm([a], Copies(stats)),
+                          (a.double().norm() ** 2).float(), rtol=1e-6)
     assert got.device.type == "cpu" and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-6)
     assert _moved(stats) == {}  # host shards: nothing crosses

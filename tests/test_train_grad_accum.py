@@ -126,10 +126,12 @@ def test_the_plan_places_the_accumulation_buffer_where_the_engine_would():
     micro-steps the planner gives each candidate the GPU memory it may use as the device room
     (the engine's measured free memory), so the rule of config/accum_place.py places the fp32
     accumulation buffer on the GPU when it fits half of what the GPU model states leave, less
-    the 2 GiB reserve: then the host gradient is 2 bytes (one micro step's rule), nothing is
-    staged on the host, the gradient crosses PCIe once per step, and the optimizer stays on
-    the CPU (the host path's fp32 gradient sent it to NVMe)."""
-    from zeroio.config.accum_place import ACCUM_RESERVE_BYTES, ACCUM_ROW
+    the 2 GiB reserve: then it is the gradient's home, the host step reads it through its
+    window (2 slots of one 64M-element chunk, 2 bytes each: one micro step's rule), no host
+    gradient shard exists, nothing is staged on the host, the gradient crosses PCIe once per
+    step, and the optimizer stays on the CPU (the host path's fp32 gradient sent it to
+    NVMe)."""
+    from zeroio.config.accum_place import ACCUM_RESERVE_BYTES, ACCUM_ROW, WINDOW_ROW
     from zeroio.plan import MARGIN, Machine, plan_placement
 
     m = Machine(gpus=1, gpu_bytes=149_560_000_000, host_bytes=133_690_000_000,
@@ -146,6 +148,6 @@ def test_the_plan_places_the_accumulation_buffer_where_the_engine_would():
     states = sum(i.bytes_per_gpu for i in plan.estimate.items
                  if i.tier == "gpu" and i.kind == "model_state")
     assert 4 * host <= (int(m.gpu_bytes * (1 - MARGIN)) - states) // 2 - ACCUM_RESERVE_BYTES
-    assert rows["gradients"] == ("cpu", 2 * host)  # 16-bit host gradient
+    assert "gradients" not in rows and rows[WINDOW_ROW] == ("cpu", 2 * (1 << 26) * 2)
     assert not any("staging" in name for name in rows)
     assert plan.traffic["gpu->cpu"] == 2 * host  # once per step, not once per micro step

@@ -160,7 +160,7 @@ def test_plan_block_names_the_tiers_numbers_and_rejections(tmp_path, capsys):
         assert words in block
     ratio = record["zero_optimization"]["offload_optimizer"]["ratio"]
     assert f"plan: stage 3, optimizer on the CPU (offload_optimizer.ratio {ratio:g})" in block
-    assert "faster placements rejected:" in block and "overflows by" in block
+    assert "placements earlier in the list that do not fit:" in block and "overflows by" in block
     assert "GPU -> CPU" in block and "predicted step time:" in block
     assert f"{0.9 * 12 * MB / GB:10.2f}" in block  # the GPU's usable GB
     assert "applied: zero_optimization " + json.dumps(record["zero_optimization"],

@@ -61,7 +61,6 @@ FILE_CALLS = {("os", "open"), ("os", "pwrite"), ("os", "pread"), ("os", "preadv"
 WRITE_METHODS = {"write_text", "write_bytes", "open"}
 ENV_NAMES = {"os.environ", "os.getenv", "os.putenv", "os.environb"}
 DYNAMIC_IMPORTS = {"importlib.import_module", "__import__", "importlib.__import__"}
-MAX_LINES = 600
 #: Only tiering/ counts the bytes of a host <-> device copy; elsewhere copies go through its
 #: copy handles (``zeroio.tiering.copies.Copies``), which make the copy and count it.
 COPY_COUNTERS = {"zeroio.tiering.stats.count_copy"}
@@ -276,9 +275,6 @@ def _call_rules(rel: str, n: ast.Call, f: str) -> list[str]:
 
 def check_file(rel: str, text: str) -> list[str]:
     out: list[str] = []
-    n_lines = text.count("\n") + (0 if text.endswith("\n") else 1)
-    if n_lines > MAX_LINES:
-        out.append(f"{rel}: {n_lines} lines (at most {MAX_LINES})")
     tree = ast.parse(text, rel)
     mod = _module(rel)
     me = _layer(mod)

@@ -37,6 +37,7 @@ from zeroio.engine_build import (
     engine_placement,
     explicit_budgets,
     fit_budgets,
+    placed_policies,
     resolve_engine_policies,
 )
 from zeroio.engine_state import MicroStep, Phase
@@ -102,6 +103,7 @@ class Engine:
                                  resolve_engine_policies(self.config, self.device))
         # where every buffer lives ([Note: one placement]); checked before any allocation
         self.placement = engine_placement(self.config, self.module, spec, self.device, policies)
+        policies = placed_policies(policies, self.placement)
         check_host_memory(self.config, self.module, spec, self.device, self.placement.estimate)
         self._precision = policies.precision  # bf16 optimizer state: engine.stats() sources
         self.partitioner = build_partitioner(self.config, self.module, spec, self.device,

@@ -2,6 +2,7 @@
 
 ``Engine.__init__`` calls these once, in order: ``resolve_engine_policies`` (config/policy.py),
 ``engine_placement`` (where every buffer lives: [Note: one placement] in zeroio/placement.py),
+``placed_policies`` (its decisions applied to the policies),
 ``build_partitioner`` (the one place that maps ``zero_optimization.stage`` to a partitioner),
 ``fit_budgets`` (explicit ``tiering`` budgets split among the stores, [Note: budgets in
 training] in tiering/budget.py) and ``build_optimizer`` (the update rule, on the device, the
@@ -10,6 +11,8 @@ host or NVMe, or split by ``offload_optimizer.ratio``). ``explicit_budgets`` is 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -72,7 +75,19 @@ def engine_placement(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: 
                             world_size=comm.world_size(),
                             machine=measured_machine(device, policies.tiering.nvme_path),
                             largest_group=largest_group(module) or None,
-                            device_type=device.type, policies=policies)
+                            device_type=device.type, policies=policies,
+                            grad_streams=spec.rule == "adam")
+
+
+def placed_policies(policies, placement: Placement):
+    """``policies`` with the placement's decisions applied ([Note: the host floor] in
+    zeroio/placement.py): where it dropped the 16-bit parameter shards, ``params_from_master``
+    on and the step assist off (it writes those shards)."""
+    t = policies.tiering
+    if not placement.params_from_master or t.params_from_master:
+        return policies
+    return dataclasses.replace(policies, tiering=dataclasses.replace(
+        t, params_from_master=True, step_assist=False))
 
 
 def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device: torch.device,
@@ -81,6 +96,7 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
     ``resolve_engine_policies``'s, resolved here when not given; ``placement``: the engine's,
     whose decisions the partitioner follows, None: it decides by the same rules)."""
     accum = None if placement is None else placement.accumulation_on_device
+    grad_dev = None if placement is None else placement.gradient_on_device
     zc = cfg.zero_optimization
     dtype = DTYPES[cfg.compute_dtype]
     pol = policies if policies is not None else resolve_engine_policies(cfg, device)
@@ -97,8 +113,9 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
             optimizer_ratio=off.ratio if off.cpu else 1.0,
             cpu_optimizer=off.cpu, nvme_optimizer=off.nvme,
             accumulation_steps=pol.accumulation_steps,
+            step_chunk_numel=pol.tiering.step_chunk_numel,
             step_assist=pol.tiering.step_assist, gpu_budget_bytes=pol.tiering.gpu_budget_bytes,
-            accumulate_on_device=accum,
+            accumulate_on_device=accum, gradient_on_device=grad_dev,
             host_kernel=cpu_adam if spec.rule == "adam" else None,
             master_dtype=DTYPES[pol.precision.master], state_dtype=DTYPES[pol.precision.states],
             masters=masters_paging(cfg, pol, spec.rule) if off.nvme else None)
@@ -108,7 +125,7 @@ def build_partitioner(cfg, module: torch.nn.Module, spec: OptimizerSpec, device:
         return build_stage3_partitioner(cfg=cfg, module=module, spec=spec, device=device,
                                         compute_dtype=dtype, home=home, policies=pol,
                                         host_kernel=cpu_adam if spec.rule == "adam" else None,
-                                        accumulate_on_device=accum)
+                                        accumulate_on_device=accum, gradient_on_device=grad_dev)
     raise ConfigError(f"zero_optimization.stage = {zc.stage}: expected 0, 1, 2 or 3",
                       key="zero_optimization.stage")
 
@@ -147,6 +164,7 @@ def _offloaded_optimizer(cfg, groups, spec: OptimizerSpec, partitioner, shares, 
     # gradients]): the optimizer (either) folds the divisor into its grad_scale
     return ShardedAdam(groups, spec.hyper, decoupled=spec.decoupled,
                        grad_divisor=partitioner.host_grad_divisor,
+                       grad_dtype=partitioner.grad_read_dtype,
                        state_dtype=DTYPES[policies.precision.states],
                        state_gate=partitioner.release_device_state,
                        transfers=partitioner.transfers)

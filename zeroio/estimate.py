@@ -25,7 +25,8 @@ Two layers, reported separately in the breakdown:
      shard exists. The model states keep the paper's b Psi / N gradient term
      (so they read 16 Psi / N at stage 3, as the paper's figure 1) and the buffer
      is the (4 - b) bytes per element the fp32 shard holds beyond it; the sum is
-     the bytes training holds. With
+     the bytes training holds. At stages 1/2 with the optimizer offloaded likewise:
+     one host shard, the partition term and what it holds beyond it. With
      offload_optimizer cpu or nvme (both step the host shard with a CPU Adam; nvme's
      swapper piece by piece), nothing accumulated on the host (stage 1, or stages
      2/3 with gradient_accumulation_steps 1) and the one-pass CPU Adam
@@ -49,6 +50,13 @@ Two layers, reported separately in the breakdown:
      PUBLISH_CHUNK_NUMEL elements (b bytes each).
    - gradient accumulation (gradient_accumulation_steps > 1) with gradients on the host:
      pinned fp32 staging, or an fp32 GPU buffer (``device_room``): config/accum_place.py.
+   - the gradient kept on the device (offload_optimizer cpu with Adam, ``grad_streams``;
+     [Note: the gradient's home] in config/accum_place.py): the model states' gradient
+     partition and the shard's rest beyond it move to the GPU tier (the accumulation buffer
+     above is the home instead where it is placed), and the host holds the host step's
+     window (``WINDOW_SLOTS`` pinned slots of one ``step_chunk_numel`` chunk); at stages
+     1/2 the host step's pinned 16-bit publication slots are counted too (2, or 4 beside the
+     step assist). That is the host floor: [Note: the host floor] in zeroio/placement.py.
    - offload_optimizer nvme: fp32 masters (4 of K bytes) in host memory, moments (8) on disk; or
      all 12 paged through the disk ([Note: where the masters live] in zeroio/optim/swap.py).
    - NVMe optimizer swap buffers (pinned CPU), without ``tiering.cpu_budget_bytes``:
@@ -99,7 +107,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroio.config import Config, OffloadDevice, ZeroConfig
-from zeroio.config.accum_place import accumulation_rows, planned_on_device
+from zeroio.config.accum_place import (
+    accumulation_rows,
+    gradient_on_device,
+    planned_on_device,
+    window_rows,
+)
 from zeroio.config.activations import (  # noqa: F401 (re-exported)
     ACT_PER_TOKEN_LAYER,
     llama_activation_bytes,
@@ -117,6 +130,9 @@ TIERS = ("gpu", "cpu", "nvme")
 _HOST_ADAM = ("cpu", "nvme")
 """offload_optimizer devices whose host shard a CPU Adam steps (the 16-bit host gradient rule's
 ``cpu_optimizer``: shard/host_rule.py)."""
+STREAMED = " (device tier, streamed to the CPU optimizer)"
+"""The suffix of the gradient rows kept on the device and read through the host step's window
+([Note: the gradient's home] in config/accum_place.py)."""
 PUBLISH_CHUNK_NUMEL = 1 << 26
 """Elements of the GPU staging buffer through which stage 3 with ratio < 1 publishes the
 device side's 16-bit values to the host shards (``Stage3Partitioner``'s publisher; the same
@@ -267,6 +283,7 @@ def estimate_memory(
     params_from_master: bool | None = None,
     nvme_budget_bytes: int | None = None,
     device_room: int | None = None,
+    grad_streams: bool | None = None,
 ) -> MemoryEstimate:
     """Estimate training-state memory for ``num_params`` parameters (see module doc).
 
@@ -284,7 +301,10 @@ def estimate_memory(
     config knows the key, "auto" on at stage 3 with offload_optimizer nvme unless the masters
     page; else off) and ``nvme_budget_bytes`` (per rank; default ``tiering.nvme_budget_bytes``,
     None: room for every moment): module doc, 2. ``device_room``: the device's free bytes
-    where measured (0 on a CPU device), None in a plan: config/accum_place.py."""
+    where measured (0 on a CPU device), None in a plan: config/accum_place.py.
+    ``grad_streams``: the host optimizer steps its shard chunk by chunk, so its gradient may
+    stay on the device ([Note: the gradient's home] in config/accum_place.py; None: with
+    offload_optimizer cpu, as Adam does; the engine passes False for the other rules)."""
     psi = parse_count(num_params)
     gpus_per_node = _positive(gpus_per_node, "gpus_per_node")
     nodes = _positive(nodes, "nodes")
@@ -401,26 +421,25 @@ def estimate_memory(
         accum_dev, hgas = planned_on_device(zero.tiering.gpu_budget_bytes, device_room, items,
                                             stage=stage, gas=gas, grad_tier=grad_tier,
                                             host=shard - dev)
-        if dtype != "fp32":
-            if stage == 0:
-                add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")
-            elif stage3_grad:
-                # the gradient is the paper's b-byte term above plus what its fp32 shard
-                # holds beyond it; with 16-bit host gradients only the device side's is fp32
-                beyond = gshard - b
-                if host_grad_bytes(dtype, opt_dev, hgas, shard - dev, stage=stage) == b:
-                    add("fp32 gradient shard beyond the model states' (ratio: on GPU)", "gpu",
-                        beyond * dev, buf, f"{beyond} * floor((1 - ratio) * Psi / N)")
-                else:
-                    add_shard("fp32 gradient shard beyond the model states'", grad_tier, beyond,
-                              buf, f"{beyond}")
-            elif host_grad_bytes(dtype, opt_dev, hgas, shard - dev, stage=stage) == b:
-                # 16-bit host gradients (module doc, 2.); the device side's stay fp32
-                add("fp32 gradient shard (ratio: on GPU)", "gpu", FP32 * dev, buf,
-                    "4 * floor((1 - ratio) * Psi / N)")
-                add(f"{b}-byte gradient shard (one-pass CPU Adam)", grad_tier, b * (shard - dev),
-                    buf, f"{b} * (Psi / N - floor((1 - ratio) * Psi / N))" if dev
-                    else f"{b} * Psi / N")
+        hg = b if host_grad_bytes(dtype, opt_dev, hgas, shard - dev, stage=stage) == b \
+            else gshard  # the host gradient's bytes per element (bf16 masters: bf16)
+        streamed = gradient_on_device(  # [Note: the gradient's home] in config/accum_place.py
+            zero.tiering.gpu_budget_bytes, device_room, items, stage=stage, gas=gas,
+            grad_tier=grad_tier, host=shard - dev, accumulates_on_device=accum_dev,
+            streams=(opt_dev == "cpu") if grad_streams is None else grad_streams and
+            opt_dev == "cpu", home_bytes=hg)
+        if dtype != "fp32" and stage == 0:
+            add("fp32 gradient accumulation", "gpu", FP32 * psi, buf, "4 * Psi")
+        elif grad_tier == "cpu":
+            items[:] = _host_gradient_rows(items, b=b, hg=hg, dev=dev, host=shard - dev,
+                                           streamed=streamed, accum_dev=accum_dev)
+            if streamed:
+                window_rows(add, host=shard - dev, grad_bytes=hg, kind=buf,
+                            chunk=int(zero.tiering.step_chunk_numel))
+        elif dtype != "fp32":  # the optimizer on the GPU
+            if stage3_grad:  # the paper's b-byte term above plus what its fp32 shard holds
+                add_shard("fp32 gradient shard beyond the model states'", grad_tier,
+                          gshard - b, buf, f"{gshard - b}")
             else:
                 add_shard(f"{'fp32' if gshard == FP32 else master_dtype} gradient shard",
                           grad_tier, gshard, buf, f"{gshard}")
@@ -431,6 +450,14 @@ def estimate_memory(
         if stage in (1, 2):
             add("all-gather bucket", "gpu", b * min(zero.allgather_bucket_size, psi), buf,
                 f"{b} * min(allgather_bucket_size, Psi)")
+            if grad_tier == "cpu" and dtype != "fp32" and shard > dev:
+                # the host step's pinned 16-bit slots, [Note: step publication] in
+                # partition/stage12_step.py: four with the step assist
+                slots = 4 if opt_dev == "cpu" and step_assist_enabled(zero.tiering, "cuda") \
+                    else 2
+                add("publish staging (pinned 16-bit)", "cpu",
+                    slots * b * min(int(zero.tiering.step_chunk_numel), shard - dev), buf,
+                    f"{slots} * {b} * min(step_chunk_numel, offloaded elements per GPU)")
         if stage == 3:
             grp = min(psi, largest_group if largest_group else zero.reduce_bucket_size)
             gname = "largest_group" if largest_group else "reduce_bucket_size"
@@ -454,13 +481,14 @@ def estimate_memory(
                     b * min(PUBLISH_CHUNK_NUMEL, dev), buf,
                     f"{b} * min(PUBLISH_CHUNK_NUMEL, floor((1 - ratio) * Psi / N))")
         if opt_dev == "cpu" and (stage < 3 or par_dev == "cpu") and shard > dev and \
-                step_assist_enabled(zero.tiering, "cuda"):
+                not pfm and step_assist_enabled(zero.tiering, "cuda"):
             # [Note: step assist] in shard/assist.py (assist.slot_layout); at stage 3 the
             # 16-bit result goes to the host shard through a slot buffer
             from zeroio.dtypes import DTYPES
             from zeroio.shard import assist
 
-            per = assist.slot_element_bytes(
+            per = assist.slot_element_bytes(  # it reads a streamed sum in fp32 on the GPU
+                DTYPES["fp32"] if streamed and accum_dev else
                 _host_grad_dtype(dtype, opt_dev, hgas, shard - dev, stage=stage),
                 DTYPES[dtype] if stage == 3 else None)
             add("step assist slots (during the step)", "gpu",
@@ -495,6 +523,42 @@ def estimate_memory(
                           items=tuple(items), ratio=float(ratio), device_elements=dev,
                           master_dtype=master_dtype, state_dtype=state_dtype,
                           params_from_master=pfm)
+
+
+def _host_gradient_rows(items: list[MemoryItem], *, b: int, hg: int, dev: int, host: int,
+                        streamed: bool, accum_dev: bool) -> list[MemoryItem]:
+    """The gradient of an offloaded optimizer (module doc, 2.): the model states' b-byte
+    partition term of the ``host`` host elements (and the ``dev`` device ones of a ratio,
+    fp32 there) plus what the gradient holds beyond it, where it lives: a host shard of
+    ``hg`` bytes per element, or on the device (``streamed``: [Note: the gradient's home] in
+    config/accum_place.py), where the accumulation buffer is the home when ``accum_dev`` (its
+    own row, ``accumulation_rows``). Returns ``items`` with the partition term's host row
+    moved to the device (or dropped for the accumulation buffer) and the beyond rows added."""
+    names = ("gradients", "gradient shard for the CPU optimizer")
+    where = STREAMED
+    out = []
+    for i in items:
+        if i.name in names and i.tier == "cpu" and streamed:
+            if accum_dev:
+                continue
+            i = MemoryItem(name=i.name + where, tier="gpu", bytes_per_gpu=i.bytes_per_gpu,
+                           kind=i.kind, formula=i.formula)
+        out.append(i)
+
+    def beyond(name: str, tier: str, nbytes: int, formula: str) -> None:
+        if nbytes > 0:
+            out.append(MemoryItem(name=name, tier=tier, bytes_per_gpu=nbytes,
+                                  kind="zeroio_buffer", formula=formula))
+
+    if dev:  # the device side of a ratio keeps an fp32 gradient
+        beyond("fp32 gradient shard beyond the model states' (ratio: on GPU)", "gpu",
+               (FP32 - b) * dev, f"{FP32 - b} * floor((1 - ratio) * Psi / N)")
+    if not (streamed and accum_dev):
+        beyond("fp32 gradient shard beyond the model states'" + (where if streamed else ""),
+               "gpu" if streamed else "cpu", (hg - b) * host,
+               f"{hg - b} * (Psi / N - floor((1 - ratio) * Psi / N))" if dev else
+               f"{hg - b} * Psi / N")
+    return out
 
 
 def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,

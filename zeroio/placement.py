@@ -34,6 +34,23 @@ its host window) where the optimizer pages them.
 GPU-resident optimizer chunks (the step assist's, tiering/gpu_tier.py) are a cache of host
 state, not a home: ``resident_chunks`` says whether they run and their cap (None: "auto", half
 of what training leaves free, decided at each step).
+
+[Note: the host floor]
+With ``offload_optimizer.device`` cpu, host memory holds the optimizer state (12 bytes per
+parameter for fp32 Adam: masters and two moments) and bounded windows; a second full copy of
+the parameters or the gradient only where it fits and makes the step faster. Two decisions
+get it there, both made here, so the estimate, the preflight, the planner and the engine
+agree (``Placement.decisions`` says why, in words):
+
+- the gradient stays on the device where it has room and the host step reads it through
+  a pinned window ([Note: the gradient's home] in config/accum_place.py);
+- stage 3 with ``offload_param.device`` cpu and ``tiering.params_from_master`` "auto": the
+  16-bit parameter shards (2 bytes per parameter) stay in host memory where the host holds
+  them beside everything else with ``HOST_MARGIN`` left free (a gather then copies 2 bytes
+  per element up instead of 4, and the step assist can write them), else each gather casts
+  the fp32 master on its way up ([Note: shards read from the master] in
+  partition/stage3/master_store.py) and the step assist is off (it writes those shards).
+  Without a measured host (``zeroio estimate`` alone) the shards stay, as before.
 """
 
 from __future__ import annotations
@@ -42,11 +59,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroio.config import Config
-from zeroio.config.accum_place import ACCUM_ROW
+from zeroio.config.accum_place import ACCUM_ROW, WINDOW_ROW
 from zeroio.config.policy import Policies, resolve_policies
 from zeroio.errors import ConfigError
-from zeroio.estimate import DTYPE_BYTES, TIERS, MemoryEstimate, MemoryItem, estimate_memory
+from zeroio.estimate import (
+    DTYPE_BYTES,
+    STREAMED,
+    TIERS,
+    MemoryEstimate,
+    MemoryItem,
+    estimate_memory,
+)
 
+HOST_MARGIN = 0.10
+"""Fraction of the host's memory a placement leaves free (the planner's ``MARGIN`` for GPU and
+host memory alike): what the libraries, the dataloader and the allocator take beside the
+training state the estimate counts."""
 BUFFERS = ("param16", "master", "moments", "grad", "grad16", "accumulation", "staging", "comm",
            "activations", "other")
 
@@ -55,12 +83,14 @@ BUFFERS = ("param16", "master", "moments", "grad", "grad16", "accumulation", "st
 _ROWS = (
     ("16-bit parameter shard not held", "param16", "home"),
     ("parameter swap buffers", "param16", "window"),
+    (WINDOW_ROW, "grad", "window"),
     ("optimizer swap", "moments", "window"),
     ("optimizer moments", "moments", "home"),
     ("autograd's 16-bit gradients", "grad16", "home"),
     (ACCUM_ROW, "accumulation", "home"),
     ("gradient accumulation staging", "staging", "home"),
     ("device-side publish staging", "staging", "home"),
+    ("publish staging", "staging", "home"),
     ("step assist slots", "staging", "home"),
     ("offloaded shards copied in", "staging", "home"),
     ("host fp32 masters copied in", "staging", "home"),
@@ -141,6 +171,9 @@ class Placement:
     their cap, None for "auto"}."""
     estimate: MemoryEstimate = field(compare=False, repr=False)
     """The estimate the bytes come from (its itemised rows)."""
+    decisions: dict[str, str] = field(default_factory=dict)
+    """Why each buffer with a choice lives where it does, in words ("gradient",
+    "param16"): [Note: the host floor]."""
 
     def buffer(self, kind: str) -> Buffer:
         return next(b for b in self.buffers if b.kind == kind)
@@ -151,6 +184,26 @@ class Placement:
         accumulation on the device tier] in tiering/device_accum.py): the partitioner
         follows this, it does not decide again."""
         return self.buffer("accumulation").tiers["gpu"] > 0
+
+    @property
+    def gradient_on_device(self) -> bool:
+        """Whether the host optimizer's gradient stays on the device and the host step reads
+        it through a pinned window ([Note: the gradient's home] in config/accum_place.py):
+        the partitioner follows this, it does not decide again."""
+        return any(i.name == WINDOW_ROW for i in self.estimate.items)
+
+    @property
+    def params_from_master(self) -> bool:
+        """Stage 3 keeps no 16-bit parameter shard: each gather casts the master ([Note: the
+        host floor]); the partitioner follows this."""
+        return self.estimate.params_from_master
+
+    def host_bytes_per_node(self) -> int:
+        """Host memory this placement takes on a node: the host tier of every rank of it, and
+        on a CPU device (no GPU) the device tier too."""
+        per_rank = self.tier_bytes("cpu") + (self.tier_bytes("gpu")
+                                             if self.machine.gpu_bytes == 0 else 0)
+        return per_rank * self.machine.gpus_per_node
 
     def tier_bytes(self, tier: str) -> int:
         """Bytes this rank holds on ``tier``: homes, and on "cpu" the windows too."""
@@ -165,7 +218,7 @@ class Placement:
                 "accumulation_steps": self.accumulation_steps,
                 "buffers": {b.kind: b.to_dict() for b in self.buffers},
                 "totals": {t: self.tier_bytes(t) for t in TIERS},
-                "budgets": dict(self.budgets),
+                "budgets": dict(self.budgets), "decisions": dict(self.decisions),
                 "machine": {"gpu_bytes": self.machine.gpu_bytes,
                             "host_bytes": self.machine.host_bytes,
                             "nvme_free_bytes": self.machine.nvme_free_bytes,
@@ -231,16 +284,25 @@ def decide_placement(*, num_params: int, config: Config, world_size: int,
     # also takes an offloaded optimizer at stage 0)
     one = {"stage": 1, "gpus_per_node": 1, "nodes": 1} if zero.stage == 0 else {
         "gpus_per_node": gpus, "nodes": world_size // gpus}
-    est = estimate_memory(num_params, config=config, largest_group=largest_group,
-                          device_room=machine.gpu_free_bytes, **one, **estimate_kw)
+    def estimate(**kw: Any) -> MemoryEstimate:
+        return estimate_memory(num_params, config=config, largest_group=largest_group,
+                               device_room=machine.gpu_free_bytes, **one, **estimate_kw, **kw)
+
+    est = estimate()
+    decisions = {}
+    if "params_from_master" not in estimate_kw and _shards_may_go(zero, machine):
+        est, decisions["param16"] = _shards_or_masters(est, estimate, machine)
+    decisions["gradient"] = _gradient_words(est)
     buffers = _group(est)
     if policies is None:
         policies = resolve_policies(zero, accumulation_steps=config.gradient_accumulation_steps,
                                     device=device_type, bf16=config.bf16)
     t = policies.tiering
-    accum_gpu = next(b for b in buffers if b.kind == "accumulation").tiers["gpu"]
-    # the resident chunks' cap: a gpu_budget_bytes covers the accumulation buffer first
-    assist = policies.tiering.step_assist and t.gpu_budget_bytes != 0
+    # the resident chunks' cap: a gpu_budget_bytes covers the GPU tier's fixed state first,
+    # the accumulation buffer and a gradient kept on the device
+    accum_gpu = sum(i.bytes_per_gpu for i in est.items if i.tier == "gpu" and (
+        i.name == ACCUM_ROW or i.name.endswith(STREAMED)))
+    assist = t.step_assist and t.gpu_budget_bytes != 0 and not est.params_from_master
     cap = None if t.gpu_budget_bytes is None else max(0, t.gpu_budget_bytes - accum_gpu)
     return Placement(stage=zero.stage, world_size=world_size,
                      offload_optimizer=est.offload_optimizer, offload_param=est.offload_param,
@@ -248,7 +310,60 @@ def decide_placement(*, num_params: int, config: Config, world_size: int,
                      buffers=buffers, machine=machine, estimate=est,
                      budgets={"gpu": t.gpu_budget_bytes, "cpu": t.cpu_budget_bytes,
                               "nvme": t.nvme_budget_bytes},
-                     resident_chunks={"enabled": assist, "cap_bytes": cap if assist else 0})
+                     resident_chunks={"enabled": assist, "cap_bytes": cap if assist else 0},
+                     decisions={k: v for k, v in decisions.items() if v})
+
+
+def _shards_may_go(zero, machine: MachineMemory) -> bool:
+    """Whether the 16-bit shards are this placement's to keep or drop ([Note: the host
+    floor]): stage 3, optimizer and parameters offloaded to cpu, ``params_from_master`` and
+    ``step_assist`` left to zeroio ("auto"), the host's memory known."""
+    return (zero.stage == 3 and zero.offload_optimizer.device == "cpu" and
+            zero.offload_param.device == "cpu" and zero.tiering.params_from_master is None and
+            zero.tiering.step_assist is not True and machine.host_bytes is not None)
+
+
+def _host_usable(machine: MachineMemory) -> int:
+    return int(machine.host_bytes * (1 - HOST_MARGIN))
+
+
+def _shards_or_masters(est: MemoryEstimate, estimate, machine: MachineMemory
+                       ) -> tuple[MemoryEstimate, str]:
+    """The estimate with the 16-bit shards kept in host memory where they fit, else the
+    one without them (``params_from_master``), and why ([Note: the host floor])."""
+    probe = Placement(stage=est.stage, world_size=est.world_size, ratio=est.ratio,
+                      offload_optimizer=est.offload_optimizer, offload_param=est.offload_param,
+                      accumulation_steps=1, buffers=_group(est), budgets={}, machine=machine,
+                      resident_chunks={}, estimate=est)
+    need, usable = probe.host_bytes_per_node(), _host_usable(machine)
+    shards = probe.buffer("param16").tiers["cpu"] * machine.gpus_per_node
+    words = (f"{need / 1e9:.2f} GB of host memory per node with the 16-bit parameter shards "
+             f"({shards / 1e9:.2f} GB), {usable / 1e9:.2f} GB usable ({1 - HOST_MARGIN:.0%} of "
+             f"{machine.host_bytes / 1e9:.2f} GB)")
+    if need <= usable:
+        return est, (f"16-bit parameter shards kept in host memory: {words}; a gather copies "
+                     "2 bytes per element up instead of 4")
+    return estimate(params_from_master=True), (
+        f"no 16-bit parameter shards (params_from_master: each gather casts the fp32 master on "
+        f"its way up, 4 bytes per element instead of 2; the step assist is off): {words}")
+
+
+def _gradient_words(est: MemoryEstimate) -> str:
+    """Where the host optimizer's gradient lives and why ([Note: the gradient's home])."""
+    if est.offload_optimizer != "cpu":
+        return ""
+    rows = {i.name: i for i in est.items}
+    if WINDOW_ROW in rows:
+        home = "the accumulation buffer" if ACCUM_ROW in rows else \
+            "a gradient shard of the host gradient's dtype"
+        return (f"on the device ({home}); the host step reads it through a pinned window of "
+                f"{rows[WINDOW_ROW].bytes_per_gpu / 1e9:.3f} GB per rank: no host gradient shard")
+    if ACCUM_ROW in rows:
+        return ("summed on the device, then copied into a host gradient shard once per step "
+                "(the optimizer steps whole shards)")
+    return ("in host memory: the device has no room for it where it may use memory "
+            "(tiering.gpu_budget_bytes 0 or too small, or half the free memory less 2 GiB), "
+            "or the micro steps are summed on the host, or the optimizer steps whole shards")
 
 
 def render_table(placement: Placement) -> list[str]:
@@ -271,6 +386,7 @@ def render_table(placement: Placement) -> list[str]:
                                                 for t in TIERS))
     lines.append("  budgets GB: " + ", ".join(f"{t} {gb(v)}" for t, v in
                                                placement.budgets.items()))
+    lines += [f"  {kind}: {why}" for kind, why in placement.decisions.items()]
     rc = placement.resident_chunks
     if rc["enabled"]:
         lines.append(f"  GPU-resident optimizer chunks: cap {gb(rc['cap_bytes'])} GB (a cache "
@@ -278,5 +394,5 @@ def render_table(placement: Placement) -> list[str]:
     return lines
 
 
-__all__ = ["BUFFERS", "Buffer", "MachineMemory", "Placement", "buffer_of", "decide_placement",
+__all__ = ["BUFFERS", "HOST_MARGIN", "Buffer", "MachineMemory", "Placement", "buffer_of", "decide_placement",
            "render_table"]

@@ -7,7 +7,11 @@ make a step.
 
 The rule
 --------
-Try the placements zeroio supports, fastest first, and take the first whose bytes fit:
+Count every placement zeroio supports, and of those whose bytes fit take the one with the
+shortest predicted step time ("The step time" below); predictions within ``TIE`` of the
+shortest (5%, or 10 ms: the model leaves out GPU compute, so closer figures do not order
+two placements) count as a tie, which the earlier in this list takes (the GPU-only ones,
+with no offload to time, tie at 0):
 
 1. stage 2, everything on the GPU;
 2. stage 3, everything on the GPU;
@@ -40,6 +44,14 @@ the key (or when the caller asks).
 
 ``sub_group_size`` is DeepSpeed's default (1e9) without NVMe and ``NVME_SUB_GROUP_SIZE``
 (1e8) with it, which keeps the pinned optimizer swap buffers at 1.6 GB per GPU instead of 16.
+
+``Plan.reasons`` says why each placement before the chosen one in the list was not taken
+(what it overflows, or why its ratio is not lower), ``Plan.compared`` the predicted step
+time of every other placement that fits. Where host memory cannot hold the optimizer state,
+only the NVMe placements fit: the plan pages it through the disk. Each candidate is the
+engine's placement for that config on this machine (zeroio/placement.py), so a CPU placement
+keeps the 16-bit parameter shards in host memory only where they fit with the margin, and
+the gradient on the GPU where it has room ([Note: the host floor] there).
 
 When nothing fits, ``CapacityError`` names each tier the most offloaded placement (7)
 overflows and by how many bytes.
@@ -85,6 +97,7 @@ nothing here probes the machine. No torch at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -104,8 +117,9 @@ from zeroio.estimate import (
 )
 from zeroio.plan_machine import Machine
 
-MARGIN = 0.10
-"""Fraction of GPU and host memory the plan leaves free."""
+MARGIN = layout.HOST_MARGIN
+"""Fraction of GPU and host memory the plan leaves free (the placement's, which decides by
+it what it keeps in host memory: [Note: the host floor] in zeroio/placement.py)."""
 DISK_RESERVE = 1 << 30
 """Free bytes under the NVMe path the plan leaves untouched (``tiering.nvme_reserve_bytes``)."""
 NVME_SUB_GROUP_SIZE = 100_000_000
@@ -113,6 +127,9 @@ NVME_SUB_GROUP_SIZE = 100_000_000
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 NVME_PATH = "/path/to/nvme"
 """Placeholder ``nvme_path`` in the planned config: replace it with a folder on the NVMe."""
+TIE = (0.05, 0.010)
+"""Predicted step times within this fraction of the shortest, or this many seconds, tie
+(module doc, "The rule")."""
 MOMENT_BYTES = 8
 """Adam's two fp32 moments: what an NVMe-offloaded optimizer keeps on the disk."""
 
@@ -177,7 +194,8 @@ class Plan:
     times: dict[str, float]
     """Seconds per step of each term: cpu_adam_s, pcie_s, disk_s."""
     reasons: tuple[str, ...]
-    """One line per faster placement rejected (and why the ratio is not lower)."""
+    """One line per placement before it in the rule's list that was not taken: what it
+    overflows (and why the ratio is not lower)."""
     machine: Machine
     params_from_master: bool = False
     """Planned with ``tiering.params_from_master`` (no 16-bit parameter shard)."""
@@ -185,6 +203,9 @@ class Plan:
     """What the plan assumes beyond its config block."""
     layout: layout.Placement | None = None
     """Where each buffer lives on one rank (zeroio/placement.py; the engine's ``stats()``)."""
+    compared: tuple[str, ...] = ()
+    """Every other placement that fits, with its predicted step time: the choice is the
+    shortest (module doc, "The rule")."""
 
     @property
     def _serial_step(self) -> bool:
@@ -218,7 +239,8 @@ class Plan:
                 "bytes_per_step": dict(self.traffic),
                 "resident_moment_bytes": self.resident_moment_bytes,
                 "times": dict(self.times), "step_s": self.step_s, "bound": self.bound,
-                "reasons": list(self.reasons), "margin": MARGIN,
+                "reasons": list(self.reasons), "compared": list(self.compared),
+                "margin": MARGIN,
                 "params_from_master": self.params_from_master, "notes": list(self.notes),
                 "machine": self.machine.to_dict(), "estimate": self.estimate.to_dict(),
                 "buffer_placement": self.layout.to_dict() if self.layout else None}
@@ -277,16 +299,24 @@ def zero_block(p: Placement, *, ratio: float, cpu_budget: int | None,
     return block
 
 
-def _pfm(p: Placement, model: _Model) -> bool:
-    """Where "auto" turns it on (``params_from_master_enabled``): stage 3, optimizer on NVMe."""
+def _pfm(p: Placement, model: _Model) -> bool | None:
+    """Where "auto" turns it on (``params_from_master_enabled``): stage 3, optimizer on NVMe;
+    None where the placement decides from the host's memory (optimizer and parameters on the
+    CPU: [Note: the host floor] in zeroio/placement.py), else off."""
+    if p.optimizer == "cpu" and p.param == "cpu" and model.params_from_master:
+        return None
     return model.params_from_master and params_from_master_auto(p.stage, p.optimizer)
 
 
 def _config(p: Placement, model: _Model, ratio: float, cpu_budget: int | None,
-            nvme_budget: int | None = None) -> dict:
+            nvme_budget: int | None = None, from_master: bool = False) -> dict:
+    """The planned config; ``from_master``: the placement dropped the 16-bit shards of a CPU
+    placement (written as ``tiering.params_from_master``, so the engine does the same)."""
     cfg: dict[str, Any] = {"zero_optimization": zero_block(
         p, ratio=ratio, cpu_budget=cpu_budget, nvme_budget=nvme_budget,
-        params_from_master=_pfm(p, model))}
+        params_from_master=bool(_pfm(p, model)))}
+    if from_master and _pfm(p, model) is None and config_knows_params_from_master():
+        cfg["zero_optimization"].setdefault("tiering", {})["params_from_master"] = True
     if model.accumulation > 1:  # the estimate's host gradients and staging depend on it
         cfg["gradient_accumulation_steps"] = model.accumulation
     if model.dtype in ("bf16", "fp16"):
@@ -307,11 +337,12 @@ def _layout(p: Placement, model: _Model, machine: Machine, ratio: float,
     disk = _disk_per_rank(machine) if p.optimizer == "nvme" else None
     raw = _config(p, model, ratio, cpu_budget)
     raw["zero_optimization"] = {**dict(model.buffers), **raw["zero_optimization"]}
+    pfm = _pfm(p, model)
     return layout.decide_placement(
         num_params=model.num_params, config=load_config(raw),
         world_size=machine.gpus * model.nodes, machine=mem, largest_group=model.largest_group,
-        dtype=model.dtype, activation_bytes=model.activation_bytes,
-        params_from_master=_pfm(p, model), nvme_budget_bytes=disk)
+        dtype=model.dtype, activation_bytes=model.activation_bytes, nvme_budget_bytes=disk,
+        **({} if pfm is None else {"params_from_master": pfm}))
 
 
 def _disk_per_rank(machine: Machine) -> int:
@@ -505,21 +536,47 @@ def plan_placement(num_params: int | float | str, machine: Machine, *, dtype: st
                    if params_from_master is None else bool(params_from_master))
     cpu_budget = int(machine.host_bytes * (1 - MARGIN)) // machine.gpus
     reasons: list[str] = []
+    fitting: list[tuple[Plan, list[str]]] = []
     for p in PLACEMENTS:
         budget = cpu_budget if "nvme" in (p.optimizer, p.param) else None
+        before = list(reasons)
         est, tiers, ratio = _try(p, model, machine, budget, reasons)
         if any(t.over_bytes for t in tiers):
             continue
         traffic, resident = _traffic(p, est, machine, model.accumulation)
         host_elems = est.placement()["offloaded_elements_per_gpu"] * machine.gpus
         nvme_budget = _disk_per_rank(machine) if _split(est) else None
-        return Plan(placement=p.name, config=_config(p, model, ratio, budget, nvme_budget),
-                    estimate=est, tiers=tiers, traffic=traffic, resident_moment_bytes=resident,
-                    times=_times(traffic, host_elems, machine), reasons=tuple(reasons),
-                    machine=machine, params_from_master=est.params_from_master,
-                    notes=_notes(est), layout=_layout(p, model, machine, ratio, budget))
-    raise CapacityError(f"no placement fits this machine; the most offloaded one, {reasons[-1]}"
-                        ": add memory or disk, more GPUs or nodes, or train a smaller model")
+        fitting.append((Plan(
+            placement=p.name, estimate=est, tiers=tiers, traffic=traffic,
+            config=_config(p, model, ratio, budget, nvme_budget, est.params_from_master),
+            resident_moment_bytes=resident, times=_times(traffic, host_elems, machine),
+            reasons=(), machine=machine, params_from_master=est.params_from_master,
+            notes=_notes(est), layout=_layout(p, model, machine, ratio, budget)), before))
+    if not fitting:
+        raise CapacityError(f"no placement fits this machine; the most offloaded one, "
+                            f"{reasons[-1]}: add memory or disk, more GPUs or nodes, or train "
+                            "a smaller model")
+    return _fastest(fitting, reasons)
+
+
+def _fastest(fitting: list, reasons: list[str]) -> Plan:
+    """Of the placements that fit (each with the reasons recorded before it was tried), the
+    shortest predicted step, the earliest of those within ``TIE`` of it (module doc, "The
+    rule"), with the others' times beside it."""
+    shortest = min(plan.step_s for plan, _ in fitting)
+    tie = max(TIE[0] * shortest, TIE[1])
+    best, before = next(pb for pb in fitting if pb[0].step_s <= shortest + tie)
+    after = reasons[len(before):]  # a ratio note of the chosen placement itself
+    own = [r for r in after if r.startswith(best.placement + ":")]
+    def why(c: Plan) -> str:
+        if c.step_s > shortest + tie:
+            return f"slower than the chosen {best.step_s:.3f} s"
+        return (f"a tie with the chosen {best.step_s:.3f} s (within {TIE[0]:.0%} or "
+                f"{TIE[1] * 1e3:.0f} ms), which comes first in the list")
+
+    compared = tuple(f"{c.placement}: fits, predicted {c.step_s:.3f} s per step (bound by "
+                     f"{c.bound}); {why(c)}" for c, _ in fitting if c is not best)
+    return dataclasses.replace(best, reasons=tuple(before + own), compared=compared)
 
 
 __all__ = ["Machine", "Plan", "TierFit", "Placement", "PLACEMENTS", "MARGIN", "DISK_RESERVE",

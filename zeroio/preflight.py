@@ -2,8 +2,10 @@
 
 [Note: host-memory preflight] Offloaded training state lives in host memory (fp32
 masters and Adam moments with ``offload_optimizer`` cpu, 12 bytes per parameter; the
-host gradient shard, fp32 when ``gradient_accumulation_steps`` > 1 keeps adding into
-it on the host; swap buffers and staging). When it is more than the machine has, the
+host gradient shard where the gradient is not kept on the device, fp32 when
+``gradient_accumulation_steps`` > 1 keeps adding into it on the host; 16-bit parameter
+shards where the placement keeps them; swap buffers, staging and windows: [Note: the host
+floor] in placement.py). When it is more than the machine has, the
 kernel kills the process in its first step, after minutes of loading, with nothing said.
 The device is known here, so its free memory (``DEVICE_ROOM`` of tiering/device_accum.py)
 is handed to the estimate, which plans the accumulation on the device tier as the
@@ -48,10 +50,12 @@ from zeroio.tiering import device_accum
 
 GB = 10**9
 CGROUP = Path("/sys/fs/cgroup")
-# device-tier items that cost no new host memory on a CPU device: the module's parameters
-# already exist; the live-gather bound is not state the engine allocates; the step assist
-# runs on CUDA devices only
-_HELD_OR_TRANSIENT = ("parameters", "live gathered parameters (upper bound)", "step assist slots")
+# items that cost no new host memory on a CPU device: the module's parameters already exist
+# there (its 16-bit parameters, or stage 3's shards of them wherever offload_param puts
+# them, and so the shards params_from_master does not keep); the live-gather bound is not
+# state the engine allocates; the step assist runs on CUDA devices only
+_HELD_OR_TRANSIENT = ("parameters", "16-bit parameter shard not held",
+                      "live gathered parameters (upper bound)", "step assist slots")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +190,7 @@ def host_items(cfg: Config, module: torch.nn.Module, spec, device: torch.device,
         device_room=device_accum.DEVICE_ROOM(device))  # as the engine plans
     host_tiers = ("cpu",) if device.type != "cpu" else ("cpu", "gpu")
     items = [i for i in est.items if i.tier in host_tiers and i.kind != "activations"
-             and not (i.tier == "gpu" and i.name.startswith(_HELD_OR_TRANSIENT))]
+             and not (device.type == "cpu" and i.name.startswith(_HELD_OR_TRANSIENT))]
     budget, on_disk = cfg.zero_optimization.tiering.cpu_budget_bytes, est.per_gpu("nvme")
     if budget is not None and on_disk:
         # the NVMe stores keep what the rest leaves of the budget resident in host memory
@@ -213,10 +217,16 @@ def _remedies(cfg: Config) -> list[str]:
                    "past it streams from the disk)")
     if zero.stage == 3 and zero.offload_param.device == "cpu":
         out.append("zero_optimization.offload_param.device nvme")
+        if zero.tiering.params_from_master is not True:
+            out.append("zero_optimization.tiering.params_from_master true (no 16-bit shards in "
+                       "host memory: each gather casts the master)")
     if cfg.gradient_accumulation_steps > 1:
         out.append(f"gradient_accumulation_steps 1 (at {cfg.gradient_accumulation_steps} the host "
                    "gradient shard is fp32, added into across micro-steps), or GPU room for "
                    "the sum: zero_optimization.tiering.gpu_budget_bytes (docs/tiering.md)")
+    elif zero.offload_optimizer.device == "cpu" and zero.tiering.gpu_budget_bytes == 0:
+        out.append("zero_optimization.tiering.gpu_budget_bytes unset or above the gradient's "
+                   "bytes (it then stays on the GPU: docs/tiering.md, \"The host floor\")")
     if not cfg.bf16.bf16_optimizer_states and cfg.compute_dtype == "bf16":
         out.append("bf16.bf16_optimizer_states (2-byte moments)")
     out.append("more ranks or nodes (ZeRO divides this state among them)")

@@ -182,5 +182,9 @@ def render_fit(plan) -> list[str]:
               "(the offload's floor; GPU compute not modelled)"]
     lines += [f"  {k:10s} {v:8.2f} s" for k, v in plan.times.items()]
     if plan.reasons:
-        lines += ["", "faster placements rejected:"] + [f"  - {r}" for r in plan.reasons]
+        lines += ["", "placements earlier in the list that do not fit:"] + [
+            f"  - {r}" for r in plan.reasons]
+    compared = getattr(plan, "compared", ())
+    if compared:  # the choice is the shortest predicted step (zeroio/plan.py, "The rule")
+        lines += ["", "other placements that fit:"] + [f"  - {c}" for c in compared]
     return lines

@@ -12,7 +12,23 @@ offloaded elements on the GPU (4 x H) and a host gradient by the rule of one mic
 (``estimate_memory``'s ``device_room``: the engine's measured machine, or the planner's
 usable GPU memory) it decides as the engine will; without them (``zeroio estimate``) only a
 ``tiering.gpu_budget_bytes`` that covers the buffer places it, "auto" being planned as the
-host path (an upper bound of host memory)."""
+host path (an upper bound of host memory).
+
+[Note: the gradient's home]
+With ``offload_optimizer.device`` cpu and the chunked CPU Adam (Adam(W)), host memory need hold
+no gradient shard at all: where the device has room, the gradient the optimizer reads stays
+on the device and the host step reads it chunk by chunk through a window of ``WINDOW_SLOTS``
+pinned slots of one chunk each ([Note: the gradient window] in tiering/grad_window.py). Its
+home is the accumulation buffer where ``planned_on_device`` placed one (no extra device
+memory: it is no longer copied to a host shard at the boundary), else (one micro step, or
+stage 1, which sums its micro steps in the replicated device gradient) a device shard of the
+host gradient's dtype and size, placed by the same ``place_on_device`` rule from its bytes.
+Host memory then holds the optimizer state and the window: its floor. Where the device has
+no room for it (or ``tiering.gpu_budget_bytes`` is 0, DeepSpeed's placement), or another
+optimizer steps the host shard whole (Lamb, a client optimizer, the NVMe swapper), the
+gradient lives in host memory as before. ``gradient_on_device`` is the rule;
+``zeroio.estimate`` plans with it and the partitioners build what the engine's placement
+decided with it."""
 
 from __future__ import annotations
 
@@ -64,6 +80,44 @@ def planned_on_device(budget: int | None, room: int | None, items, *, stage: int
     return on, 1 if on else gas
 
 
+WINDOW_SLOTS = 2
+"""Pinned slots of the gradient window: the chunk the CPU Adam steps and the next one's copy
+([Note: the gradient's home])."""
+WINDOW_ROW = "gradient window (pinned; the host step reads the device gradient through it)"
+"""The estimate's row of the window."""
+
+
+def gradient_on_device(budget: int | None, room: int | None, items, *, stage: int, gas: int,
+                       grad_tier: str, host: int, streams: bool, accumulates_on_device: bool,
+                       home_bytes: int) -> bool:
+    """Whether the optimizer's gradient of ``host`` host elements per GPU stays on the device
+    and reaches the host step through the window ([Note: the gradient's home]). ``streams``:
+    the host shard is stepped chunk by chunk by the CPU Adam (offload_optimizer cpu, Adam);
+    ``accumulates_on_device``: ``planned_on_device`` placed the accumulation buffer (then it
+    is the home); ``home_bytes``: bytes per element of the device shard otherwise (the host
+    gradient's dtype). ``budget``, ``room``, ``items``: as ``planned_on_device``'s."""
+    if not streams or grad_tier != "cpu" or host <= 0:
+        return False
+    if accumulates_on_device:
+        return True
+    if gas > 1 and stage in (2, 3):  # summed on the host: its shard is the home
+        return False
+    if room is not None:
+        room = max(0, room - sum(i.bytes_per_gpu for i in items
+                                 if i.tier == "gpu" and i.kind == "model_state"))
+    return place_on_device(home_bytes * host, budget=budget, room=room, plan_only=room is None)
+
+
+def window_rows(add: Callable[..., None], *, host: int, chunk: int, grad_bytes: int,
+                kind: str) -> None:
+    """The estimate's row of the gradient window: ``WINDOW_SLOTS`` pinned slots of one host
+    step chunk (at most ``chunk`` elements, and at most the ``host`` elements) of
+    ``grad_bytes`` each."""
+    slot = min(chunk, host)
+    add(WINDOW_ROW, "cpu", WINDOW_SLOTS * slot * grad_bytes, kind,
+        f"{WINDOW_SLOTS} * min(step_chunk_numel, offloaded elements per GPU) * {grad_bytes}")
+
+
 def accumulation_rows(add: Callable[..., None], *, stage: int, dtype: str, gas: int,
                       grad_tier: str, host: int, on_device: bool,
                       group: tuple[int, str], world: int, kind: str,
@@ -91,5 +145,6 @@ def accumulation_rows(add: Callable[..., None], *, stage: int, dtype: str, gas: 
         f"4 * {slots} * {of}")
 
 
-__all__ = ["ACCUM_ELEMENT_BYTES", "ACCUM_RESERVE_BYTES", "ACCUM_ROW", "accumulation_rows",
-           "place_on_device", "planned_on_device"]
+__all__ = ["ACCUM_ELEMENT_BYTES", "ACCUM_RESERVE_BYTES", "ACCUM_ROW", "WINDOW_ROW", "WINDOW_SLOTS",
+           "accumulation_rows", "gradient_on_device", "place_on_device", "planned_on_device",
+           "window_rows"]

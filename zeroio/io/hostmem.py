@@ -26,11 +26,18 @@ for the whole run): unlike torch's caching host allocator, nothing here
 records CUDA events on a block, so a tensor must not be dropped while an
 asynchronous copy still reads or writes it. Every caller keeps its buffers
 for the engine's lifetime or reuses them after synchronising.
+
+Every host buffer of the training state is made here (masters, moments, host gradient
+shards, host parameter shards, pinned staging and windows), so ``live_bytes`` is what
+zeroio holds in host memory now: the bytes of every tensor made here whose storage is
+still alive (a finalizer on the storage takes them off). The placement's host rows are
+checked against it (tests/test_host_floor.py), not against the process's RSS.
 """
 
 from __future__ import annotations
 
 import mmap
+import threading
 import weakref
 
 import torch
@@ -39,6 +46,26 @@ from zeroio.errors import CapacityError
 
 # Below this, torch's own allocators are as good and registration costs more than it saves.
 MIN_BYTES = 1 << 21
+
+_live = [0]  # bytes of the tensors made here whose storage is alive (module note)
+_live_lock = threading.Lock()
+
+
+def live_bytes() -> int:
+    """Bytes of the host tensors made here that are still alive (module note)."""
+    with _live_lock:
+        return _live[0]
+
+
+def _count(t: torch.Tensor, nbytes: int) -> None:
+    with _live_lock:
+        _live[0] += nbytes
+    weakref.finalize(t.untyped_storage(), _uncount, nbytes)
+
+
+def _uncount(nbytes: int) -> None:
+    with _live_lock:
+        _live[0] -= nbytes
 
 
 def _register(ptr: int, nbytes: int) -> None:
@@ -63,7 +90,9 @@ def host_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     nbytes = numel * itemsize
     pin = pin and torch.cuda.is_available()
     if nbytes < MIN_BYTES:
-        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+        t = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        _count(t, nbytes)
+        return t
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     try:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -76,6 +105,7 @@ def host_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
         t.view(torch.uint8)[::mmap.PAGESIZE].zero_()  # fault the pages in before locking them
         _register(t.data_ptr(), nbytes)
         weakref.finalize(t.untyped_storage(), _unregister, t.data_ptr(), mm)
+    _count(t, nbytes)
     return t
 
 

@@ -189,10 +189,13 @@ class ChunkedStep:
                     grad_scale=self._grad_scale, scale_tensor=scale)
 
     def update(self, group_index: int, lo: int, numel: int,
-               out: torch.Tensor | None = None) -> None:
+               out: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
         """Adam(W) on elements [lo, lo + numel) of group ``group_index``'s local tensors;
-        ``out`` (``numel`` long, e.g. a 16-bit shard slice) gets the updated values."""
-        master, grad, exp_avg, exp_avg_sq = self.host_views(group_index, lo, numel)
+        ``out`` (``numel`` long, e.g. a 16-bit shard slice) gets the updated values. ``grad``:
+        the chunk's gradient in host memory where the group's own stays on the device (the
+        host step's window: [Note: the gradient window] in tiering/grad_window.py)."""
+        master, own, exp_avg, exp_avg_sq = self.host_views(group_index, lo, numel)
+        grad = own if grad is None else grad
         with torch.profiler.record_function("zeroio::adam_chunk"):
             h = self._one_pass.get(group_index)
             if h is not None:  # [Note: one-pass CPU Adam]
@@ -216,14 +219,17 @@ class ShardedAdam(EngineOptimizer):
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  grad_divisor: float = 1.0, state_dtype: torch.dtype = torch.float32,
-                 state_gate=None, transfers: TierStats | None = None):
+                 state_gate=None, transfers: TierStats | None = None,
+                 grad_dtype: torch.dtype | None = None):
         """``state_dtype``: the moments' dtype, fp32 or bf16 ([Note: bf16 optimizer
         state]); the masters' is the partitioner's (``ShardGroup.master``). ``state_gate``:
         called before ``local_tensor`` hands out a tensor (the engine passes the
         partitioner's ``release_device_state``: state the step keeps on the GPU between steps
         comes back first, [Note: resident chunks] in shard/assist.py). ``transfers``: the
         partitioner's host <-> device copy stats (the step counter and scale a chunk stepped on
-        another device needs cross once per step)."""
+        another device needs cross once per step). ``grad_dtype``: the dtype of the gradient
+        the host step hands ``ChunkedStep.update`` (the partitioner's ``grad_read_dtype``;
+        None: the groups' own gradients')."""
         self.state_gate, self.transfers = state_gate, transfers
         self.groups = groups
         self.param_groups = param_groups
@@ -235,7 +241,7 @@ class ShardedAdam(EngineOptimizer):
                                        for g in groups]
         self.groups_by_index = {g.group_index: g for g in groups}
         host = [g.master for g in groups if g.master.numel()]
-        low = {g.grad.dtype for g in groups if g.master.numel()} - {torch.float32}
+        low = {grad_dtype or g.grad.dtype for g in groups if g.master.numel()} - {torch.float32}
         master_dtype = host[0].dtype if host else torch.float32
         self.one_pass = bool(host) and all(
             t.device.type == "cpu" and t.dtype in cpu_adam.STATE_DTYPES for t in host) and \

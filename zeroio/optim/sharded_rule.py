@@ -73,15 +73,17 @@ class RuleChunkedStep:
             self._step[g.group_index] = opt.steps[i]
 
     def update(self, group_index: int, lo: int, numel: int,
-               out: torch.Tensor | None = None) -> None:
-        """The rule on elements [lo, lo + numel) of the group; ``out`` gets the new values."""
+               out: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
+        """The rule on elements [lo, lo + numel) of the group; ``out`` gets the new values;
+        ``grad``: the chunk's gradient where the group's own is elsewhere (as Adam's)."""
         opt = self._opt
         g = opt.groups_by_index[group_index]
         state = opt.group_states[opt.position[group_index]]
         with torch.profiler.record_function(f"zeroio::{opt.rule.name}_chunk"):
             master = g.master.narrow(0, lo, numel)
             opt.rule.update(master=master,
-                            grad=scaled_grad(g.grad.narrow(0, lo, numel), self._grad_scale),
+                            grad=scaled_grad(g.grad.narrow(0, lo, numel) if grad is None
+                                             else grad, self._grad_scale),
                             state={k: t.narrow(0, lo, numel) for k, t in state.items()},
                             hyper=self._hyper[group_index], step=self._step[group_index])
             if out is not None:

@@ -65,6 +65,13 @@ class Partitioner:
     host_grad_divisor: float = 1.0
     """What the host optimizer divides gradients by on top of the loss scale (stage 1/2's
     16-bit host gradients are not averaged over ranks yet); 1.0: already averaged."""
+    grad_read_dtype: torch.dtype | None = None
+    """The dtype of the gradient its host step hands the CPU optimizer (the host shard's, or
+    the gradient window's: [Note: the gradient window] in tiering/grad_window.py); None:
+    the ShardGroups' own gradients'."""
+    grads_streamed: bool = False
+    """The host optimizer's gradient stays on the device and the host step reads it through
+    a window ([Note: the gradient's home] in config/accum_place.py)."""
     group: object | None = None
     """The process group it partitions over (None: the default world)."""
     store: object | None = None
@@ -139,9 +146,10 @@ class Partitioner:
         ([Note: resident state yields] in tiering/gpu_tier.py)."""
         tier = self._assist.tier if self._assist is not None else GpuTier()
         tier.quiesce = self.wait_step
-        accum = getattr(self, "_accum", None)  # tiering/device_accum.py: fixed state
-        if accum is not None and accum not in tier.fixed:
-            tier.register_fixed(accum)
+        for fixed in (getattr(self, "_accum", None),  # tiering/device_accum.py,
+                      getattr(self, "_window", None)):  # tiering/grad_window.py: fixed state
+            if fixed is not None and fixed not in tier.fixed:
+                tier.register_fixed(fixed)
         return tier
 
     def stats_sources(self) -> dict[str, dict]:

@@ -18,18 +18,37 @@ from zeroio.tiering.copies import Copies
 
 
 def shards_sq_norm(grads: Iterable[torch.Tensor], copies: Copies, *,
-                   low_divisor: float | None = None) -> torch.Tensor:
-    """Sum of the squared norms of ``grads`` as a host fp32 scalar; ``low_divisor``: what a
-    16-bit gradient's norm is divided by first (stage 1/2's unaveraged 16-bit host gradients;
-    None: nothing)."""
+                   divisor: float = 1.0) -> torch.Tensor:
+    """Sum of the squared norms of ``grads`` as a host fp32 scalar; ``divisor``: what each
+    norm is divided by first (stage 1/2's unaveraged host gradients: the world size)."""
     total = torch.zeros((), dtype=torch.float32)
     for g in grads:
         if g.numel():
             norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-            if low_divisor is not None and g.dtype != torch.float32:
-                norm = norm / low_divisor
+            if divisor != 1.0:
+                norm = norm / divisor
             total += copies.host(norm.double().pow(2).float())
     return total
+
+
+CAST_PIECE = 1 << 26
+"""Elements cast at once by ``cast_overflows`` (a bounded temporary)."""
+
+
+def cast_overflows(grads: Iterable[torch.Tensor], dtype: torch.dtype, copies: Copies) -> bool:
+    """Whether casting any of ``grads`` to ``dtype`` gives an inf or a NaN: a gradient kept on
+    the device as an fp32 sum is read by the host step cast to fp16, whose range is smaller
+    ([Note: the gradient window] in tiering/grad_window.py), so a finite sum can still
+    overflow where it is read; the step must see that as an overflow, as it saw the cast in a
+    16-bit host shard. Cast piece by piece (``CAST_PIECE``), one flag read at the end."""
+    bad = None
+    for g in grads:
+        if g.dtype == dtype or not g.numel():
+            continue
+        for lo in range(0, g.numel(), CAST_PIECE):
+            piece = ~torch.isfinite(g.narrow(0, lo, min(CAST_PIECE, g.numel() - lo)).to(dtype))
+            bad = piece.any() if bad is None else bad | piece.any()
+    return bad is not None and bool(copies.host(bad))
 
 
 def shards_overflow(grads: Iterable[torch.Tensor], copies: Copies) -> bool:
@@ -38,4 +57,4 @@ def shards_overflow(grads: Iterable[torch.Tensor], copies: Copies) -> bool:
     return any(not bool(copies.host(torch.isfinite(g).all())) for g in grads)
 
 
-__all__ = ["shards_overflow", "shards_sq_norm"]
+__all__ = ["cast_overflows", "shards_overflow", "shards_sq_norm"]

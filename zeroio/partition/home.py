@@ -15,12 +15,16 @@ class ShardHome:
 
     device: torch.device
     pin_memory: bool = False
+    host: bool = False
+    """The host tier (an offloaded optimizer's shards): allocated by zeroio.io.hostmem, which
+    counts them (``live_bytes``); the compute device's otherwise, a CPU device's included."""
 
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.device.type == "cpu":  # see zeroio.io.hostmem.[Note: host memory]
+        if self.host:  # see zeroio.io.hostmem.[Note: host memory]
             return host_zeros(numel, dtype, pin=self.pin_memory)
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
 
 def host_home(pin_memory: bool) -> ShardHome:
-    return ShardHome(device=torch.device("cpu"), pin_memory=pin_memory and torch.cuda.is_available())
+    return ShardHome(device=torch.device("cpu"), host=True,
+                     pin_memory=pin_memory and torch.cuda.is_available())

@@ -34,8 +34,10 @@ pieces of a bucket follow its collective. Pieces nobody's hook completed
 With a host master the optimizer steps it in chunks and calls ``stage_range``
 after each: the chunk is converted to 16-bit into pinned staging and its
 host-to-device copy is queued while the CPU updates the next chunk; then
-``publish_params(staged=True)`` only all-gathers. The staging is reused next
-step after an event recorded behind the last copy.
+``publish_params(staged=True)`` only all-gathers. The staging is the host step's pinned
+16-bit slots of one chunk ([Note: step publication]), at least two, used in turn, each
+reused after an event behind its last copy: a bounded window, never a 16-bit copy of the
+whole shard in host memory ([Note: the host floor] in zeroio/placement.py).
 
 [Note: norm while consuming]
 When a bucket's consumed slice is already the final gradient (the boundary
@@ -71,12 +73,11 @@ from functools import partial
 import torch
 
 from zeroio.errors import DistributedError
-from zeroio.io.hostmem import host_empty
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import ParamIndex, Partitioner, Phase, ShardGroup
 from zeroio.partition.flat import Bucket, FlatLayout, build_layout, flatten_into_views, grad_view
 from zeroio.partition.flat import shard_group as _shard_group
-from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
+from zeroio.partition.grad_norm import cast_overflows, shards_overflow, shards_sq_norm
 from zeroio.partition.home import ShardHome, host_home  # noqa: F401 (imported from here)
 from zeroio.partition.landing import GradPiece, StagedAdds, land, plan_pieces
 from zeroio.partition.split import Side, cut_segments, device_numel, split_range
@@ -88,7 +89,12 @@ from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import OnePassKernel, host_grad_dtype
 from zeroio.shard.host_rule import GRAD_PIECE_NUMEL
 from zeroio.tiering.copies import Copies
-from zeroio.tiering.device_accum import accumulation_on_device, accumulation_placed
+from zeroio.tiering.device_accum import (
+    accumulation_on_device,
+    accumulation_placed,
+    gradient_placed,
+)
+from zeroio.tiering.grad_window import GradWindow
 from zeroio.tiering.stats import StallTimer, TierStats
 from zeroio.tiering.streams import DeviceStreams
 
@@ -142,6 +148,7 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         step_assist: bool = False,
         gpu_budget_bytes: int | None = 0,
         accumulate_on_device: bool | None = None,
+        gradient_on_device: bool | None = None,
         host_kernel: OnePassKernel | None = None,
         master_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype = torch.float32,
@@ -154,7 +161,10 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         share of the host chunks (shard/assist.py, [Note: step assist]; CUDA with host
         masters only), ``gpu_budget_bytes`` of them resident (None: "auto"; [Note: resident
         chunks]). ``accumulate_on_device``: the engine's placement's decision ([Note:
-        accumulation on the device tier]; None: decided here by its rule). ``host_kernel``:
+        accumulation on the device tier]; None: decided here by its rule).
+        ``gradient_on_device``: the placement's decision to keep the host optimizer's
+        gradient on the device and step through the window ([Note: the gradient's home] in
+        config/accum_place.py; None: decided here by its rule). ``host_kernel``:
         the one-pass CPU Adam (the engine passes optim/cpu_adam.py; None: the host gradients
         stay fp32), asked by ``host_grad_dtype``. ``master_dtype`` / ``state_dtype``: of
         masters and gradients ([Note: bf16 shards] in shard/types.py) / of the moments.
@@ -186,17 +196,19 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         see [Note: stage 1/2 twin placement] in split.py."""
         # _build_shards places the accumulation first
         self._accum_budget, self._accum_decided = gpu_budget_bytes, accumulate_on_device
+        self._grad_decided = gradient_on_device
         self._paging = masters
         self.groups = self._build_shards(len(param_groups), optimizer_ratio)
         self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
-            placed=self._accum_placed, host_grads=[g.grad for g in self._host], device=device)
+            placed=self._accum_placed and not self.grads_streamed,
+            host_grads=[g.grad for g in self._host], device=device)
         self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device,
                                                      Copies(self.transfers))
         in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
         for p in module.parameters():  # frozen ones compute in the same dtype as the rest
             if id(p) not in in_layout and p.is_floating_point():
                 p.data = Copies(self.transfers).to(p.data, device, dtype=compute_dtype)
-        self._staging16: dict[int, torch.Tensor] = {}
+        self._staging_next = 0  # the next pinned slot a publication outside the step uses
         self._side = DeviceStreams.of(device).side  # None on CPU; tiering/streams.py
         self.phase = Phase.IDLE
         self._boundary = True
@@ -213,11 +225,11 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         # later writes of a host gradient: [Note: bounded staging] in partition/landing.py
         self._staged = StagedAdds(max((p.numel for ps in self._pieces for p in ps), default=1),
                                   pin=home.pin_memory, transfers=self.transfers)
-        if stage == 2 and accumulation_steps > 1 and home.device != device and not self._accum:
+        if stage == 2 and accumulation_steps > 1 and home.device != device and not \
+                self._accum and not self.grads_streamed:
             self._staged.reserve()  # before the engine splits its host budget
         self._left = [0] * self._n_pieces
         self._consumed = [False] * self._n_pieces
-        self._publish_done: torch.cuda.Event | None = None
         self._bucket_of = {id(s.param): b for b in self.layout.buckets for s in b.slots}
         self._slot_of = {id(s.param): s for b in self.layout.buckets for s in b.slots}
         self._hooks = [
@@ -229,6 +241,11 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
                             else group)  # the worker's all-gathers: [Note: step collectives]
         self._chunks, ready = self._plan_step(max(1, step_chunk_numel or STEP_CHUNK_NUMEL))
         self._runner = StepRunner(len(self._chunks), device)
+        self._window = (GradWindow(numel=max(c.numel for c in self._chunks), device=device,
+                                   dtype=self.grad_read_dtype, pin=home.pin_memory,
+                                   homes=[g.grad for g in self._host],
+                                   transfers=self.transfers)  # [Note: the gradient window]
+                        if self.grads_streamed and self._chunks else None)
         self._scratch: list[torch.Tensor] = []
         """fp32 landing zones on the GPU (the master goes up as fp32, cast there)."""
         self._stage_slots: list[torch.Tensor] = []
@@ -291,6 +308,19 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         self._unaveraged = self.host_grad_dtype != torch.float32
         self.host_grad_divisor = float(self.comm_world) if self._unaveraged else 1.0
         host_grad = self.host_grad_dtype if self._unaveraged else self.master_dtype
+        self.grad_read_dtype = host_grad
+        """What the host step's CPU Adam reads: the host shard's dtype, or the window's."""
+        self.grads_streamed = gradient_placed(  # [Note: the gradient's home]
+            streams=self._cpu_optimizer and self._host_kernel is not None,
+            host_numel=host_total, accumulated=self._accum_placed,
+            accumulates_on_host=self.stage == 2 and self._accumulation_steps > 1,
+            home_bytes=host_grad.itemsize, device=self.device, budget=self._accum_budget,
+            decided=self._grad_decided)
+        """The host side's gradient stays on the device (its ``ShardGroup.grad``: the fp32
+        accumulation sum, or the host gradient's dtype), read through ``GradWindow``."""
+        grad_home = (partial(ShardHome(device=self.device).empty, dtype=torch.float32
+                             if self._accum_placed else host_grad) if self.grads_streamed
+                     else partial(self.home.empty, dtype=host_grad))
         home = self._master_home(host_total, split)  # sets self.paged
         self._dev: list[ShardGroup] = []
         self._host: list[ShardGroup] = []
@@ -304,14 +334,12 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
                 self._dev.append(_shard_group(gi, dev_segs, on_device.empty(d),
                                               on_device.empty(d), slots))
                 self._host.append(_shard_group(
-                    gi, host_segs, home(base - d),
-                    self.home.empty(base - d, host_grad), slots))
+                    gi, host_segs, home(base - d), grad_home(base - d), slots))
                 groups.append(_shard_group(
                     gi, segments, torch.empty(base, dtype=torch.float32, device="meta"),
                     torch.empty(base, dtype=torch.float32, device="meta"), slots))
             else:
-                groups.append(_shard_group(gi, segments, home(base),
-                                           self.home.empty(base, host_grad), slots))
+                groups.append(_shard_group(gi, segments, home(base), grad_home(base), slots))
                 self._host.append(groups[-1])
             self._initial_masters(gi, buckets)
         if split:
@@ -321,8 +349,12 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
     def _parts(self, gi: int, kind: str, lo: int, n: int) -> list[tuple[int, torch.Tensor]]:
         """Elements [lo, lo + n) of group ``gi``'s local ``kind`` ("master" | "grad") as
         ``(offset in the range, physical view)``: device part first, then host part."""
+        return [(off, view) for off, _, view in self._sided_parts(gi, kind, lo, n)]
+
+    def _sided_parts(self, gi: int, kind: str, lo: int, n: int):
+        """``_parts`` with the side of each: ``(offset in the range, Side, physical view)``."""
         sides = {Side.DEVICE: self._dev, Side.HOST: self._host}
-        return [(off, getattr(sides[side][gi], kind).narrow(0, start, k))
+        return [(off, side, getattr(sides[side][gi], kind).narrow(0, start, k))
                 for off, side, start, k in split_range(lo, n, self._dev_len[gi])]
 
     @property
@@ -420,14 +452,16 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         first = self._first_micro or self.stage != 2
         lo = self._local_base[b.index] + piece.slice_lo
         staged = []
-        for off, dst in self._parts(b.group_index, "grad", lo, k):  # device part stays there
-            raw = self._unaveraged and dst.dtype != torch.float32  # [Note: 16-bit host gradients]
+        for off, side, dst in self._sided_parts(b.group_index, "grad", lo, k):
+            # the host side's gradient, unaveraged where [Note: 16-bit host gradients] applies
+            # (summed in fp32 where it is accumulated on the device); the device part averaged
+            raw = self._unaveraged and side is Side.HOST
             part = (src if raw else scaled).narrow(0, off, dst.numel())
             if (acc := self._accum and self._accum.view_of(dst)) is not None:  # tiering/
                 self._accum.land(part, acc, dst, first=first, last=self._boundary,
                                  transfers=self.transfers)  # device_accum.py: an fp32 sum
                 continue
-            if not first and raw:
+            if not first and raw and dst.dtype != torch.float32:
                 raise DistributedError(
                     "a second backward before engine.step with 16-bit host gradients (stage 2, "
                     "gradient_accumulation_steps 1): call engine.step after each backward, or "
@@ -451,7 +485,7 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
                         self._consume_bucket(b)
                 else:
                     torch.cuda.current_stream(self.device).wait_stream(self._side)
-                    if self.home.device.type == "cpu":
+                    if self.home.device.type == "cpu" and not self.grads_streamed:
                         with StallTimer(self.transfers):  # gradients landing in host memory
                             torch.cuda.current_stream(self.device).synchronize()
                 self._staged.drain()  # every later write added into host memory
@@ -467,41 +501,59 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         if self.stage == 0 and comm.rank(self.group) != 0:
             # stage 0 shards are replicas: only rank 0 contributes to the sum
             return torch.zeros((), dtype=torch.float32)
+        if self._read_overflows():
+            return torch.tensor(float("inf"))
         if len(self._norm_parts) == self._n_pieces:
             return Copies(self.transfers).host(torch.stack(self._norm_parts).sum().float())
-        # [Note: 16-bit host gradients]: their norms are unaveraged
-        return shards_sq_norm((g.grad for g in self._physical), Copies(self.transfers),
-                              low_divisor=self.host_grad_divisor)
+        # [Note: 16-bit host gradients]: the host side's are unaveraged (16-bit, or their fp32
+        # sum where it is accumulated on the device)
+        copies = Copies(self.transfers)
+        return shards_sq_norm((g.grad for g in self._host), copies,
+                              divisor=self.host_grad_divisor) + \
+            shards_sq_norm((g.grad for g in self._dev), copies)
 
     def local_overflow(self) -> bool:
-        return shards_overflow((g.grad for g in self._physical), Copies(self.transfers))
+        return self._read_overflows() or shards_overflow((g.grad for g in self._physical),
+                                                         Copies(self.transfers))
+
+    def _read_overflows(self) -> bool:
+        """A gradient kept on the device as an fp32 sum overflows where the host step reads
+        it in fp16 (``cast_overflows``)."""
+        return self.grads_streamed and self.grad_read_dtype == torch.float16 and \
+            cast_overflows((g.grad for g in self._host), torch.float16, Copies(self.transfers))
 
     # ---- step ------------------------------------------------------------------------------
 
     def _copy_out(self, b: Bucket, lo: int, hi: int) -> None:
         """Master -> the rank's slice of the 16-bit buffer, elements [lo, hi) of b's slice.
 
-        A host master goes through a pinned 16-bit staging copy (the conversion runs on the
+        A host master goes through the pinned 16-bit staging slots (the conversion runs on the
         CPU threads, the transfer is asynchronous); see [Note: publishing]."""
-        if self._publish_done is not None:  # last step's transfers out of the staging are done
-            with StallTimer(self.transfers):
-                self._publish_done.synchronize()
-            self._publish_done = None
         size = b.slice_numel(self.world)
         base = b.start + self.rank * size
         for off, src in self._parts(b.group_index, "master", self._local_base[b.index] + lo,
                                     hi - lo):
-            k = src.numel()
-            dst = self.params.narrow(0, base + lo + off, k)
+            dst = self.params.narrow(0, base + lo + off, src.numel())
             if src.device != dst.device and src.dtype != dst.dtype:
-                stage = self._staging16.get(b.index)
-                if stage is None:
-                    stage = host_empty(size, dst.dtype, pin=self.home.pin_memory)
-                    self._staging16[b.index] = stage
-                stage = stage.narrow(0, lo + off, k)
-                stage.copy_(src)
-                src = stage
-            Copies(self.transfers).into(dst, src, non_blocking=True)
+                self._staged_copy(dst, src)
+            else:
+                Copies(self.transfers).into(dst, src, non_blocking=True)
+
+    def _staged_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A host ``src`` cast into ``dst`` on the device through the pinned slots, a slot's
+        worth at a time ([Note: publishing])."""
+        slots = self._pinned_slots(2)
+        n = slots[0].numel()
+        for a in range(0, src.numel(), n):
+            k = min(n, src.numel() - a)
+            i = self._staging_next % len(slots)
+            self._staging_next += 1
+            with StallTimer(self.transfers):  # the slot's last copy up has read it
+                self._slot_free[i].synchronize()
+            slot = slots[i].narrow(0, 0, k)
+            slot.copy_(src.narrow(0, a, k))
+            Copies(self.transfers).into(dst.narrow(0, a, k), slot, non_blocking=True)
+            self._slot_free[i].record()
 
     def stage_range(self, group_index: int, start: int, numel: int) -> None:
         """Publish part of a group as soon as the optimizer has updated it (local offsets)."""
@@ -529,9 +581,6 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
                                                            self.group))
             for h in handles:
                 h.wait()
-            if self._staging16 and self.device.type == "cuda":
-                self._publish_done = torch.cuda.Event()
-                self._publish_done.record()
             self.phase = Phase.IDLE
 
     def zero_grad(self) -> None:
@@ -558,8 +607,9 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         """Memory held for ``engine.stats()["tiers"]``: fp32 masters and gradient shards, the
         flat 16-bit parameter and gradient buffers, staging and landing buffers."""
         return ([t for sg in self._physical for t in (sg.master, sg.grad)] + [self.params, self.grads]
-                + list(self._staging16.values()) + self._staged.held_tensors()
+                + self._staged.held_tensors()
                 + list(self._scratch) + list(self._stage_slots)
+                + (self._window.held_tensors() if self._window is not None else [])
                 + (self._assist.held_tensors() if self._assist is not None else []))
 
     def close(self) -> None:

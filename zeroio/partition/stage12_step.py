@@ -122,6 +122,12 @@ class HostStep12:
             if step is None:  # the CPU steps every chunk: the host state must be current
                 self._assist.release()
             self._assist.begin_step()
+        if self._window is not None:  # [Note: the gradient window] in tiering/grad_window.py
+            skip = [self._assist is not None and self._assist.holds(*self._host_key(c))
+                    for c in self._chunks]  # resident chunks are stepped on the GPU
+            ready = self._window.begin([self._host_grad(c) for c in self._chunks], skip)
+            if self._assist is not None:  # the GPU's chunks read the gradient there too
+                self._assist.after(ready)
         if self.optimizer_split is not None:
             self._publish_device()
         if self._copy_stream is not None:  # the backward's last reads of the buffers come first
@@ -133,18 +139,37 @@ class HostStep12:
             self.wait_step()
         self.phase = Phase.IDLE
 
+    def _host_key(self, c: StepChunk) -> tuple[int, int, int]:
+        """(group, host-side local offset, elements) of chunk ``c``: how the assist knows it."""
+        b = c.bucket
+        return (b.group_index,
+                self._local_base[b.index] + c.slice_lo - self._dev_len[b.group_index], c.numel)
+
+    def _host_grad(self, c: StepChunk) -> torch.Tensor:
+        """Chunk ``c``'s gradient on the host side (where it lives: host or device)."""
+        gi, hlo, n = self._host_key(c)
+        return self._host[gi].grad.narrow(0, hlo, n)
+
     def _make_landing(self) -> None:
         if self.params.dtype == torch.float32 or not self._chunks:
             return
         n = max(c.numel for c in self._chunks)
-        if self._out_in_pass and not self._stage_slots:
+        if self._out_in_pass:
             # with the assist, a CPU chunk's copy may queue behind GPU chunks: more slots
-            k = 4 if self._assist is not None else 2
-            self._stage_slots = [host_empty(n, self.params.dtype, pin=True) for _ in range(k)]
-            self._slot_free = [torch.cuda.Event() for _ in range(k)]
+            self._pinned_slots(4 if self._assist is not None else 2)
         if not self._out_in_pass and not self._scratch:
             self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device)
                              for _ in range(2)]
+
+    def _pinned_slots(self, k: int) -> list[torch.Tensor]:
+        """At least ``k`` pinned 16-bit slots of the largest chunk, each with the event behind
+        its last copy up ([Note: step publication]; publications outside the step use them
+        too: [Note: publishing] in stage12.py)."""
+        n = max((c.numel for c in self._chunks), default=1)
+        while len(self._stage_slots) < k:
+            self._stage_slots.append(host_empty(n, self.params.dtype, pin=True))
+            self._slot_free.append(torch.cuda.Event())
+        return self._stage_slots
 
     def _step_out(self) -> torch.dtype | None:
         """What ``_step_job`` hands ``update`` as ``out`` under the one-pass CPU Adam: the
@@ -168,8 +193,14 @@ class HostStep12:
             k = i % len(self._stage_slots)
             self._slot_free[k].synchronize()  # the slot's last copy to the GPU read it
             out = self._stage_slots[k].narrow(0, 0, c.numel)
-        with self._runner.clock.phase("adam", numel=c.numel):
-            update(b.group_index, hlo, c.numel, out=out)
+        if self._window is not None:  # the gradient stays on the device: read chunk i's
+            with self._runner.clock.phase("window"):
+                grad = self._window.read(i)
+            with self._runner.clock.phase("adam", numel=c.numel):
+                update(b.group_index, hlo, c.numel, out=out, grad=grad)
+        else:
+            with self._runner.clock.phase("adam", numel=c.numel):
+                update(b.group_index, hlo, c.numel, out=out)
         with self._runner.clock.phase("publish"):
             self._publish_chunk(c, i, b, hlo, dst, out)
 
@@ -245,5 +276,7 @@ class HostStep12:
         finally:
             if self._assist is not None:  # the GPU's chunks are back in host memory
                 self._assist.drain()
+            if self._window is not None:  # no copy reads the gradient the backward writes
+                self._window.finish()
         if self._runner.events is not None and self._chunks:
             torch.cuda.current_stream(self.device).wait_event(self._runner.events[-1])

@@ -276,6 +276,17 @@ class StepAssist:
         if self._step_grads and self._grads_written is not None:
             self.up.wait_event(self._grads_written)  # the landing's copies are done first
 
+    def holds(self, group_index: int, lo: int, numel: int) -> bool:
+        """Whether the chunk is resident on the GPU now (its next step is taken here)."""
+        return (group_index, lo, numel) in self._resident
+
+    def after(self, event: torch.cuda.Event | None) -> None:
+        """Chunks submitted from now on read their state only after ``event`` (a gradient
+        kept on the device: its last writes, [Note: the gradient window] in
+        tiering/grad_window.py)."""
+        if event is not None:
+            self.up.wait_event(event)
+
     @property
     def gpu_budget_bytes(self) -> int | None:
         """``zero_optimization.tiering.gpu_budget_bytes`` (the tier's cap; None: "auto")."""

@@ -94,6 +94,27 @@ def accumulation_placed(*, accumulates: bool, host_numel: int, device: torch.dev
                            room=DEVICE_ROOM(device))
 
 
+def gradient_placed(*, streams: bool, host_numel: int, accumulated: bool,
+                    accumulates_on_host: bool, home_bytes: int, device: torch.device,
+                    budget: int | None, decided: bool | None = None) -> bool:
+    """Whether the host optimizer's gradient of ``host_numel`` elements stays on ``device``
+    and the host step reads it through a window ([Note: the gradient's home] in
+    config/accum_place.py): as ``decided`` (the engine's placement: ``Placement.
+    gradient_on_device``), or, decided by nobody, by that rule: where the host shard is
+    stepped chunk by chunk (``streams``), always when the accumulation buffer is placed
+    (``accumulated``: it is the home), never when micro steps are summed on the host, else
+    when a device shard of ``home_bytes`` per element fits (``place_on_device``)."""
+    if not streams or host_numel <= 0:
+        return False
+    if decided is not None:
+        return decided
+    if accumulated:
+        return True
+    if accumulates_on_host:
+        return False
+    return place_on_device(home_bytes * host_numel, budget=budget, room=DEVICE_ROOM(device))
+
+
 def accumulation_on_device(*, placed: bool, host_grads: list[torch.Tensor],
                            device: torch.device) -> DeviceAccum | None:
     """The ``DeviceAccum`` of ``host_grads`` (host memory) where ``accumulation_placed``
@@ -154,4 +175,4 @@ class DeviceAccum:
 
 
 __all__ = ["DEVICE_ROOM", "DeviceAccum", "accumulation_on_device", "accumulation_placed",
-           "cuda_room"]
+           "cuda_room", "gradient_placed"]

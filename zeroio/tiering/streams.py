@@ -19,6 +19,10 @@ so a role's work overlaps the compute stream and the other roles' work:
   the ratio split. Kept apart from ``comm`` so the backward's next gathers do not
   queue behind each group's gradient crossing PCIe ([Note: stage-3 streams] in
   partition/stage3/streams.py has the measurement).
+- ``grad_window`` (the host step, offload_optimizer cpu): a gradient kept on the device
+  copied down chunk by chunk into the host step's pinned window, one chunk ahead of the CPU
+  Adam ([Note: the gradient window] in tiering/grad_window.py). Its own stream, so those
+  copies never queue behind the next forward's shard copies or the step assist's.
 - ``side`` (stage 1/2): a bucket's consumption right after its collective (its
   slice divided, cast, normed and copied into the fp32 or host gradient shard),
   so with CPU offload gradients travel to pinned host memory while backward
@@ -57,8 +61,8 @@ import torch
 
 from zeroio.io.engine import IOArgumentError
 
-ROLES = ("param_h2d", "comm", "grad_d2h", "side", "copy", "assist_up", "assist_down",
-         "store_h2d", "store_d2h")
+ROLES = ("param_h2d", "comm", "grad_d2h", "grad_window", "side", "copy", "assist_up",
+         "assist_down", "store_h2d", "store_d2h")
 """Every side stream's role; see [Note: zeroio's CUDA streams]."""
 
 
@@ -118,6 +122,7 @@ class DeviceStreams:
     param_h2d = property(lambda self: self.stream("param_h2d"))
     comm = property(lambda self: self.stream("comm"))
     grad_d2h = property(lambda self: self.stream("grad_d2h"))
+    grad_window = property(lambda self: self.stream("grad_window"))
     side = property(lambda self: self.stream("side"))
     copy = property(lambda self: self.stream("copy"))
     assist_up = property(lambda self: self.stream("assist_up"))

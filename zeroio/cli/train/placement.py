@@ -266,7 +266,7 @@ def render(plan, source: str, notes, zero: dict[str, Any]) -> str:
                  f"{m.cpu_adam_elems_per_s / 1e9:.3f} G elements/s")
     lines += render_fit(plan)
     if not plan.reasons:
-        lines += ["", "faster placements rejected: none (the fastest placement fits)"]
+        lines += ["", "placements earlier in the list that do not fit: none"]
     lines += ["", "applied: zero_optimization " + json.dumps(zero, sort_keys=True),
               f"(GB = 1e9 bytes; {MARGIN:.0%} of GPU and host memory left free)"]
     return "\n".join(lines)

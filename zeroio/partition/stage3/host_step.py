@@ -67,11 +67,7 @@ class Stage3HostStep:
                 self._assist.release()  # the CPU steps every chunk below
             self._assist.begin_step()
         if not isinstance(self.store, (HostShards, DeviceShards, MasterShards)):
-            for sg in self._sides[Side.HOST]:
-                if sg.master.numel():
-                    with self._clock.phase("adam", numel=sg.master.numel()):
-                        update(sg.group_index, 0, sg.master.numel())
-            self.publish_params()
+            self._step_whole(update)
             return
         self._publish_device_side()
         order = list(dict.fromkeys(gi for gi in self.trace.order if gi in self._pieces))
@@ -80,6 +76,7 @@ class Stage3HostStep:
         # one whose shard on this rank holds nothing to update
         now = [g.plan.index for g in self.pgroups if g.state is not GroupState.SHARDED]
         later = [gi for gi in order if self.pgroups[gi].state is GroupState.SHARDED]
+        self._begin_window([gi for gi in now if gi in self._pieces] + later)
         into_shard = out_in_pass and isinstance(self.store, HostShards)
         # the gathered groups below are stepped here, on the CPU (counted as such)
         self._assist_step = step if self._assist is not None and into_shard else None
@@ -96,6 +93,34 @@ class Stage3HostStep:
         if not self.settings.overlap_step:
             self.wait_step()
         self.phase = Phase.IDLE
+
+    def _step_whole(self, update) -> None:
+        """A store that is not plain memory (NVMe shards, driven from this thread): Adam over
+        every host piece here, then ``publish_params``."""
+        if self._window is None:
+            for sg in self._sides[Side.HOST]:
+                if sg.master.numel():
+                    with self._clock.phase("adam", numel=sg.master.numel()):
+                        update(sg.group_index, 0, sg.master.numel())
+        else:  # chunk by chunk through the gradient window
+            order = sorted(self._pieces)
+            self._begin_window(order)
+            for gi in order:
+                self._step_group(update, gi, step_only=True)
+            self._window.finish()
+        self.publish_params()
+
+    def _begin_window(self, groups: list[int]) -> None:
+        """The gradient window's chunks for a step over ``groups`` in this order ([Note: the
+        gradient window] in tiering/grad_window.py); the step assist reads the device gradient
+        after the same event."""
+        if self._window is None:
+            return
+        sources, keys = self._window_sources(groups)
+        skip = [self._assist is not None and self._assist.holds(*k) for k in keys]
+        ready = self._window.begin(sources, skip)  # resident chunks are stepped on the GPU
+        if self._assist is not None:
+            self._assist.after(ready)
 
     def _publish_device_side(self) -> None:
         """Twin placement: the device side's pieces (stepped already) into the 16-bit shards."""
@@ -118,11 +143,15 @@ class Stage3HostStep:
         if self._publisher is not None:
             self._publisher.settle()
 
-    def _step_group(self, update, gi: int, into_shard: bool = False) -> None:
+    def _step_group(self, update, gi: int, into_shard: bool = False,
+                    step_only: bool = False) -> None:
         """Adam over group ``gi``'s host pieces, chunk by chunk, each chunk cast into the
         shard: by the optimizer's own pass (``into_shard``, the one-pass CPU Adam writing the
-        host shard's slice) or by a copy behind it."""
+        host shard's slice) or by a copy behind it (none with ``step_only``: the caller
+        publishes). A gradient kept on the device is read through the window, chunk ``k``
+        of the step's list (``_window_sources``)."""
         g, chunk = self.pgroups[gi], self.settings.step_chunk_numel
+        k = self._window_base.get(gi, 0) if self._window is not None else 0
         with torch.profiler.record_function("zeroio::stage3::step_group"):
             for ref in self._pieces[gi]:
                 if ref.side is Side.DEVICE:
@@ -130,19 +159,31 @@ class Stage3HostStep:
                 n = ref.piece.hi - ref.piece.lo
                 master = self._sides[Side.HOST][ref.piece.opt_group].master
                 for lo, hi in chunk_bounds(0, n, chunk):  # [Note: host-step chunks]
+                    k += 1
+                    out = None
                     if into_shard:  # publishing is the wait for readers of the shard
                         with self._clock.phase("publish"):
                             out = self.store.writable(gi, ref.piece.lo + lo, hi - lo)
                         if self._assisting(gi, ref.piece.opt_group, ref.base + lo, hi - lo, out):
                             continue
-                        with self._clock.phase("adam", numel=hi - lo):
-                            update(ref.piece.opt_group, ref.base + lo, hi - lo, out=out)
-                        continue
-                    with self._clock.phase("adam", numel=hi - lo):
-                        update(ref.piece.opt_group, ref.base + lo, hi - lo)
-                    with self._clock.phase("publish"):
-                        g.update_shard(ref.piece.lo + lo, master.narrow(0, ref.base + lo, hi - lo))
+                    self._update_chunk(update, ref.piece.opt_group, ref.base + lo, hi - lo,
+                                       out, k - 1)
+                    if not into_shard and not step_only:
+                        with self._clock.phase("publish"):
+                            g.update_shard(ref.piece.lo + lo,
+                                           master.narrow(0, ref.base + lo, hi - lo))
         self._unpublished.discard(gi)
+
+    def _update_chunk(self, update, opt_group: int, lo: int, numel: int,
+                      out: torch.Tensor | None, k: int) -> None:
+        """CPU Adam over one chunk (``out``: where it writes the 16-bit values, or None); a
+        gradient kept on the device comes through the window (chunk ``k``)."""
+        kw = {} if out is None else {"out": out}
+        if self._window is not None:
+            with self._clock.phase("window"):
+                kw["grad"] = self._window.read(k)
+        with self._clock.phase("adam", numel=numel):
+            update(opt_group, lo, numel, **kw)
 
     def _assisting(self, gi: int, opt_group: int, lo: int, numel: int,
                    out: torch.Tensor) -> bool:
@@ -207,3 +248,5 @@ class Stage3HostStep:
                 self._assist.drain()
                 self._assisted = {}
             self._assist_step = None
+            if self._window is not None:  # no copy reads the gradient the backward writes
+                self._window.finish()

@@ -22,7 +22,8 @@ from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError, DistributedError
 from zeroio.partition import collectives as comm
 from zeroio.partition.base import Partitioner, Phase, ShardGroup
-from zeroio.partition.grad_norm import shards_overflow, shards_sq_norm
+from zeroio.partition.grad_norm import cast_overflows, shards_overflow, shards_sq_norm
+from zeroio.partition.host_plan import chunk_bounds
 from zeroio.partition.stage3 import registry
 from zeroio.partition.stage3.grads import GradLanding, Landing
 from zeroio.partition.stage3.group import ParamGroup, PendingReduce
@@ -48,7 +49,12 @@ from zeroio.shard.assist import StepAssist
 from zeroio.shard.host_grads import host_grad_dtype
 from zeroio.shard.paged import PagedMasters
 from zeroio.tiering.copies import Copies
-from zeroio.tiering.device_accum import accumulation_on_device, accumulation_placed
+from zeroio.tiering.device_accum import (
+    accumulation_on_device,
+    accumulation_placed,
+    gradient_placed,
+)
+from zeroio.tiering.grad_window import GradWindow
 from zeroio.tiering.stats import TierStats
 
 _MAX_INFLIGHT_REDUCES = 4
@@ -125,9 +131,11 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             device, pin=getattr(home, "pin_memory", False), transfers=self.transfers,
             d2h=self.streams.d2h)
         self._accum = self.landing.accum = accumulation_on_device(  # tiering/device_accum.py
-            placed=self._accum_placed, host_grads=[sg.grad for sg in host], device=device)
-        if settings.accumulation_steps > 1 and self._accum is None:  # in the host budget's
-            self.landing.reserve_staging()  # split (engine.py)
+            placed=self._accum_placed and not self.grads_streamed,
+            host_grads=[sg.grad for sg in host], device=device)
+        if settings.accumulation_steps > 1 and self._accum is None and \
+                not self.grads_streamed:  # in the host budget's split (engine.py)
+            self.landing.reserve_staging()
         self._whole = {gi: _covers_shard(self.pgroups[gi].plan, self.rank, refs)
                        for gi, refs in self._pieces.items()}
         for p in by_id.values():
@@ -153,8 +161,9 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self._assist = (StepAssist(device, host_numel=host_numel, transfers=self.transfers,
                                    gpu_budget_bytes=settings.tiering.gpu_budget_bytes,
                                    device_grads=self.host_grad_dtype  # not beside an
-                                   if self.host_grad_dtype.itemsize == 2 and  # fp32 sum
-                                   self._accum is None else None)
+                                   if self.host_grad_dtype.itemsize == 2 and  # fp32 sum,
+                                   self._accum is None and  # nor where the gradient stays
+                                   not self.grads_streamed else None)  # on the device
                         if settings.step_assist and isinstance(self.store, HostShards) and
                         self.paged is None else None)  # [Note: step assist] in shard/assist.py
         if self._assist is not None and self._assist.device_grads is not None:
@@ -162,6 +171,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self._assist_step = None
         self._assisted: dict[int, list[torch.cuda.Event]] = {}
         """Per group, the events behind the GPU's copies into its host shard (this step)."""
+        self._window = self._gradient_window()  # [Note: the gradient window]
         for g in self.pgroups:
             g.before_fetch = self._await_shard
         for g in self.pgroups:
@@ -250,7 +260,21 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         device side's are fp32."""
         if self.host_grad_dtype == torch.float32:
             self.host_grad_dtype = mdt
-        grad_homes = {Side.HOST: lambda n: self.home.empty(n, self.host_grad_dtype),
+        self.grad_read_dtype = self.host_grad_dtype
+        host_numel = sum(sizes[Side.HOST])
+        self.grads_streamed = gradient_placed(  # [Note: the gradient's home]
+            streams=self.settings.cpu_optimizer and self._host_kernel is not None and
+            self.paged is None, host_numel=host_numel, accumulated=self._accum_placed,
+            accumulates_on_host=self.settings.accumulation_steps > 1,
+            home_bytes=self.host_grad_dtype.itemsize, device=self.device,
+            budget=self.settings.tiering.gpu_budget_bytes,
+            decided=self.settings.gradient_on_device)
+        """The host side's gradient stays on the device (the fp32 accumulation sum, or the
+        host gradient's dtype), read by the host step through ``GradWindow``."""
+        streamed = torch.float32 if self._accum_placed else self.host_grad_dtype
+        grad_homes = {Side.HOST: (lambda n: torch.zeros(n, dtype=streamed, device=self.device))
+                      if self.grads_streamed else
+                      (lambda n: self.home.empty(n, self.host_grad_dtype)),
                       Side.DEVICE: lambda n: torch.zeros(n, dtype=torch.float32,
                                                          device=self.device)}
         if isinstance(self.store, MasterShards):
@@ -284,6 +308,38 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                     grad=grad_homes[side](sizes[side][og]), numel=sum(s.numel for s in segs),
                     segments=tuple(segs), params=names))
         return groups, by_group
+
+    def _window_sources(self, groups: list[int]):
+        """The host pieces' gradients of ``groups``, chunk by chunk, in the order the host
+        step steps them (``_step_group``), and each chunk's (optimizer group, local offset,
+        elements); ``self._window_base`` records where each group's chunks start."""
+        out: list[torch.Tensor] = []
+        keys: list[tuple[int, int, int]] = []
+        self._window_base = {}
+        for gi in groups:
+            self._window_base[gi] = len(out)
+            for ref in self._pieces.get(gi, []):
+                if ref.side is Side.DEVICE:
+                    continue
+                og = ref.piece.opt_group
+                grad = self._sides[Side.HOST][og].grad
+                for lo, hi in chunk_bounds(0, ref.piece.hi - ref.piece.lo,
+                                           self.settings.step_chunk_numel):
+                    out.append(grad.narrow(0, ref.base + lo, hi - lo))
+                    keys.append((og, ref.base + lo, hi - lo))
+        return out, keys
+
+    def _gradient_window(self) -> GradWindow | None:
+        """The host step's window onto the device-homed gradient, of the largest chunk."""
+        if not self.grads_streamed:
+            return None
+        chunks, _ = self._window_sources(sorted(self._pieces))
+        if not chunks:
+            return None
+        return GradWindow(numel=max(c.numel() for c in chunks), dtype=self.grad_read_dtype,
+                          device=self.device, pin=getattr(self.home, "pin_memory", False),
+                          homes=[sg.grad for sg in self._sides[Side.HOST]],
+                          transfers=self.transfers)
 
     def _publish_piece(self, og: int, lo: int, values: torch.Tensor) -> None:
         """Host masters [lo, lo + len(values)) of optimizer group ``og``, updated and still in
@@ -442,6 +498,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         # the engine's step starts here: a fetch since finalize_gradients (GatheredParameters)
         # may still read masters the optimizer is about to write
         self._settle_master_reads()
+        if self._read_overflows():
+            return torch.tensor(float("inf"))
         taken = self.landing.sq_norm()  # [Note: landing reduced gradients]
         if taken is not None:
             return taken
@@ -458,7 +516,15 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
 
     def local_overflow(self) -> bool:
         self.grads_to_host()
-        return shards_overflow((sg.grad for sg in self._physical), Copies(self.transfers))
+        return self._read_overflows() or shards_overflow((sg.grad for sg in self._physical),
+                                                         Copies(self.transfers))
+
+    def _read_overflows(self) -> bool:
+        """A gradient kept on the device as an fp32 sum overflows where the host step reads
+        it in fp16 (``cast_overflows`` in partition/grad_norm.py)."""
+        return self.grads_streamed and self.grad_read_dtype == torch.float16 and \
+            cast_overflows((sg.grad for sg in self._sides[Side.HOST]), torch.float16,
+                           Copies(self.transfers))
 
     def publish_params(self) -> None:
         """Masters -> this rank's 16-bit shards; gathered groups (persistent) re-gathered."""
@@ -522,6 +588,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             out += self._publisher.held_tensors()
         if self._assist is not None:
             out += self._assist.held_tensors()
+        if self._window is not None:
+            out += self._window.held_tensors()
         return out
 
     # -- GatheredParameters -----------------------------------------------------------------
@@ -580,13 +648,15 @@ def _covers_shard(plan, rank: int, refs: list[_PieceRef]) -> bool:
 def build_stage3_partitioner(*, cfg, module: nn.Module, spec, device: torch.device,
                              compute_dtype: torch.dtype, home, policies,
                              host_kernel=None,
-                             accumulate_on_device: bool | None = None) -> Stage3Partitioner:
+                             accumulate_on_device: bool | None = None,
+                             gradient_on_device: bool | None = None) -> Stage3Partitioner:
     """What ``engine_build.build_partitioner`` calls for ``zero_optimization.stage: 3``; ``policies``:
     the offload and tiering blocks resolved for ``device`` (config/policy.py);
-    ``accumulate_on_device``: the engine's placement's decision (``Stage3Settings``)."""
+    ``accumulate_on_device`` / ``gradient_on_device``: the engine's placement's decisions
+    (``Stage3Settings``)."""
     settings = dataclasses.replace(
         Stage3Settings.from_policies(policies, zero=cfg.zero_optimization, aio=cfg.aio),
-        accumulate_on_device=accumulate_on_device)
+        accumulate_on_device=accumulate_on_device, gradient_on_device=gradient_on_device)
     if spec.rule != "adam" and settings.masters != "host":  # only Adam pages its masters
         if settings.masters == "nvme":
             raise ConfigError(f'zero_optimization.offload_optimizer.masters = "nvme" with the '

@@ -58,6 +58,10 @@ class Stage3Settings:
     """The engine's placement's decision to sum them in a device-tier buffer ([Note:
     accumulation on the device tier] in tiering/device_accum.py); None: the partitioner
     decides by that rule itself (built without an engine)."""
+    gradient_on_device: bool | None = None
+    """The engine's placement's decision to keep the host side's gradient on the device and
+    step it through the host step's window ([Note: the gradient's home] in
+    config/accum_place.py); None: the partitioner decides by that rule itself."""
     step_chunk_numel: int = 1 << 26
     """offload_optimizer cpu: most elements one CPU Adam call updates before that chunk is
     published (cast into the 16-bit shard): ``zero_optimization.tiering.step_chunk_numel``
