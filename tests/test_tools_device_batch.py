@@ -53,7 +53,8 @@ def _marked_by_hand() -> set[str]:
     for p in (REPO / "tests").glob("test_*.py"):
         for line in p.read_text().splitlines():
             if line.lstrip().startswith("@pytest.mark.gpu") or (
-                    line.startswith("pytestmark") and "mark.gpu" in line):
+                    line.startswith("pytestmark") and "mark.gpu" in line) or (
+                    "pytest.param(" in line and "marks=pytest.mark.gpu" in line):
                 out.add(p.name)
     return out
 

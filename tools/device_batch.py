@@ -72,7 +72,9 @@ class Suite:
                      + list(self.extra_carry))
 
 
-GPU_MARK = re.compile(r"^(\s*@pytest\.mark\.gpu\b|pytestmark = .*pytest\.mark\.gpu)", re.M)
+GPU_MARK = re.compile(r"^(\s*@pytest\.mark\.gpu\b|pytestmark = .*pytest\.mark\.gpu)"
+                      r"|pytest\.param\(.*marks=pytest\.mark\.gpu\b", re.M)
+"""A decorated test, a module-wide mark, or a parameter marked gpu (``pytest.param(...)``)."""
 
 
 def gpu_test_files(root: Path = REPO) -> list[Path]:
