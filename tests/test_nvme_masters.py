@@ -39,7 +39,7 @@ def _config(world: int, nvme: str, masters: str, budget: int, params: str = "non
     return {
         "train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-        "zero_optimization": {"stage": 3, "sub_group_size": 4096,
+        "zero_optimization": {"stage": 3, "sub_group_size": 1024,
                               "stage3_param_persistence_threshold": 0,
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
                                                     "masters": masters},

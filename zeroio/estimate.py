@@ -55,7 +55,7 @@ Two layers, reported separately in the breakdown:
      buffer_count x min(sub_group_size, Psi / N) x 4 bytes (DeepSpeed's meaning). With it,
      what the state above leaves of the budget is the optimizer's share: its swap window and
      the head of moments it holds (whole pieces) are in host memory, as the swap plan keeps
-     them (optim/swap_rule.py, [Note: resident head, streamed tail]); the disk homes every
+     them (shard/swap_rule.py, [Note: resident head, streamed tail]); the disk homes every
      moment (the head "cached"), or, with an NVMe budget (``nvme_budget_bytes``, or
      ``tiering.nvme_budget_bytes``) too small for every moment, only the streamed tail (the
      head "resident").
@@ -520,7 +520,7 @@ def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, s
     """The NVMe moments (item ``name``; paged masters too) with a CPU budget (module doc, 2.):
     the swap buffers become the window and the resident head is held in host memory; the
     disk keeps every home (and the head's too, unless an NVMe budget leaves it out)."""
-    from zeroio.optim.swap_rule import moment_split, read_ahead
+    from zeroio.shard.swap_rule import moment_split, read_ahead
 
     moments = next((i for i in items if i.name == name), None)
     swap = next((i for i in items if i.name == "optimizer swap buffers (pinned)"), None)
@@ -535,7 +535,7 @@ def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, s
     if cut.window:  # none where the budget holds every moment
         out.append(MemoryItem(name="optimizer swap window (pinned)", tier="cpu",
                               bytes_per_gpu=cut.window, kind="zeroio_buffer",
-                              formula="(1 + read ahead) pieces' two moments (optim/swap_rule.py)"))
+                              formula="(1 + read ahead) pieces' two moments (shard/swap_rule.py)"))
     if cut.resident:  # the head: homed in host memory, or cached there beside its disk home
         homed = cut.disk < moments.bytes_per_gpu
         out.append(MemoryItem(name=f"{name} {'resident' if homed else 'cached'} in host memory "

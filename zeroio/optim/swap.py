@@ -132,7 +132,9 @@ from zeroio.optim import cpu_adam
 from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.optim.swap_plan import SubGroup, SwapPlan, split
-from zeroio.optim.swap_rule import _PAGE, MAX_PIECE_ELEMS, READ_AHEAD  # noqa: F401 (re-exported)
+from zeroio.optim.swap_state import SwapStateAccess
+from zeroio.shard.pieces import PieceIndex
+from zeroio.shard.swap_rule import _PAGE, MAX_PIECE_ELEMS, READ_AHEAD  # noqa: F401 (re-exported)
 from zeroio.shard.types import ShardGroup
 
 
@@ -152,7 +154,7 @@ def _one_pass(groups: list[ShardGroup], state_dtype: torch.dtype) -> bool:
                            state_dtype=state_dtype)
 
 
-class SwappedAdam(EngineOptimizer):
+class SwappedAdam(SwapStateAccess, EngineOptimizer):
     """Same update as ``ShardedAdam``; moments in a ``TieredStore`` homed on NVMe. A subclass
     swaps another rule's state (optim/swapped_rule.py): ``state_kinds`` names the swapped
     tensors, ``_update`` steps one piece, ``compiled_kernel`` False skips the CPU Adam kernel."""
@@ -180,7 +182,7 @@ class SwappedAdam(EngineOptimizer):
         gradients: [Note: 16-bit host gradients] in partition/stage12.py). ``masters``: the
         partitioner's ``PagedMasters`` when the masters page through NVMe with the moments
         ([Note: where the masters live]); None: they are the ShardGroups' host tensors."""
-        from zeroio.tiering import PolicyKind, Tier, TieredStore
+        from zeroio.tiering import PolicyKind, Tier
 
         if policies is None:
             if cfg is None:
@@ -218,6 +220,8 @@ class SwappedAdam(EngineOptimizer):
         self.policy = PolicyKind.parse(tiering.policy)
         if cpu_budget_bytes is None:
             cpu_budget_bytes = tiering.cpu_budget_bytes
+        if masters is not None:  # the cut the initial masters were written in
+            piece_elems = masters.cut.piece_elems
         self.plan = SwapPlan.make(self.subs, cpu_budget=cpu_budget_bytes,
                                   buffer_count=off.buffer_count, pipeline_read=self.pipeline_read,
                                   piece_elems=piece_elems, read_ahead=tiering.prefetch_depth,
@@ -229,34 +233,21 @@ class SwappedAdam(EngineOptimizer):
         # write-behind is the trace schedule's: under lru / fifo the policy picks the victim
         self._write_behind = self.pipeline_write and self.policy is PolicyKind.TRACE
         self.pieces = list(self.plan.pieces)
-        path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
-                                                               f"zeroio-optim-rank{rank}")
-        if path is not None:
-            from zeroio.io import swapdir
-
-            swapdir.remove_stale(off.nvme_path)  # crashed runs' folders, any rank's
-            swapdir.make_private_dirs(path)
-        # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top. The
-        # store evicts by tiering.policy (under trace the head is held, so its only
-        # candidates are the window's released pieces).
-        extra = {} if nvme_budget_bytes is None else {"nvme_budget_bytes": nvme_budget_bytes}
-        self.store = TieredStore(tiering, aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
-                                 cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0,
-                                 policy=self.policy, **extra)
+        self.index = PieceIndex(self.pieces)
+        """The pieces by group and element ([Note: pieces stay large] in shard/swap_rule.py:
+        every lookup is O(log n), so nothing here scans every piece per piece)."""
         self._tier = Tier.CPU
-        head = self._host_homed_head()
-        for i, piece in enumerate(self.pieces):
-            home = Tier.CPU if i < head else Tier.NVME
-            for kind in self._kinds:
-                init = None if kind != "master" else masters.read(piece.group_index, piece.start,
-                                                                   piece.numel)
-                self.store.register(piece.name(kind), (piece.numel,), self._dtypes[kind],
-                                    home=home, init=init)
+        self.store = self._open_store(off, tiering, aio, backend, rank, nvme_budget_bytes)
+        try:
+            self._register_pieces()
+        except BaseException:
+            if masters is None:  # the paged masters' store is closed by their owner
+                self._close_store()
+            raise
         if masters is not None:
             masters.adopt(self)
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
-        self._last_of_sub = {self._piece_index(s.group_index, s.start + s.numel - 1): s
-                             for s in self.subs}
+        self._last_of_sub = self._last_pieces()
         self._held: dict[int, list[torch.Tensor]] = {}  # resident pieces: acquired once, kept
         self._pending: dict[int, list] = {}  # piece index -> futures of its moments being read
         self._taken: set[int] = set()  # streamed pieces acquired by this step, not put back yet
@@ -267,6 +258,62 @@ class SwappedAdam(EngineOptimizer):
         # a time, inside the window the plan leaves next to the read-ahead
         self._state_pins = threading.BoundedSemaphore(2)
 
+    def _open_store(self, off, tiering, aio, backend, rank: int, nvme_budget_bytes: int | None):
+        """The store the pieces live in: the paged masters' (their cut, seeded already), its
+        budgets set to this plan; else a fresh one under ``zeroio-optim-rank<rank>``."""
+        from zeroio.tiering import TieredStore
+
+        if self.paged is not None:
+            store = self.paged.store
+            if [(p.group_index, p.start, p.numel) for p in self.paged.pieces] != \
+                    [(p.group_index, p.start, p.numel) for p in self.pieces]:
+                raise RuntimeError("SwappedAdam: the paged masters were cut into other pieces "
+                                   "than this optimizer's groups give")
+            store.shrink_budget("cpu", self.plan.cpu_budget)
+            if nvme_budget_bytes is not None:
+                store.shrink_budget("nvme", nvme_budget_bytes)
+            self._made = []
+            return store
+        path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
+                                                               f"zeroio-optim-rank{rank}")
+        self._made: list[str] = []  # folders made here: removed again at close
+        if path is not None:
+            from zeroio.io import swapdir
+
+            swapdir.remove_stale(off.nvme_path)  # crashed runs' folders, any rank's
+            self._made = swapdir.make_private_dirs(path)
+        # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top. The
+        # store evicts by tiering.policy (under trace the head is held, so its only
+        # candidates are the window's released pieces).
+        extra = {} if nvme_budget_bytes is None else {"nvme_budget_bytes": nvme_budget_bytes}
+        return TieredStore(tiering, aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
+                           cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0,
+                           policy=self.policy, **extra)
+
+    def _register_pieces(self) -> None:
+        """Every piece's state tensors (the paged masters are registered already)."""
+        from zeroio.tiering import Tier
+
+        head = self._host_homed_head()
+        for i, piece in enumerate(self.pieces):
+            home = Tier.CPU if i < head else Tier.NVME
+            for kind in self.state_kinds:
+                self.store.register(piece.name(kind), (piece.numel,), self._dtypes[kind],
+                                    home=home)
+
+    def _last_pieces(self) -> dict[int, SubGroup]:
+        """Piece index -> the sub-group it ends (``on_updated`` is reported after it)."""
+        ends = {(s.group_index, s.start + s.numel): s for s in self.subs}
+        return {i: ends[(p.group_index, p.start + p.numel)] for i, p in enumerate(self.pieces)
+                if (p.group_index, p.start + p.numel) in ends}
+
+    def _close_store(self) -> None:
+        self.store.close()
+        from zeroio.io import swapdir
+
+        for d in reversed(self._made):
+            swapdir.remove_if_empty(d)
+
     def _host_homed_head(self) -> int:
         """Pieces of the resident head homed in host memory: all of it when the NVMe budget
         cannot hold every piece's moments, else none ([Note: resident head, streamed tail])."""
@@ -275,12 +322,6 @@ class SwappedAdam(EngineOptimizer):
         disk = sum(p.numel for p in self.pieces) * sum(self._dtypes[k].itemsize
                                                        for k in self._kinds)
         return self.plan.resident if disk > self.store.budgets.nvme else 0
-
-    def _piece_index(self, group_index: int, element: int) -> int:
-        for i, p in enumerate(self.pieces):
-            if p.group_index == group_index and p.start <= element < p.start + p.numel:
-                return i
-        raise IndexError(f"no piece holds element {element} of group {group_index}")
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -425,143 +466,6 @@ class SwappedAdam(EngineOptimizer):
             return self._window_master
         return self.groups[p.group_index].master.narrow(0, p.start, p.numel)
 
-    def _store_kind(self, kind: str) -> str | None:
-        """The store's name for a checkpoint ``kind`` (None: not in the store)."""
-        if kind == "fp32":
-            return "master" if self.paged is not None else None
-        return kind
-
-    # ---- state access (checkpoints) --------------------------------------------------------
-
-    def local_tensor(self, group_index: int, kind: str) -> torch.Tensor:
-        """A host copy of the group's local ``kind`` tensor (moments gathered from the store).
-
-        Checkpoint saves use ``read_local`` instead (piece by piece, no whole copy)."""
-        g = self.groups[group_index]
-        if self._store_kind(kind) is None:
-            return g.master
-        kind = self._store_kind(kind)
-        out = torch.empty(g.padded_numel, dtype=self._dtypes[kind])  # the pieces tile it
-        for sub in self.pieces:
-            if sub.group_index == group_index:
-                with self._state_pins:
-                    t = self.store.acquire(sub.name(kind), self._tier)
-                    out.narrow(0, sub.start, sub.numel).copy_(t)
-                    self.store.release(sub.name(kind), self._tier)
-        return out
-
-    reads_ranges = True
-
-    def read_local(self, group_index: int, kind: str, lo: int, n: int) -> torch.Tensor:
-        """Elements [lo, lo + n) of the group's local ``kind`` tensor, as a new host tensor.
-
-        Reads only the pieces that overlap the range (from the store's CPU or
-        NVMe tier, never via a GPU), so a checkpoint writer holds one piece per
-        thread, not a copy of every moment. Safe to call from several threads.
-        """
-        g = self.groups[group_index]
-        if lo < 0 or n < 0 or lo + n > g.padded_numel:
-            raise IndexError(f"read_local: [{lo}, {lo + n}) outside group {group_index}'s "
-                             f"{g.padded_numel} elements")
-        if self._store_kind(kind) is None:
-            return g.master.narrow(0, lo, n)
-        kind = self._store_kind(kind)
-        out = torch.empty(n, dtype=self._dtypes[kind])
-        for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=False):
-            out.narrow(0, at, resident.numel()).copy_(resident)
-        return out
-
-    def _resident_pieces(self, group_index: int, kind: str, lo: int, n: int, *, dirty: bool):
-        """For each piece overlapping [lo, lo + n) of the group's ``kind`` state: its
-        overlapping slice, resident and pinned while the caller uses it, and where that slice
-        starts within the range. ``dirty``: the caller writes it (written back later)."""
-        for sub in self.pieces:
-            if sub.group_index != group_index:
-                continue
-            a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
-            if a >= b:
-                continue
-            with self._state_pins:
-                t = self.store.acquire(sub.name(kind), self._tier)
-                try:
-                    yield t.narrow(0, a - sub.start, b - a), a - lo
-                    if dirty:
-                        self.store.mark_dirty(sub.name(kind), self._tier)
-                finally:
-                    self.store.release(sub.name(kind), self._tier)
-
-    def write_local_range(self, group_index: int, kind: str, lo: int, values: torch.Tensor) -> None:
-        """Overwrite elements [lo, lo + len(values)) of the group's local ``kind`` tensor
-        (checkpoint load, chunk by chunk: no whole host copy). Safe from several threads."""
-        g = self.groups[group_index]
-        n = values.numel()
-        if lo < 0 or lo + n > g.padded_numel:
-            raise IndexError(f"write_local_range: [{lo}, {lo + n}) outside group {group_index}'s "
-                             f"{g.padded_numel} elements")
-        if self._store_kind(kind) is None:
-            g.master.narrow(0, lo, n).copy_(values)
-            return
-        if kind == "fp32":
-            self.paged.stale = True  # the 16-bit shards are republished from the store
-        kind = self._store_kind(kind)
-        for resident, at in self._resident_pieces(group_index, kind, lo, n, dirty=True):
-            resident.copy_(values.narrow(0, at, resident.numel()))
-
-    def write_local(self, group_index: int, kind: str, values: torch.Tensor) -> None:
-        """Overwrite the group's local ``kind`` tensor (checkpoint load)."""
-        g = self.groups[group_index]
-        if self._store_kind(kind) is None:
-            g.master.copy_(values)
-            return
-        if kind == "fp32":
-            self.paged.stale = True
-        kind = self._store_kind(kind)
-        for sub in self.pieces:
-            if sub.group_index == group_index:
-                t = self.store.acquire(sub.name(kind), self._tier)
-                t.copy_(values.narrow(0, sub.start, sub.numel))
-                self.store.mark_dirty(sub.name(kind), self._tier)
-                self.store.release(sub.name(kind), self._tier)
-
-    def flush_swap(self) -> int:
-        """Write the dirty pieces (resident head, window) to their swap files and wait; the
-        bytes written. A checkpoint then shares the files ([Note: shared chunk files] in
-        zeroio/io/store.py): each dirty moment is written once, never copied again."""
-        before = self.store.stats()["bytes_moved"].get("cpu->nvme", 0)
-        self.drain()
-        self.store.flush()
-        return self.store.stats()["bytes_moved"].get("cpu->nvme", 0) - before
-
-    @property
-    def swapped_kinds(self) -> tuple[str, ...]:
-        """The checkpoint kinds this optimizer keeps in swap files (a save may link them):
-        the state kinds, and "fp32" when the masters page ([Note: where the masters live])."""
-        return (("fp32",) if self.paged is not None else ()) + tuple(self.state_kinds)
-
-    def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
-        kind = self._store_kind(kind)
-        if kind not in self._kinds:
-            return None
-        out = []
-        for sub in self.pieces:
-            if sub.group_index != group_index:
-                continue
-            files = self.store.home_files(sub.name(kind))
-            if files is None:
-                return None
-            out += [(path, sub.start + first, n, nbytes, crc_at)
-                    for path, first, n, nbytes, crc_at in files]
-        return out
-
-    def steps_taken(self, group_index: int) -> int:
-        return max((int(v.item()) for s, v in self.steps.items() if s.group_index == group_index),
-                   default=0)
-
-    def set_steps(self, group_index: int, steps: int) -> None:
-        for s, v in self.steps.items():
-            if s.group_index == group_index:
-                v.fill_(float(steps))
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine."""
 
@@ -587,4 +491,4 @@ class SwappedAdam(EngineOptimizer):
                 f.exception()  # let reads in flight land before the store goes away
         self._pending.clear()
         self._held.clear()
-        self.store.close()
+        self._close_store()

@@ -103,6 +103,7 @@ class TieredShards(OwnCopies):
         budget = self._ask if user_cpu is None else min(self._ask, user_cpu)
         depth = tiering.prefetch_depth
         path = os.path.join(settings.nvme_path, f"stage3-params-rank{rank}")
+        self._made = swapdir.make_private_dirs(path)  # removed again at close
         self.store = TieredStore(tiering, settings.aio, nvme_path=path,
                                  device=device if device.type == "cuda" else None,
                                  gpu_budget_bytes=0, cpu_budget_bytes=budget,
@@ -184,4 +185,8 @@ class TieredShards(OwnCopies):
         return self.store.stats()
 
     def close(self):
+        from zeroio.io import swapdir
+
         self.store.close()
+        for d in reversed(self._made):
+            swapdir.remove_if_empty(d)
