@@ -177,13 +177,15 @@ def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
 
             split = partitioner.optimizer_split
             states = DTYPES[cfg.bf16.optimizer_state_dtype].itemsize
-            paged = getattr(partitioner, "paged", None)  # masters in the store too
+            paged = getattr(partitioner, "paged", None)  # masters (and gradients) there too
+            grads = None if paged is None else paged.grads
+            sizes = () if paged is None else (paged.dtype.itemsize, states, states) + (
+                () if grads is None else (grads.dtype.itemsize,))
             opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
-                                       zc.sub_group_size, states,
-                                       () if paged is None else
-                                       (paged.dtype.itemsize, states, states),
+                                       zc.sub_group_size, states, sizes,
                                        piece_elems=None if paged is None else
-                                       paged.cut.piece_elems)
+                                       paged.cut.piece_elems,
+                                       landing=0 if grads is None else grads.dtype.itemsize)
         cut = split_host_budget(zc.tiering.cpu_budget_bytes, held=held_cpu,
                                 param_floor=pstore.cpu_floor() if pstore else 0,
                                 param_ask=pstore.cpu_ask() if pstore else 0,

@@ -113,6 +113,15 @@ def make_private_dirs(path: str | os.PathLike) -> list[str]:
     return made
 
 
+def own_folder(path: str | os.PathLike) -> str | None:
+    """``make_private_dirs(path)``; ``path`` when this call made it (its owner removes it at
+    close when nothing is left in it: ``remove_if_empty``), None when it was there. Parents it
+    had to make stay (the engine removes those of a failed initialize)."""
+    made = make_private_dirs(path)
+    leaf = os.path.abspath(os.fspath(path))
+    return leaf if made and made[-1] == leaf else None
+
+
 def create(parent: str | os.PathLike) -> str:
     """A fresh, marked, 0700 swap folder under ``parent`` (made if missing); its path.
 

@@ -133,6 +133,7 @@ from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.optim.swap_plan import SubGroup, SwapPlan, split
 from zeroio.optim.swap_state import SwapStateAccess
+from zeroio.shard.paged_grads import PagedGrads
 from zeroio.shard.pieces import PieceIndex
 from zeroio.shard.swap_rule import _PAGE, MAX_PIECE_ELEMS, READ_AHEAD  # noqa: F401 (re-exported)
 from zeroio.shard.types import ShardGroup
@@ -165,6 +166,7 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
     """The masters may page through the store with the state ([Note: where the masters
     live]); a subclass whose update reads ``g.master`` directly sets it False."""
     _window_master = None
+    _window_grad = None
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  cfg=None, policies: Policies | None = None, aio=None, backend=None,
@@ -204,11 +206,19 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
             raise ConfigError(f"{type(self).__name__} keeps its masters on the host: set "
                               'offload_optimizer.masters to "host"',
                               key="zero_optimization.offload_optimizer.masters")
-        self._kinds = (("master",) if masters is not None else ()) + tuple(self.state_kinds)
-        """The store's tensors per piece: the state kinds, and the master when paged."""
+        self._grads = None if masters is None else masters.grads  # [Note: paged gradients]
+        self._kinds = ((("master",) if masters is not None else ()) +
+                       ((PagedGrads.KIND,) if self._grads is not None else ()) +
+                       tuple(self.state_kinds))
+        """The store's tensors per piece: the state kinds, and the master (and the gradient)
+        when paged."""
+        self._written = tuple(k for k in self._kinds if k != PagedGrads.KIND)
+        """The kinds a step updates (written back); a paged gradient is only read."""
         self._dtypes = {k: self.state_dtype for k in self.state_kinds}
         if masters is not None:
             self._dtypes["master"] = masters.dtype
+        if self._grads is not None:
+            self._dtypes[PagedGrads.KIND] = self._grads.dtype
         self.decoupled = decoupled
         self.grad_divisor = grad_divisor
         self.one_pass = self.compiled_kernel and _one_pass(groups, self.state_dtype)
@@ -229,7 +239,9 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
                                   itemsize=self.state_dtype.itemsize,
                                   kinds=len(self.state_kinds),
                                   itemsizes=tuple(self._dtypes[k].itemsize for k in self._kinds)
-                                  if masters is not None else ())
+                                  if masters is not None else (),
+                                  landing=0 if self._grads is None else
+                                  self._dtypes[PagedGrads.KIND].itemsize)
         # write-behind is the trace schedule's: under lru / fifo the policy picks the victim
         self._write_behind = self.pipeline_write and self.policy is PolicyKind.TRACE
         self.pieces = list(self.plan.pieces)
@@ -249,7 +261,7 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
         self._last_of_sub = self._last_pieces()
         self._held: dict[int, list[torch.Tensor]] = {}  # resident pieces: acquired once, kept
-        self._pending: dict[int, list] = {}  # piece index -> futures of its moments being read
+        self._pending: dict[int, dict] = {}  # piece index -> {kind: future} of reads in flight
         self._taken: set[int] = set()  # streamed pieces acquired by this step, not put back yet
         self.touched = False
         """This step has begun changing state (a piece's masters or moments): a failure from
@@ -272,16 +284,16 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
             store.shrink_budget("cpu", self.plan.cpu_budget)
             if nvme_budget_bytes is not None:
                 store.shrink_budget("nvme", nvme_budget_bytes)
-            self._made = []
+            self._folder = self.paged.folder  # its folder is this optimizer's to remove
             return store
         path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
                                                                f"zeroio-optim-rank{rank}")
-        self._made: list[str] = []  # folders made here: removed again at close
+        self._folder: str | None = None  # the folder made here: removed again at close
         if path is not None:
             from zeroio.io import swapdir
 
             swapdir.remove_stale(off.nvme_path)  # crashed runs' folders, any rank's
-            self._made = swapdir.make_private_dirs(path)
+            self._folder = swapdir.own_folder(path)
         # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top. The
         # store evicts by tiering.policy (under trace the head is held, so its only
         # candidates are the window's released pieces).
@@ -291,7 +303,8 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
                            policy=self.policy, **extra)
 
     def _register_pieces(self) -> None:
-        """Every piece's state tensors (the paged masters are registered already)."""
+        """Every piece's state tensors (the paged masters and gradients are registered
+        already)."""
         from zeroio.tiering import Tier
 
         head = self._host_homed_head()
@@ -311,8 +324,8 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
         self.store.close()
         from zeroio.io import swapdir
 
-        for d in reversed(self._made):
-            swapdir.remove_if_empty(d)
+        if self._folder is not None:
+            swapdir.remove_if_empty(self._folder)
 
     def _host_homed_head(self) -> int:
         """Pieces of the resident head homed in host memory: all of it when the NVMe budget
@@ -325,28 +338,34 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def _read_ahead(self, start: int, count: int) -> None:
-        """Make sure the next ``count`` pieces from ``start`` that are not held are being read."""
+    def _read_ahead(self, start: int, count: int, kinds: tuple[str, ...] | None = None) -> None:
+        """Make sure the next ``count`` pieces from ``start`` that are not held are being read
+        (``kinds``: these of their tensors; None: all)."""
         j, found = start, 0
         while j < len(self.pieces) and found < count:
             if j not in self._held:
                 found += 1
-                if j not in self._pending:
-                    p = self.pieces[j]
-                    self._pending[j] = [self.store.acquire_async(p.name(k), self._tier)
-                                        for k in self._kinds]
+                self._request(j, self._kinds if kinds is None else kinds)
             j += 1
 
+    def _request(self, i: int, kinds: tuple[str, ...]) -> dict:
+        """Piece ``i``'s reads in flight, started now for ``kinds`` not requested yet."""
+        pending = self._pending.setdefault(i, {})
+        p = self.pieces[i]
+        for k in kinds:
+            if k not in pending:
+                pending[k] = self.store.acquire_async(p.name(k), self._tier)
+        return pending
+
     def _take(self, i: int) -> list[torch.Tensor]:
+        """Piece ``i``'s tensors in ``_kinds`` order, acquired (held for the resident head)."""
         held = self._held.get(i)
         if held is not None:
             return held
-        futures = self._pending.pop(i, None)
-        if futures is None:
-            p = self.pieces[i]
-            futures = [self.store.acquire_async(p.name(k), self._tier) for k in self._kinds]
+        self._request(i, self._kinds)
+        futures = self._pending.pop(i)
         try:
-            tensors = [f.result() for f in futures]
+            tensors = [futures[k].result() for k in self._kinds]
         except BaseException:
             self._release_landed(i, futures)
             raise
@@ -356,11 +375,11 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
             self._taken.add(i)
         return tensors
 
-    def _release_landed(self, i: int, futures: list) -> None:
-        """Release the moments of piece ``i`` whose reads landed (a failed step's pieces: the
+    def _release_landed(self, i: int, futures: dict) -> None:
+        """Release the tensors of piece ``i`` whose reads landed (a failed step's pieces: the
         store must not keep them pinned)."""
         p = self.pieces[i]
-        for kind, f in zip(self._kinds, futures, strict=True):
+        for kind, f in futures.items():
             if f.exception() is None and i not in self._held:
                 self.store.release(p.name(kind), self._tier)
 
@@ -371,7 +390,7 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
         changed yet. The window has room for them whatever the head's size."""
         self._read_ahead(0, 1 + self.plan.read_ahead)
         for futures in list(self._pending.values()):
-            for f in futures:
+            for f in futures.values():
                 f.result()
 
     def abort_step(self) -> None:
@@ -394,15 +413,19 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
         self.store.clear_errors()
 
     def _put_back(self, i: int) -> None:
+        """The updated piece back to the store: its state dirty (written back when its room
+        is needed, or at once with write-behind); its gradient, when paged, dead."""
         p = self.pieces[i]
-        for k in self._kinds:
+        for k in self._written:
             self.store.mark_dirty(p.name(k), self._tier)
         if i in self._held:
             return
         self._taken.discard(i)
         for k in self._kinds:
             self.store.release(p.name(k), self._tier)
-            if self._write_behind:
+            if k == PagedGrads.KIND:  # [Note: paged gradients]: never written back
+                self.store.drop(p.name(k), self._tier)
+            elif self._write_behind:
                 self.store.evict(p.name(k), self._tier)  # write behind: it is used again next step
 
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
@@ -419,11 +442,13 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
                     self.touched = True
                     if self.paged is not None:  # [Note: where the masters live]
                         self._window_master, state = state[0], state[1:]
+                    if self._grads is not None:  # [Note: paged gradients]
+                        self._window_grad, state = state[0], state[1:]
                     with torch.profiler.record_function("zeroio::adam_subgroup"):
                         self._update(p, *state, grad_scale, hypers)
                     if self.paged is not None:  # published while it is in the window
                         self.paged.publish(p.group_index, p.start, self._window_master)
-                        self._window_master = None
+                        self._window_master = self._window_grad = None
                     self._put_back(i)
                     sub = self._last_of_sub.get(i)
                     if sub is not None and on_updated is not None:
@@ -431,8 +456,9 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
             except BaseException:
                 self.abort_step()
                 raise
-            if self.plan.read_ahead:
-                self._read_ahead(0, self.plan.read_ahead)  # the next step's stream starts loading
+            if self.plan.read_ahead:  # the next step's stream starts loading (not the gradients
+                # the next backward writes)
+                self._read_ahead(0, self.plan.read_ahead, self._written)
             self.store.step_boundary()
 
     def _update(self, p: SubGroup, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -440,7 +466,9 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
         """Adam(W) of one piece, reading its gradient as the partitioner keeps it ([Note: the
         gradient a piece reads])."""
         g = self.groups[p.group_index]
-        master, grad = self._master_of(p), g.grad.narrow(0, p.start, p.numel)
+        master = self._master_of(p)
+        grad = self._window_grad if self._grads is not None else g.grad.narrow(0, p.start,
+                                                                                   p.numel)
         step = self.steps[p]
         if not self.one_pass:
             adam_update(master=master, grad=grad,
@@ -481,13 +509,13 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
         """Wait for the swap I/O in flight (read-ahead, write-behind) to land; the store's
         byte counters are exact afterwards. The read-ahead stays acquired for the next step."""
         for futures in self._pending.values():
-            for f in futures:
+            for f in futures.values():
                 f.exception()
         self.store.drain()
 
     def close(self) -> None:
         for futures in self._pending.values():
-            for f in futures:
+            for f in futures.values():
                 f.exception()  # let reads in flight land before the store goes away
         self._pending.clear()
         self._held.clear()

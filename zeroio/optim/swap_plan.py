@@ -50,6 +50,9 @@ class SwapPlan:
     itemsizes: tuple[int, ...] = ()
     """Bytes per element of each tensor of a piece when they differ (paged masters beside
     the moments); empty: ``kinds`` tensors of ``itemsize``."""
+    landing_bytes: int = 0
+    """Host bytes kept for the gradient landing's open pieces ([Note: paged gradients] in
+    shard/paged_grads.py): outside the window and the resident head."""
 
     @property
     def streamed_bytes(self) -> int:
@@ -62,10 +65,12 @@ class SwapPlan:
     def make(cls, subs: list[SubGroup], *, cpu_budget: int | None, buffer_count: int,
              pipeline_read: bool, piece_elems: int | None = None, read_ahead: int | None = None,
              hold: bool = True, itemsize: int = 4, kinds: int = len(KINDS),
-             itemsizes: tuple[int, ...] = ()) -> SwapPlan:
+             itemsizes: tuple[int, ...] = (), landing: int = 0) -> SwapPlan:
         """``read_ahead``: pieces read ahead (None: ``READ_AHEAD`` with ``pipeline_read``, else
         0). ``hold``: keep the head resident (the trace schedule); False: nothing is held,
-        the store's eviction policy decides ([Note: resident head, streamed tail])."""
+        the store's eviction policy decides ([Note: resident head, streamed tail]).
+        ``landing``: bytes per element of a paged gradient (one of ``itemsizes``; 0: none),
+        whose landing keeps ``landing_pieces`` of them open beside the window."""
         ahead = swap_rule.read_ahead(read_ahead, pipeline_read)
         cost = partial(pair_cost, itemsize=itemsize, kinds=max(1, kinds), itemsizes=itemsizes)
         # the window's element size: two tensors' worth of ``itemsize`` unless sizes are given
@@ -79,47 +84,62 @@ class SwapPlan:
                 itemsize=elem, ahead=ahead)
         pieces = tuple(pieces_of(subs, piece_elems))
         largest = max((cost(p) for p in pieces), default=0)
+        reserve = landing_reserve(subs, pieces, landing)
         if cpu_budget is None:
             # DeepSpeed's meaning: buffer_count host buffers of the largest sub-group's moment
             sub_bytes = max((cost(s) // max(1, len(itemsizes) or kinds) for s in subs), default=0)
             cpu_budget = min(total, max(4, buffer_count) * sub_bytes)
-            cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest))
+            cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest + reserve))
         if cpu_budget >= total:
             return cls(pieces=pieces, resident=len(pieces) if hold else 0, read_ahead=ahead,
                        cpu_budget=cpu_budget, fits=True, itemsize=itemsize, kinds=kinds,
                        itemsizes=itemsizes)
-        while ahead and (1 + ahead) * largest > cpu_budget:
+        while ahead and (1 + ahead) * largest + reserve > cpu_budget:
             ahead -= 1
         window = (1 + ahead) * largest
-        if window > cpu_budget:
+        if window + reserve > cpu_budget:
             raise CapacityError(
                 f"offload_optimizer nvme: the optimizer's host share of {cpu_budget} bytes cannot "
                 f"hold one swap piece ({largest} bytes needed: {max(p.numel for p in pieces)} "
-                f"elements of {len(itemsizes) or kinds} tensors; a piece stays large, [Note: "
-                "pieces stay large] in zeroio/shard/swap_rule.py); raise "
-                "zero_optimization.tiering.cpu_budget_bytes")
+                f"elements of {len(itemsizes) or kinds} tensors, plus {reserve} for the "
+                "gradient landing; a piece stays large, [Note: pieces stay large] in "
+                "zeroio/shard/swap_rule.py); raise zero_optimization.tiering.cpu_budget_bytes")
         if not hold:
             return cls(pieces=pieces, resident=0, read_ahead=ahead, cpu_budget=cpu_budget,
-                       itemsize=itemsize, kinds=kinds, itemsizes=itemsizes)
-        room, resident = cpu_budget - window, 0
+                       itemsize=itemsize, kinds=kinds, itemsizes=itemsizes,
+                       landing_bytes=reserve)
+        room, resident = cpu_budget - window - reserve, 0
         for p in pieces:
             if cost(p) > room:
                 break
             room -= cost(p)
             resident += 1
         return cls(pieces=pieces, resident=resident, read_ahead=ahead, cpu_budget=cpu_budget,
-                   itemsize=itemsize, kinds=kinds, itemsizes=itemsizes)
+                   itemsize=itemsize, kinds=kinds, itemsizes=itemsizes, landing_bytes=reserve)
+
+
+def landing_reserve(subs: list[SubGroup], pieces, landing: int) -> int:
+    """Host bytes of the gradient pieces the landing may hold open at once (``landing``: a
+    paged gradient's bytes per element; 0: none): one per optimizer group (each fills its
+    pieces from the last down, as the backward reaches them) and one more (a group whose
+    landing spans a piece boundary)."""
+    if not landing:
+        return 0
+    open_pieces = 1 + len({s.group_index for s in subs})
+    return open_pieces * max((pair_cost(p, landing, kinds=1) for p in pieces), default=0)
 
 
 def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int = 4,
-                   itemsizes: tuple[int, ...] = (), piece_elems: int | None = None) -> int:
+                   itemsizes: tuple[int, ...] = (), piece_elems: int | None = None,
+                   landing: int = 0) -> int:
     """The smallest host share the optimizer can step with: one piece of its state at the
     smallest piece size a budget may ask for (``piece_elems``, when the cut is decided already:
     paged masters; else ``MIN_PIECE_ELEMS``), or all of it when smaller, of ``itemsize`` bytes
-    per element (``itemsizes``: one per tensor, paged masters beside the moments). What
+    per element (``itemsizes``: one per tensor, paged masters beside the moments), and the
+    gradient landing's open pieces (``landing``: a paged gradient's bytes per element). What
     ``SwapPlan.make`` needs at the least."""
     subs = split(groups, sub_group_size)
     total = sum(pair_cost(s, itemsize, itemsizes=itemsizes) for s in subs)
     pieces = pieces_of(subs, piece_elems or MIN_PIECE_ELEMS)
     largest = max((pair_cost(p, itemsize, itemsizes=itemsizes) for p in pieces), default=0)
-    return min(total, largest)
+    return min(total, largest + landing_reserve(subs, pieces, landing))

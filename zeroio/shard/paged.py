@@ -90,6 +90,9 @@ class PagedMasters:
         self.publish: Callable[[int, int, torch.Tensor], None] | None = None
         """The partitioner's per-piece publication: (group, local start, master values)."""
         self.stale = False
+        self.grads = None
+        """The gradients' ``PagedGrads`` when they page too ([Note: paged gradients] in
+        paged_grads.py; set by the partitioner once its landing is planned), else None."""
         self._owner = None
         nvme_path = offload.nvme_path
         if nvme_path is None and backend is None:
@@ -98,14 +101,15 @@ class PagedMasters:
         self.pieces: list[SubGroup] = pieces_of(
             split_numels(sorted(group_numels.items()), cut.sub_group_size), cut.piece_elems)
         self.index = PieceIndex(self.pieces)
-        self._made: list[str] = []  # folders made here, removed at a close before adopt
+        self.folder: str | None = None
+        """The folder made for the store (removed by whoever closes the store, when empty)."""
         self.path = None if nvme_path is None else os.path.join(str(nvme_path),
                                                                 f"zeroio-optim-rank{rank}")
         if self.path is not None:
             from zeroio.io import swapdir
 
             swapdir.remove_stale(nvme_path)  # crashed runs' folders, any rank's
-            self._made = swapdir.make_private_dirs(self.path)
+            self.folder = swapdir.own_folder(self.path)
         total = self.numel * dtype.itemsize
         # every piece's three tensors, whole pages each: no plan asks for more
         state = self.numel * (dtype.itemsize + 2 * state_dtype.itemsize) + \
@@ -215,8 +219,8 @@ class PagedMasters:
         self.store.close()
         from zeroio.io import swapdir
 
-        for d in reversed(self._made):
-            swapdir.remove_if_empty(d)
+        if self.folder is not None:
+            swapdir.remove_if_empty(self.folder)
 
 
 __all__ = ["PagedMasters", "PieceCut"]

@@ -390,6 +390,19 @@ class TieredStore:
             else:
                 self._mover.writeback(entry, copy, evict_after=True)
 
+    def drop(self, name: str, tier: Tier | str) -> None:
+        """``name``'s copy in ``tier`` holds dead bytes (a gradient the step has used, [Note:
+        paged gradients] in zeroio/shard/paged_grads.py): free it now without writing it
+        back, whatever its state; the home keeps what it held, and the next writer overwrites
+        it. A copy that is acquired, moving or absent is left alone."""
+        with self._lock:
+            self._check_open()
+            entry = self._entry(name)
+            copy = entry.copies.get(Tier.parse(tier))
+            if copy is None or copy.is_home or not copy.evictable:
+                return
+            self._mover.drop(entry, copy)
+
     # -- prefetch -------------------------------------------------------------
 
     def prefetch(self, names: list[str], tier: Tier | str) -> None:

@@ -24,6 +24,7 @@ from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.store import DeviceShards
 from zeroio.partition.stage3.twin import Side
 from zeroio.shard.paged import PagedMasters, PieceCut
+from zeroio.shard.paged_grads import PagedGrads
 
 
 class PagedMasters3:
@@ -60,6 +61,18 @@ class PagedMasters3:
         return PagedMasters(dict(enumerate(host_numels)), mdt, cut=cut,
                             offload=s.optimizer_offload, tiering=s.tiering, aio=s.aio,
                             rank=comm.rank(), state_dtype=sdt, transfers=self.transfers)
+
+    def _paged_grads(self) -> PagedGrads:
+        """The host gradient pieces in the optimizer's store ([Note: paged gradients] in
+        shard/paged_grads.py): every host piece's landing range, per optimizer group."""
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for refs in self._pieces.values():
+            for r in refs:
+                if r.side is Side.HOST:
+                    ranges.setdefault(r.piece.opt_group, []).append(
+                        (r.base, r.piece.hi - r.piece.lo))
+        return PagedGrads(self.paged.store, self.paged.pieces, ranges,
+                          dtype=self.host_grad_dtype, transfers=self.transfers)
 
     def _index_host_refs(self, by_group: dict, n_opt_groups: int) -> None:
         """Per optimizer group, its host pieces sorted by base (``_publish_piece``'s bisect)."""

@@ -130,6 +130,8 @@ class Stage3Partitioner(Stage3HostStep, PagedMasters3, Partitioner):
         else:
             self.groups = host
         physical = host + dev  # the landing's targets: host og -> og, device og -> n_opt + og
+        if self._grads_page:
+            self.paged.grads = self._paged_grads()
         self.landing = GradLanding(  # [Note: landing reduced gradients] in grads.py
             physical,
             {gi: [Landing(lo=r.piece.lo, numel=r.piece.hi - r.piece.lo,
@@ -137,7 +139,7 @@ class Stage3Partitioner(Stage3HostStep, PagedMasters3, Partitioner):
                           base=r.base) for r in refs]
              for gi, refs in self._pieces.items()},
             device, pin=getattr(self.home, "pin_memory", False), transfers=self.transfers,
-            d2h=self.streams.d2h)
+            d2h=self.streams.d2h, paged=None if self.paged is None else self.paged.grads)
         self._accum = self.landing.accum = accumulation_on_device(  # tiering/device_accum.py
             placed=self._accum_placed, host_grads=[sg.grad for sg in host], device=device)
         if settings.accumulation_steps > 1 and self._accum is None:  # in the host budget's
@@ -244,7 +246,12 @@ class Stage3Partitioner(Stage3HostStep, PagedMasters3, Partitioner):
         device side's are fp32."""
         if self.host_grad_dtype == torch.float32:
             self.host_grad_dtype = mdt
-        grad_homes = {Side.HOST: lambda n: self.home.empty(n, self.host_grad_dtype),
+        # [Note: paged gradients] in shard/paged_grads.py: with the masters, where nothing
+        # accumulates on the host
+        self._grads_page = self.paged is not None and self.settings.accumulation_steps == 1
+        grad_homes = {Side.HOST: lambda n: self.home.empty(n, self.host_grad_dtype)
+                      if not self._grads_page else
+                      torch.empty(n, dtype=self.host_grad_dtype, device="meta"),
                       Side.DEVICE: lambda n: torch.zeros(n, dtype=torch.float32,
                                                          device=self.device)}
         if isinstance(self.store, MasterShards):
@@ -413,7 +420,11 @@ class Stage3Partitioner(Stage3HostStep, PagedMasters3, Partitioner):
         self._host_grads_current()
         # fp32 norms of 16-bit host shards too; no float64 copy of a shard (that doubled host
         # memory and took seconds)
-        return shards_sq_norm((sg.grad for sg in self._physical), Copies(self.transfers))
+        norm = shards_sq_norm((sg.grad for sg in self._physical if not sg.grad.is_meta),
+                              Copies(self.transfers))
+        if self.paged is not None and self.paged.grads is not None:
+            norm = norm + self.paged.grads.sq_norm()  # read back: a group reduced twice
+        return norm
 
     def _host_grads_current(self) -> None:
         """Gradients held in resident chunks' GPU buffers into the host shards (the host is
