@@ -331,7 +331,8 @@ def test_masters_nvme_where_it_cannot_apply_is_a_config_error():
 
 def test_estimate_counts_paged_masters_on_the_nvme_tier():
     """By hand: 1e9 parameters on one GPU, fp32 state: 4 GB of masters and 8 GB of moments;
-    the gradient shard takes 4 GB more on the host (fp32: no bf16)."""
+    the gradient shard 4 GB more (fp32: no bf16), which pages with them ([Note: paged
+    gradients] in zeroio/shard/paged_grads.py) where the masters page."""
     import zeroio
     from zeroio.estimate import estimate_memory
 
@@ -343,14 +344,16 @@ def test_estimate_counts_paged_masters_on_the_nvme_tier():
         est = estimate_memory(10**9, 1, 1, config=cfg)
         return {i.name: (i.tier, i.bytes_per_gpu) for i in est.items}, est.params_from_master
 
-    # a budget below masters + moments + gradient shard (16 GB): the masters page
+    # a budget below masters + moments + gradient shard (16 GB): the masters page, and the
+    # gradient with them
     items, pfm = tiers(8 * 10**9)
     assert "optimizer fp32 masters" not in items and not pfm
+    assert items["gradients"] == ("nvme", 4 * 10**9), items
     # the disk homes all 12 bytes per parameter; the host keeps the swap window (the piece being
-    # updated, 2^24 elements' 12 bytes: pipeline_read is off, nothing is read ahead) and caches
-    # whole pieces of what the budget leaves past it
+    # updated, 2^24 elements of master, gradient and moments: 16 bytes each; pipeline_read is
+    # off, nothing is read ahead) and caches whole pieces of what the budget leaves past it
     assert items["optimizer masters and moments"] == ("nvme", 12 * 10**9), items
-    piece = 12 * (1 << 24)
+    piece = 16 * (1 << 24)
     assert items["optimizer swap window (pinned)"] == ("cpu", piece)
     tier, cached = items["optimizer masters and moments cached in host memory "
                          "(tiering.cpu_budget_bytes)"]
@@ -361,6 +364,7 @@ def test_estimate_counts_paged_masters_on_the_nvme_tier():
     items, pfm = tiers(64 * 10**9)
     assert items["optimizer fp32 masters"] == ("cpu", 4 * 10**9) and pfm
     assert items["optimizer moments"] == ("nvme", 8 * 10**9)
+    assert items["gradients"] == ("cpu", 4 * 10**9)
     # "host" keeps them there whatever the budget
     items, _ = tiers(8 * 10**9, "host")
     assert items["optimizer fp32 masters"] == ("cpu", 4 * 10**9)

@@ -2,9 +2,10 @@
 
 ``split`` cuts each ShardGroup's local range into sub-groups of ``sub_group_size``
 elements, ``pieces_of`` each sub-group into pieces (the unit of swap I/O; both in
-shard/pieces.py, re-exported here), and ``SwapPlan.make`` decides which pieces stay resident and how far to read ahead
-([Note: resident head, streamed tail] in optim/swap.py, whose ``SwappedAdam`` runs
-the plan). ``min_host_bytes`` is the smallest host share a plan can step with.
+shard/pieces.py, re-exported here), and ``SwapPlan.make`` decides which pieces stay
+resident and how far to read ahead ([Note: resident head, streamed tail] in optim/swap.py,
+whose ``SwappedAdam`` runs the plan). ``min_host_bytes`` is the smallest host share a plan
+can step with.
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ class SwapStateAccess:
         the state kinds, and "fp32" when the masters page ([Note: where the masters live])."""
         return (("fp32",) if self.paged is not None else ()) + tuple(self.state_kinds)
 
-    def swap_files(self, group_index: int, kind: str) -> list[tuple[str, int, int, int, int]] | None:
+    def swap_files(self, group_index: int,
+                   kind: str) -> list[tuple[str, int, int, int, int]] | None:
         kind = self._store_kind(kind)
         if kind not in self._kinds:
             return None

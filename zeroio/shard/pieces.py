@@ -43,8 +43,8 @@ def split_numels(numels: Iterable[tuple[int, int]], sub_group_size: int) -> list
     if count > MAX_SUB_GROUPS:
         total = sum(n for _, n in numels)
         raise ConfigError(
-            f"zero_optimization.sub_group_size = {sub_group_size} cuts this rank's {total} optimizer "
-            f"elements into {count} sub-groups, each its own swap arrays: expected at most "
+            f"zero_optimization.sub_group_size = {sub_group_size} cuts this rank's {total} "
+            f"optimizer elements into {count} sub-groups, each its own swap arrays: expected at most "
             f"{MAX_SUB_GROUPS}, i.e. sub_group_size >= {-(-total // MAX_SUB_GROUPS)} here "
             "(DeepSpeed's default is 1e9)", key="zero_optimization.sub_group_size")
     return [SubGroup(group_index=g, start=s, numel=min(size, n - s))

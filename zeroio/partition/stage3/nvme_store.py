@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from zeroio.config import host_split
 from zeroio.errors import ResidencyError
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.store import OwnCopies
@@ -93,17 +94,17 @@ class TieredShards(OwnCopies):
         tiering = settings.tiering
         user_cpu = tiering.cpu_budget_bytes
         largest = max((host_cost(n * size) for n in shard_numels.values()), default=0)
-        self.resident = resident_keys(
+        self.resident = resident_keys(  # the rules of shard/host_split.py, as zeroio.estimate's
             shard_numels, settings.max_in_cpu, elem_size=size,
-            max_bytes=None if user_cpu is None else max(0, user_cpu // 2 - largest))
+            max_bytes=host_split.resident_cap(user_cpu, largest))
         resident_cost = sum(host_cost(shard_numels[k] * size) for k in self.resident)
         from zeroio.io import swapdir
 
         swapdir.remove_stale(settings.nvme_path)  # crashed runs' folders, any rank's
         swapped = sum(host_cost(n * size) for k, n in shard_numels.items() if k not in self.resident)
-        self._floor = resident_cost + (largest if swapped else 0)  # resident + one buffer
+        self._floor = host_split.param_floor(resident_cost, largest, swapped)
         # DeepSpeed's buffers, at most what the swapped shards need ([Note: budgets in training])
-        self._ask = resident_cost + min(settings.host_buffer_bytes, swapped)
+        self._ask = host_split.param_ask(resident_cost, settings.host_buffer_bytes, swapped)
         budget = self._ask if user_cpu is None else min(self._ask, user_cpu)
         depth = tiering.prefetch_depth
         path = os.path.join(settings.nvme_path, f"stage3-params-rank{rank}")
