@@ -218,3 +218,16 @@ def test_a_refused_initialize_leaves_nvme_path_as_it_was(tmp_path, existing):
     err, = run_ranks(_refused_phase, 1, str(nvme), 30_000_000, timeout=600)
     assert err is not None and "cpu_budget_bytes" in err, err
     assert _listing(str(tmp_path)) == before
+
+
+def test_initialize_bars_follow_the_quiet_switch():
+    """The masters' bar shows on rank 0 unless a caller with a quiet switch (zeroio train
+    --quiet / --json, the Trainer's disable_tqdm) runs initialize under ``progress.quiet``."""
+    from zeroio.io import progress
+
+    assert not progress.bar(total=1, desc="t", show=True).disable
+    assert progress.bar(total=1, desc="t", show=False).disable  # not rank 0
+    with progress.quiet():
+        assert progress.bar(total=1, desc="t", show=True).disable
+    with progress.quiet(False):
+        assert not progress.bar(total=1, desc="t", show=True).disable
