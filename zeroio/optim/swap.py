@@ -342,6 +342,8 @@ class SwappedAdam(SwapStateAccess, EngineOptimizer):
         """Make sure the next ``count`` pieces from ``start`` that are not held are being read
         (``kinds``: these of their tensors; None: all)."""
         j, found = start, 0
+        if len(self._held) == self.plan.resident:  # the head, all held: nothing to scan
+            j = max(j, self.plan.resident)
         while j < len(self.pieces) and found < count:
             if j not in self._held:
                 found += 1
