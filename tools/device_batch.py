@@ -292,7 +292,7 @@ def _masters_nvme_steps() -> tuple[Step, ...]:
                 "load(open('{res}/bench-io.json'));print('raw',r['raw'])\"; rm -rf {scratch}/disk",
                 90, quote="raw")
     size = Step("size", "python3 benchmarks/masters_nvme_size.py --nvme {scratch}/nvme-size "
-                "--out {res}/size.json; rc=$?; rm -rf {scratch}/nvme-size; exit $rc", 20,
+                "--out {res}/size.json; rc=$?; rm -rf {scratch}/nvme-size; exit $rc", 10,
                 quote="masters-nvme size")
     read = "$(python3 -c \"import json;print(json.load(open('{res}/size.json'))['%s'])\")"
 
@@ -309,7 +309,7 @@ def _masters_nvme_steps() -> tuple[Step, ...]:
 
     check = Step("check", "python3 benchmarks/masters_nvme_check.py --resident "
                  "$(ls {res}/resident/*.json | tail -1) --paged $(ls {res}/paged/*.json | tail -1) "
-                 "--disk {res}/bench-io.json --out {res}/check", 20, quote=".")
+                 "--disk {res}/bench-io.json --out {res}/check", 10, quote=".")
     return (disk, size, run("resident", "host", "budget_resident", 120),
             run("paged", "auto", "budget_paged", 280), check)
 

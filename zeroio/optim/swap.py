@@ -106,7 +106,9 @@ and in the host window (4 bytes per element, half the swap I/O per step), and th
 bf16 too ([Note: bf16 optimizer state] in adam.py): 6 bytes per element in all.
 
 [Note: the gradient a piece reads]
-The gradient shard is the partitioner's, in the dtype ``host_grad_dtype``
+The gradient shard is the partitioner's (at stage 3 with paged masters and one micro step, a
+fourth tensor of each piece in this store instead: [Note: paged gradients] in
+shard/paged_grads.py), in the dtype ``host_grad_dtype``
 (shard/host_grads.py) gave it by the rule of ``offload_optimizer cpu``: the compute dtype
 (bf16 / fp16) where nothing accumulates on the host and the one-pass CPU Adam
 (optim/cpu_adam.py) steps the state, fp32 otherwise. Under that kernel (``one_pass``, decided
