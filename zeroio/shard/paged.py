@@ -44,6 +44,7 @@ import torch
 
 from zeroio.errors import ConfigError
 from zeroio.io import progress
+from zeroio.io.hostmem import host_zeros
 from zeroio.shard.pieces import PieceIndex, SubGroup, pieces_of, split_numels
 from zeroio.shard.swap_rule import piece_elems_for, read_ahead
 from zeroio.tiering.copies import Copies
@@ -139,7 +140,8 @@ class PagedMasters:
             if i in self._registered:  # a seed out of order: through the store
                 self._write_registered(p, a, src)
                 continue
-            buf, high = self._filling.get(i) or (torch.zeros(p.numel, dtype=self.dtype), 0)
+            buf, high = self._filling.get(i) or (  # page-aligned: written without a bounce
+                host_zeros(p.numel, self.dtype, pin=False), 0)
             Copies(self.transfers).into(buf.narrow(0, a - p.start, b - a), src)
             self._filling[i] = (buf, max(high, b))
             if b == p.start + p.numel:
