@@ -305,9 +305,11 @@ def main() -> None:
         rank, world = 0, 1
     else:
         import zeroio
+        from zeroio.io import progress
 
         cfg = zeroio_config(a)
-        engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
+        with progress.quiet(a.json or a.quiet):  # initialize's bars (masters to NVMe)
+            engine, _, _, _ = zeroio.initialize(model=model, config=cfg)
         device, rank, world = engine.device, engine.global_rank, engine.world_size
         log("engine initialized")
     gen = torch.Generator().manual_seed(rank)

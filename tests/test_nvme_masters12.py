@@ -45,7 +45,7 @@ def _engine(stage: int, world: int, nvme: str, masters: str = "auto", budget: in
     cfg = {
         "train_micro_batch_size_per_gpu": 4 // world, "gradient_accumulation_steps": 1,
         "optimizer": {"type": rule, "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "sub_group_size": 4096,
+        "zero_optimization": {"stage": stage, "sub_group_size": 1024,
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
                                                     "masters": masters},
                               "tiering": {"cpu_budget_bytes": BUDGET[world] if budget is None

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Bottom-up; a module may import only from its own layer or the ones before it.
 LAYERS = ["errors", "dtypes", "jsonlimits", "config", "io", "tiering", "shard", "partition", "optim",
-          "checkpoint", "estimate", "placement", "plan_machine", "plan", "preflight", "data",
+          "checkpoint", "estimate_nvme", "estimate", "placement", "plan_machine", "plan", "preflight", "data",
           "engine_state", "step_guard", "step_protocol", "preemption", "shutdown", "engine_build",
           "engine", "deepspeed", "integrations", "cli", "testing"]
 #: Layers that must not import each other in either direction.

@@ -289,37 +289,40 @@ def _growing_steps() -> tuple[Step, ...]:
     return (test,) + rows
 
 
-PSI_4B = 4_309_815_296
-"""Parameters of SHAPE_4B at train_llama.py's vocab (32000): the masters-nvme suite's model."""
-
-
 def _masters_nvme_steps() -> tuple[Step, ...]:
-    """SHAPE_4B, stage 3, optimizer and parameters on NVMe (configs/zero3-nvme.json): the
-    disk's rate, the run with a host budget that holds every master and moment (masters on the
+    """Stage 3, optimizer and parameters on NVMe (configs/zero3-nvme.json), the model sized to
+    the machine: the disk's rate, the largest Llama of SHAPE_4B's width whose paged run fits
+    the free disk and whose resident run fits the host (benchmarks/masters_nvme_size.py, which
+    prints why), the run with a host budget that holds every master and moment (masters on the
     host), the run with a budget of a quarter of the optimizer state (3 of its 12 bytes per
-    parameter: the masters page), then benchmarks/masters_nvme_check.py over the pair."""
+    parameter: the masters, and the gradient, page), then benchmarks/masters_nvme_check.py
+    over the pair."""
     disk = Step("disk", "df -B1 {scratch}; free -b; rm -rf {scratch}/disk && mkdir -p "
                 "{scratch}/disk && python3 -m zeroio.cli bench io --path {scratch}/disk --size 8G "
                 "--raw dd --json --quiet > {res}/bench-io.json; python3 -c \"import json;r=json."
                 "load(open('{res}/bench-io.json'));print('raw',r['raw'])\"; rm -rf {scratch}/disk",
                 90, quote="raw")
+    size = Step("size", "python3 benchmarks/masters_nvme_size.py --nvme {scratch}/nvme-size "
+                "--out {res}/size.json; rc=$?; rm -rf {scratch}/nvme-size; exit $rc", 10,
+                quote="masters-nvme size")
+    read = "$(python3 -c \"import json;print(json.load(open('{res}/size.json'))['%s'])\")"
 
-    def run(name: str, masters: str, budget: int, timeout_s: int) -> Step:
+    def run(name: str, masters: str, budget: str, timeout_s: int) -> Step:
         nvme = "{scratch}/nvme-" + name
         sets = (f"--set zero_optimization.offload_param.nvme_path='\"{nvme}\"' --set "
                 f"zero_optimization.offload_optimizer.masters='\"{masters}\"' --set "
-                f"zero_optimization.tiering.cpu_budget_bytes={budget}")
+                f"zero_optimization.tiering.cpu_budget_bytes={read % budget}")
         return Step(name, f"rm -rf {nvme}; python3 benchmarks/train_llama.py --mode zeroio "
                     f"--config configs/zero3-nvme.json --offload nvme --nvme-path {nvme} {sets} "
-                    f"--zero-init --mem-log {SHAPE_4B} --seq 1024 --micro-batch 8 --steps 3 "
+                    f"--zero-init --mem-log {read % 'args'} --seq 1024 --micro-batch 8 --steps 3 "
                     f"--warmup 1 --quiet --out {{res}}/{name}{{extra}}; rc=$?; rm -rf {nvme}; "
                     "exit $rc", timeout_s, quote=r"zeroio:|step \d|host rss|Error|error|Capacity")
 
     check = Step("check", "python3 benchmarks/masters_nvme_check.py --resident "
                  "$(ls {res}/resident/*.json | tail -1) --paged $(ls {res}/paged/*.json | tail -1) "
-                 "--disk {res}/bench-io.json --out {res}/check", 20, quote=".")
-    return (disk, run("resident", "host", 100_000_000_000, 120),
-            run("paged", "auto", 3 * PSI_4B, 280), check)
+                 "--disk {res}/bench-io.json --out {res}/check", 10, quote=".")
+    return (disk, size, run("resident", "host", "budget_resident", 120),
+            run("paged", "auto", "budget_paged", 280), check)
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in (
@@ -364,7 +367,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("growing-batch", "nvidia-h200", "the 4.31B shape at micro batch 8, 3 steps at seq 1024 "
           "then 2 at 4096 (resident chunks must yield), stages 2 and 3, defaults beside "
           "gpu_budget_bytes 0: s/step and peak GPU per step", _growing_steps()),
-    Suite("masters-nvme", "nvidia-h200", "masters on NVMe: the 4.31B shape at stage 3 with a "
+    Suite("masters-nvme", "nvidia-h200", "masters on NVMe: the largest Llama of the 4.31B shape's "
+          "width that the free disk and host hold (2.69B on a 64 GiB disk), at stage 3 with a "
           "host budget of a quarter of its optimizer state beside the all-resident run (losses, "
           "host RSS, disk bytes per step against the swap plan, s/step and the disk's rate)",
           _masters_nvme_steps()),

@@ -39,6 +39,7 @@ from zeroio.engine_build import (
     fit_budgets,
     placed_policies,
     resolve_engine_policies,
+    swap_cleanup,
 )
 from zeroio.engine_state import MicroStep, Phase
 from zeroio.errors import CheckpointError, ConfigError, NonFiniteGradientError, StepFailedError
@@ -106,16 +107,21 @@ class Engine:
         policies = placed_policies(policies, self.placement)
         check_host_memory(self.config, self.module, spec, self.device, self.placement.estimate)
         self._precision = policies.precision  # bf16 optimizer state: engine.stats() sources
-        self.partitioner = build_partitioner(self.config, self.module, spec, self.device,
-                                             policies, self.placement)
-        self.gpu_tier = self.partitioner.gpu_tier()  # [Note: resident state yields]
-        self._budgets = explicit_budgets(self.config)  # [Note: budgets in training]
         self.optimizer = None
-        nvme_opt = self.config.zero_optimization.offload_optimizer.device == "nvme"
-        shares = fit_budgets(self.config, self.partitioner, self._held_cpu()) if nvme_opt else None
-        self.optimizer = build_optimizer(self.config, self.partitioner, spec, shares, policies)
-        if not nvme_opt:  # in-memory moments count among the held state
-            fit_budgets(self.config, self.partitioner, self._held_cpu())
+        with swap_cleanup(policies) as built:  # [Note: a failed initialize leaves no files]
+            self.partitioner = build_partitioner(self.config, self.module, spec, self.device,
+                                                 policies, self.placement)
+            built.append(self.partitioner)
+            self.gpu_tier = self.partitioner.gpu_tier()  # [Note: resident state yields]
+            self._budgets = explicit_budgets(self.config)  # [Note: budgets in training]
+            nvme_opt = self.config.zero_optimization.offload_optimizer.device == "nvme"
+            shares = (fit_budgets(self.config, self.partitioner, self._held_cpu()) if nvme_opt
+                      else None)
+            self.optimizer = build_optimizer(self.config, self.partitioner, spec, shares,
+                                             policies)
+            built.append(self.optimizer)
+            if not nvme_opt:  # in-memory moments count among the held state
+                fit_budgets(self.config, self.partitioner, self._held_cpu())
         self.step_protocol = choose_protocol(  # step_protocol.py: decided once
             self.partitioner, self.optimizer, self.config.zero_optimization.offload_optimizer.device)
         self.loss_scaler = build_loss_scaler(self.config.fp16)

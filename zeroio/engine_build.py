@@ -12,7 +12,10 @@ host or NVMe, or split by ``offload_optimizer.ratio``). ``explicit_budgets`` is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+from collections.abc import Iterator
 
 import torch
 
@@ -191,11 +194,15 @@ def fit_budgets(cfg, partitioner, held_cpu: int) -> dict:
 
             split = partitioner.optimizer_split
             states = DTYPES[cfg.bf16.optimizer_state_dtype].itemsize
-            paged = getattr(partitioner, "paged", None)  # masters in the store too
+            paged = getattr(partitioner, "paged", None)  # masters (and gradients) there too
+            grads = None if paged is None else paged.grads
+            sizes = () if paged is None else (paged.dtype.itemsize, states, states) + (
+                () if grads is None else (grads.dtype.itemsize,))
             opt_floor = min_host_bytes(split.host if split is not None else partitioner.groups,
-                                       zc.sub_group_size, states,
-                                       () if paged is None else
-                                       (paged.dtype.itemsize, states, states))
+                                       zc.sub_group_size, states, sizes,
+                                       piece_elems=None if paged is None else
+                                       paged.cut.piece_elems,
+                                       landing=0 if grads is None else grads.dtype.itemsize)
         cut = split_host_budget(zc.tiering.cpu_budget_bytes, held=held_cpu,
                                 param_floor=pstore.cpu_floor() if pstore else 0,
                                 param_ask=pstore.cpu_ask() if pstore else 0,
@@ -219,3 +226,39 @@ def explicit_budgets(cfg) -> dict[str, int]:
         return {}
     return {t: b for t, b in (("cpu", zc.tiering.cpu_budget_bytes),
                               ("nvme", zc.tiering.nvme_budget_bytes)) if b is not None}
+
+
+@contextlib.contextmanager
+def swap_cleanup(policies) -> Iterator[list]:
+    """[Note: a failed initialize leaves no files]
+    Stores that swap to NVMe write files as they are built (stage 3's parameter shards, the
+    paged masters, the optimizer's moments). If initialize fails after that (a CapacityError
+    of the host budget's split, a full disk, any error), every part built so far is closed
+    (the caller appends the partitioner, then the optimizer, to the yielded list): each store
+    deletes the files it wrote and the folders its owner made, and the folders of each
+    ``nvme_path`` that did not exist before are removed again when empty. nvme_path is left
+    as it was."""
+    made = [_missing_dirs(p) for p in {policies.optimizer.nvme_path, policies.param.nvme_path}
+            if p]
+    built: list = []
+    try:
+        yield built
+    except BaseException:
+        for part in reversed(built):
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                part.close()
+        from zeroio.io import swapdir
+
+        for missing in made:
+            for d in missing:  # innermost first
+                swapdir.remove_if_empty(d)
+        raise
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and its parents that do not exist now, innermost first."""
+    out, path = [], os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out

@@ -63,7 +63,7 @@ Two layers, reported separately in the breakdown:
      buffer_count x min(sub_group_size, Psi / N) x 4 bytes (DeepSpeed's meaning). With it,
      what the state above leaves of the budget is the optimizer's share: its swap window and
      the head of moments it holds (whole pieces) are in host memory, as the swap plan keeps
-     them (optim/swap_rule.py, [Note: resident head, streamed tail]); the disk homes every
+     them (shard/swap_rule.py, [Note: resident head, streamed tail]); the disk homes every
      moment (the head "cached"), or, with an NVMe budget (``nvme_budget_bytes``, or
      ``tiering.nvme_budget_bytes``) too small for every moment, only the streamed tail (the
      head "resident").
@@ -106,7 +106,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from zeroio.config import Config, OffloadDevice, ZeroConfig
+from zeroio.config import Config, OffloadDevice, ZeroConfig, host_split
 from zeroio.config.accum_place import (
     accumulation_rows,
     gradient_on_device,
@@ -121,6 +121,7 @@ from zeroio.config.activations import (  # noqa: F401 (re-exported)
 from zeroio.config.model_shape import ModelShape, llama_num_params, model_shape  # noqa: F401
 from zeroio.config.zero import masters_paged_for, params_from_master_auto, step_assist_enabled
 from zeroio.errors import ConfigError
+from zeroio.estimate_nvme import LANDING, param_share, piece_elems, split_moments
 
 K_ADAM = 12  # fp32 master + momentum + variance, bytes per parameter
 MOMENTS = {False: "optimizer moments", True: "optimizer masters and moments"}  # paged or not
@@ -382,19 +383,32 @@ def estimate_memory(
             f"{unit} * (Psi / N - floor((1 - ratio) * Psi / N))")
 
     state = "model_state"
+    gas = getattr(config, "gradient_accumulation_steps", None) or 1
+    budget = zero.tiering.cpu_budget_bytes
+    # [Note: paged gradients] in shard/paged_grads.py: with paged masters at stage 3
+    grads_paged = paged and stage == 3 and zeroio_buffers and gas == 1
+    groups16 = host_split.group_bytes(  # stage 3's flat groups (reduce_bucket_size stands in)
+        shard, math.ceil((largest_group or zero.reduce_bucket_size) / n), b)
+    resident16 = 0  # module doc, 2.: offload_param.max_in_cpu's shards, in host memory
+    if stage == 3 and par_dev == "nvme" and zeroio_buffers and not pfm:
+        resident16 = min(b * shard, host_split.resident_bytes(
+            groups16, zero.offload_param.max_in_cpu * b,
+            host_split.resident_cap(budget, host_split.host_cost(max(groups16)))))
     # 16-bit parameters: replicated below stage 3.
     if stage < 3:
         add("parameters", "gpu", b * psi, state, f"{b} * Psi")
     else:
-        add("parameters", "gpu" if par_dev == "none" else par_dev, b * shard, state,
-            f"{b} * Psi / N")
+        add("parameters", "gpu" if par_dev == "none" else par_dev, b * shard - resident16,
+            state, f"{b} * Psi / N" + (" - resident" if resident16 else ""))
+        add("parameters resident in host memory (offload_param.max_in_cpu)", "cpu",
+            resident16, state, "whole shards up to max_in_cpu (and half cpu_budget_bytes)")
         if pfm and zeroio_buffers:  # module doc, 2.: a negative item, the paper's term kept
             items.append(MemoryItem(
                 name="16-bit parameter shard not held (params_from_master: the gather casts "
                 "the fp32 master)", tier="gpu" if par_dev == "none" else par_dev,
                 bytes_per_gpu=-b * shard, kind="zeroio_buffer", formula=f"-{b} * Psi / N"))
     # Gradients: replicated at stages 0/1, the reduced shard from stage 2.
-    grad_tier = "gpu" if opt_dev == "none" else "cpu"
+    grad_tier = "gpu" if opt_dev == "none" else "nvme" if grads_paged else "cpu"
     # zeroio's stage 3 keeps no 16-bit gradient shard (module doc, 2.): the model states keep
     # the paper's b-byte term, the buffers below the rest of its fp32 shard
     stage3_grad = stage == 3 and zeroio_buffers and dtype != "fp32" and gshard > b
@@ -417,7 +431,6 @@ def estimate_memory(
 
     if zeroio_buffers:
         buf = "zeroio_buffer"
-        gas = getattr(config, "gradient_accumulation_steps", None) or 1
         accum_dev, hgas = planned_on_device(zero.tiering.gpu_budget_bytes, device_room, items,
                                             stage=stage, gas=gas, grad_tier=grad_tier,
                                             host=shard - dev)
@@ -507,13 +520,23 @@ def estimate_memory(
                 f"buffer_count * min(sub_group_size, offloaded elements per GPU) * {sb}")
         if par_dev == "nvme":
             op = zero.offload_param
-            add("parameter swap buffers (pinned)", "cpu", op.buffer_count * op.buffer_size * b,
-                buf, f"buffer_count * buffer_size * {b}")
+            add("parameter swap buffers (pinned)", "cpu", min(
+                op.buffer_count * op.buffer_size * b, b * shard - resident16), buf,
+                f"min(buffer_count * buffer_size, swapped elements per GPU) * {b}")
 
-    if opt_dev == "nvme" and zeroio_buffers and zero.tiering.cpu_budget_bytes is not None:
+    g = host_grad_bytes(dtype, opt_dev, gas, shard - dev, stage=stage) if grads_paged else 0
+    # the window's bytes per element of each of a piece's two tensors (paged: half the sum)
+    elem = (mb + 2 * sb + g) / 2 if paged else sb
+    if opt_dev == "nvme" and zeroio_buffers and budget is not None:
+        if g:  # the pieces the gradient lands in, beside the window (swap_plan.py)
+            add(LANDING, "cpu", host_split.landing_bytes(piece_elems(zero, shard - dev, elem), g),
+                "zeroio_buffer", "(1 + optimizer groups) pieces' gradients")
+        if par_dev == "nvme":  # the parameter store's share first (config/host_split.py)
+            items = param_share(items, zero, shard=shard - dev, element=elem, grad=g,
+                                resident=resident16, largest=max(groups16), make=MemoryItem)
         nb = zero.tiering.nvme_budget_bytes if nvme_budget_bytes is None else nvme_budget_bytes
-        items = _split_moments(items, zero, shard - dev, (mb + 2 * sb) // 2 if paged else sb,
-                               nb, MOMENTS[paged])  # paged: half a piece's bytes per element
+        items = split_moments(items, zero, shard - dev, elem, nb, MOMENTS[paged],
+                              make=MemoryItem)
     if activation_bytes:
         add("activations (caller's estimate)", "gpu", activation_bytes, "activations",
             "activation_bytes")
@@ -577,40 +600,6 @@ def _params_from_master(given: bool | None, zero: ZeroConfig | None, stage: int,
         raise ConfigError(f"params_from_master needs stage 3 (got stage {stage})",
                           key="zero_optimization.tiering.params_from_master")
     return given
-
-
-def _split_moments(items: list[MemoryItem], zero: ZeroConfig, host_numel: int, sb: int,
-                   nvme_budget: int | None, name: str) -> list[MemoryItem]:
-    """The NVMe moments (item ``name``; paged masters too) with a CPU budget (module doc, 2.):
-    the swap buffers become the window and the resident head is held in host memory; the
-    disk keeps every home (and the head's too, unless an NVMe budget leaves it out)."""
-    from zeroio.optim.swap_rule import moment_split, read_ahead
-
-    moments = next((i for i in items if i.name == name), None)
-    swap = next((i for i in items if i.name == "optimizer swap buffers (pinned)"), None)
-    held = sum(i.bytes_per_gpu for i in items if i.tier == "cpu" and i is not swap)
-    share = zero.tiering.cpu_budget_bytes - held
-    if moments is None or swap is None or share <= 0:
-        return items
-    oo = zero.offload_optimizer
-    cut = moment_split(host_numel, share=share, itemsize=sb, nvme_budget=nvme_budget,
-                       ahead=read_ahead(zero.tiering.prefetch_depth, bool(oo.pipeline_read)))
-    out = [i for i in items if i is not moments and i is not swap]
-    if cut.window:  # none where the budget holds every moment
-        out.append(MemoryItem(name="optimizer swap window (pinned)", tier="cpu",
-                              bytes_per_gpu=cut.window, kind="zeroio_buffer",
-                              formula="(1 + read ahead) pieces' two moments (optim/swap_rule.py)"))
-    if cut.resident:  # the head: homed in host memory, or cached there beside its disk home
-        homed = cut.disk < moments.bytes_per_gpu
-        out.append(MemoryItem(name=f"{name} {'resident' if homed else 'cached'} in host memory "
-                              "(tiering.cpu_budget_bytes)", tier="cpu",
-                              bytes_per_gpu=cut.resident, kind="model_state",
-                              formula="whole pieces of what the budget leaves past the window"))
-    if cut.disk:
-        out.append(MemoryItem(name=name, tier="nvme", bytes_per_gpu=cut.disk,
-                              kind="model_state", formula=moments.formula +
-                              ("" if cut.disk == moments.bytes_per_gpu else " - resident head")))
-    return out
 
 
 def host_grad_bytes(dtype: str, opt_dev: str, gas: int, host_numel: int, *,

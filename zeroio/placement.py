@@ -94,6 +94,7 @@ _ROWS = (
     ("step assist slots", "staging", "home"),
     ("offloaded shards copied in", "staging", "home"),
     ("host fp32 masters copied in", "staging", "home"),
+    ("gradient landing pieces", "grad", "window"),
     ("gradient reduce buckets", "comm", "home"),
     ("gradient buckets", "comm", "home"),
     ("all-gather bucket", "comm", "home"),

@@ -226,10 +226,12 @@ def run(args, opts, nproc: int, mcfg) -> int:
         return launch(torchrun_argv("zeroio.cli.main", child_argv(args), nproc=nproc, module=True,
                                     guard=True))
 
+    from zeroio.io import progress
     from zeroio.preemption import deferred_signals
 
-    # SIGTERM / SIGINT wait for the step boundary ([Note: stopping on a signal])
-    with deferred_signals() as signals:
+    # SIGTERM / SIGINT wait for the step boundary ([Note: stopping on a signal]); --quiet and
+    # --json silence initialize's bars too (zeroio/io/progress.py)
+    with deferred_signals() as signals, progress.quiet(opts.quiet or opts.json):
         try:
             train(opts, run_plan, signals)
         finally:

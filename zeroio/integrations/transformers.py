@@ -59,6 +59,7 @@ from zeroio.integrations.accelerate import check_launch
 from zeroio.integrations.autofill import check_no_contradictions
 from zeroio.integrations.hf_args import TrainingArguments, active_zero3_config, deactivate_zero3
 from zeroio.integrations.hf_config import auto_values, complete_config, describe, read_config
+from zeroio.io import progress
 from zeroio.io.files import atomic_write_text
 
 __all__ = ["Trainer", "TrainingArguments", "ZeroIOTrainer", "active_zero3_config",
@@ -196,7 +197,8 @@ class Trainer(transformers.Trainer):
         if not values["num_training_steps"]:  # evaluation only: a schedule needs >= 1 step
             raw.pop("scheduler", None)
         cfg = zeroio.load_config(raw, **values)
-        engine, _, _, _ = zeroio.initialize(model=self.model, config=cfg)
+        with progress.quiet(self.args.disable_tqdm):  # initialize's bars too
+            engine, _, _, _ = zeroio.initialize(model=self.model, config=cfg)
         self.zeroio_engine = engine
         self._zeroio_module = _EngineModule(engine)
         self.optimizer = _EngineOptimizer(engine)

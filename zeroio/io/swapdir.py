@@ -92,8 +92,10 @@ def read_marker(directory: str | os.PathLike, name: str = MARKER) -> dict | None
     return rec if isinstance(rec, dict) else None
 
 
-def make_private_dirs(path: str | os.PathLike) -> None:
-    """``os.makedirs(path)`` with every folder it creates 0700 (existing ones untouched)."""
+def make_private_dirs(path: str | os.PathLike) -> list[str]:
+    """``os.makedirs(path)`` with every folder it creates 0700 (existing ones untouched); the
+    folders it made, outermost first (an owner that fails to initialize removes them again,
+    ``remove_if_empty`` in reverse order, so nvme_path is left as it was)."""
     path = os.path.abspath(os.fspath(path))
     missing = []
     while not os.path.isdir(path):
@@ -102,12 +104,24 @@ def make_private_dirs(path: str | os.PathLike) -> None:
         if parent == path:
             break
         path = parent
+    made = []
     for d in reversed(missing):
         try:
             os.mkdir(d, DIR_MODE)
         except FileExistsError:
             continue  # made meanwhile by another rank
         os.chmod(d, DIR_MODE)  # explicit: the umask may only remove bits, never widen
+        made.append(d)
+    return made
+
+
+def own_folder(path: str | os.PathLike) -> str | None:
+    """``make_private_dirs(path)``; ``path`` when this call made it (its owner removes it at
+    close when nothing is left in it: ``remove_if_empty``), None when it was there. Parents it
+    had to make stay (the engine removes those of a failed initialize)."""
+    made = make_private_dirs(path)
+    leaf = os.path.abspath(os.fspath(path))
+    return leaf if made and made[-1] == leaf else None
 
 
 def create(parent: str | os.PathLike) -> str:

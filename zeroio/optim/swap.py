@@ -108,7 +108,9 @@ and in the host window (4 bytes per element, half the swap I/O per step), and th
 bf16 too ([Note: bf16 optimizer state] in adam.py): 6 bytes per element in all.
 
 [Note: the gradient a piece reads]
-The gradient shard is the partitioner's, in the dtype ``host_grad_dtype``
+The gradient shard is the partitioner's (at stage 3 with paged masters and one micro step, a
+fourth tensor of each piece in this store instead: [Note: paged gradients] in
+shard/paged_grads.py), in the dtype ``host_grad_dtype``
 (shard/host_grads.py) gave it by the rule of ``offload_optimizer cpu``: the compute dtype
 (bf16 / fp16) where nothing accumulates on the host and the one-pass CPU Adam
 (optim/cpu_adam.py) steps the state, fp32 otherwise. Under that kernel (``one_pass``, decided
@@ -134,8 +136,10 @@ from zeroio.optim import cpu_adam
 from zeroio.optim.adam import AdamState, adam_update
 from zeroio.optim.interface import EngineOptimizer
 from zeroio.optim.swap_plan import SubGroup, SwapPlan, split
-from zeroio.optim.swap_rule import _PAGE, MAX_PIECE_ELEMS, READ_AHEAD  # noqa: F401 (re-exported)
 from zeroio.optim.swap_state import SwappedStateAccess
+from zeroio.shard.paged_grads import PagedGrads
+from zeroio.shard.pieces import PieceIndex
+from zeroio.shard.swap_rule import _PAGE, MAX_PIECE_ELEMS, READ_AHEAD  # noqa: F401 (re-exported)
 from zeroio.shard.types import ShardGroup
 
 
@@ -166,6 +170,7 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
     """The masters may page through the store with the state ([Note: where the masters
     live]); a subclass whose update reads ``g.master`` directly sets it False."""
     _window_master = None
+    _window_grad = None
 
     def __init__(self, groups: list[ShardGroup], param_groups: list[dict], *, decoupled: bool,
                  cfg=None, policies: Policies | None = None, aio=None, backend=None,
@@ -183,7 +188,7 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
         gradients: [Note: 16-bit host gradients] in partition/stage12.py). ``masters``: the
         partitioner's ``PagedMasters`` when the masters page through NVMe with the moments
         ([Note: where the masters live]); None: they are the ShardGroups' host tensors."""
-        from zeroio.tiering import PolicyKind, Tier, TieredStore
+        from zeroio.tiering import PolicyKind, Tier
 
         if policies is None:
             if cfg is None:
@@ -205,11 +210,19 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
             raise ConfigError(f"{type(self).__name__} keeps its masters on the host: set "
                               'offload_optimizer.masters to "host"',
                               key="zero_optimization.offload_optimizer.masters")
-        self._kinds = (("master",) if masters is not None else ()) + tuple(self.state_kinds)
-        """The store's tensors per piece: the state kinds, and the master when paged."""
+        self._grads = None if masters is None else masters.grads  # [Note: paged gradients]
+        self._kinds = ((("master",) if masters is not None else ()) +
+                       ((PagedGrads.KIND,) if self._grads is not None else ()) +
+                       tuple(self.state_kinds))
+        """The store's tensors per piece: the state kinds, and the master (and the gradient)
+        when paged."""
+        self._written = tuple(k for k in self._kinds if k != PagedGrads.KIND)
+        """The kinds a step updates (written back); a paged gradient is only read."""
         self._dtypes = {k: self.state_dtype for k in self.state_kinds}
         if masters is not None:
             self._dtypes["master"] = masters.dtype
+        if self._grads is not None:
+            self._dtypes[PagedGrads.KIND] = self._grads.dtype
         self.decoupled = decoupled
         self.grad_divisor = grad_divisor
         self.one_pass = self.compiled_kernel and _one_pass(groups, self.state_dtype)
@@ -221,6 +234,8 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
         self.policy = PolicyKind.parse(tiering.policy)
         if cpu_budget_bytes is None:
             cpu_budget_bytes = tiering.cpu_budget_bytes
+        if masters is not None:  # the cut the initial masters were written in
+            piece_elems = masters.cut.piece_elems
         self.plan = SwapPlan.make(self.subs, cpu_budget=cpu_budget_bytes,
                                   buffer_count=off.buffer_count, pipeline_read=self.pipeline_read,
                                   piece_elems=piece_elems, read_ahead=tiering.prefetch_depth,
@@ -228,40 +243,29 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
                                   itemsize=self.state_dtype.itemsize,
                                   kinds=len(self.state_kinds),
                                   itemsizes=tuple(self._dtypes[k].itemsize for k in self._kinds)
-                                  if masters is not None else ())
+                                  if masters is not None else (),
+                                  landing=0 if self._grads is None else
+                                  self._dtypes[PagedGrads.KIND].itemsize)
         # write-behind is the trace schedule's: under lru / fifo the policy picks the victim
         self._write_behind = self.pipeline_write and self.policy is PolicyKind.TRACE
         self.pieces = list(self.plan.pieces)
-        path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
-                                                               f"zeroio-optim-rank{rank}")
-        if path is not None:
-            from zeroio.io import swapdir
-
-            swapdir.remove_stale(off.nvme_path)  # crashed runs' folders, any rank's
-            swapdir.make_private_dirs(path)
-        # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top. The
-        # store evicts by tiering.policy (under trace the head is held, so its only
-        # candidates are the window's released pieces).
-        extra = {} if nvme_budget_bytes is None else {"nvme_budget_bytes": nvme_budget_bytes}
-        self.store = TieredStore(tiering, aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
-                                 cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0,
-                                 policy=self.policy, **extra)
+        self.index = PieceIndex(self.pieces)
+        """The pieces by group and element ([Note: pieces stay large] in shard/swap_rule.py:
+        every lookup is O(log n), so nothing here scans every piece per piece)."""
         self._tier = Tier.CPU
-        head = self._host_homed_head()
-        for i, piece in enumerate(self.pieces):
-            home = Tier.CPU if i < head else Tier.NVME
-            for kind in self._kinds:
-                init = None if kind != "master" else masters.read(piece.group_index, piece.start,
-                                                                   piece.numel)
-                self.store.register(piece.name(kind), (piece.numel,), self._dtypes[kind],
-                                    home=home, init=init)
+        self.store = self._open_store(off, tiering, aio, backend, rank, nvme_budget_bytes)
+        try:
+            self._register_pieces()
+        except BaseException:
+            if masters is None:  # the paged masters' store is closed by their owner
+                self._close_store()
+            raise
         if masters is not None:
             masters.adopt(self)
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.pieces}
-        self._last_of_sub = {self._piece_index(s.group_index, s.start + s.numel - 1): s
-                             for s in self.subs}
+        self._last_of_sub = self._last_pieces()
         self._held: dict[int, list[torch.Tensor]] = {}  # resident pieces: acquired once, kept
-        self._pending: dict[int, list] = {}  # piece index -> futures of its moments being read
+        self._pending: dict[int, dict] = {}  # piece index -> {kind: future} of reads in flight
         self._taken: set[int] = set()  # streamed pieces acquired by this step, not put back yet
         self.touched = False
         """This step has begun changing state (a piece's masters or moments): a failure from
@@ -269,6 +273,63 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
         # checkpoint threads pin pieces in the store (thread-safe, pin-counted) at most two at
         # a time, inside the window the plan leaves next to the read-ahead
         self._state_pins = threading.BoundedSemaphore(2)
+
+    def _open_store(self, off, tiering, aio, backend, rank: int, nvme_budget_bytes: int | None):
+        """The store the pieces live in: the paged masters' (their cut, seeded already), its
+        budgets set to this plan; else a fresh one under ``zeroio-optim-rank<rank>``."""
+        from zeroio.tiering import TieredStore
+
+        if self.paged is not None:
+            store = self.paged.store
+            if [(p.group_index, p.start, p.numel) for p in self.paged.pieces] != \
+                    [(p.group_index, p.start, p.numel) for p in self.pieces]:
+                raise RuntimeError("SwappedAdam: the paged masters were cut into other pieces "
+                                   "than this optimizer's groups give")
+            store.shrink_budget("cpu", self.plan.cpu_budget)
+            if nvme_budget_bytes is not None:
+                store.shrink_budget("nvme", nvme_budget_bytes)
+            self._folder = self.paged.folder  # its folder is this optimizer's to remove
+            return store
+        path = None if off.nvme_path is None else os.path.join(str(off.nvme_path),
+                                                               f"zeroio-optim-rank{rank}")
+        self._folder: str | None = None  # the folder made here: removed again at close
+        if path is not None:
+            from zeroio.io import swapdir
+
+            swapdir.remove_stale(off.nvme_path)  # crashed runs' folders, any rank's
+            self._folder = swapdir.own_folder(path)
+        # The optimizer reads ahead itself (exactly its sweep): no policy prefetch on top. The
+        # store evicts by tiering.policy (under trace the head is held, so its only
+        # candidates are the window's released pieces).
+        extra = {} if nvme_budget_bytes is None else {"nvme_budget_bytes": nvme_budget_bytes}
+        return TieredStore(tiering, aio, nvme_path=path, backend=backend, gpu_budget_bytes=0,
+                           cpu_budget_bytes=self.plan.cpu_budget, prefetch_depth=0,
+                           policy=self.policy, **extra)
+
+    def _register_pieces(self) -> None:
+        """Every piece's state tensors (the paged masters and gradients are registered
+        already)."""
+        from zeroio.tiering import Tier
+
+        head = self._host_homed_head()
+        for i, piece in enumerate(self.pieces):
+            home = Tier.CPU if i < head else Tier.NVME
+            for kind in self.state_kinds:
+                self.store.register(piece.name(kind), (piece.numel,), self._dtypes[kind],
+                                    home=home)
+
+    def _last_pieces(self) -> dict[int, SubGroup]:
+        """Piece index -> the sub-group it ends (``on_updated`` is reported after it)."""
+        ends = {(s.group_index, s.start + s.numel): s for s in self.subs}
+        return {i: ends[(p.group_index, p.start + p.numel)] for i, p in enumerate(self.pieces)
+                if (p.group_index, p.start + p.numel) in ends}
+
+    def _close_store(self) -> None:
+        self.store.close()
+        from zeroio.io import swapdir
+
+        if self._folder is not None:
+            swapdir.remove_if_empty(self._folder)
 
     def _host_homed_head(self) -> int:
         """Pieces of the resident head homed in host memory: all of it when the NVMe budget
@@ -279,36 +340,38 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
                                                        for k in self._kinds)
         return self.plan.resident if disk > self.store.budgets.nvme else 0
 
-    def _piece_index(self, group_index: int, element: int) -> int:
-        for i, p in enumerate(self.pieces):
-            if p.group_index == group_index and p.start <= element < p.start + p.numel:
-                return i
-        raise IndexError(f"no piece holds element {element} of group {group_index}")
-
     # ---- the step ---------------------------------------------------------------------------
 
-    def _read_ahead(self, start: int, count: int) -> None:
-        """Make sure the next ``count`` pieces from ``start`` that are not held are being read."""
+    def _read_ahead(self, start: int, count: int, kinds: tuple[str, ...] | None = None) -> None:
+        """Make sure the next ``count`` pieces from ``start`` that are not held are being read
+        (``kinds``: these of their tensors; None: all)."""
         j, found = start, 0
+        if len(self._held) == self.plan.resident:  # the head, all held: nothing to scan
+            j = max(j, self.plan.resident)
         while j < len(self.pieces) and found < count:
             if j not in self._held:
                 found += 1
-                if j not in self._pending:
-                    p = self.pieces[j]
-                    self._pending[j] = [self.store.acquire_async(p.name(k), self._tier)
-                                        for k in self._kinds]
+                self._request(j, self._kinds if kinds is None else kinds)
             j += 1
 
+    def _request(self, i: int, kinds: tuple[str, ...]) -> dict:
+        """Piece ``i``'s reads in flight, started now for ``kinds`` not requested yet."""
+        pending = self._pending.setdefault(i, {})
+        p = self.pieces[i]
+        for k in kinds:
+            if k not in pending:
+                pending[k] = self.store.acquire_async(p.name(k), self._tier)
+        return pending
+
     def _take(self, i: int) -> list[torch.Tensor]:
+        """Piece ``i``'s tensors in ``_kinds`` order, acquired (held for the resident head)."""
         held = self._held.get(i)
         if held is not None:
             return held
-        futures = self._pending.pop(i, None)
-        if futures is None:
-            p = self.pieces[i]
-            futures = [self.store.acquire_async(p.name(k), self._tier) for k in self._kinds]
+        self._request(i, self._kinds)
+        futures = self._pending.pop(i)
         try:
-            tensors = [f.result() for f in futures]
+            tensors = [futures[k].result() for k in self._kinds]
         except BaseException:
             self._release_landed(i, futures)
             raise
@@ -318,11 +381,11 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
             self._taken.add(i)
         return tensors
 
-    def _release_landed(self, i: int, futures: list) -> None:
-        """Release the moments of piece ``i`` whose reads landed (a failed step's pieces: the
+    def _release_landed(self, i: int, futures: dict) -> None:
+        """Release the tensors of piece ``i`` whose reads landed (a failed step's pieces: the
         store must not keep them pinned)."""
         p = self.pieces[i]
-        for kind, f in zip(self._kinds, futures, strict=True):
+        for kind, f in futures.items():
             if f.exception() is None and i not in self._held:
                 self.store.release(p.name(kind), self._tier)
 
@@ -333,7 +396,7 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
         changed yet. The window has room for them whatever the head's size."""
         self._read_ahead(0, 1 + self.plan.read_ahead)
         for futures in list(self._pending.values()):
-            for f in futures:
+            for f in futures.values():
                 f.result()
 
     def abort_step(self) -> None:
@@ -356,15 +419,19 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
         self.store.clear_errors()
 
     def _put_back(self, i: int) -> None:
+        """The updated piece back to the store: its state dirty (written back when its room
+        is needed, or at once with write-behind); its gradient, when paged, dead."""
         p = self.pieces[i]
-        for k in self._kinds:
+        for k in self._written:
             self.store.mark_dirty(p.name(k), self._tier)
         if i in self._held:
             return
         self._taken.discard(i)
         for k in self._kinds:
             self.store.release(p.name(k), self._tier)
-            if self._write_behind:
+            if k == PagedGrads.KIND:  # [Note: paged gradients]: never written back
+                self.store.drop(p.name(k), self._tier)
+            elif self._write_behind:
                 self.store.evict(p.name(k), self._tier)  # write behind: it is used again next step
 
     def step(self, grad_scale: float = 1.0, on_updated=None) -> None:
@@ -382,11 +449,13 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
                     self.touched = True
                     if self.paged is not None:  # [Note: where the masters live]
                         self._window_master, state = state[0], state[1:]
+                    if self._grads is not None:  # [Note: paged gradients]
+                        self._window_grad, state = state[0], state[1:]
                     with torch.profiler.record_function("zeroio::adam_subgroup"):
                         self._update(p, *state, grad_scale, hypers)
                     if self.paged is not None:  # published while it is in the window
                         self.paged.publish(p.group_index, p.start, self._window_master)
-                        self._window_master = None
+                        self._window_master = self._window_grad = None
                     self._put_back(i)
                     sub = self._last_of_sub.get(i)
                     if sub is not None and on_updated is not None:
@@ -394,8 +463,9 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
             except BaseException:
                 self.abort_step()
                 raise
-            if self.plan.read_ahead:
-                self._read_ahead(0, self.plan.read_ahead)  # the next step's stream starts loading
+            if self.plan.read_ahead:  # the next step's stream starts loading (not the gradients
+                # the next backward writes)
+                self._read_ahead(0, self.plan.read_ahead, self._written)
             self.store.step_boundary()
 
     def _update(self, p: SubGroup, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -403,7 +473,9 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
         """Adam(W) of one piece, reading its gradient as the partitioner keeps it ([Note: the
         gradient a piece reads])."""
         g = self.groups[p.group_index]
-        master, grad = self._master_of(p), g.grad.narrow(0, p.start, p.numel)
+        master = self._master_of(p)
+        grad = self._window_grad if self._grads is not None else g.grad.narrow(0, p.start,
+                                                                                   p.numel)
         step = self.steps[p]
         if not self.one_pass:
             adam_update(master=master, grad=grad,
@@ -429,15 +501,6 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
             return self._window_master
         return self.groups[p.group_index].master.narrow(0, p.start, p.numel)
 
-    def steps_taken(self, group_index: int) -> int:
-        return max((int(v.item()) for s, v in self.steps.items() if s.group_index == group_index),
-                   default=0)
-
-    def set_steps(self, group_index: int, steps: int) -> None:
-        for s, v in self.steps.items():
-            if s.group_index == group_index:
-                v.fill_(float(steps))
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine."""
 
@@ -453,14 +516,14 @@ class SwappedAdam(SwappedStateAccess, EngineOptimizer):
         """Wait for the swap I/O in flight (read-ahead, write-behind) to land; the store's
         byte counters are exact afterwards. The read-ahead stays acquired for the next step."""
         for futures in self._pending.values():
-            for f in futures:
+            for f in futures.values():
                 f.exception()
         self.store.drain()
 
     def close(self) -> None:
         for futures in self._pending.values():
-            for f in futures:
+            for f in futures.values():
                 f.exception()  # let reads in flight land before the store goes away
         self._pending.clear()
         self._held.clear()
-        self.store.close()
+        self._close_store()

@@ -1,10 +1,11 @@
-"""The swap plan of the NVMe optimizer: sub-groups, pieces and how their moments use the host budget.
+"""The swap plan of the NVMe optimizer: how its pieces use the host budget.
 
 ``split`` cuts each ShardGroup's local range into sub-groups of ``sub_group_size``
-elements, ``pieces_of`` each sub-group into pieces (the unit of swap I/O), and
-``SwapPlan.make`` decides which pieces stay resident and how far to read ahead
-([Note: resident head, streamed tail] in optim/swap.py, whose ``SwappedAdam`` runs
-the plan). ``min_host_bytes`` is the smallest host share a plan can step with.
+elements, ``pieces_of`` each sub-group into pieces (the unit of swap I/O; both in
+shard/pieces.py, re-exported here), and ``SwapPlan.make`` decides which pieces stay
+resident and how far to read ahead ([Note: resident head, streamed tail] in optim/swap.py,
+whose ``SwappedAdam`` runs the plan). ``min_host_bytes`` is the smallest host share a plan
+can step with.
 """
 
 from __future__ import annotations
@@ -12,49 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from zeroio.errors import CapacityError, ConfigError
-from zeroio.optim import swap_rule
-from zeroio.optim.swap_rule import _PAGE, MAX_PIECE_ELEMS
+from zeroio.errors import CapacityError
+from zeroio.shard import swap_rule
+from zeroio.shard.pieces import MAX_SUB_GROUPS, SubGroup, pieces_of, split  # noqa: F401
+from zeroio.shard.swap_rule import _PAGE, MIN_PIECE_ELEMS
 from zeroio.shard.types import ShardGroup
 
 KINDS = ("exp_avg", "exp_avg_sq")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SubGroup:
-    group_index: int
-    start: int
-    numel: int
-
-    def name(self, kind: str) -> str:
-        return f"adam.g{self.group_index}.o{self.start}.{kind}"
-
-
-MAX_SUB_GROUPS = 1 << 16
-"""Sub-groups per rank at most: each is its own pair of swap arrays (and files), so a
-``sub_group_size`` tiny beside the shard (1 element: one array per element) would make
-initialization run for hours; it is a ConfigError naming the smallest size that fits."""
-
-
-def split(groups: list[ShardGroup], sub_group_size: int) -> list[SubGroup]:
-    size = max(1, sub_group_size)
-    count = sum(-(-g.padded_numel // size) for g in groups)
-    if count > MAX_SUB_GROUPS:
-        numel = sum(g.padded_numel for g in groups)
-        raise ConfigError(
-            f"zero_optimization.sub_group_size = {sub_group_size} cuts this rank's {numel} optimizer "
-            f"elements into {count} sub-groups, each its own swap arrays: expected at most "
-            f"{MAX_SUB_GROUPS}, i.e. sub_group_size >= {-(-numel // MAX_SUB_GROUPS)} here "
-            "(DeepSpeed's default is 1e9)", key="zero_optimization.sub_group_size")
-    return [SubGroup(group_index=g.group_index, start=s, numel=min(size, g.padded_numel - s))
-            for g in groups for s in range(0, g.padded_numel, size)]
-
-
-def pieces_of(subs: list[SubGroup], piece_elems: int) -> list[SubGroup]:
-    """Each sub-group cut into consecutive pieces of at most ``piece_elems`` elements."""
-    size = max(1, piece_elems)
-    return [SubGroup(group_index=s.group_index, start=o, numel=min(size, s.start + s.numel - o))
-            for s in subs for o in range(s.start, s.start + s.numel, size)]
 
 
 def pair_cost(piece: SubGroup, itemsize: int = 4, kinds: int = len(KINDS),
@@ -86,6 +51,9 @@ class SwapPlan:
     itemsizes: tuple[int, ...] = ()
     """Bytes per element of each tensor of a piece when they differ (paged masters beside
     the moments); empty: ``kinds`` tensors of ``itemsize``."""
+    landing_bytes: int = 0
+    """Host bytes kept for the gradient landing's open pieces ([Note: paged gradients] in
+    shard/paged_grads.py): outside the window and the resident head."""
 
     @property
     def streamed_bytes(self) -> int:
@@ -98,59 +66,81 @@ class SwapPlan:
     def make(cls, subs: list[SubGroup], *, cpu_budget: int | None, buffer_count: int,
              pipeline_read: bool, piece_elems: int | None = None, read_ahead: int | None = None,
              hold: bool = True, itemsize: int = 4, kinds: int = len(KINDS),
-             itemsizes: tuple[int, ...] = ()) -> SwapPlan:
+             itemsizes: tuple[int, ...] = (), landing: int = 0) -> SwapPlan:
         """``read_ahead``: pieces read ahead (None: ``READ_AHEAD`` with ``pipeline_read``, else
         0). ``hold``: keep the head resident (the trace schedule); False: nothing is held,
-        the store's eviction policy decides ([Note: resident head, streamed tail])."""
+        the store's eviction policy decides ([Note: resident head, streamed tail]).
+        ``landing``: bytes per element of a paged gradient (one of ``itemsizes``; 0: none),
+        whose landing keeps ``landing_pieces`` of them open beside the window."""
         ahead = swap_rule.read_ahead(read_ahead, pipeline_read)
         cost = partial(pair_cost, itemsize=itemsize, kinds=max(1, kinds), itemsizes=itemsizes)
         # the window's element size: two tensors' worth of ``itemsize`` unless sizes are given
         elem = sum(itemsizes) / 2 if itemsizes else itemsize
         total = sum(cost(s) for s in subs)
         if piece_elems is None:
-            piece_elems = MAX_PIECE_ELEMS
-            if cpu_budget is not None and cpu_budget < total:
-                # the window (current + read-ahead) takes at most a quarter of the budget
-                piece_elems = int(swap_rule.piece_elems_for(cpu_budget, itemsize=elem,
-                                                            ahead=ahead))
+            # the window (current + read-ahead) takes at most a quarter of the budget, and a
+            # piece stays large ([Note: pieces stay large] in shard/swap_rule.py)
+            piece_elems = swap_rule.piece_elems_for(
+                cpu_budget if cpu_budget is not None and cpu_budget < total else None,
+                itemsize=elem, ahead=ahead)
         pieces = tuple(pieces_of(subs, piece_elems))
         largest = max((cost(p) for p in pieces), default=0)
+        reserve = landing_reserve(subs, pieces, landing)
         if cpu_budget is None:
             # DeepSpeed's meaning: buffer_count host buffers of the largest sub-group's moment
             sub_bytes = max((cost(s) // max(1, len(itemsizes) or kinds) for s in subs), default=0)
             cpu_budget = min(total, max(4, buffer_count) * sub_bytes)
-            cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest))
+            cpu_budget = max(cpu_budget, min(total, (1 + ahead) * largest + reserve))
         if cpu_budget >= total:
             return cls(pieces=pieces, resident=len(pieces) if hold else 0, read_ahead=ahead,
                        cpu_budget=cpu_budget, fits=True, itemsize=itemsize, kinds=kinds,
                        itemsizes=itemsizes)
-        while ahead and (1 + ahead) * largest > cpu_budget:
+        while ahead and (1 + ahead) * largest + reserve > cpu_budget:
             ahead -= 1
         window = (1 + ahead) * largest
-        if window > cpu_budget:
+        if window + reserve > cpu_budget:
             raise CapacityError(
                 f"offload_optimizer nvme: the optimizer's host share of {cpu_budget} bytes cannot "
-                f"hold one piece's two moments ({largest} bytes needed); raise "
-                f"zero_optimization.tiering.cpu_budget_bytes or lower sub_group_size")
+                f"hold one swap piece ({largest} bytes needed: {max(p.numel for p in pieces)} "
+                f"elements of {len(itemsizes) or kinds} tensors, plus {reserve} for the "
+                "gradient landing; a piece stays large, [Note: pieces stay large] in "
+                "zeroio/shard/swap_rule.py); raise zero_optimization.tiering.cpu_budget_bytes")
         if not hold:
             return cls(pieces=pieces, resident=0, read_ahead=ahead, cpu_budget=cpu_budget,
-                       itemsize=itemsize, kinds=kinds, itemsizes=itemsizes)
-        room, resident = cpu_budget - window, 0
+                       itemsize=itemsize, kinds=kinds, itemsizes=itemsizes,
+                       landing_bytes=reserve)
+        room, resident = cpu_budget - window - reserve, 0
         for p in pieces:
             if cost(p) > room:
                 break
             room -= cost(p)
             resident += 1
         return cls(pieces=pieces, resident=resident, read_ahead=ahead, cpu_budget=cpu_budget,
-                   itemsize=itemsize, kinds=kinds, itemsizes=itemsizes)
+                   itemsize=itemsize, kinds=kinds, itemsizes=itemsizes, landing_bytes=reserve)
+
+
+def landing_reserve(subs: list[SubGroup], pieces, landing: int) -> int:
+    """Host bytes of the gradient pieces the landing may hold open at once (``landing``: a
+    paged gradient's bytes per element; 0: none): one per optimizer group (each fills its
+    pieces from the last down, as the backward reaches them) and one more (a group whose
+    landing spans a piece boundary)."""
+    if not landing:
+        return 0
+    open_pieces = 1 + len({s.group_index for s in subs})
+    return open_pieces * max((pair_cost(p, landing, kinds=1) for p in pieces), default=0)
 
 
 def min_host_bytes(groups: list[ShardGroup], sub_group_size: int, itemsize: int = 4,
-                   itemsizes: tuple[int, ...] = ()) -> int:
-    """The smallest host share the optimizer can step with: one smallest piece's two moments
-    (or all moments, when smaller), of ``itemsize`` bytes per element (``itemsizes``: one
-    per tensor, paged masters beside the moments). What ``SwapPlan.make`` needs at the
-    least."""
-    total = sum(pair_cost(s, itemsize, itemsizes=itemsizes)
-                for s in split(groups, sub_group_size))
-    return min(total, (len(itemsizes) or len(KINDS)) * _PAGE)
+                   itemsizes: tuple[int, ...] = (), piece_elems: int | None = None,
+                   landing: int = 0) -> int:
+    """The smallest host share the optimizer can step with: one piece of its state at the
+    smallest piece size a budget may ask for (``piece_elems``, when the cut is decided already:
+    paged masters; else ``MIN_PIECE_ELEMS``), or all of it when smaller, of ``itemsize`` bytes
+    per element (``itemsizes``: one per tensor, paged masters beside the moments), and the
+    gradient landing's open pieces (``landing``: a paged gradient's bytes per element). What
+    ``SwapPlan.make`` needs at the least."""
+    subs = split(groups, sub_group_size)
+    total = sum(pair_cost(s, itemsize, itemsizes=itemsizes) for s in subs)
+    pieces = pieces_of(subs, piece_elems or MIN_PIECE_ELEMS)
+    largest = max((pair_cost(p, itemsize, itemsizes=itemsizes) for p in pieces), default=0)
+    return min(total, largest + landing_reserve(subs, pieces, landing))

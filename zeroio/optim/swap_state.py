@@ -33,7 +33,7 @@ from zeroio.optim.swap_plan import SubGroup
 
 class SwappedStateAccess:
     """The checkpoint side of ``SwappedAdam`` (a mixin: it uses the optimizer's ``groups``,
-    ``pieces``, ``store``, ``paged``, ``state_kinds``, ``drain`` and the attributes its
+    ``pieces``, ``index``, ``store``, ``paged``, ``state_kinds``, ``steps``, ``drain`` and the attributes its
     constructor sets: ``_tier``, ``_kinds``, ``_dtypes``, ``_state_pins``)."""
 
     _replacing: PieceReplacement | None = None  # [Note: a load replaces pieces whole]
@@ -53,12 +53,11 @@ class SwappedStateAccess:
             return g.master
         kind = self._store_kind(kind)
         out = torch.empty(g.padded_numel, dtype=self._dtypes[kind])  # the pieces tile it
-        for sub in self.pieces:
-            if sub.group_index == group_index:
-                with self._state_pins:
-                    t = self.store.acquire(sub.name(kind), self._tier)
-                    out.narrow(0, sub.start, sub.numel).copy_(t)
-                    self.store.release(sub.name(kind), self._tier)
+        for sub in (self.pieces[i] for i in self.index.of_group(group_index)):
+            with self._state_pins:
+                t = self.store.acquire(sub.name(kind), self._tier)
+                out.narrow(0, sub.start, sub.numel).copy_(t)
+                self.store.release(sub.name(kind), self._tier)
         return out
 
     reads_ranges = True
@@ -83,10 +82,9 @@ class SwappedStateAccess:
         return out
 
     def _overlaps(self, group_index: int, lo: int, n: int) -> Iterator[tuple[SubGroup, int, int]]:
-        """Each piece overlapping [lo, lo + n) of the group, with the overlap [a, b)."""
-        for sub in self.pieces:
-            if sub.group_index != group_index:
-                continue
+        """Each piece overlapping [lo, lo + n) of the group (found through the optimizer's
+        ``PieceIndex``), with the overlap [a, b)."""
+        for sub in (self.pieces[i] for i in self.index.overlapping(group_index, lo, lo + n)):
             a, b = max(lo, sub.start), min(lo + n, sub.start + sub.numel)
             if a < b:
                 yield sub, a, b
@@ -146,11 +144,11 @@ class SwappedStateAccess:
         if kind == "fp32":
             self.paged.stale = True
         kind = self._store_kind(kind)
-        for sub in self.pieces:
-            if sub.group_index == group_index:  # each piece whole: replaced, never read
-                t = self.store.acquire(sub.name(kind), self._tier, overwrite=True)
-                t.copy_(values.narrow(0, sub.start, sub.numel))
-                self.store.release(sub.name(kind), self._tier)
+        for sub in (self.pieces[i] for i in self.index.of_group(group_index)):
+            # each piece whole: replaced, never read
+            t = self.store.acquire(sub.name(kind), self._tier, overwrite=True)
+            t.copy_(values.narrow(0, sub.start, sub.numel))
+            self.store.release(sub.name(kind), self._tier)
 
     def flush_swap(self) -> int:
         """Write the dirty pieces (resident head, window) to their swap files and wait; the
@@ -172,15 +170,22 @@ class SwappedStateAccess:
         if kind not in self._kinds:
             return None
         out = []
-        for sub in self.pieces:
-            if sub.group_index != group_index:
-                continue
+        for sub in (self.pieces[i] for i in self.index.of_group(group_index)):
             files = self.store.home_files(sub.name(kind))
             if files is None:
                 return None
             out += [(path, sub.start + first, n, nbytes, crc_at)
                     for path, first, n, nbytes, crc_at in files]
         return out
+
+    def steps_taken(self, group_index: int) -> int:
+        return max((int(v.item()) for s, v in self.steps.items() if s.group_index == group_index),
+                   default=0)
+
+    def set_steps(self, group_index: int, steps: int) -> None:
+        for s, v in self.steps.items():
+            if s.group_index == group_index:
+                v.fill_(float(steps))
 
 
 class PieceReplacement:

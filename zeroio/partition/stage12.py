@@ -198,79 +198,84 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         self._accum_budget, self._accum_decided = gpu_budget_bytes, accumulate_on_device
         self._grad_decided = gradient_on_device
         self._paging = masters
-        self.groups = self._build_shards(len(param_groups), optimizer_ratio)
-        self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
-            placed=self._accum_placed and not self.grads_streamed,
-            host_grads=[g.grad for g in self._host], device=device)
-        self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device,
-                                                     Copies(self.transfers))
-        in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
-        for p in module.parameters():  # frozen ones compute in the same dtype as the rest
-            if id(p) not in in_layout and p.is_floating_point():
-                p.data = Copies(self.transfers).to(p.data, device, dtype=compute_dtype)
-        self._staging_next = 0  # the next pinned slot a publication outside the step uses
-        self._side = DeviceStreams.of(device).side  # None on CPU; tiering/streams.py
-        self.phase = Phase.IDLE
-        self._boundary = True
-        self._first_micro = True
-        self._ready = [0] * len(self.layout.buckets)
-        self._inflight: dict[int, comm.CommHandle] = {}
-        self._norm_parts: list[torch.Tensor] = []  # see [Note: norm while consuming]
-        # [Note: gradient pieces]: with nobody to reduce with, pieces go as their params are ready
-        self._early = self.comm_world == 1
-        self._pieces, self._pieces_of = plan_pieces(
-            self.layout.buckets, rank=self.rank, world=self.world,
-            piece_numel=max(1, grad_piece_numel or GRAD_PIECE_NUMEL), early=self._early)
-        self._n_pieces = sum(len(ps) for ps in self._pieces)
-        # later writes of a host gradient: [Note: bounded staging] in partition/landing.py
-        self._staged = StagedAdds(max((p.numel for ps in self._pieces for p in ps), default=1),
-                                  pin=home.pin_memory, transfers=self.transfers)
-        if stage == 2 and accumulation_steps > 1 and home.device != device and not \
-                self._accum and not self.grads_streamed:
-            self._staged.reserve()  # before the engine splits its host budget
-        self._left = [0] * self._n_pieces
-        self._consumed = [False] * self._n_pieces
-        self._bucket_of = {id(s.param): b for b in self.layout.buckets for s in b.slots}
-        self._slot_of = {id(s.param): s for b in self.layout.buckets for s in b.slots}
-        self._hooks = [
-            s.param.register_post_accumulate_grad_hook(self._on_grad)
-            for b in self.layout.buckets for s in b.slots
-        ]
-        self.overlap_forward = overlap_forward
-        self._step_group = (comm.side_group(group) if overlap_forward and self._cpu_optimizer
-                            else group)  # the worker's all-gathers: [Note: step collectives]
-        self._chunks, ready = self._plan_step(max(1, step_chunk_numel or STEP_CHUNK_NUMEL))
-        self._runner = StepRunner(len(self._chunks), device)
-        self._window = (GradWindow(numel=max(c.numel for c in self._chunks), device=device,
-                                   dtype=self.grad_read_dtype, pin=home.pin_memory,
-                                   homes=[g.grad for g in self._host],
-                                   transfers=self.transfers)  # [Note: the gradient window]
-                        if self.grads_streamed and self._chunks else None)
-        self._scratch: list[torch.Tensor] = []
-        """fp32 landing zones on the GPU (the master goes up as fp32, cast there)."""
-        self._stage_slots: list[torch.Tensor] = []
-        """Pinned 16-bit slots the one-pass CPU Adam writes into ([Note: step publication])."""
-        self._slot_free: list[torch.cuda.Event] = []
-        """Recorded behind each slot's copy to the GPU (waiting on an unrecorded one is a no-op)."""
-        self._out_in_pass = False
-        self._copy_stream = (DeviceStreams.of(device).copy  # [Note: zeroio's CUDA streams]
-                             if home.device.type == "cpu" and device.type == "cuda" else None)
-        self._assist = (StepAssist(device, host_numel=sum(c.numel for c in self._chunks),
-                                   transfers=self.transfers, gpu_budget_bytes=gpu_budget_bytes)
-                        if step_assist and self._copy_stream is not None and self._cpu_optimizer
-                        else None)
-        self._assist_step = None  # the ChunkedStep whose chunks the assist may take (run_step)
-        if overlap_forward:  # see [Note: readers of an overlapped step]
-            for m in module.modules():
-                need = [ready[id(p)] for p in m.parameters(recurse=False) if id(p) in ready]
-                if need:
-                    self._hooks.append(m.register_forward_pre_hook(
-                        partial(self._await_params, max(need))))
-                    self._hooks.append(m.register_state_dict_pre_hook(
-                        lambda *_: self.wait_step()))
-            _OVERLAPPED.add(self)
+        try:  # a failed initialize leaves no swap file of the paged masters behind
+            self.groups = self._build_shards(len(param_groups), optimizer_ratio)
+            self._accum = accumulation_on_device(  # [Note: accumulation on the device tier]
+                placed=self._accum_placed and not self.grads_streamed,
+                host_grads=[g.grad for g in self._host], device=device)
+            self.params, self.grads = flatten_into_views(self.layout, compute_dtype, device,
+                                                         Copies(self.transfers))
+            in_layout = {id(s.param) for b in self.layout.buckets for s in b.slots}
+            for p in module.parameters():  # frozen ones compute in the same dtype as the rest
+                if id(p) not in in_layout and p.is_floating_point():
+                    p.data = Copies(self.transfers).to(p.data, device, dtype=compute_dtype)
+            self._staging_next = 0  # the next pinned slot a publication outside the step uses
+            self._side = DeviceStreams.of(device).side  # None on CPU; tiering/streams.py
+            self.phase = Phase.IDLE
+            self._boundary = True
+            self._first_micro = True
+            self._ready = [0] * len(self.layout.buckets)
+            self._inflight: dict[int, comm.CommHandle] = {}
+            self._norm_parts: list[torch.Tensor] = []  # see [Note: norm while consuming]
+            # [Note: gradient pieces]: with nobody to reduce with, pieces go as their params are ready
+            self._early = self.comm_world == 1
+            self._pieces, self._pieces_of = plan_pieces(
+                self.layout.buckets, rank=self.rank, world=self.world,
+                piece_numel=max(1, grad_piece_numel or GRAD_PIECE_NUMEL), early=self._early)
+            self._n_pieces = sum(len(ps) for ps in self._pieces)
+            # later writes of a host gradient: [Note: bounded staging] in partition/landing.py
+            self._staged = StagedAdds(max((p.numel for ps in self._pieces for p in ps), default=1),
+                                      pin=home.pin_memory, transfers=self.transfers)
+            if stage == 2 and accumulation_steps > 1 and home.device != device and not \
+                    self._accum and not self.grads_streamed:
+                self._staged.reserve()  # before the engine splits its host budget
+            self._left = [0] * self._n_pieces
+            self._consumed = [False] * self._n_pieces
+            self._bucket_of = {id(s.param): b for b in self.layout.buckets for s in b.slots}
+            self._slot_of = {id(s.param): s for b in self.layout.buckets for s in b.slots}
+            self._hooks = [
+                s.param.register_post_accumulate_grad_hook(self._on_grad)
+                for b in self.layout.buckets for s in b.slots
+            ]
+            self.overlap_forward = overlap_forward
+            self._step_group = (comm.side_group(group) if overlap_forward and self._cpu_optimizer
+                                else group)  # the worker's all-gathers: [Note: step collectives]
+            self._chunks, ready = self._plan_step(max(1, step_chunk_numel or STEP_CHUNK_NUMEL))
+            self._runner = StepRunner(len(self._chunks), device)
+            self._window = (GradWindow(numel=max(c.numel for c in self._chunks), device=device,
+                                       dtype=self.grad_read_dtype, pin=home.pin_memory,
+                                       homes=[g.grad for g in self._host],
+                                       transfers=self.transfers)  # [Note: the gradient window]
+                            if self.grads_streamed and self._chunks else None)
+            self._scratch: list[torch.Tensor] = []
+            """fp32 landing zones on the GPU (the master goes up as fp32, cast there)."""
+            self._stage_slots: list[torch.Tensor] = []
+            """Pinned 16-bit slots the one-pass CPU Adam writes into ([Note: step publication])."""
+            self._slot_free: list[torch.cuda.Event] = []
+            """Recorded behind each slot's copy to the GPU (waiting on an unrecorded one is a no-op)."""
+            self._out_in_pass = False
+            self._copy_stream = (DeviceStreams.of(device).copy  # [Note: zeroio's CUDA streams]
+                                 if home.device.type == "cpu" and device.type == "cuda" else None)
+            self._assist = (StepAssist(device, host_numel=sum(c.numel for c in self._chunks),
+                                       transfers=self.transfers, gpu_budget_bytes=gpu_budget_bytes)
+                            if step_assist and self._copy_stream is not None and self._cpu_optimizer
+                            else None)
+            self._assist_step = None  # the ChunkedStep whose chunks the assist may take (run_step)
+            if overlap_forward:  # see [Note: readers of an overlapped step]
+                for m in module.modules():
+                    need = [ready[id(p)] for p in m.parameters(recurse=False) if id(p) in ready]
+                    if need:
+                        self._hooks.append(m.register_forward_pre_hook(
+                            partial(self._await_params, max(need))))
+                        self._hooks.append(m.register_state_dict_pre_hook(
+                            lambda *_: self.wait_step()))
+                _OVERLAPPED.add(self)
 
-    # ---- construction ---------------------------------------------------------------------
+        # ---- construction ---------------------------------------------------------------------
+
+        except BaseException:
+            self._close_paged()
+            raise
 
     def _build_shards(self, n_groups: int, ratio: float) -> list[ShardGroup]:
         """The logical ShardGroups; with ``ratio`` < 1 also the physical sides ([Note: stage
@@ -321,7 +326,8 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
         grad_home = (partial(ShardHome(device=self.device).empty, dtype=torch.float32
                              if self._accum_placed else host_grad) if self.grads_streamed
                      else partial(self.home.empty, dtype=host_grad))
-        home = self._master_home(host_total, split)  # sets self.paged
+        home = self._master_home([base - d for (_, _, base), d in  # sets self.paged
+                                  zip(layouts, self._dev_len, strict=True)], split)
         self._dev: list[ShardGroup] = []
         self._host: list[ShardGroup] = []
         groups = []
@@ -342,6 +348,8 @@ class Stage12Partitioner(PagedPublish12, HostStep12, Partitioner):
                 groups.append(_shard_group(gi, segments, home(base), grad_home(base), slots))
                 self._host.append(groups[-1])
             self._initial_masters(gi, buckets)
+        if self.paged is not None:
+            self.paged.finish_seeding()
         if split:
             self.optimizer_split = OptimizerSplit(device=self._dev, host=self._host)
         return groups

@@ -9,8 +9,8 @@ values live in the NVMe optimizer's store beside the moments, as at stage 3 ([No
 masters] in shard/paged.py). At stages 1 and 2 every rank keeps the whole 16-bit replica in
 the flat parameter buffer, and a rank's local shard is its slices of the buckets, so:
 
-- construction seeds each parameter segment's original values into the ``PagedMasters``
-  spill (no fp32 shard in host memory);
+- construction seeds each parameter segment's original values into ``PagedMasters``, which
+  writes each swap piece to its NVMe home once it is whole (no fp32 shard in host memory);
 - the step publishes each updated master piece, while it is in the optimizer's window,
   into this rank's slices of the buckets it overlaps (a cast copy into ``params``, no
   collective inside the sweep; on CUDA the piece is cast on the host first, since the
@@ -36,7 +36,7 @@ import torch
 from zeroio.config.zero import masters_paged
 from zeroio.errors import ConfigError
 from zeroio.partition import collectives as comm
-from zeroio.shard.paged import PagedMasters
+from zeroio.shard.paged import PagedMasters, PieceCut
 from zeroio.tiering.copies import Copies
 
 
@@ -45,13 +45,14 @@ class MastersPaging:
     """What the partitioner needs to page its masters (engine_build passes it with
     ``offload_optimizer.device`` nvme): ``place``, ``offload_optimizer.masters`` as
     ``masters_place`` resolved it; ``tiering``, the resolved tiering policy (its
-    ``cpu_budget_bytes`` decides "auto"); ``aio``, the I/O engine's block; ``nvme_path``,
-    ``offload_optimizer.nvme_path`` (where the initial masters spill)."""
+    ``cpu_budget_bytes`` decides "auto"); ``aio``, the I/O engine's block; ``offload``, the
+    resolved ``offload_optimizer`` policy (the pieces' cut and ``nvme_path``, where the
+    initial masters are written)."""
 
     place: str
     tiering: object
     aio: object
-    nvme_path: str | None
+    offload: object
 
 
 def masters_paging(cfg, policies, rule: str) -> MastersPaging:
@@ -67,7 +68,7 @@ def masters_paging(cfg, policies, rule: str) -> MastersPaging:
                               key="zero_optimization.offload_optimizer.masters")
         place = "host"
     return MastersPaging(place=place, tiering=policies.tiering, aio=cfg.aio,
-                         nvme_path=policies.optimizer.nvme_path)
+                         offload=policies.optimizer)
 
 
 class PagedPublish12:
@@ -75,10 +76,10 @@ class PagedPublish12:
 
     paged: PagedMasters | None = None
 
-    def _master_home(self, host_numel: int, split: bool):
-        """``empty(n)`` of the host ShardGroups' masters: host memory, or a meta tensor when
-        they page (``self.paged`` is set here)."""
-        self.paged = self._paged_masters(host_numel, split, self._paging)
+    def _master_home(self, host_numels: list[int], split: bool):
+        """``empty(n)`` of the host ShardGroups' masters (``host_numels``: each group's local
+        length): host memory, or a meta tensor when they page (``self.paged`` is set here)."""
+        self.paged = self._paged_masters(host_numels, split, self._paging)
         if self.paged is None:
             return partial(self.home.empty, dtype=self.master_dtype)
         return partial(torch.empty, dtype=self.master_dtype, device="meta")
@@ -87,16 +88,22 @@ class PagedPublish12:
         if self.paged is not None:
             self.paged.close()
 
-    def _paged_masters(self, host_numel: int, split: bool, paging) -> PagedMasters | None:
-        """The masters' handle when they page (``paging``: the engine's ``MastersPaging``, or
-        None), decided from this rank's local shard size, the same on every rank."""
+    def _paged_masters(self, host_numels: list[int], split: bool,
+                       paging) -> PagedMasters | None:
+        """The masters' handle (and the optimizer's store) when they page (``paging``: the
+        engine's ``MastersPaging``, or None), decided from this rank's local shard size, the
+        same on every rank."""
         if paging is None or split or not self._nvme_optimizer or not masters_paged(
-                paging.place, host_numel=host_numel, master_bytes=self.master_dtype.itemsize,
-                state_bytes=self._state_dtype.itemsize,
+                paging.place, host_numel=sum(host_numels),
+                master_bytes=self.master_dtype.itemsize, state_bytes=self._state_dtype.itemsize,
                 cpu_budget_bytes=paging.tiering.cpu_budget_bytes):
             return None
-        paged = PagedMasters(host_numel, self.master_dtype, tiering=paging.tiering,
-                             aio=paging.aio, nvme_path=paging.nvme_path, rank=comm.rank(),
+        cut = PieceCut.for_paged(offload=paging.offload, tiering=paging.tiering,
+                                 master_itemsize=self.master_dtype.itemsize,
+                                 state_itemsize=self._state_dtype.itemsize)
+        paged = PagedMasters(dict(enumerate(host_numels)), self.master_dtype, cut=cut,
+                             offload=paging.offload, tiering=paging.tiering, aio=paging.aio,
+                             rank=comm.rank(), state_dtype=self._state_dtype,
                              transfers=self.transfers)
         paged.publish = self._publish_piece
         return paged

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zeroio.config.host_split import param_share
 from zeroio.errors import CapacityError
 
 CPU_KEY = "zero_optimization.tiering.cpu_budget_bytes"
@@ -64,5 +65,6 @@ def split_host_budget(budget: int, *, held: int, param_floor: int = 0, param_ask
             f"{CPU_KEY} to at least {need}"
             + (" or lower offload_param.max_in_cpu" if param_floor else ""))
     left = budget - held
-    params = max(param_floor, min(param_ask, left - optimizer_floor)) if param_floor else 0
+    params = param_share(left=left, floor=param_floor, ask=param_ask,
+                         optimizer_floor=optimizer_floor)
     return HostSplit(budget=budget, held=held, params=params, optimizer=left - params)

@@ -10,10 +10,14 @@ The same floor bounds ``shrink_budget``: a tier's share must hold its homes and,
 for CPU, one NVMe transfer.
 
 Bookkeeping only: these functions read the tiers' ``Space`` records (called with
-the store's lock held) and move no bytes; making room is the mover's.
+the store's lock held) and move no bytes; making room is the mover's. The largest NVMe home
+is kept by ``NvmeHomes`` as homes come and go, never found by scanning the entries: a
+registration costs the same whether it is the first or the millionth.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from zeroio.config.policy import TieringPolicy
 from zeroio.errors import CapacityError
@@ -26,18 +30,33 @@ ORDER = (Tier.GPU, Tier.CPU, Tier.NVME)
 """The tiers, fastest first: a home that does not fit goes to the next slower one."""
 
 
-def staging_bytes(spaces: dict[Tier, Space], entries: dict[str, Entry]) -> int:
-    """CPU bytes the largest NVMe-homed tensor occupies in pinned memory while it moves."""
-    cpu = spaces[Tier.CPU]
-    return max((cpu.cost(e.nbytes) for e in entries.values() if e.home is Tier.NVME), default=0)
+class NvmeHomes:
+    """The CPU-tier cost of every NVMe-homed tensor, counted by size: ``largest`` is what
+    the CPU tier keeps room for ([Note: placement]) in O(1), updated as homes are added and
+    removed (the distinct sizes are few: the pieces of a cut are alike)."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[int] = Counter()
+        self.largest = 0
+
+    def add(self, cost: int) -> None:
+        self._counts[cost] += 1
+        self.largest = max(self.largest, cost)
+
+    def remove(self, cost: int) -> None:
+        self._counts[cost] -= 1
+        if self._counts[cost] <= 0:
+            del self._counts[cost]
+            if cost == self.largest:
+                self.largest = max(self._counts, default=0)
 
 
-def place(spaces: dict[Tier, Space], entries: dict[str, Entry], name: str, nbytes: int,
+def place(spaces: dict[Tier, Space], homes: NvmeHomes, name: str, nbytes: int,
           want: Tier, *, has_nvme: bool) -> Tier | None:
     """The first tier from ``want`` down whose budget holds the home ([Note: placement]);
     None when none does."""
     cpu = spaces[Tier.CPU]
-    largest_nvme = staging_bytes(spaces, entries)
+    largest_nvme = homes.largest
     for tier in ORDER[ORDER.index(want):]:
         space = spaces[tier]
         cost = space.cost(nbytes)
@@ -81,12 +100,12 @@ def no_tier_error(spaces: dict[Tier, Space], entries: dict[str, Entry], name: st
     )
 
 
-def place_with_room(spaces: dict[Tier, Space], entries: dict[str, Entry], mover: Mover,
-                    name: str, nbytes: int, want: Tier, *, has_nvme: bool, budgets: Budgets,
-                    cfg: TieringPolicy) -> Tier:
+def place_with_room(spaces: dict[Tier, Space], entries: dict[str, Entry], homes: NvmeHomes,
+                    mover: Mover, name: str, nbytes: int, want: Tier, *, has_nvme: bool,
+                    budgets: Budgets, cfg: TieringPolicy) -> Tier:
     """``place``, then make room there; a tier whose room is held by acquired copies that
     cannot be released in time passes the home on to the next slower tier."""
-    tier = place(spaces, entries, name, nbytes, want, has_nvme=has_nvme)
+    tier = place(spaces, homes, name, nbytes, want, has_nvme=has_nvme)
     if tier is None:
         raise no_tier_error(spaces, entries, name, nbytes, want, has_nvme=has_nvme,
                             budgets=budgets, cfg=cfg)
@@ -97,19 +116,18 @@ def place_with_room(spaces: dict[Tier, Space], entries: dict[str, Entry], mover:
             return tier
         except CapacityError as exc:
             slower = ORDER[ORDER.index(tier) + 1:]
-            tier = place(spaces, entries, name, nbytes, slower[0], has_nvme=has_nvme) \
+            tier = place(spaces, homes, name, nbytes, slower[0], has_nvme=has_nvme) \
                 if slower else None
             if tier is None:
                 raise CapacityError(f"register({name!r}): {nbytes} bytes: {exc}") from exc
     return tier
 
 
-def check_shrink(spaces: dict[Tier, Space], entries: dict[str, Entry], tier: Tier,
-                 nbytes: int) -> None:
+def check_shrink(spaces: dict[Tier, Space], homes: NvmeHomes, tier: Tier, nbytes: int) -> None:
     """``CapacityError`` when ``nbytes`` cannot hold ``tier``'s homes and, for CPU, room for
     the largest NVMe-homed tensor ([Note: placement])."""
     space = spaces[tier]
-    staging = staging_bytes(spaces, entries) if tier is Tier.CPU else 0
+    staging = homes.largest if tier is Tier.CPU else 0
     need = space.home_used + staging
     if nbytes < need:
         raise CapacityError(

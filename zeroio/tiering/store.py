@@ -27,7 +27,7 @@ from zeroio.tiering.backend import NvmeBackend
 from zeroio.tiering.config import STORE_READ_AHEAD, Budgets, store_policy
 from zeroio.tiering.mover import Mover
 from zeroio.tiering.placement import ORDER as _ORDER
-from zeroio.tiering.placement import check_shrink, place_with_room
+from zeroio.tiering.placement import NvmeHomes, check_shrink, place_with_room
 from zeroio.tiering.policy import PolicyKind, make_policy
 from zeroio.tiering.prefetcher import Prefetcher
 from zeroio.tiering.state import Copy, Entry, Space
@@ -66,6 +66,7 @@ class TieredStore:
         self._backend = backend
         self.budgets = Budgets.resolve(self.cfg, device=self.device, has_nvme=backend is not None)
         self._entries: dict[str, Entry] = {}
+        self._nvme_homes = NvmeHomes()  # what the CPU tier keeps room for ([Note: placement])
         self._spaces: dict[Tier, Space] = {}
         for tier in _ORDER:
             budget = self.budgets.of(tier)
@@ -113,12 +114,16 @@ class TieredStore:
             entry = Entry(name, shape, dtype, nbytes, tier)
             copy = self._mover.new_copy(entry, tier, Residency.CLEAN, home=True)
             self._entries[name] = entry
+            if tier is Tier.NVME:
+                self._nvme_homes.add(self._spaces[Tier.CPU].cost(nbytes))
         try:
             self._fill_home(entry, copy, init)
         except BaseException:
             with self._lock:
                 self._mover.drop(entry, copy)
                 del self._entries[name]
+                if tier is Tier.NVME:
+                    self._nvme_homes.remove(self._spaces[Tier.CPU].cost(nbytes))
             raise
         return tier
 
@@ -140,9 +145,9 @@ class TieredStore:
                 raise SwapIOError(f"register({entry.name!r}): writing init to NVMe failed: {exc}") from exc
 
     def _place_with_room(self, name: str, nbytes: int, want: Tier) -> Tier:
-        return place_with_room(self._spaces, self._entries, self._mover, name, nbytes, want,
-                               has_nvme=self._backend is not None, budgets=self.budgets,
-                               cfg=self.cfg)
+        return place_with_room(self._spaces, self._entries, self._nvme_homes, self._mover, name,
+                               nbytes, want, has_nvme=self._backend is not None,
+                               budgets=self.budgets, cfg=self.cfg)
 
     # -- acquire / release ----------------------------------------------------
 
@@ -385,6 +390,19 @@ class TieredStore:
             else:
                 self._mover.writeback(entry, copy, evict_after=True)
 
+    def drop(self, name: str, tier: Tier | str) -> None:
+        """``name``'s copy in ``tier`` holds dead bytes (a gradient the step has used, [Note:
+        paged gradients] in zeroio/shard/paged_grads.py): free it now without writing it
+        back, whatever its state; the home keeps what it held, and the next writer overwrites
+        it. A copy that is acquired, moving or absent is left alone."""
+        with self._lock:
+            self._check_open()
+            entry = self._entry(name)
+            copy = entry.copies.get(Tier.parse(tier))
+            if copy is None or copy.is_home or not copy.evictable:
+                return
+            self._mover.drop(entry, copy)
+
     # -- prefetch -------------------------------------------------------------
 
     def prefetch(self, names: list[str], tier: Tier | str) -> None:
@@ -522,6 +540,7 @@ class TieredStore:
                 if entry.home is Tier.NVME:
                     self._backend.delete(entry.name)  # type: ignore[union-attr]
             self._entries.clear()
+            self._nvme_homes = NvmeHomes()
             for space in self._spaces.values():
                 if space.memory is not None:
                     space.memory.close()
@@ -539,7 +558,7 @@ class TieredStore:
             space = self._spaces[tier]
             if nbytes >= space.budget:
                 return
-            check_shrink(self._spaces, self._entries, tier, nbytes)
+            check_shrink(self._spaces, self._nvme_homes, tier, nbytes)
             if space.used > nbytes:
                 self._mover.make_room(space, space.budget - nbytes, "<budget>", prefetch=False)
                 self._mover.quiesce()

@@ -101,11 +101,19 @@ class GradLanding:
 
     def __init__(self, groups: list[ShardGroup], pieces: dict[int, list[Landing]],
                  device: torch.device, pin: bool, transfers: TierStats | None = None,
-                 d2h: torch.cuda.Stream | None = None):
+                 d2h: torch.cuda.Stream | None = None, paged=None):
+        """``paged``: the ``PagedGrads`` of the groups whose ``grad`` is a meta tensor ([Note:
+        paged gradients] in shard/paged_grads.py): their landings are cut at its piece
+        boundaries and land in its windows."""
         self.groups = groups
         self.d2h = d2h  # copies into host memory (see the note); None on CPU
         self.transfers = transfers  # D2H bytes and host waits (engine.stats)
+        self.paged = paged
         self.pieces = pieces
+        self._parts = pieces if paged is None else {
+            gi: [part for ld in lds for part in self._cut(ld)] for gi, lds in pieces.items()}
+        """What each group lands as: ``pieces``, the paged ones cut at piece boundaries (the
+        norm is still taken over ``pieces``: the same sums, bit for bit, as unpaged)."""
         self.device = device
         self.pin = pin and torch.cuda.is_available()
         self._written: dict[int, int] = {}          # group -> writes this accumulation
@@ -145,8 +153,25 @@ class GradLanding:
         """Apply the staged adds and stop their worker thread."""
         if self._adds is not None:
             self._adds.close()
+        if self.paged is not None:
+            self.paged.close()
 
-    def _dst(self, ld: Landing) -> torch.Tensor:
+    def _cut(self, ld: Landing) -> list[Landing]:
+        """``ld`` cut at the paged gradient's piece boundaries (itself when not paged)."""
+        if not self._is_paged(ld):
+            return [ld]
+        return [Landing(lo=ld.lo + at - ld.base, numel=n, target=ld.target, base=at)
+                for at, n in self.paged.split(ld.target, ld.base, ld.numel)]
+
+    def _is_paged(self, ld: Landing) -> bool:
+        return self.paged is not None and self.groups[ld.target].grad.is_meta
+
+    def _on_host(self, ld: Landing) -> bool:
+        return self._is_paged(ld) or self.groups[ld.target].grad.device.type == "cpu"
+
+    def _dst(self, ld: Landing, first: bool = False) -> torch.Tensor:
+        if self._is_paged(ld):  # a window of the optimizer's store ([Note: paged gradients])
+            return self.paged.view(ld.target, ld.base, ld.numel, first=first)
         return self.groups[ld.target].grad.narrow(0, ld.base, ld.numel)
 
     def consume(self, gi: int, shard: torch.Tensor, scale: float, boundary: bool) -> None:
@@ -161,7 +186,7 @@ class GradLanding:
                 self._norm_parts.append(torch.linalg.vector_norm(src).double().pow(2))
         else:  # accumulated over writes: the final value is only known on the host
             self._norm_valid = False
-        lds = self.pieces.get(gi, [])
+        lds = self._parts.get(gi, [])
         if self.router is not None:
             lds = self._route(lds, shard, first=writes == 0)
         flush = []
@@ -169,7 +194,7 @@ class GradLanding:
             lds, flush = self._accumulate(gi, lds, shard, first=writes == 0, boundary=boundary)
         # with twin placement one group may land on both sides: device pieces on comm, host
         # pieces on d2h
-        host = [ld for ld in lds if shard.is_cuda and self._dst(ld).device.type == "cpu"]
+        host = [ld for ld in lds if shard.is_cuda and self._on_host(ld)]
         side = self.d2h if (host or flush) and shard.is_cuda else None
         if side is not None:  # after the scaling above, on comm; see the note
             wait_stream(side, torch.cuda.current_stream(shard.device))
@@ -177,12 +202,15 @@ class GradLanding:
         staged = []
         for ld in lds:
             with on(side if ld in host else None):
-                src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld)
+                src, dst = shard.narrow(0, ld.lo, ld.numel), self._dst(ld, first=writes == 0)
                 if writes == 0 and dst.dtype != src.dtype and src.is_cuda:  # [Note: 16-bit
                     # host gradients at stage 3]: cast here, allocated on this stream (d2h)
                     src = src.to(dst.dtype)
                 if not land(src, dst, first=writes == 0, transfers=self.transfers):
                     staged.append(ld)  # [Note: one landing rule] in partition/landing.py
+                elif writes == 0 and self._is_paged(ld):  # a full paged piece goes at once
+                    self.paged.landed(ld.target, ld.base, ld.numel,
+                                      after=record(side) if side is not None else None)
         with on(side):  # the boundary's sums to the host (cast there to a 16-bit host shard)
             for acc, dst in flush:
                 self.accum.flush(acc, dst, self.transfers)
@@ -258,7 +286,8 @@ class GradLanding:
                 for acc, dst in (v for vs in self._dirty.values() for v in vs):
                     self.accum.flush(acc, dst, self.transfers)
             self._dirty = {}
-        if stream is not None and any(g.grad.device.type == "cpu" for g in self.groups):
+        if stream is not None and any(g.grad.device.type == "cpu" or g.grad.is_meta
+                                      for g in self.groups):
             with StallTimer(self.transfers):  # the CPU optimizer reads these bytes next
                 record(self.d2h if self.d2h is not None else stream).synchronize()
         if self._adds is not None:
@@ -267,7 +296,10 @@ class GradLanding:
             for gi, lds in self.pieces.items():
                 if gi not in self._written:
                     for ld in lds:
-                        self._dst(ld).zero_()
+                        if not self._is_paged(ld):  # paged: zeroed by its settle, below
+                            self._dst(ld).zero_()
+            if self.paged is not None:
+                self.paged.settle()
 
     def sq_norm(self) -> torch.Tensor | None:
         """The local squared gradient norm from the parts taken while consuming, or None when
@@ -282,5 +314,7 @@ class GradLanding:
         self._dirty = {}
         self._norm_parts = []
         self._norm_valid = True
+        if self.paged is not None:
+            self.paged.reset()
         if self.router is not None:
             self.router.forget_grads()

@@ -32,9 +32,13 @@ farthest next use in the first step's shard order), ``tiering.prefetch_depth``
 (when set) how many upcoming shard accesses the store prefetches on top of the
 partitioner's own ``stage3_prefetch_bucket_size`` prefetch, and ``aio`` the
 I/O engine. With an explicit ``tiering.cpu_budget_bytes`` the resident shards
-are capped so that they and one buffer of the largest shard fit in it, and the
-engine then lowers the store's share to what the state outside stores leaves
-([Note: budgets in training] in tiering/budget.py: ``cpu_floor``/``cpu_ask``).
+are capped so that they and one buffer of the largest shard fit in half of it:
+the other half is for the NVMe optimizer's window and resident head and the
+windows of what else pages (per byte of host memory, a resident 16-bit shard
+saves 3 bytes of disk I/O a step: read for forward and backward, written once;
+a cached optimizer piece 2: read and written once), and the engine then lowers
+the store's share to what the state outside stores leaves ([Note: budgets in
+training] in tiering/budget.py: ``cpu_floor``/``cpu_ask``).
 
 ``update_pieces(whole=True)`` (the optimizer's publish, which replaces every
 trainable element of the shard) acquires the host copy *for overwrite*: the
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from zeroio.config import host_split
 from zeroio.errors import ResidencyError
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.store import OwnCopies
@@ -89,20 +94,21 @@ class TieredShards(OwnCopies):
         tiering = settings.tiering
         user_cpu = tiering.cpu_budget_bytes
         largest = max((host_cost(n * size) for n in shard_numels.values()), default=0)
-        self.resident = resident_keys(
+        self.resident = resident_keys(  # the rules of shard/host_split.py, as zeroio.estimate's
             shard_numels, settings.max_in_cpu, elem_size=size,
-            max_bytes=None if user_cpu is None else max(0, user_cpu - largest))
+            max_bytes=host_split.resident_cap(user_cpu, largest))
         resident_cost = sum(host_cost(shard_numels[k] * size) for k in self.resident)
         from zeroio.io import swapdir
 
         swapdir.remove_stale(settings.nvme_path)  # crashed runs' folders, any rank's
         swapped = sum(host_cost(n * size) for k, n in shard_numels.items() if k not in self.resident)
-        self._floor = resident_cost + (largest if swapped else 0)  # resident + one buffer
+        self._floor = host_split.param_floor(resident_cost, largest, swapped)
         # DeepSpeed's buffers, at most what the swapped shards need ([Note: budgets in training])
-        self._ask = resident_cost + min(settings.host_buffer_bytes, swapped)
+        self._ask = host_split.param_ask(resident_cost, settings.host_buffer_bytes, swapped)
         budget = self._ask if user_cpu is None else min(self._ask, user_cpu)
         depth = tiering.prefetch_depth
         path = os.path.join(settings.nvme_path, f"stage3-params-rank{rank}")
+        self._folder = swapdir.own_folder(path)  # removed again at close, when empty
         self.store = TieredStore(tiering, settings.aio, nvme_path=path,
                                  device=device if device.type == "cuda" else None,
                                  gpu_budget_bytes=0, cpu_budget_bytes=budget,
@@ -184,4 +190,8 @@ class TieredShards(OwnCopies):
         return self.store.stats()
 
     def close(self):
+        from zeroio.io import swapdir
+
         self.store.close()
+        if self._folder is not None:
+            swapdir.remove_if_empty(self._folder)

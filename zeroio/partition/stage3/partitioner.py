@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroio.config.zero import masters_paged
 from zeroio.dtypes import DTYPES
 from zeroio.errors import ConfigError, DistributedError
 from zeroio.partition import collectives as comm
@@ -31,10 +30,11 @@ from zeroio.partition.stage3.hooks import HookSet
 from zeroio.partition.stage3.host_step import Stage3HostStep
 from zeroio.partition.stage3.layout import ShardPiece, index_of, plan_groups, shard_pieces
 from zeroio.partition.stage3.master_store import MasterShards
+from zeroio.partition.stage3.paged import PagedMasters3
 from zeroio.partition.stage3.prefetch import Trace
 from zeroio.partition.stage3.settings import Stage3Settings
 from zeroio.partition.stage3.state import GroupState, PassState
-from zeroio.partition.stage3.store import DeviceShards, HostShards, make_store
+from zeroio.partition.stage3.store import HostShards, make_store
 from zeroio.partition.stage3.streams import Streams, wait_stream
 from zeroio.partition.stage3.twin import (
     DevicePublish,
@@ -70,7 +70,7 @@ class _PieceRef:
     """Which side's ShardGroup holds it ([Note: twin placement] in twin.py)."""
 
 
-class Stage3Partitioner(Stage3HostStep, Partitioner):
+class Stage3Partitioner(Stage3HostStep, PagedMasters3, Partitioner):
     """See the module docstring; the protocol is ``zeroio.partition.base.Partitioner``."""
 
     stage = 3
@@ -93,11 +93,25 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                                 opt_group_of=opt_group_of, index=self.index,
                                 shape_of=registry.true_shape)
         self.transfers = TierStats()  # host <-> device copies, counted where issued
+        self._pages = self._masters_page(settings)  # [Note: paged masters] in shard/paged.py
+        self.paged: PagedMasters | None = None  # built once the shard sizes are known
         self.store = make_store(settings, device, rank=self.rank,
                                 shard_numels={gp.index: gp.shard_numel for gp in self.plan.groups},
                                 dtype=compute_dtype, transfers=self.transfers)
-        self.paged = self._paged_masters(settings)  # [Note: paged masters] in shard/paged.py
-        if settings.params_from_master and self.paged is None:  # [Note: shards read from
+        try:
+            self._assemble(module, param_groups, compute_dtype, device, settings)
+        except BaseException:  # a failed initialize leaves no swap file behind
+            self.store.close()
+            if self.paged is not None:
+                self.paged.close()
+            raise
+
+    def _assemble(self, module: nn.Module, param_groups: list[list[nn.Parameter]],
+                  compute_dtype: torch.dtype, device: torch.device,
+                  settings: Stage3Settings) -> None:
+        """The rest of construction, once the parameter store exists: groups, shards (and the
+        paged masters' store), gradient landing, hooks."""
+        if settings.params_from_master and not self._pages:  # [Note: shards read from
             self.store = MasterShards(self.store, device, compute_dtype, self.transfers)
         self.streams = Streams.for_device(device)  # the device's, from tiering/streams.py
         by_id = {id(p): p for p in module.parameters()}
@@ -108,7 +122,7 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                 key=lambda x: x[1][1])]
             self.pgroups.append(ParamGroup(gp, params, rank=self.rank, world=self.world,
                                            device=device, dtype=compute_dtype,
-                                           store=self.store, pg=group, streams=self.streams))
+                                           store=self.store, pg=self.pg, streams=self.streams))
         n_opt = len(param_groups)
         self._sides, self._pieces = self._build_shards(n_opt)
         if self.paged is not None:
@@ -122,14 +136,16 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         else:
             self.groups = host
         physical = host + dev  # the landing's targets: host og -> og, device og -> n_opt + og
+        if self._grads_page:
+            self.paged.grads = self._paged_grads()
         self.landing = GradLanding(  # [Note: landing reduced gradients] in grads.py
             physical,
             {gi: [Landing(lo=r.piece.lo, numel=r.piece.hi - r.piece.lo,
                           target=r.piece.opt_group + (n_opt if r.side is Side.DEVICE else 0),
                           base=r.base) for r in refs]
              for gi, refs in self._pieces.items()},
-            device, pin=getattr(home, "pin_memory", False), transfers=self.transfers,
-            d2h=self.streams.d2h)
+            device, pin=getattr(self.home, "pin_memory", False), transfers=self.transfers,
+            d2h=self.streams.d2h, paged=None if self.paged is None else self.paged.grads)
         self._accum = self.landing.accum = accumulation_on_device(  # tiering/device_accum.py
             placed=self._accum_placed and not self.grads_streamed,
             host_grads=[sg.grad for sg in host], device=device)
@@ -180,29 +196,6 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.hooks = HookSet(self, module, self.plan.users)
 
     # -- construction -----------------------------------------------------------------------
-    def _paged_masters(self, settings: Stage3Settings) -> PagedMasters | None:
-        """The masters' handle when they page through NVMe (decided once, from this rank's
-        shard size: ``masters_paged``), else None."""
-        # the padded shard: the same on every rank, so every rank decides alike
-        numel = sum(gp.shard_numel for gp in self.plan.groups)
-        if not settings.nvme_optimizer or not masters_paged(
-                settings.masters, host_numel=numel,
-                master_bytes=DTYPES[settings.master_dtype].itemsize,
-                state_bytes=DTYPES[settings.state_dtype].itemsize,
-                cpu_budget_bytes=settings.tiering.cpu_budget_bytes):
-            return None
-        if settings.params_from_master and settings.params_from_master_forced:
-            raise ConfigError(
-                "zero_optimization.tiering.params_from_master = true, but the masters page "
-                f"through NVMe (offload_optimizer.masters {settings.masters!r}: tiering."
-                f"cpu_budget_bytes {settings.tiering.cpu_budget_bytes} cannot hold this rank's "
-                f"{numel} elements of masters and moments): the gathers would read them from "
-                'disk; set params_from_master to "auto" or false, or offload_optimizer.masters '
-                'to "host"', key="zero_optimization.tiering.params_from_master")
-        return PagedMasters(numel, DTYPES[settings.master_dtype], tiering=settings.tiering,
-                            aio=settings.aio, nvme_path=settings.optimizer_nvme_path,
-                            rank=comm.rank(), transfers=self.transfers)
-
     def _full_flat(self, g: ParamGroup) -> torch.Tensor:
         """The group's full padded flat in the original precision (one group at a time)."""
         dtype = next((p.dtype for p in g.params if p not in registry.INIT_SHARDS),
@@ -235,7 +228,10 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             pieces[side][pc.opt_group].append(ref)
             by_group.setdefault(gi, []).append(ref)
             sizes[side][pc.opt_group] += pc.hi - pc.lo
+        self._index_host_refs(by_group, n_opt_groups)  # paged.py: _publish_piece's lookup
         mdt, sdt = DTYPES[self.settings.master_dtype], DTYPES[self.settings.state_dtype]
+        if self._pages:
+            self.paged = self._paged_masters(sizes[Side.HOST])
         homes = {Side.HOST: lambda n: self.home.empty(n, mdt) if self.paged is None else
                  torch.empty(n, dtype=mdt, device="meta"), Side.DEVICE: lambda n: torch.zeros(
             n, dtype=torch.float32, device=self.device)}
@@ -271,10 +267,17 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
             decided=self.settings.gradient_on_device)
         """The host side's gradient stays on the device (the fp32 accumulation sum, or the
         host gradient's dtype), read by the host step through ``GradWindow``."""
+        # [Note: paged gradients] in shard/paged_grads.py: with the masters, where nothing
+        # accumulates on the host (never streamed: that needs host masters)
+        self._grads_page = self.paged is not None and self.settings.accumulation_steps == 1
         streamed = torch.float32 if self._accum_placed else self.host_grad_dtype
-        grad_homes = {Side.HOST: (lambda n: torch.zeros(n, dtype=streamed, device=self.device))
-                      if self.grads_streamed else
-                      (lambda n: self.home.empty(n, self.host_grad_dtype)),
+        if self.grads_streamed:
+            host_home = lambda n: torch.zeros(n, dtype=streamed, device=self.device)  # noqa: E731
+        elif self._grads_page:
+            host_home = lambda n: torch.empty(n, dtype=self.host_grad_dtype, device="meta")  # noqa: E731
+        else:
+            host_home = lambda n: self.home.empty(n, self.host_grad_dtype)  # noqa: E731
+        grad_homes = {Side.HOST: host_home,
                       Side.DEVICE: lambda n: torch.zeros(n, dtype=torch.float32,
                                                          device=self.device)}
         if isinstance(self.store, MasterShards):
@@ -290,6 +293,8 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                     masters[ref.side][ref.piece.opt_group].narrow(0, ref.base, src.numel()), src)
             g.load_full(flat)
             del flat
+        if self.paged is not None:
+            self.paged.finish_seeding()
         for p in {id(p): p for g in self.pgroups for p in g.params}.values():
             registry.INIT_SHARDS.pop(p, None)
         groups: dict[Side, list[ShardGroup]] = {}
@@ -340,37 +345,6 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
                           device=self.device, pin=getattr(self.home, "pin_memory", False),
                           homes=[sg.grad for sg in self._sides[Side.HOST]],
                           transfers=self.transfers)
-
-    def _publish_piece(self, og: int, lo: int, values: torch.Tensor) -> None:
-        """Host masters [lo, lo + len(values)) of optimizer group ``og``, updated and still in
-        the optimizer's window, into the 16-bit shards they belong to ([Note: paged
-        masters] in shard/paged.py)."""
-        hi = lo + values.numel()
-        if isinstance(self.store, DeviceShards) and self.device.type == "cuda":
-            # the window's pinned buffer is reused as soon as the piece is put back: the copy
-            # up must not read it asynchronously (a pageable 16-bit copy is staged at once)
-            values = values.to(self.dtype, copy=True)
-        for gi, refs in self._pieces.items():
-            for ref in refs:
-                if ref.side is not Side.HOST or ref.piece.opt_group != og:
-                    continue
-                a, b = max(lo, ref.base), min(hi, ref.base + ref.piece.hi - ref.piece.lo)
-                if a < b:
-                    self.pgroups[gi].update_shard(ref.piece.lo + a - ref.base,
-                                                  values.narrow(0, a - lo, b - a))
-
-    def _republish_paged(self) -> None:
-        """After the step (published per piece already): re-gather the gathered groups; after
-        a write from outside the step (checkpoint load), every piece republished first."""
-        if self.paged.stale:
-            step = self.settings.step_chunk_numel
-            for og, sg in enumerate(self._sides[Side.HOST]):
-                for lo in range(0, sg.padded_numel, step):
-                    n = min(step, sg.padded_numel - lo)
-                    self._publish_piece(og, lo, self.paged.read(og, lo, n))
-            self.paged.stale = False
-        for g in self.pgroups:
-            g.refresh()
 
     def _attach_masters(self, by_group: dict[int, list[_PieceRef]], masters) -> None:
         """Bind each sharded group whose master pieces cover every element that matters to
@@ -506,7 +480,11 @@ class Stage3Partitioner(Stage3HostStep, Partitioner):
         self.grads_to_host()
         # fp32 norms of 16-bit host shards too; no float64 copy of a shard (that doubled host
         # memory and took seconds)
-        return shards_sq_norm((sg.grad for sg in self._physical), Copies(self.transfers))
+        norm = shards_sq_norm((sg.grad for sg in self._physical if not sg.grad.is_meta),
+                              Copies(self.transfers))
+        if self.paged is not None and self.paged.grads is not None:
+            norm = norm + self.paged.grads.sq_norm()  # read back: a group reduced twice
+        return norm
 
     def grads_to_host(self) -> None:
         """Gradients held in resident chunks' GPU buffers into the host shards (the host is

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zeroio.config.policy import Policies, TieringPolicy, resolve_policies
+from zeroio.config.policy import OffloadPolicy, Policies, TieringPolicy, resolve_policies
 from zeroio.errors import ConfigError
 
 
@@ -86,7 +86,10 @@ class Stage3Settings:
     master] in master_store.py)."""
 
     optimizer_nvme_path: str | None = None
-    """``offload_optimizer.nvme_path``: where paged masters spill at construction."""
+    """``offload_optimizer.nvme_path``: where paged masters are written at construction."""
+    optimizer_offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    """``offload_optimizer``, resolved: the paged masters' piece cut (``sub_group_size``,
+    ``pipeline_read``) and folder ([Note: paged masters] in shard/paged.py)."""
     masters: str = "host"
     """``offload_optimizer.masters`` as ``masters_place`` resolved it (host, nvme, auto): the
     partitioner decides once, from its shard size, whether the masters page through NVMe
@@ -160,6 +163,7 @@ class Stage3Settings:
             params_from_master=policies.tiering.params_from_master,
             masters=policies.optimizer.masters,
             optimizer_nvme_path=policies.optimizer.nvme_path,
+            optimizer_offload=policies.optimizer,
             params_from_master_forced=zero.tiering.params_from_master is True,
             master_dtype=policies.precision.master,
             state_dtype=policies.precision.states,
