@@ -38,10 +38,13 @@ def peers_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("results")
     # a host budget that holds a third of the NVMe row's moments, so that they stream (a
-    # budget that holds them moves nothing: their first loads read zeros from no disk)
+    # budget that holds them moves nothing: their first loads read zeros from no disk); pieces
+    # are sub-groups of 16384 elements (a piece is never cut below 8 MiB by the budget alone,
+    # and this model's whole state is smaller than that)
     doc = train_peers.main([*TINY, "--only", ONLY, "--steps", str(STEPS), "--warmup",
                             str(WARMUP), "--disk-bench-size", "0", "--out", str(out),
                             "--set", "zero_optimization.tiering.cpu_budget_bytes=1500000",
+                            "--set", "zero_optimization.sub_group_size=16384",
                             "--nvme-dir", str(out / "nvme"), "--timeout", "240", "--json"])
     return doc, out
 
