@@ -46,6 +46,7 @@ def _body(every, nvme_dir, steps):
                                                         "warmup_num_steps": 10}},
            "zero_optimization": {
                "stage": 3, "stage3_param_persistence_threshold": 0,
+               "sub_group_size": 1024,  # pieces small enough to stream through the budget
                "offload_param": {"device": "nvme", "nvme_path": os.path.join(nvme_dir, "p")},
                "offload_optimizer": {"device": "nvme", "nvme_path": os.path.join(nvme_dir, "o")},
                # a host budget below the moments: they stream (read and written every step)
