@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from zeroio.testing.cuda import need_cuda
-from zeroio.testing.multirank import free_port, outside_launcher_env
+from zeroio.testing.multirank import free_port, outside_launcher_env, path_first
 
 SCRIPT = Path(__file__).parent / "scripts" / "ds_api_names.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def run(request, tmp_path_factory):
     cmd = [sys.executable, "-m", "zeroio.cli.main", "launch", "--nproc", str(world),
            "--master_port", str(free_port()), str(SCRIPT), "--deepspeed", "--deepspeed_config",
            str(cfg), "--save_dir", str(tmp / "ckpt"), "--steps", str(STEPS)]
-    proc = subprocess.run(cmd, cwd=tmp, env=outside_launcher_env(PYTHONPATH=str(REPO)),
+    proc = subprocess.run(cmd, cwd=tmp, env=outside_launcher_env(PYTHONPATH=path_first(str(REPO))),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(ln.split("RESULT ", 1)[1]) for ln in proc.stdout.splitlines()

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from zeroio.testing.cuda import need_cuda
-from zeroio.testing.multirank import free_port, outside_launcher_env
+from zeroio.testing.multirank import free_port, outside_launcher_env, path_first
 
 pytest.importorskip("lightning")
 
@@ -82,7 +82,7 @@ print(json.dumps(out))
 
 def test_lightning_builds_every_deepspeed_strategy_on_the_facade():
     proc = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True,
-                          timeout=300, env=outside_launcher_env(PYTHONPATH=str(REPO)))
+                          timeout=300, env=outside_launcher_env(PYTHONPATH=path_first(str(REPO))))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, stage in (("stage_2", 2), ("stage_3", 3), ("config", 3)):
@@ -145,7 +145,7 @@ def _check(out: dict, ref: dict, rel: float, weights: bool = True) -> None:
 
 
 def _run(cmd: list[str], tmp: Path) -> dict:
-    proc = subprocess.run(cmd, cwd=tmp, env=outside_launcher_env(PYTHONPATH=str(REPO)),
+    proc = subprocess.run(cmd, cwd=tmp, env=outside_launcher_env(PYTHONPATH=path_first(str(REPO))),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     # Lightning sets the DeepSpeed logger to WARNING: zeroio's banner is silenced with it

@@ -8,7 +8,6 @@ Nothing is downloaded: the model is a tiny ``LlamaConfig`` saved with
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from zeroio.deepspeed.facade import shim_dir
-from zeroio.testing.multirank import free_port, outside_launcher_env
+from zeroio.testing.multirank import free_port, outside_launcher_env, path_first
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -68,7 +67,7 @@ def script_env(*, facade: bool, tmp: Path, **extra: str) -> dict[str, str]:
     when ``facade`` (what ``zeroio launch`` does)."""
     path = [str(shim_dir()), str(REPO)] if facade else [str(REPO)]
     return outside_launcher_env(
-        PYTHONPATH=os.pathsep.join(path), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+        PYTHONPATH=path_first(*path), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp / "datasets-cache"),
         WANDB_DISABLED="true", ACCELERATE_DISABLE_RICH="1", **extra)
 

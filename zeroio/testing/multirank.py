@@ -283,6 +283,14 @@ def outside_launcher_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
+def path_first(*dirs: str) -> str:
+    """A ``PYTHONPATH`` value with ``dirs`` first and this process's own entries after them, so
+    a child still finds the packages the parent found there (zarr and the like installed with
+    ``pip --target`` on a machine that lacks them)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in dirs]
+    return os.pathsep.join([*dirs, *kept])
+
+
 @contextlib.contextmanager
 def launcher_env_removed(*names: str) -> Iterator[None]:
     """This process's environment without ``LAUNCH_ENV`` and ``names`` inside the block, restored
