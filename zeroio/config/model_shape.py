@@ -64,7 +64,7 @@ def read_model_config(path: str) -> tuple[dict, ModelShape]:
     except jsonlimits.JSONLimitError as e:
         raise ConfigError(str(e), key="model_config") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"--model-config {p} is not a JSON file: {e}", key="model_config") \
+        raise ConfigError(f"--model-config {p} is not valid JSON: {e}", key="model_config") \
             from None
     return raw, check_model_config(raw, str(p))
 
