@@ -18,8 +18,10 @@ window:
 
     read(i+1..i+read_ahead)  |  update(i)  |  write-back(i-1)
 
-Each streamed piece is read once and written once per step, and nothing else
-moves: bytes per step = 2 x (moments - resident). Every piece is homed on NVMe
+Each streamed piece is read and written at most once per step, and nothing else
+moves: bytes per step = 2 x (moments - resident) at most. A released piece that
+still fits in the host room beside the window (a small last piece, for instance)
+stays there until its room is needed, and is then neither read nor written. Every piece is homed on NVMe
 and a resident piece is written only when the store flushes or closes (a
 checkpoint save then links the swap files), unless the NVMe budget cannot hold
 all the moments: then the resident head is homed in host memory (no file under
