@@ -112,6 +112,21 @@ def _config(zero_stage: int, world: int) -> dict:
     return cfg
 
 
+def _continue(engine, rank: int, world: int) -> list[float]:
+    """Train the batches after the save point; each step's loss averaged over the ranks."""
+    import torch.distributed as dist
+
+    per, losses = GLOBAL_BATCH // world, []
+    for batch in tiny_lm.global_batches(2)[tiny_lm.SAVE_AT:]:
+        loss = engine(batch[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        t = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
 def _full(engine, kind: str) -> dict:
     """Every rank's ``kind`` put back per parameter (a test-side all-reduce, not zeroio's gather)."""
     import torch.distributed as dist
@@ -147,15 +162,7 @@ def _resume(root: str, zero_stage: int, load_optimizer_states: bool = True) -> d
            "steps": [engine.optimizer.steps_taken(g.group_index) for g in engine.partitioner.groups],
            "counters": (engine.global_steps, engine.global_samples, engine.skipped_steps),
            "scheduler": engine.lr_scheduler.state_dict(), "temperature": model.temperature.item()}
-    per, losses = GLOBAL_BATCH // world, []
-    for batch in tiny_lm.global_batches(2)[tiny_lm.SAVE_AT:]:
-        loss = engine(batch[rank * per:(rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        t = torch.tensor([loss.item()], dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    out["losses"], out["global_steps"] = losses, engine.global_steps
+    out["losses"], out["global_steps"] = _continue(engine, rank, world), engine.global_steps
     return out
 
 
@@ -215,15 +222,7 @@ def _resume_frozen(root: str, zero_stage: int) -> dict:
     engine.load_checkpoint(root)
     with zeroio.zero.GatheredParameters(list(model.norm.parameters())):
         frozen = {f"norm.{n}": p.detach().clone().numpy() for n, p in model.norm.named_parameters()}
-    per, losses = GLOBAL_BATCH // world, []
-    for batch in tiny_lm.global_batches(2)[tiny_lm.SAVE_AT:]:
-        loss = engine(batch[rank * per:(rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        t = torch.tensor([loss.item()], dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return {"frozen": frozen, "losses": losses}
+    return {"frozen": frozen, "losses": _continue(engine, rank, world)}
 
 
 FROZEN_CASES = [(2, 2, 2), (3, 1, 3)]
@@ -425,6 +424,6 @@ def test_another_model_is_refused_by_name(tmp_path):
     index = build_index([(n, tuple(p.shape)) for n, p in tiny_lm.TinyLM().named_parameters()])
     assert set(deepspeed_load.check_model(tag, index, strict=True).values()) == set(tag.shapes)
     index.pop("fc2.bias")
-    with pytest.raises(CheckpointError, match=r"1 of its parameter\(s\) not in the model \(e.g. \['fc2.bias"):
+    with pytest.raises(CheckpointError, match=r"1 checkpoint parameter\(s\) not in the model \(e.g. \['fc2.bias"):
         deepspeed_load.check_model(tag, index, strict=True)
     assert "fc2.bias" not in deepspeed_load.check_model(tag, index, strict=False).values()

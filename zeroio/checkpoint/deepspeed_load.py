@@ -31,7 +31,7 @@ import torch
 from zeroio.checkpoint import deepspeed_layout as dsl
 from zeroio.checkpoint import layout, tags
 from zeroio.checkpoint.comm import Comm
-from zeroio.checkpoint.reader import LoadResult
+from zeroio.checkpoint.reader import LoadResult, model_mismatch
 from zeroio.checkpoint.state import (
     LazySegment,
     ParamEntry,
@@ -275,16 +275,10 @@ def check_model(tag: dsl.DeepSpeedTag, index: Mapping[str, ParamEntry], strict: 
     used = {s for s in stored.values() if s is not None}
     unexpected = [n for n in shapes if n not in used]
     if strict and (missing or unexpected or differ):
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} model parameter(s) not in it (e.g. {missing[:3]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} of its parameter(s) not in the model (e.g. {unexpected[:3]})")
-        if differ:
-            n = differ[0]
-            parts.append(f"{len(differ)} shape(s) differ (e.g. {n}: checkpoint {shapes[stored[n]]} vs model "
-                         f"{tuple(index[n].shape)})")
-        raise CheckpointError(f"DeepSpeed checkpoint {tag.path} is of another model: {'; '.join(parts)}. "
+        first = differ[0] if differ else None
+        shape = (len(differ), first, shapes[stored[first]], index[first].shape) if differ else None
+        raise CheckpointError(f"DeepSpeed checkpoint {tag.path} is of another model: "
+                              f"{model_mismatch(missing, unexpected, shape)}. "
                               "Load with strict=False to take the matching parameters only.")
     return {n: s for n, s in stored.items() if s is not None and n not in differ}
 

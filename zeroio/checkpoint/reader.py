@@ -279,6 +279,23 @@ class LoadResult:
     skipped_names: list[str] = field(default_factory=list)
 
 
+def model_mismatch(missing: list[str], unexpected: list[str],
+                   differ: tuple[int, str, tuple, tuple] | None) -> str:
+    """How a checkpoint's parameters and a model's disagree, in one clause each: names the
+    model has and the checkpoint lacks, the reverse, and ``differ`` (how many shapes differ,
+    the first such name, its checkpoint shape and its model shape)."""
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} model parameter(s) not in the checkpoint (e.g. {missing[:3]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} checkpoint parameter(s) not in the model (e.g. {unexpected[:3]})")
+    if differ is not None:
+        count, name, ck_shape, model_shape = differ
+        parts.append(f"{count} shape(s) differ (e.g. {name}: checkpoint {tuple(ck_shape)} vs model "
+                     f"{tuple(model_shape)})")
+    return "; ".join(parts)
+
+
 def check_model(manifest: layout.Manifest, index: Mapping[str, ParamEntry], strict: bool) -> list[str]:
     """Names to load. strict: the model must be the checkpoint's (names and shapes)."""
     ck = manifest.index
@@ -286,17 +303,11 @@ def check_model(manifest: layout.Manifest, index: Mapping[str, ParamEntry], stri
     unexpected = [n for n in ck if n not in index]
     shapes = [n for n in index if n in ck and ck[n].shape != index[n].shape]
     if strict and (missing or unexpected or shapes):
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} model parameter(s) not in the checkpoint (e.g. {missing[:3]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} checkpoint parameter(s) not in the model (e.g. {unexpected[:3]})")
-        if shapes:
-            n = shapes[0]
-            parts.append(f"{len(shapes)} shape(s) differ (e.g. {n}: checkpoint {ck[n].shape} vs model "
-                         f"{index[n].shape})")
+        first = shapes[0] if shapes else None
+        differ = (len(shapes), first, ck[first].shape, index[first].shape) if shapes else None
         raise CheckpointError(
-            f"checkpoint {manifest.path} is of another model: {'; '.join(parts)}. "
+            f"checkpoint {manifest.path} is of another model: "
+            f"{model_mismatch(missing, unexpected, differ)}. "
             "Load with strict=False to take the matching parameters only."
         )
     return [n for n in index if n in ck and n not in shapes]
