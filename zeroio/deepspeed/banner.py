@@ -50,13 +50,20 @@ def _device(block) -> str:
     return f"{dev} ({block.nvme_path})" if dev == "nvme" and block.nvme_path else dev
 
 
-def _placement(placement) -> str:
+def _tier_name(tier: str, device_type: str) -> str:
+    """The placement's ``gpu`` tier is the compute device: on a run without an accelerator
+    (gloo on CPU) it is named ``compute(cpu)``, not ``gpu``."""
+    return tier if tier != "gpu" or device_type == "cuda" else f"compute({device_type})"
+
+
+def _placement(placement, device_type: str) -> str:
     homes = []
     for kind, label in _HOMES:
-        tiers = [t for t, n in placement.buffer(kind).tiers.items() if n]
+        tiers = [_tier_name(t, device_type) for t, n in placement.buffer(kind).tiers.items() if n]
         if tiers:
             homes.append(f"{label} {'+'.join(tiers)}")
-    sizes = ", ".join(f"{t} {_size(placement.tier_bytes(t))}" for t in ("gpu", "cpu", "nvme"))
+    sizes = ", ".join(f"{_tier_name(t, device_type)} {_size(placement.tier_bytes(t))}"
+                      for t in ("gpu", "cpu", "nvme"))
     return f"{', '.join(homes)}; per rank {sizes}"
 
 
@@ -76,7 +83,7 @@ def banner_line(engine) -> str:
     return (f"[zeroio] zeroio {__version__} (DeepSpeed {FOLLOWS} API) | ZeRO stage {zero.stage}, "
             f"{engine.world_size} rank(s), {cfg.compute_dtype} | offload optimizer "
             f"{_device(zero.offload_optimizer)}, params {_device(zero.offload_param)} | "
-            f"placement: {_placement(engine.placement)}")
+            f"placement: {_placement(engine.placement, engine.device.type)}")
 
 
 def announce(engine) -> None:
