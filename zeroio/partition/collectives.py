@@ -124,20 +124,33 @@ def destroy_world() -> None:
         dist.destroy_process_group()
 
 
+_WORKER_GRACE_S = 0.25
+"""How long the exit waits, the GIL released, for the backend's workers to drop finished
+collectives (``release_at_exit``)."""
+
+
 def release_at_exit() -> None:
     """At interpreter exit, once every engine is closed (zeroio/shutdown.py, [Note: a clean
     exit]): leave zeroio's side groups and the world its engines ran on, whoever made it.
 
-    Leaving the world joins its backend's worker threads with the GIL released. A world left
-    joined at finalization can abort the process: a gloo worker drops its last reference to a
-    finished collective (the overlapped host step's last all-gather) just after the waiting
-    thread moved on, and that drop takes the GIL to free the tensors' Python objects; during
-    finalization taking the GIL ends the thread with ``pthread_exit``, whose unwind through
-    gloo's C++ frames calls ``std::terminate``."""
+    A world left joined at finalization can abort the process: a gloo worker drops its last
+    reference to a finished collective (the overlapped host step's last all-gather, a script's
+    last ``accelerator.gather``) just after the waiting thread moved on, and that drop takes
+    the GIL to free the tensors' Python objects; during finalization taking the GIL ends the
+    thread with ``pthread_exit``, whose unwind through gloo's C++ frames calls
+    ``std::terminate``. Leaving the world joins the backend's workers with the GIL released,
+    but only once nothing else holds the group: a model still alive at exit (a script's
+    ``Accelerator`` keeps its prepared models) holds it through its hooks, and then
+    ``destroy_process_group`` leaves the workers running. So the world is left and then this
+    thread waits ``_WORKER_GRACE_S`` with the GIL released: a worker that is still to drop a
+    finished collective does it now, while the interpreter is whole (on a loaded machine a
+    worker can wait tens of milliseconds for a core: 3 exits in about 70 of accelerate's
+    config-file route aborted without the wait)."""
     _SIDE_GROUPS.clear()
     _MADE_WORLD.clear()
     if is_initialized():
         dist.destroy_process_group()  # every group, side groups included
+        time.sleep(_WORKER_GRACE_S)
 
 
 def _op(op) -> object:
