@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from zeroio.testing import run_ranks
+from zeroio.testing.training import rank_mean
 
 LR, CLIP, GLOBAL_BATCH = 1e-2, 0.5, 6
 
@@ -85,9 +86,7 @@ def _train(engine, steps):
         loss = torch.nn.functional.mse_loss(out, y[rank * per:(rank + 1) * per])
         engine.backward(loss)
         engine.step()
-        t = torch.tensor([loss.item()], dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(rank_mean(loss.item()))
     return losses
 
 

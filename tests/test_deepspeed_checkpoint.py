@@ -36,6 +36,7 @@ import torch
 from zeroio.checkpoint import consolidate
 from zeroio.errors import CheckpointError
 from zeroio.testing import run_ranks
+from zeroio.testing.training import rank_mean
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspeed_ckpt"
 sys.path.insert(0, str(FIXTURE))
@@ -114,16 +115,12 @@ def _config(zero_stage: int, world: int) -> dict:
 
 def _continue(engine, rank: int, world: int) -> list[float]:
     """Train the batches after the save point; each step's loss averaged over the ranks."""
-    import torch.distributed as dist
-
     per, losses = GLOBAL_BATCH // world, []
     for batch in tiny_lm.global_batches(2)[tiny_lm.SAVE_AT:]:
         loss = engine(batch[rank * per:(rank + 1) * per])
         engine.backward(loss)
         engine.step()
-        t = torch.tensor([loss.item()], dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(rank_mean(loss.item()))
     return losses
 
 

@@ -42,6 +42,18 @@ def train_steps(engine: Any, batches: list[list[torch.Tensor]], *,
     return losses
 
 
+def rank_mean(value: float) -> float:
+    """``value`` averaged over the ranks of the world, in float64 (a loss as every rank logs
+    it); the value itself in a world of one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
 def gather_state(engine: Any, kind: str = "fp32", *,
                  device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The global flat ``kind`` array of a stage-3 engine (every rank's segments summed over
