@@ -45,13 +45,8 @@ def train_steps(engine: Any, batches: list[list[torch.Tensor]], *,
 def rank_mean(value: float) -> float:
     """``value`` averaged over the ranks of the world, in float64 (a loss as every rank logs
     it); the value itself in a world of one."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    total = collectives.all_reduce_scalar(torch.tensor([value], dtype=torch.float64))
+    return total.item() / collectives.world_size()
 
 
 def gather_state(engine: Any, kind: str = "fp32", *,
