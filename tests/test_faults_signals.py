@@ -130,9 +130,22 @@ def test_a_signal_inside_a_checkpoint_write_lets_the_save_complete(tmp_path):
     fresh.close()
 
 
-def test_without_the_helper_a_sigint_in_a_step_is_raised_after_the_step(tmp_path):
+@pytest.fixture
+def sigint_handler():
+    """Sets SIGINT's handler for one test and puts back the one before. A process started in
+    the background by a shell without job control (``cmd &``, nohup, some CI runners) begins
+    with SIGINT ignored, and Python then leaves it ignored instead of raising
+    KeyboardInterrupt: the tests name the handler they mean."""
+    before = signal.getsignal(signal.SIGINT)
+    yield lambda handler: signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, before)
+
+
+def test_without_the_helper_a_sigint_in_a_step_is_raised_after_the_step(tmp_path,
+                                                                        sigint_handler):
     """Python's own SIGINT handler stays; the engine holds the KeyboardInterrupt until the
     step and then the checkpoint write are whole."""
+    sigint_handler(signal.default_int_handler)
     batches = _batches(2)
     ref, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "ref"))
     for x in batches:
@@ -177,6 +190,36 @@ def test_without_the_helper_a_sigint_in_a_step_is_raised_after_the_step(tmp_path
     assert fresh.load_checkpoint(tmp_path / "ckpt", tag="t2")[0] is not None
     assert all(torch.equal(a, b) for a, b in zip(_params(fresh), expected, strict=True))
     fresh.close()
+
+
+def test_an_ignored_sigint_stays_ignored_through_a_step(tmp_path, sigint_handler):
+    """A process that ignores SIGINT (a background job) is not interrupted by the one the step
+    held: the step and the next one complete, equal to an uninterrupted run, and SIGINT is
+    still ignored afterwards."""
+    sigint_handler(signal.SIG_IGN)
+    batches = _batches(3)
+    ref, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "ref"))
+    for x in batches:
+        ref.backward(ref(x).pow(2).mean())
+        ref.step()
+    expected = _params(ref)
+    ref.close()
+    engine, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "run"))
+    real_step = engine.optimizer.step
+
+    def step_signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        return real_step(*args, **kwargs)
+
+    engine.optimizer.step = step_signalled
+    for x in batches:
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    assert engine.global_steps == 3
+    assert all(torch.equal(a, b) for a, b in zip(_params(engine), expected, strict=True))
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    engine.close()
 
 
 def _agree(signalled_rank: int) -> list[int]:

@@ -21,6 +21,7 @@ from ``ckpt_path``). Lightning refuses DeepSpeed on a CPU, so:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -32,7 +33,10 @@ import torch
 from zeroio.testing.cuda import need_cuda
 from zeroio.testing.multirank import free_port, outside_launcher_env, path_first
 
-pytest.importorskip("lightning")
+# found, not imported: importing lightning sets PYTORCH_NVML_BASED_CUDA_CHECK in this process's
+# environment for good, and every later multi-rank test would then spawn its ranks
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                                reason="lightning is not installed")
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parents[1]
