@@ -48,6 +48,27 @@ def _params(engine) -> list[torch.Tensor]:
     return [p.detach().clone() for p in engine.module.parameters()]
 
 
+def _trained(nvme: Path, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters of an uninterrupted run over ``batches``: what a signalled run must equal."""
+    ref, *_ = zeroio.initialize(model=_model(), config=_config(nvme))
+    for x in batches:
+        ref.backward(ref(x).pow(2).mean())
+        ref.step()
+    expected = _params(ref)
+    ref.close()
+    return expected
+
+
+def _signalling(call, sig: int):
+    """``call`` that first sends ``sig`` to this process and gives its handler time to run,
+    so that the signal arrives in the middle of what ``call`` is part of."""
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), sig)
+        time.sleep(0.05)  # the handler runs here
+        return call(*args, **kwargs)
+    return signalled
+
+
 def test_the_context_records_restores_and_escalates_a_second_sigint():
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with deferred_signals() as signals:
@@ -69,21 +90,9 @@ def test_a_signal_inside_the_optimizer_step_lets_the_step_finish(tmp_path):
     """The process signals itself in the middle of the step: the step completes exactly as
     an unsignalled one, and the loop stops at the next boundary."""
     batches = _batches(4)
-    ref, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "ref"))
-    for x in batches[:2]:
-        ref.backward(ref(x).pow(2).mean())
-        ref.step()
-    expected = _params(ref)
-    ref.close()
-
+    expected = _trained(tmp_path / "ref", batches[:2])
     engine, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "run"))
-    real_step = engine.optimizer.step
-
-    def step_signalled(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)  # the handler runs here: mid-step
-        return real_step(*args, **kwargs)
-
+    step_signalled = _signalling(engine.optimizer.step, signal.SIGTERM)
     done = 0
     with deferred_signals() as signals:
         for x in batches:
@@ -147,23 +156,11 @@ def test_without_the_helper_a_sigint_in_a_step_is_raised_after_the_step(tmp_path
     step and then the checkpoint write are whole."""
     sigint_handler(signal.default_int_handler)
     batches = _batches(2)
-    ref, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "ref"))
-    for x in batches:
-        ref.backward(ref(x).pow(2).mean())
-        ref.step()
-    expected = _params(ref)
-    ref.close()
+    expected = _trained(tmp_path / "ref", batches)
     engine, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "run"))
-    real_step = engine.optimizer.step
-
-    def step_signalled(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)
-        return real_step(*args, **kwargs)
-
     engine.backward(engine(batches[0]).pow(2).mean())
     engine.step()
-    engine.optimizer.step = step_signalled
+    engine.optimizer.step = _signalling(engine.optimizer.step, signal.SIGINT)
     engine.backward(engine(batches[1]).pow(2).mean())
     with pytest.raises(KeyboardInterrupt):
         engine.step()
@@ -173,13 +170,7 @@ def test_without_the_helper_a_sigint_in_a_step_is_raised_after_the_step(tmp_path
     from zeroio.checkpoint import engine_io
 
     real_save = engine_io.save_checkpoint
-
-    def save_signalled(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)
-        return real_save(*args, **kwargs)
-
-    engine_io.save_checkpoint = save_signalled
+    engine_io.save_checkpoint = _signalling(real_save, signal.SIGINT)
     try:
         with pytest.raises(KeyboardInterrupt):
             engine.save_checkpoint(tmp_path / "ckpt", tag="t2")
@@ -198,21 +189,9 @@ def test_an_ignored_sigint_stays_ignored_through_a_step(tmp_path, sigint_handler
     still ignored afterwards."""
     sigint_handler(signal.SIG_IGN)
     batches = _batches(3)
-    ref, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "ref"))
-    for x in batches:
-        ref.backward(ref(x).pow(2).mean())
-        ref.step()
-    expected = _params(ref)
-    ref.close()
+    expected = _trained(tmp_path / "ref", batches)
     engine, *_ = zeroio.initialize(model=_model(), config=_config(tmp_path / "run"))
-    real_step = engine.optimizer.step
-
-    def step_signalled(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)
-        return real_step(*args, **kwargs)
-
-    engine.optimizer.step = step_signalled
+    engine.optimizer.step = _signalling(engine.optimizer.step, signal.SIGINT)
     for x in batches:
         engine.backward(engine(x).pow(2).mean())
         engine.step()
